@@ -1,0 +1,178 @@
+"""Typed, nested config dataclasses loaded strictly from YAML / dicts.
+
+Every component owns a ``@dataclass`` config (fields documented with a one-line comment). This module
+only knows how to turn plain data (a YAML mapping, ``key=value`` overrides) into those dataclasses and
+back, rejecting unknown keys and badly typed values with an error that names the key path, the value
+and what would be valid. Components validate their own semantics in ``__post_init__``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from pathlib import Path
+from typing import Any, Literal, TypeVar, get_args, get_origin
+
+import yaml
+
+T = TypeVar("T")
+
+
+class ConfigError(ValueError):
+    """A recipe or override is invalid. The message names the key path, the value and the fix."""
+
+
+def _type_name(tp: Any) -> str:
+    return getattr(tp, "__name__", None) or str(tp).replace("typing.", "")
+
+
+def _coerce(value: Any, tp: Any, path: str) -> Any:
+    """Convert ``value`` to the annotated type ``tp`` or raise a ConfigError naming ``path``."""
+    origin = get_origin(tp)
+    if tp is Any:
+        return value
+    if origin in (typing.Union, types.UnionType):
+        args = get_args(tp)
+        if value is None and type(None) in args:
+            return None
+        errors = []
+        for arg in args:
+            if arg is type(None):
+                continue
+            try:
+                return _coerce(value, arg, path)
+            except ConfigError as e:
+                errors.append(str(e))
+        raise ConfigError(f"{path}: {value!r} matches none of {', '.join(_type_name(a) for a in args)}")
+    if origin is Literal:
+        allowed = get_args(tp)
+        if value not in allowed:
+            raise ConfigError(f"{path}: {value!r} is not valid; choose one of {list(allowed)}")
+        return value
+    if dataclasses.is_dataclass(tp):
+        if isinstance(value, tp):
+            return value
+        if not isinstance(value, dict):
+            raise ConfigError(f"{path}: expected a mapping for section {tp.__name__}, got {value!r}")
+        return from_dict(tp, value, path)
+    if origin in (list, tuple):
+        if not isinstance(value, list | tuple):
+            raise ConfigError(f"{path}: expected a list, got {value!r}")
+        args = get_args(tp)
+        item_tp = args[0] if args else Any
+        items = [_coerce(v, item_tp, f"{path}[{i}]") for i, v in enumerate(value)]
+        return tuple(items) if origin is tuple else items
+    if origin is dict:
+        if not isinstance(value, dict):
+            raise ConfigError(f"{path}: expected a mapping, got {value!r}")
+        _, vt = get_args(tp) or (Any, Any)
+        return {str(k): _coerce(v, vt, f"{path}.{k}") for k, v in value.items()}
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+        if isinstance(value, str) and value.lower() in ("true", "false"):
+            return value.lower() == "true"
+        raise ConfigError(f"{path}: expected true/false, got {value!r}")
+    if tp is int:
+        if isinstance(value, bool):
+            raise ConfigError(f"{path}: expected an integer, got {value!r}")
+        if isinstance(value, int):
+            return value
+        if isinstance(value, float) and value.is_integer():
+            return int(value)
+        if isinstance(value, str):
+            try:
+                return int(value)
+            except ValueError:
+                pass
+        raise ConfigError(f"{path}: expected an integer, got {value!r}")
+    if tp is float:
+        if isinstance(value, bool):
+            raise ConfigError(f"{path}: expected a number, got {value!r}")
+        if isinstance(value, int | float):
+            return float(value)
+        if isinstance(value, str):
+            try:
+                return float(value)
+            except ValueError:
+                pass
+        raise ConfigError(f"{path}: expected a number, got {value!r}")
+    if tp is str:
+        if isinstance(value, str):
+            return value
+        if isinstance(value, int | float) and not isinstance(value, bool):
+            return str(value)
+        raise ConfigError(f"{path}: expected a string, got {value!r}")
+    return value
+
+
+def from_dict(cls: type[T], data: dict[str, Any], path: str = "") -> T:
+    """Build dataclass ``cls`` from a mapping; unknown keys are rejected with the valid ones listed."""
+    hints = typing.get_type_hints(cls)
+    fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
+    unknown = sorted(set(data) - set(fields))
+    if unknown:
+        where = path or cls.__name__
+        raise ConfigError(
+            f"{where}: unknown key(s) {unknown}; valid keys of {cls.__name__} are {sorted(fields)}"
+        )
+    kwargs = {}
+    for name, value in data.items():
+        kwargs[name] = _coerce(value, hints[name], f"{path}.{name}" if path else name)
+    try:
+        return cls(**kwargs)
+    except ConfigError:
+        raise
+    except (TypeError, ValueError) as e:
+        raise ConfigError(f"{path or cls.__name__}: {e}") from e
+
+
+def to_dict(cfg: Any) -> Any:
+    """Plain-data form of a config (for YAML dumps and checkpoints)."""
+    if dataclasses.is_dataclass(cfg):
+        return {f.name: to_dict(getattr(cfg, f.name)) for f in dataclasses.fields(cfg)}
+    if isinstance(cfg, list | tuple):
+        return [to_dict(v) for v in cfg]
+    if isinstance(cfg, dict):
+        return {k: to_dict(v) for k, v in cfg.items()}
+    return cfg
+
+
+def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
+    """Apply ``a.b.c=value`` overrides (value parsed as YAML) to a nested mapping, in place."""
+    for item in overrides:
+        if "=" not in item:
+            raise ConfigError(f"override {item!r} must look like section.key=value")
+        key, raw = item.split("=", 1)
+        value = yaml.safe_load(raw) if raw != "" else ""
+        node = data
+        parts = key.strip().split(".")
+        for p in parts[:-1]:
+            node = node.setdefault(p, {})
+            if not isinstance(node, dict):
+                raise ConfigError(f"override {item!r}: {p!r} is not a section")
+        node[parts[-1]] = value
+    return data
+
+
+def load_yaml(path: str | Path) -> dict[str, Any]:
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"recipe {path} does not exist; pass a YAML file (see examples/)")
+    try:
+        data = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as e:
+        raise ConfigError(f"recipe {path} is not valid YAML: {e}") from e
+    if not isinstance(data, dict):
+        raise ConfigError(f"recipe {path} must be a mapping at the top level, got {type(data).__name__}")
+    return data
+
+
+def load_config(cls: type[T], path: str | Path, overrides: list[str] | None = None) -> T:
+    """Load recipe ``path`` (YAML) with ``key=value`` overrides into dataclass ``cls``."""
+    data = apply_overrides(load_yaml(path), overrides or [])
+    try:
+        return from_dict(cls, data)
+    except ConfigError as e:
+        raise ConfigError(f"{path}: {e}") from None

@@ -1,0 +1,80 @@
+"""The rollout-engine interface shared by the SGLang engine (GPU clusters) and the CPU engine.
+
+Trainer, evaluation and weight sync only talk to this Protocol. An engine serves exactly one weight
+*version* at a time: ``update_weights`` either installs a complete new version or leaves the old one
+serving (or refuses to generate) — never a mixture.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Literal, Protocol, runtime_checkable
+
+import torch
+
+FinishReason = Literal["stop", "length", "abort"]
+
+
+class EngineError(RuntimeError):
+    """The rollout engine failed (crash, timeout, inconsistent weights). The message says which and why."""
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How to sample. ``n`` completions are drawn per prompt."""
+
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1  # -1 = no top-k truncation
+    max_new_tokens: int = 256
+    stop_token_ids: tuple[int, ...] = ()  # generation stops after emitting any of these (EOS is added)
+    seed: int | None = None  # makes a call reproducible when set
+
+
+@dataclass
+class Completion:
+    """One sampled response: token ids, the engine's log-prob of each sampled token, why it ended."""
+
+    prompt_index: int  # index of the prompt in the ``generate`` call
+    token_ids: list[int]
+    logprobs: list[float]  # log π_rollout(y_t | ...) at the sampling temperature, len == len(token_ids)
+    finish_reason: FinishReason
+    weight_version: int = 0  # weight version that produced this sample
+    meta: dict = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class EngineHealth:
+    ok: bool
+    weight_version: int
+    detail: str = ""
+
+
+@runtime_checkable
+class RolloutEngine(Protocol):
+    """What every rollout engine provides (CPU transformers engine, SGLang offline/HTTP)."""
+
+    def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams) -> list[list[Completion]]:
+        """Sample ``params.n`` completions for each prompt; result[i] holds prompt i's completions."""
+        ...
+
+    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
+        """Install a complete set of HF-named weights as ``version`` (atomic: all or nothing)."""
+        ...
+
+    @property
+    def weight_version(self) -> int:
+        """The version of the weights currently served."""
+        ...
+
+    def release_memory(self) -> None:
+        """Free accelerator memory (colocated training); ``generate`` is refused until resumed."""
+        ...
+
+    def resume_memory(self) -> None: ...
+
+    def health(self) -> EngineHealth: ...
+
+    def shutdown(self) -> None: ...

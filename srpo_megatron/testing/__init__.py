@@ -1,0 +1,1 @@
+"""Test support shipped with the package (the multi-process gloo harness and tiny model factories)."""

@@ -1,0 +1,109 @@
+"""Run a function on N gloo ranks from pytest (or a benchmark script) and collect the results.
+
+``run_distributed(fn, world_size, *args)`` spawns ``world_size`` processes, initialises
+``torch.distributed`` with the gloo backend on a free loopback port, calls ``fn(rank, world_size, *args)``
+in each, and returns the list of per-rank return values (anything picklable; tensors are fine).
+If any rank raises, the failing rank's full traceback is re-raised in the caller; if the ranks do not
+finish within ``timeout`` seconds, they are killed and a ``TimeoutError`` names the ranks still running.
+``fn`` must be importable at module level (the spawn start method pickles it by reference).
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import queue
+import socket
+import time
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+
+class RankFailed(RuntimeError):
+    """A rank raised; the message carries its traceback."""
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(fn, rank, world_size, port, args, kwargs, results, env):
+    os.environ.update(env)
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+        LOCAL_WORLD_SIZE=str(world_size),
+    )
+    try:
+        import torch
+        import torch.distributed as dist
+
+        torch.set_num_threads(1)
+        dist.init_process_group("gloo", rank=rank, world_size=world_size)
+        out = fn(rank, world_size, *args, **kwargs)
+        results.put((rank, "ok", out))
+    except BaseException:  # noqa: BLE001 - everything must reach the parent
+        results.put((rank, "error", traceback.format_exc()))
+    finally:
+        try:
+            import torch.distributed as dist
+
+            if dist.is_initialized():
+                dist.destroy_process_group()
+        except Exception:
+            pass
+
+
+def run_distributed(
+    fn: Callable[..., Any],
+    world_size: int,
+    *args: Any,
+    timeout: float = 300.0,
+    env: dict[str, str] | None = None,
+    **kwargs: Any,
+) -> list[Any]:
+    """Run ``fn(rank, world_size, *args, **kwargs)`` on ``world_size`` gloo ranks; return per-rank results."""
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    port = free_port()
+    child_env = {"OMP_NUM_THREADS": "1", **(env or {})}
+    procs = [
+        ctx.Process(target=_worker, args=(fn, r, world_size, port, args, kwargs, results, child_env), daemon=False)
+        for r in range(world_size)
+    ]
+    for p in procs:
+        p.start()
+    out: dict[int, Any] = {}
+    deadline = time.monotonic() + timeout
+    try:
+        while len(out) < world_size:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                running = sorted(set(range(world_size)) - set(out))
+                raise TimeoutError(f"ranks {running} of {world_size} did not finish within {timeout:.0f}s")
+            try:
+                rank, status, payload = results.get(timeout=min(remaining, 1.0))
+            except queue.Empty:
+                dead = [r for r, p in enumerate(procs) if p.exitcode not in (None, 0) and r not in out]
+                if dead:
+                    raise RankFailed(
+                        f"rank {dead[0]} exited with code {procs[dead[0]].exitcode} without a result"
+                    ) from None
+                continue
+            if status == "error":
+                raise RankFailed(f"rank {rank} of {world_size} failed:\n{payload}")
+            out[rank] = payload
+    finally:
+        for p in procs:
+            p.join(timeout=5)
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+                p.join()
+    return [out[r] for r in range(world_size)]
