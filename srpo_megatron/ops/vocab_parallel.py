@@ -1,0 +1,385 @@
+"""Vocabulary-parallel log-probs, entropy and top-k over a logits shard — exact, chunked, input-safe.
+
+Every function takes the local logits shard ``[..., V/TP]`` of a tensor-parallel group and the group
+itself (``group=None`` means the logits are the whole vocabulary and no collective is issued). Rank r
+of a group of size P holds global vocabulary ids ``[r * V/P, (r + 1) * V/P)`` (megatron's
+``VocabUtility`` convention; V is the padded vocabulary, shard size × P). Results are replicated on every
+rank of the group; the gradient w.r.t. a rank's shard is that shard's slice of the full-vocabulary
+gradient (megatron's convention for ``vocab_parallel_cross_entropy``), so no gradient all-reduce is
+needed here.
+
+How it stays exact and small:
+
+- The full vocabulary is never gathered. Per row, each rank reduces its shard to a local max, a local
+  Σ exp(z − max), a local Σ exp(z − max)·(z − max) (for the entropy), the logits at the requested ids that
+  it owns, and its local top-k; then one MAX and one SUM all-reduce (plus one all-gather of k candidates
+  per row for top-k) combine them.
+- Work is done in chunks of rows (tokens), so the only ``[rows, V/P]`` temporaries are a few chunks of
+  ``DEFAULT_CHUNK_BYTES``. Backward saves only ``[T]`` statistics and recomputes the softmax per chunk
+  instead of saving ``[T, V]`` probabilities; the only full-size allocation is the gradient itself.
+- Inputs are never modified (megatron's ``vocab_parallel_cross_entropy`` rewrites fp32 logits in place;
+  this module does not).
+- fp32 and bf16/fp16 logits are computed in fp32; fp64 logits stay fp64. Outputs have the compute dtype;
+  gradients have the logits' dtype.
+
+Top-k ties are broken towards the lower global id, so the chosen ids do not depend on the TP size.
+``temperature`` τ divides the logits before the softmax (z = logits / τ), as in sampling.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+import torch.distributed as dist
+
+# Bytes of one [rows, V/P] fp32 temporary; a chunk uses about three of them at a time.
+DEFAULT_CHUNK_BYTES = 32 << 20
+
+
+class VocabStats(NamedTuple):
+    """What ``token_stats`` returns (all replicated across the TP group).
+
+    logp:      [N, J] log p at the requested global ids (empty [N, 0] if none were requested)
+    topk_logp: [N, k] exact full-vocabulary log-probs of the global top-k, descending (empty if k == 0)
+    topk_ids:  [N, k] their global ids (int64, no gradient)
+    entropy:   [N] full-vocabulary entropy (empty [0] unless requested)
+    """
+
+    logp: torch.Tensor
+    topk_logp: torch.Tensor
+    topk_ids: torch.Tensor
+    entropy: torch.Tensor
+
+
+def _group_rank_size(group: dist.ProcessGroup | None) -> tuple[int, int]:
+    if group is None:
+        return 0, 1
+    return dist.get_rank(group), dist.get_world_size(group)
+
+
+def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def _chunk_rows(vocab_shard: int, chunk_tokens: int | None) -> int:
+    if chunk_tokens:
+        return max(1, int(chunk_tokens))
+    return max(1, DEFAULT_CHUNK_BYTES // (4 * max(1, vocab_shard)))
+
+
+def _scaled(x: torch.Tensor, cdt: torch.dtype, temperature: float) -> torch.Tensor:
+    """z = x / τ in the compute dtype. May alias ``x`` (fp32, τ = 1): callers never write into it."""
+    z = x.to(cdt)
+    return z if temperature == 1.0 else z / temperature
+
+
+def _local_ids(ids: torch.Tensor, offset: int, vocab_shard: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Map global ids to (clamped local index, owned-by-this-rank mask)."""
+    local = ids - offset
+    owned = (local >= 0) & (local < vocab_shard)
+    return local.clamp(0, vocab_shard - 1), owned
+
+
+def _local_topk(z: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Top-k of each row of ``z`` [R, V/P] with ties at the k-th value broken towards the lower index.
+
+    ``torch.topk`` picks arbitrarily among values equal to the k-th largest; only rows where such a tie
+    straddles the boundary (more than k values ≥ the k-th) are redone with a stable sort.
+    """
+    vals, idx = z.topk(k, dim=-1, sorted=False)
+    kth = vals.min(dim=-1, keepdim=True).values
+    tied = (z >= kth).sum(dim=-1) > k
+    if bool(tied.any()):
+        rows = tied.nonzero().squeeze(1)
+        svals, sidx = torch.sort(z[rows], dim=-1, descending=True, stable=True)
+        vals[rows] = svals[:, :k]
+        idx[rows] = sidx[:, :k]
+    return vals, idx
+
+
+def _order_candidates(vals: torch.Tensor, ids: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Keep the k best of [N, M] candidates, ordered by value descending, then global id ascending."""
+    by_id = ids.argsort(dim=-1, stable=True)
+    vals, ids = vals.gather(1, by_id), ids.gather(1, by_id)
+    by_val = vals.argsort(dim=-1, descending=True, stable=True)[:, :k]
+    return vals.gather(1, by_val), ids.gather(1, by_val)
+
+
+def _forward_stats(
+    x: torch.Tensor,
+    ids: torch.Tensor,
+    k: int,
+    topk_rows: torch.Tensor | None,
+    group: dist.ProcessGroup | None,
+    temperature: float,
+    with_entropy: bool,
+    chunk: int,
+) -> tuple[torch.Tensor, ...]:
+    """Chunked forward over ``x`` [N, V/P] and global ``ids`` [N, J].
+
+    Returns (lse [N], logp at ids [N, J], topk logp [N, k], topk ids [N, k], entropy [N] or empty),
+    all in the compute dtype except the int64 ids.
+    """
+    n, vs = x.shape
+    cdt = _compute_dtype(x.dtype)
+    rank, world = _group_rank_size(group)
+    offset = rank * vs
+    j = ids.shape[1]
+    # Per-row local statistics, relative to the local max so exp() never overflows.
+    m_loc = torch.empty(n, dtype=cdt)
+    s_loc = torch.empty(n, dtype=cdt)
+    sd_loc = torch.zeros(n, dtype=cdt)  # Σ exp(z − m)·(z − m): entropy without cancellation against lse
+    z_ids = torch.zeros(n, j, dtype=cdt)
+    kl = min(k, vs)
+    cand_v = torch.full((n, kl), -torch.inf, dtype=cdt)
+    cand_i = torch.zeros((n, kl), dtype=torch.int64)
+    local_ids, owned = _local_ids(ids, offset, vs)
+    for a in range(0, n, chunk):
+        b = min(n, a + chunk)
+        z = _scaled(x[a:b], cdt, temperature)
+        m = z.max(dim=-1).values
+        d = z - m[:, None]
+        e = d.exp()
+        m_loc[a:b] = m
+        s_loc[a:b] = e.sum(dim=-1)
+        if with_entropy:
+            sd_loc[a:b] = torch.bmm(e.unsqueeze(1), d.unsqueeze(2)).view(-1)
+        del d, e
+        if j:
+            z_ids[a:b] = torch.where(owned[a:b], z.gather(1, local_ids[a:b]), 0)
+        if kl:
+            rows = None if topk_rows is None else topk_rows[a:b].nonzero().squeeze(1)
+            if rows is None:
+                v, i = _local_topk(z, kl)
+                cand_v[a:b], cand_i[a:b] = v, i + offset
+            elif rows.numel():
+                v, i = _local_topk(z[rows], kl)
+                cand_v[a + rows], cand_i[a + rows] = v, i + offset
+        del z
+    if world > 1:
+        m_glob = m_loc.clone()
+        dist.all_reduce(m_glob, op=dist.ReduceOp.MAX, group=group)
+        scale = (m_loc - m_glob).exp()
+        # Σ e^{z−M}(z−M) = scale·(Σ e^{z−m}(z−m) + (m − M)·Σ e^{z−m}) for the global max M.
+        packed = torch.cat(
+            [(s_loc * scale)[:, None], (scale * (sd_loc + (m_loc - m_glob) * s_loc))[:, None], z_ids], dim=1
+        )
+        dist.all_reduce(packed, op=dist.ReduceOp.SUM, group=group)
+        s_glob, sd_glob, z_ids = packed[:, 0], packed[:, 1], packed[:, 2:]
+    else:
+        m_glob, s_glob, sd_glob = m_loc, s_loc, sd_loc
+    log_s = s_glob.log()
+    lse = m_glob + log_s
+    logp = z_ids - lse[:, None]
+    entropy = (log_s - sd_glob / s_glob) if with_entropy else torch.empty(0, dtype=cdt)
+    if k:
+        if world > 1:
+            all_v = [torch.empty_like(cand_v) for _ in range(world)]
+            all_i = [torch.empty_like(cand_i) for _ in range(world)]
+            dist.all_gather(all_v, cand_v, group=group)
+            dist.all_gather(all_i, cand_i, group=group)
+            cand_v, cand_i = torch.cat(all_v, dim=1), torch.cat(all_i, dim=1)
+        top_v, top_i = _order_candidates(cand_v, cand_i, k)
+        topk_logp = top_v - lse[:, None]
+    else:
+        topk_logp = torch.empty(n, 0, dtype=cdt)
+        top_i = torch.empty(n, 0, dtype=torch.int64)
+    return lse, logp, topk_logp, top_i, entropy
+
+
+def _backward_stats(
+    x: torch.Tensor,
+    ids: torch.Tensor,
+    grad_ids: torch.Tensor | None,
+    grad_entropy: torch.Tensor | None,
+    lse: torch.Tensor,
+    entropy: torch.Tensor,
+    rank: int,
+    temperature: float,
+    chunk: int,
+) -> torch.Tensor:
+    """Gradient w.r.t. the shard ``x`` [N, V/P], recomputing p = softmax(z) chunk by chunk.
+
+    With g_j = ∂L/∂log p(id_j) and g_H = ∂L/∂H:
+    ∂L/∂z_v = Σ_j g_j·1[v = id_j] − p_v·(Σ_j g_j + g_H·(log p_v + H)), and ∂L/∂x = ∂L/∂z / τ.
+    """
+    n, vs = x.shape
+    cdt = lse.dtype
+    grad = torch.empty_like(x)
+    g_sum = grad_ids.sum(dim=1) if grad_ids is not None else torch.zeros(n, dtype=cdt)
+    if grad_ids is not None:
+        local_ids, owned = _local_ids(ids, rank * vs, vs)
+        g_owned = torch.where(owned, grad_ids, 0)
+    for a in range(0, n, chunk):
+        b = min(n, a + chunk)
+        z = _scaled(x[a:b], cdt, temperature)
+        logp = z - lse[a:b, None]
+        del z
+        p = logp.exp()
+        if grad_entropy is not None:
+            coef = logp.add_(entropy[a:b, None]).mul_(grad_entropy[a:b, None]).add_(g_sum[a:b, None])
+        else:
+            coef = g_sum[a:b, None]
+        dz = p.mul_(coef).neg_()
+        del logp, coef
+        if grad_ids is not None:
+            dz.scatter_add_(1, local_ids[a:b], g_owned[a:b])
+        if temperature != 1.0:
+            dz.div_(temperature)
+        grad[a:b].copy_(dz)
+        del dz, p
+    return grad
+
+
+class _VocabParallelStats(torch.autograd.Function):
+    """One pass over a logits shard: log p at ids, global top-k, entropy (see ``token_stats``)."""
+
+    @staticmethod
+    def forward(ctx, logits, ids, k, topk_rows, group, temperature, with_entropy, chunk_tokens):
+        vs = logits.shape[-1]
+        x = logits.reshape(-1, vs)
+        chunk = _chunk_rows(vs, chunk_tokens)
+        lse, logp, topk_logp, topk_ids, ent = _forward_stats(
+            x, ids, k, topk_rows, group, temperature, with_entropy, chunk
+        )
+        ctx.save_for_backward(logits, ids, topk_ids, lse, ent)
+        ctx.group, ctx.temperature, ctx.chunk = group, temperature, chunk
+        ctx.mark_non_differentiable(topk_ids)
+        ctx.set_materialize_grads(False)
+        return logp, topk_logp, topk_ids, ent
+
+    @staticmethod
+    def backward(ctx, g_logp, g_topk, _g_ids, g_ent):
+        logits, ids, topk_ids, lse, ent = ctx.saved_tensors
+        id_parts, grad_parts = [], []
+        if g_logp is not None and ids.shape[1]:
+            id_parts.append(ids)
+            grad_parts.append(g_logp)
+        if g_topk is not None and topk_ids.shape[1]:
+            id_parts.append(topk_ids)
+            grad_parts.append(g_topk)
+        all_ids = torch.cat(id_parts, dim=1) if id_parts else None
+        all_g = torch.cat(grad_parts, dim=1).to(lse.dtype) if grad_parts else None
+        g_ent = g_ent.to(lse.dtype) if g_ent is not None and ent.numel() else None
+        if all_g is None and g_ent is None:
+            return (None,) * 8
+        vs = logits.shape[-1]
+        rank, _ = _group_rank_size(ctx.group)
+        grad = _backward_stats(
+            logits.reshape(-1, vs), all_ids, all_g, g_ent, lse, ent, rank, ctx.temperature, ctx.chunk
+        )
+        return grad.view(logits.shape), None, None, None, None, None, None, None
+
+
+def token_stats(
+    logits: torch.Tensor,
+    ids: torch.Tensor | None = None,
+    *,
+    k: int = 0,
+    topk_rows: torch.Tensor | None = None,
+    with_entropy: bool = False,
+    group: dist.ProcessGroup | None = None,
+    temperature: float = 1.0,
+    chunk_tokens: int | None = None,
+) -> VocabStats:
+    """Fused single pass: log p at ``ids``, the global top-``k`` and the entropy, differentiable.
+
+    logits:    [..., V/P] local shard (any leading shape, flattened to N rows)
+    ids:       [..., J] global vocabulary ids per row, or None
+    k:         top-k size (0 = none); ``topk_rows`` [...] bool restricts it to some rows (others: ids 0,
+               log-probs −inf)
+    Returns ``VocabStats`` with rows flattened: logp [N, J], topk_logp [N, k], topk_ids [N, k],
+    entropy [N] (empty unless ``with_entropy``). Gradients flow through logp, topk_logp and entropy.
+    """
+    vs = logits.shape[-1]
+    lead = logits.shape[:-1]
+    n = lead.numel()
+    if temperature <= 0:
+        raise ValueError(f"temperature must be > 0, got {temperature}")
+    _, world = _group_rank_size(group)
+    if k > vs * world:
+        raise ValueError(f"top-k of {k} ids asked from a vocabulary of {vs * world}; use k <= vocab size")
+    if ids is None:
+        ids2 = torch.empty(n, 0, dtype=torch.int64)
+    else:
+        if ids.shape[: len(lead)] != lead:
+            raise ValueError(
+                f"ids {tuple(ids.shape)} must start with the logits' leading shape {tuple(lead)}"
+            )
+        ids2 = ids.reshape(n, -1).long()
+        if ids2.numel() and (int(ids2.min()) < 0 or int(ids2.max()) >= vs * world):
+            raise ValueError(
+                f"ids must lie in [0, {vs * world}) (the padded vocabulary), got an id outside it"
+            )
+    rows = None if topk_rows is None else topk_rows.reshape(n).bool()
+    logp, topk_logp, topk_ids, ent = _VocabParallelStats.apply(
+        logits, ids2, int(k), rows, group, float(temperature), bool(with_entropy), chunk_tokens
+    )
+    if rows is not None and k:
+        # Rows without a top-k request carry placeholders; make them unmistakable (and gradient-free).
+        topk_logp = torch.where(rows[:, None], topk_logp, -torch.inf)
+        topk_ids = torch.where(rows[:, None], topk_ids, 0)
+    return VocabStats(logp, topk_logp, topk_ids, ent)
+
+
+def log_probs(
+    logits: torch.Tensor,
+    ids: torch.Tensor,
+    group: dist.ProcessGroup | None = None,
+    temperature: float = 1.0,
+    chunk_tokens: int | None = None,
+) -> torch.Tensor:
+    """log softmax(logits / τ) at global ``ids``.
+
+    logits [..., V/P] with ids [...] → [...], or ids [..., K] → [..., K].
+    """
+    lead = logits.shape[:-1]
+    if ids.dim() == len(lead):
+        logp = token_stats(
+            logits, ids.unsqueeze(-1), group=group, temperature=temperature, chunk_tokens=chunk_tokens
+        )
+        return logp.logp.view(lead)
+    out = token_stats(logits, ids, group=group, temperature=temperature, chunk_tokens=chunk_tokens).logp
+    return out.view(*lead, ids.shape[-1])
+
+
+def entropy(
+    logits: torch.Tensor,
+    group: dist.ProcessGroup | None = None,
+    temperature: float = 1.0,
+    chunk_tokens: int | None = None,
+) -> torch.Tensor:
+    """Full-vocabulary entropy −Σ p log p of softmax(logits / τ): logits [..., V/P] → [...]."""
+    out = token_stats(
+        logits, None, with_entropy=True, group=group, temperature=temperature, chunk_tokens=chunk_tokens
+    )
+    return out.entropy.view(logits.shape[:-1])
+
+
+def top_k(
+    logits: torch.Tensor,
+    k: int,
+    group: dist.ProcessGroup | None = None,
+    temperature: float = 1.0,
+    chunk_tokens: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Global top-k of softmax(logits / τ): (log-probs [..., k] descending, global ids [..., k]).
+
+    Log-probs are exact full-vocabulary values (differentiable); ids are constants; equal values are
+    ordered by ascending global id.
+    """
+    out = token_stats(logits, None, k=k, group=group, temperature=temperature, chunk_tokens=chunk_tokens)
+    lead = logits.shape[:-1]
+    return out.topk_logp.view(*lead, k), out.topk_ids.view(*lead, k)
+
+
+def append_tail(logp: torch.Tensor, min_tail: float = 1e-30) -> torch.Tensor:
+    """Add the tail bucket log(1 − Σ_K p) to top-K log-probs: [..., K] → [..., K+1] (differentiable).
+
+    ``min_tail`` floors 1 − Σ p (reached when the K ids hold all the mass, or by rounding) so that the
+    bucket stays finite; the floored value carries no gradient.
+    """
+    mass = torch.logsumexp(logp, dim=-1, keepdim=True)
+    tail = (-torch.expm1(mass)).clamp_min(min_tail).log()
+    return torch.cat([logp, tail], dim=-1)
