@@ -1,0 +1,344 @@
+"""One declarative two-way HF <-> megatron-core parameter table per architecture.
+
+The tables (``LLAMA``, ``QWEN2``, ``QWEN3`` below) list, per megatron ``GPTModel`` parameter, the HF
+tensors it is made of and the *named transform* between them. Every direction of every consumer (the
+``tools/convert_*`` CLIs, checkpoint import/export, rollout weight sync) goes through
+:class:`ConversionTable` built from these rows; there is no second mapping.
+
+Names. Megatron names are *global* local-spec parameter names of a TP1/PP1 model, e.g.
+``decoder.layers.3.self_attention.linear_qkv.weight`` (layer index counted over the whole model).
+``canonical_name(name, layer_offset)`` turns what a rank sees into that form: it adds the PP stage's
+layer offset (``get_transformer_layer_offset``) and maps Transformer Engine aliases
+(``linear_qkv.layer_norm_weight`` = ``input_layernorm.weight``, ``linear_fc1.layer_norm_weight`` =
+``pre_mlp_layernorm.weight``), which are also the ``dist_checkpointing`` keys.
+
+Full tensors. ``to_hf(name, full)`` takes the FULL tensor of a megatron parameter, i.e. the TP shards
+gathered with :func:`merge_tp_shards` (not a plain concatenation: see below), and returns
+``[(hf_name, tensor), ...]``; ``to_megatron(name, hf_tensors, tp)`` is the inverse and returns the full
+tensor, whose TP shard ``r`` is :func:`split_tp_shard` ``(full, partition(name), tp, r)``.
+
+TP partitions (``partition(name)`` -> :class:`TPPartition`):
+- ``dim=None``: replicated on every TP rank (norm weights, QK-norm weights).
+- ``dim=0`` column-parallel (``linear_qkv`` weight/bias, ``word_embeddings``, ``output_layer``): full =
+  ``cat(shards, 0)``. For QKV this is correct because megatron's fused layout is grouped per query
+  group, ``[g0: q heads.., k, v | g1: ...]``, and TP ranks own whole groups.
+- ``dim=1`` row-parallel (``linear_proj``, ``linear_fc2``): full = ``cat(shards, 1)``.
+- ``dim=0, gated=True`` (``linear_fc1``): each rank holds ``[gate_r; up_r]``; the full tensor is
+  ``[gate; up]`` (``[2F, H]``), so merging concatenates the gate halves and the up halves separately.
+
+Vocabulary padding: ``to_megatron`` pads embedding/output rows with zeros to ``padded_vocab_size(V, tp)``;
+``to_hf`` drops rows beyond the HF ``vocab_size``. With tied embeddings there is no ``output_layer``
+row (HF's ``lm_head.weight`` is not written; transformers re-ties it from ``tie_word_embeddings``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from collections.abc import Callable, Iterator, Mapping
+
+import torch
+
+from srpo_megatron.models.architecture import Architecture, UnsupportedModelError, padded_vocab_size
+
+
+# ----------------------------------------------------------------------------------- named transforms
+# Each transform is a pair (to_megatron(arch, hf_tensors, tp) -> full, to_hf(arch, full) -> hf_tensors).
+def _identity_in(arch: Architecture, ts: list[torch.Tensor], tp: int) -> torch.Tensor:
+    return ts[0]
+
+
+def _identity_out(arch: Architecture, t: torch.Tensor) -> list[torch.Tensor]:
+    return [t]
+
+
+def _qkv_in(arch: Architecture, ts: list[torch.Tensor], tp: int) -> torch.Tensor:
+    """HF q ``[nq*d, ...]``, k/v ``[ng*d, ...]`` -> megatron ``[ng*(nq/ng+2)*d, ...]``, per query group."""
+    q, k, v = ts
+    ng, d = arch.num_kv_heads, arch.head_dim
+    rest = q.shape[1:]
+    q = q.reshape(ng, (arch.num_heads // ng) * d, *rest)
+    k, v = k.reshape(ng, d, *rest), v.reshape(ng, d, *rest)
+    return torch.cat([q, k, v], dim=1).reshape(-1, *rest)
+
+
+def _qkv_out(arch: Architecture, t: torch.Tensor) -> list[torch.Tensor]:
+    ng, d = arch.num_kv_heads, arch.head_dim
+    per_group = (arch.num_heads // ng) * d
+    rest = t.shape[1:]
+    q, k, v = t.reshape(ng, per_group + 2 * d, *rest).split([per_group, d, d], dim=1)
+    return [x.reshape(-1, *rest).contiguous() for x in (q, k, v)]
+
+
+def _gate_up_in(arch: Architecture, ts: list[torch.Tensor], tp: int) -> torch.Tensor:
+    """HF gate ``[F, H]``, up ``[F, H]`` -> megatron full ``linear_fc1`` ``[2F, H]`` = ``[gate; up]``."""
+    return torch.cat(ts, dim=0)
+
+
+def _gate_up_out(arch: Architecture, t: torch.Tensor) -> list[torch.Tensor]:
+    return [x.contiguous() for x in t.chunk(2, dim=0)]
+
+
+def _vocab_in(arch: Architecture, ts: list[torch.Tensor], tp: int) -> torch.Tensor:
+    """HF ``[V, H]`` -> megatron ``[V_pad, H]`` with zero rows (V_pad = multiple of 128*TP)."""
+    t = ts[0]
+    pad = padded_vocab_size(arch.vocab_size, tp) - t.shape[0]
+    return torch.cat([t, t.new_zeros(pad, *t.shape[1:])]) if pad else t
+
+
+def _vocab_out(arch: Architecture, t: torch.Tensor) -> list[torch.Tensor]:
+    return [t[: arch.vocab_size].contiguous()]
+
+
+@dataclasses.dataclass(frozen=True)
+class Transform:
+    name: str  # shown in errors and docs
+    to_megatron: Callable[[Architecture, list[torch.Tensor], int], torch.Tensor]
+    to_hf: Callable[[Architecture, torch.Tensor], list[torch.Tensor]]
+
+
+IDENTITY = Transform("identity", _identity_in, _identity_out)
+FUSE_QKV = Transform("fuse_qkv_grouped", _qkv_in, _qkv_out)
+FUSE_GATE_UP = Transform("fuse_gate_up", _gate_up_in, _gate_up_out)
+PAD_VOCAB = Transform("pad_vocab", _vocab_in, _vocab_out)
+
+
+@dataclasses.dataclass(frozen=True)
+class TPPartition:
+    """How a megatron parameter is split over TP ranks."""
+
+    dim: int | None  # None: replicated
+    gated: bool = False  # linear_fc1: each shard is [gate_r; up_r]
+
+
+REPLICATED = TPPartition(None)
+COLUMN = TPPartition(0)
+ROW = TPPartition(1)
+GATED_COLUMN = TPPartition(0, gated=True)
+
+
+@dataclasses.dataclass(frozen=True)
+class Row:
+    """One table row; ``{i}`` in names stands for the global layer index."""
+
+    megatron: str
+    hf: tuple[str, ...]
+    transform: Transform
+    partition: TPPartition
+
+
+_L = "decoder.layers.{i}."
+_H = "model.layers.{i}."
+EMBEDDING = Row("embedding.word_embeddings.weight", ("model.embed_tokens.weight",), PAD_VOCAB, COLUMN)
+FINAL_NORM = Row("decoder.final_layernorm.weight", ("model.norm.weight",), IDENTITY, REPLICATED)
+OUTPUT = Row("output_layer.weight", ("lm_head.weight",), PAD_VOCAB, COLUMN)
+LAYER = (
+    Row(_L + "input_layernorm.weight", (_H + "input_layernorm.weight",), IDENTITY, REPLICATED),
+    Row(
+        _L + "self_attention.linear_qkv.weight",
+        tuple(_H + f"self_attn.{p}_proj.weight" for p in "qkv"),
+        FUSE_QKV,
+        COLUMN,
+    ),
+    Row(_L + "self_attention.linear_proj.weight", (_H + "self_attn.o_proj.weight",), IDENTITY, ROW),
+    Row(_L + "pre_mlp_layernorm.weight", (_H + "post_attention_layernorm.weight",), IDENTITY, REPLICATED),
+    Row(
+        _L + "mlp.linear_fc1.weight",
+        (_H + "mlp.gate_proj.weight", _H + "mlp.up_proj.weight"),
+        FUSE_GATE_UP,
+        GATED_COLUMN,
+    ),
+    Row(_L + "mlp.linear_fc2.weight", (_H + "mlp.down_proj.weight",), IDENTITY, ROW),
+)
+QKV_BIAS = Row(
+    _L + "self_attention.linear_qkv.bias",
+    tuple(_H + f"self_attn.{p}_proj.bias" for p in "qkv"),
+    FUSE_QKV,
+    COLUMN,
+)
+QK_NORM = (
+    Row(_L + "self_attention.q_layernorm.weight", (_H + "self_attn.q_norm.weight",), IDENTITY, REPLICATED),
+    Row(_L + "self_attention.k_layernorm.weight", (_H + "self_attn.k_norm.weight",), IDENTITY, REPLICATED),
+)
+
+# The per-architecture tables. Optional rows (QKV bias on Llama with attention_bias, the untied output
+# layer) are switched by the Architecture in ConversionTable.
+LLAMA = (EMBEDDING, *LAYER, FINAL_NORM, OUTPUT)
+QWEN2 = (EMBEDDING, *LAYER, QKV_BIAS, FINAL_NORM, OUTPUT)
+QWEN3 = (EMBEDDING, *LAYER, *QK_NORM, FINAL_NORM, OUTPUT)
+TABLES = {"llama": LLAMA, "qwen2": QWEN2, "qwen3": QWEN3}
+
+# Transformer Engine / dist_checkpointing aliases of local-spec names.
+_ALIASES = (
+    (re.compile(r"self_attention\.linear_qkv\.layer_norm_weight$"), "input_layernorm.weight"),
+    (re.compile(r"mlp\.linear_fc1\.layer_norm_weight$"), "pre_mlp_layernorm.weight"),
+)
+_LAYER_RE = re.compile(r"^(decoder\.layers\.)(\d+)(\..*)$")
+
+
+class ConversionError(ValueError):
+    """Tensors do not match the table (missing, unexpected or mis-shaped); the message lists them."""
+
+
+def canonical_name(name: str, layer_offset: int = 0) -> str:
+    """Global local-spec name of a rank's parameter / checkpoint key (``module.`` and ``model.`` prefixes,
+    TE aliases and the PP layer offset are handled)."""
+    for prefix in ("module.", "model."):
+        while name.startswith(prefix):
+            name = name[len(prefix) :]
+    m = _LAYER_RE.match(name)
+    if m:
+        rest = m.group(3)
+        for pattern, local in _ALIASES:
+            if pattern.search(rest):
+                rest = "." + local
+        name = f"{m.group(1)}{int(m.group(2)) + layer_offset}{rest}"
+    return name
+
+
+def merge_tp_shards(shards: list[torch.Tensor], partition: TPPartition) -> torch.Tensor:
+    """Full tensor from the per-TP-rank shards (rank order)."""
+    if partition.dim is None:
+        return shards[0]
+    if partition.gated:
+        halves = [s.chunk(2, dim=0) for s in shards]
+        return torch.cat([h[0] for h in halves] + [h[1] for h in halves], dim=0)
+    return torch.cat(shards, dim=partition.dim)
+
+
+def split_tp_shard(full: torch.Tensor, partition: TPPartition, tp: int, rank: int) -> torch.Tensor:
+    """TP rank ``rank``'s shard of a full tensor (inverse of :func:`merge_tp_shards`)."""
+    if partition.dim is None:
+        return full
+    if partition.gated:
+        gate, up = full.chunk(2, dim=0)
+        return torch.cat([gate.chunk(tp, dim=0)[rank], up.chunk(tp, dim=0)[rank]], dim=0)
+    return full.chunk(tp, dim=partition.dim)[rank]
+
+
+class ConversionTable:
+    """The architecture's table instantiated for every layer; see the module docstring for the API."""
+
+    def __init__(self, arch: Architecture):
+        if arch.model_type not in TABLES:
+            raise UnsupportedModelError(
+                f"no conversion table for model_type {arch.model_type!r}; have {list(TABLES)}"
+            )
+        self.arch = arch
+        rows = list(TABLES[arch.model_type])
+        if arch.qkv_bias and QKV_BIAS not in rows:
+            rows.insert(rows.index(LAYER[-1]) + 1, QKV_BIAS)
+        if arch.tie_embeddings:
+            rows.remove(OUTPUT)
+        self._rows: dict[str, Row] = {}
+        for row in rows:
+            layers = range(arch.num_layers) if "{i}" in row.megatron else [None]
+            for i in layers:
+                concrete = Row(
+                    row.megatron.format(i=i),
+                    tuple(h.format(i=i) for h in row.hf),
+                    row.transform,
+                    row.partition,
+                )
+                self._rows[concrete.megatron] = concrete
+
+    # -------------------------------------------------------------------------------------- lookup
+    def megatron_names(self) -> list[str]:
+        """Global megatron parameter names, in model order."""
+        return list(self._rows)
+
+    def hf_names(self) -> list[str]:
+        """All HF tensor names the table produces / consumes."""
+        return [h for row in self._rows.values() for h in row.hf]
+
+    def row(self, megatron_name: str) -> Row:
+        name = canonical_name(megatron_name)
+        try:
+            return self._rows[name]
+        except KeyError:
+            raise ConversionError(
+                f"megatron parameter {megatron_name!r} is not in the {self.arch.model_type} conversion table"
+            ) from None
+
+    def partition(self, megatron_name: str) -> TPPartition:
+        return self.row(megatron_name).partition
+
+    def hf_names_for(self, megatron_name: str) -> tuple[str, ...]:
+        return self.row(megatron_name).hf
+
+    def full_shape(self, megatron_name: str, tp: int = 1) -> tuple[int, ...]:
+        """Expected full megatron shape (vocab padded for ``tp``)."""
+        a = self.arch
+        name = self.row(megatron_name).megatron
+        qkv = (a.num_heads + 2 * a.num_kv_heads) * a.head_dim
+        vocab = padded_vocab_size(a.vocab_size, tp)
+        for suffix, shape in (
+            ("word_embeddings.weight", (vocab, a.hidden_size)),
+            ("output_layer.weight", (vocab, a.hidden_size)),
+            ("linear_qkv.weight", (qkv, a.hidden_size)),
+            ("linear_qkv.bias", (qkv,)),
+            ("linear_proj.weight", (a.hidden_size, a.num_heads * a.head_dim)),
+            ("linear_fc1.weight", (2 * a.intermediate_size, a.hidden_size)),
+            ("linear_fc2.weight", (a.hidden_size, a.intermediate_size)),
+            ("q_layernorm.weight", (a.head_dim,)),
+            ("k_layernorm.weight", (a.head_dim,)),
+        ):
+            if name.endswith(suffix):
+                return shape
+        return (a.hidden_size,)  # the RMSNorm weights
+
+    def hf_shape(self, hf_name: str) -> tuple[int, ...]:
+        """Expected HF shape of ``hf_name`` (derived by sending a meta tensor through ``to_hf``)."""
+        for row in self._rows.values():
+            if hf_name in row.hf:
+                meta = torch.empty(self.full_shape(row.megatron), device="meta")
+                return tuple(row.transform.to_hf(self.arch, meta)[row.hf.index(hf_name)].shape)
+        raise ConversionError(f"HF tensor {hf_name!r} is not in the {self.arch.model_type} conversion table")
+
+    # ---------------------------------------------------------------------------------- transforms
+    def to_hf(self, megatron_name: str, full: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
+        """``[(hf_name, tensor)]`` for a FULL megatron tensor (any TP padding of the vocab accepted)."""
+        row = self.row(megatron_name)
+        expected = self.full_shape(row.megatron)
+        vocab_row = row.transform is PAD_VOCAB
+        if (vocab_row and (full.shape[0] < expected[0] or full.shape[1:] != expected[1:])) or (
+            not vocab_row and tuple(full.shape) != expected
+        ):
+            raise ConversionError(
+                f"shape mismatch for {row.megatron}: expected {expected}, got {tuple(full.shape)}"
+            )
+        return list(zip(row.hf, row.transform.to_hf(self.arch, full), strict=True))
+
+    def to_megatron(
+        self, megatron_name: str, hf_tensors: Mapping[str, torch.Tensor], tp: int = 1
+    ) -> torch.Tensor:
+        """FULL megatron tensor (vocab padded for ``tp``) from the HF tensors of that row."""
+        row = self.row(megatron_name)
+        missing = [h for h in row.hf if h not in hf_tensors]
+        if missing:
+            raise ConversionError(f"missing HF tensors for {row.megatron}: {missing}")
+        for h in row.hf:
+            want, got = self.hf_shape(h), tuple(hf_tensors[h].shape)
+            if want != got:
+                raise ConversionError(f"shape mismatch for {h}: expected {want}, got {got}")
+        return row.transform.to_megatron(self.arch, [hf_tensors[h] for h in row.hf], tp)
+
+    def check_hf_names(self, names: set[str] | list[str]) -> None:
+        """Raise listing every missing and unexpected HF tensor (``lm_head.weight`` tolerated when tied)."""
+        names = set(names)
+        expected = set(self.hf_names())
+        tolerated = {"lm_head.weight"} if self.arch.tie_embeddings else set()
+        missing = sorted(expected - names)
+        unexpected = sorted(names - expected - tolerated)
+        if missing or unexpected:
+            raise ConversionError(
+                f"HF checkpoint does not match the {self.arch.model_type} table: "
+                f"missing tensors {missing}; unexpected tensors {unexpected}"
+            )
+
+    def iter_to_megatron(
+        self, get_hf: Callable[[str], torch.Tensor], tp: int = 1
+    ) -> Iterator[tuple[str, torch.Tensor]]:
+        """Stream ``(megatron_name, full_tensor)`` pulling HF tensors on demand via ``get_hf(name)``."""
+        for name, row in self._rows.items():
+            yield name, self.to_megatron(name, {h: get_hf(h) for h in row.hf}, tp)

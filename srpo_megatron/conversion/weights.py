@@ -1,0 +1,55 @@
+"""Copy HF weights into a rank's megatron policy stage (any TP/PP) through the conversion table.
+
+Used by tests and by callers that hold HF tensors in memory (e.g. a freshly converted model); the
+checkpoint path (``conversion.checkpoint``) goes through ``dist_checkpointing`` instead.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from megatron.core import parallel_state
+from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
+
+from srpo_megatron.conversion.table import ConversionError, ConversionTable, canonical_name, split_tp_shard
+
+
+def stage_layer_offset(model: torch.nn.Module) -> int:
+    """Global index of this pipeline stage's first layer."""
+    decoder = getattr(model, "decoder", None)
+    if decoder is None:
+        return 0
+    return get_transformer_layer_offset(decoder.config, getattr(model, "vp_stage", None))
+
+
+def rank_param_name(table: ConversionTable, local_name: str, layer_offset: int) -> str:
+    """Table name of a rank's local parameter; a tied ``output_layer`` (PP>1 last stage) is the embedding."""
+    name = canonical_name(local_name, layer_offset)
+    if name == "output_layer.weight" and table.arch.tie_embeddings:
+        return "embedding.word_embeddings.weight"
+    return name
+
+
+@torch.no_grad()
+def load_hf_weights(
+    model: torch.nn.Module,
+    table: ConversionTable,
+    get_hf: Callable[[str], torch.Tensor],
+    *,
+    tp: int | None = None,
+    tp_rank: int | None = None,
+) -> None:
+    """Fill every parameter of this rank's ``model`` stage from HF tensors fetched by ``get_hf(name)``."""
+    tp = parallel_state.get_tensor_model_parallel_world_size() if tp is None else tp
+    tp_rank = parallel_state.get_tensor_model_parallel_rank() if tp_rank is None else tp_rank
+    offset = stage_layer_offset(model)
+    for local_name, param in model.named_parameters():
+        name = rank_param_name(table, local_name, offset)
+        full = table.to_megatron(name, {h: get_hf(h) for h in table.hf_names_for(name)}, tp)
+        shard = split_tp_shard(full, table.partition(name), tp, tp_rank)
+        if shard.shape != param.shape:
+            raise ConversionError(
+                f"shape mismatch for {local_name}: expected {tuple(param.shape)}, got {tuple(shard.shape)}"
+            )
+        param.copy_(shard)

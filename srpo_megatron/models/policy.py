@@ -1,0 +1,162 @@
+"""Build a megatron-core ``GPTModel`` policy from an HF config (Llama/SmolLM2, Qwen2/2.5, Qwen3).
+
+``transformer_config_from_hf`` maps an :class:`Architecture` onto megatron's ``TransformerConfig``
+(RMSNorm, SwiGLU, GQA via ``num_query_groups``, explicit ``head_dim`` as ``kv_channels``, QKV bias,
+QK-norm, norm epsilon, no dropout, no fused kernels that need apex/TE). ``build_policy`` builds the
+``GPTModel`` for the calling rank's pipeline stage from layer specs: Transformer Engine's spec when TE
+imports (GPU clusters), otherwise megatron's local spec with :class:`SDPACoreAttention` swapped into the
+``core_attention`` slot. RoPE uses the model's theta; "linear" scaling maps to megatron's
+``seq_len_interpolation_factor`` and "llama3" to ``rope_scaling``/``rope_scaling_factor``.
+
+TP and PP sizes and the stage come from ``megatron.core.parallel_state`` (initialise it first). The
+vocabulary is padded to a multiple of ``128 * TP`` (see ``padded_vocab_size``); logits of padded rows are
+meaningless and callers must slice ``[..., :arch.vocab_size]`` after gathering.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from megatron.core import parallel_state
+from megatron.core.models.gpt import GPTModel
+from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+from megatron.core.transformer.spec_utils import ModuleSpec
+from megatron.core.transformer.transformer_config import TransformerConfig
+
+from srpo_megatron.models.architecture import Architecture, padded_vocab_size
+from srpo_megatron.models.attention import SDPACoreAttention
+
+
+def transformer_engine_available() -> bool:
+    """True when Transformer Engine imports (it cannot without a CUDA driver)."""
+    try:
+        import transformer_engine  # noqa: F401
+    except Exception:  # TE raises OSError/RuntimeError, not only ImportError, without CUDA
+        return False
+    return True
+
+
+def transformer_config_from_hf(
+    arch: Architecture,
+    *,
+    tp: int = 1,
+    pp: int = 1,
+    params_dtype: torch.dtype = torch.float32,
+    **overrides: Any,
+) -> TransformerConfig:
+    """megatron ``TransformerConfig`` reproducing ``arch``; ``overrides`` set further TransformerConfig fields
+    (e.g. ``recompute_granularity``); unknown names raise TypeError from the dataclass."""
+    if arch.num_kv_heads % tp:
+        raise ValueError(
+            f"tensor parallel size {tp} must divide num_key_value_heads={arch.num_kv_heads} "
+            "(each TP rank holds whole query groups)"
+        )
+    if arch.num_layers % pp:
+        raise ValueError(f"pipeline parallel size {pp} must divide num_hidden_layers={arch.num_layers}")
+    kwargs: dict[str, Any] = dict(
+        num_layers=arch.num_layers,
+        hidden_size=arch.hidden_size,
+        ffn_hidden_size=arch.intermediate_size,
+        num_attention_heads=arch.num_heads,
+        num_query_groups=arch.num_kv_heads,
+        kv_channels=arch.head_dim,
+        normalization="RMSNorm",
+        layernorm_epsilon=arch.norm_eps,
+        gated_linear_unit=True,
+        activation_func=F.silu,
+        add_bias_linear=False,
+        add_qkv_bias=arch.qkv_bias,
+        qk_layernorm=arch.qk_norm,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        tensor_model_parallel_size=tp,
+        pipeline_model_parallel_size=pp,
+        params_dtype=params_dtype,
+        pipeline_dtype=params_dtype,
+        bf16=params_dtype == torch.bfloat16,
+        fp16=params_dtype == torch.float16,
+        use_cpu_initialization=not torch.cuda.is_available(),
+        # The fused kernels below need apex or TE; the unfused paths are numerically the reference.
+        bias_activation_fusion=False,
+        bias_dropout_fusion=False,
+        masked_softmax_fusion=False,
+        persist_layer_norm=False,
+        apply_rope_fusion=False,
+        gradient_accumulation_fusion=False,
+        attention_softmax_in_fp32=True,
+    )
+    kwargs.update(overrides)
+    return TransformerConfig(**kwargs)
+
+
+def layer_spec(arch: Architecture, *, use_te: bool | None = None) -> ModuleSpec:
+    """Layer spec: TE's when available (or ``use_te=True``), else local with SDPA core attention."""
+    if use_te is None:
+        use_te = transformer_engine_available()
+    if use_te:
+        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
+
+        return get_gpt_layer_with_transformer_engine_spec(qk_layernorm=arch.qk_norm)
+    spec = get_gpt_layer_local_spec(qk_layernorm=arch.qk_norm, normalization="RMSNorm")
+    attention = spec.submodules.self_attention
+    attention_submodules = dataclasses.replace(attention.submodules, core_attention=SDPACoreAttention)
+    self_attention = dataclasses.replace(attention, submodules=attention_submodules)
+    return dataclasses.replace(
+        spec, submodules=dataclasses.replace(spec.submodules, self_attention=self_attention)
+    )
+
+
+def build_policy(
+    hf_config: Any,
+    *,
+    params_dtype: torch.dtype = torch.float32,
+    pre_process: bool | None = None,
+    post_process: bool | None = None,
+    vp_stage: int | None = None,
+    use_te: bool | None = None,
+    max_sequence_length: int | None = None,
+    parallel_output: bool = True,
+    **config_overrides: Any,
+) -> GPTModel:
+    """The calling rank's pipeline stage of the policy described by ``hf_config``.
+
+    ``hf_config``: model folder, config.json path, dict, ``PretrainedConfig`` or :class:`Architecture`.
+    TP/PP sizes and the stage come from ``parallel_state``. The model lives on CUDA when available
+    (caller moves it), otherwise on CPU with CPU initialisation. Output logits ``[b, s, V_pad/TP]``
+    (vocab-parallel when ``parallel_output``).
+    """
+    arch = hf_config if isinstance(hf_config, Architecture) else Architecture.from_hf(hf_config)
+    tp = parallel_state.get_tensor_model_parallel_world_size()
+    pp = parallel_state.get_pipeline_model_parallel_world_size()
+    config = transformer_config_from_hf(arch, tp=tp, pp=pp, params_dtype=params_dtype, **config_overrides)
+    if pre_process is None:
+        pre_process = parallel_state.is_pipeline_first_stage(
+            ignore_virtual=vp_stage is None, vp_stage=vp_stage
+        )
+    if post_process is None:
+        post_process = parallel_state.is_pipeline_last_stage(
+            ignore_virtual=vp_stage is None, vp_stage=vp_stage
+        )
+    rope: dict[str, Any] = {}
+    if arch.rope_type == "linear":
+        rope["seq_len_interpolation_factor"] = arch.rope_factor
+    elif arch.rope_type == "llama3":
+        rope.update(rope_scaling=True, rope_scaling_factor=arch.rope_factor)
+    model = GPTModel(
+        config=config,
+        transformer_layer_spec=layer_spec(arch, use_te=use_te),
+        vocab_size=padded_vocab_size(arch.vocab_size, tp),
+        max_sequence_length=max_sequence_length or arch.max_position_embeddings,
+        pre_process=pre_process,
+        post_process=post_process,
+        parallel_output=parallel_output,
+        share_embeddings_and_output_weights=arch.tie_embeddings,
+        position_embedding_type="rope",
+        rotary_base=int(arch.rope_theta) if float(arch.rope_theta).is_integer() else arch.rope_theta,
+        vp_stage=vp_stage,
+        **rope,
+    )
+    return model
