@@ -1,0 +1,402 @@
+"""CPU rollout engine on transformers: batched, seeded sampling with the engine's per-token log-probs.
+
+``HFEngine`` is the embedded default behind the ``RolloutEngine`` Protocol for CPU runs (tests, the demo,
+evaluation). It runs its own decode loop over a transformers causal LM rather than ``model.generate`` so
+that the log-prob semantics, seeding and stopping are ours to state and test:
+
+- **Batching.** The ``len(prompts) * n`` sequences are decoded in chunks of ``max_batch_size`` rows:
+  prompts left-padded into ``[B, L]`` with explicit position ids (``cumsum(mask) - 1``), then one token
+  per step against the KV cache.
+- **Log-probs (SGLang semantics).** For each sampled token we return ``log softmax(logits / T)`` at that
+  token: the *unmodified* distribution at the sampling temperature, i.e. *before* top-k/top-p truncation
+  and renormalisation. This is what SGLang's ``return_logprob`` reports by default, and what the TIS
+  correction compares the trainer's ``π_old`` against (the trainer never sees the truncation either).
+  Greedy decoding (``temperature == 0``) reports log-probs at temperature 1, as SGLang does.
+- **Seeding.** Every row draws from its own ``torch.Generator`` seeded from ``(seed, prompt index,
+  sample index)``, so a seeded call gives the same tokens regardless of ``max_batch_size`` and of the
+  prompts that follow in the call (up to float-level differences of batched vs. unbatched forwards).
+  Without a seed, the row seeds come from torch's global RNG (``torch.manual_seed`` makes runs repeatable).
+- **Stopping.** A row stops after emitting an EOS id (from the model's generation config, or given) or
+  any of ``params.stop_token_ids``; the stop token *is* included in ``token_ids`` with its log-prob
+  (finish reason ``"stop"``); otherwise it ends at ``max_new_tokens`` (``"length"``).
+- **Weights.** ``update_weights`` takes HF-named tensors and is atomic: every name and shape is checked
+  against the model before anything is copied; a missing, unexpected or mis-shaped tensor raises
+  ``EngineError`` naming them and the old version keeps serving. Tied aliases (``lm_head.weight`` when
+  tied to the embedding) are accepted but not required.
+- **Memory.** On CPU there is no accelerator memory to free: ``release_memory`` only makes ``generate``
+  refuse (as a released SGLang engine would), ``resume_memory`` lifts that.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import inspect
+import threading
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+
+from srpo_megatron.configs import ConfigError
+from srpo_megatron.rollout.base import Completion, EngineError, EngineHealth, SamplingParams
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass
+class HFEngineConfig:
+    """How to build the CPU transformers engine."""
+
+    model_path: str = ""  # HF model directory (config.json + safetensors), or a directory holding gguf_file
+    gguf_file: str | None = None  # a GGUF file name inside model_path (dequantized on load), else None
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"  # compute/storage dtype of the weights
+    max_batch_size: int = 64  # sequences decoded together in one batch (memory bound for the KV cache)
+    eos_token_ids: tuple[int, ...] = ()  # stop ids always in force; empty = take them from the model
+    initial_version: int = 0  # weight version reported for the weights loaded at construction
+
+    def __post_init__(self) -> None:
+        if self.max_batch_size < 1:
+            raise ConfigError(
+                f"rollout.max_batch_size={self.max_batch_size} must be >= 1: it is the number of sequences "
+                "decoded together; use e.g. 64"
+            )
+        if self.initial_version < 0:
+            raise ConfigError(f"rollout.initial_version={self.initial_version} must be >= 0")
+
+
+def _model_eos_ids(model: torch.nn.Module) -> tuple[int, ...]:
+    ids: list[int] = []
+    for cfg in (getattr(model, "generation_config", None), getattr(model, "config", None)):
+        eos = getattr(cfg, "eos_token_id", None) if cfg is not None else None
+        if eos is None:
+            continue
+        for e in [eos] if isinstance(eos, int) else list(eos):
+            if int(e) not in ids:
+                ids.append(int(e))
+    return tuple(ids)
+
+
+def _row_seed(seed: int, prompt_index: int, sample_index: int) -> int:
+    """A 63-bit generator seed that depends only on (seed, prompt, sample), not on batching."""
+    digest = hashlib.blake2b(f"{seed}/{prompt_index}/{sample_index}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") & ((1 << 63) - 1)
+
+
+def truncate_top_k_top_p(probs: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
+    """Zero the probabilities outside the top-k and the top-p nucleus (renormalised by the sampler).
+
+    probs: [B, V] rows summing to 1. Returns [B, V]. The most likely token always survives; ties at the
+    nucleus boundary are resolved by sort order. A token is kept by top-p if the mass strictly before it
+    (in descending order) is < top_p, the usual nucleus definition (SGLang, vLLM).
+    """
+    if top_k is not None and 0 < top_k < probs.shape[-1]:
+        kth = torch.topk(probs, top_k, dim=-1).values[:, -1:]
+        probs = torch.where(probs >= kth, probs, torch.zeros_like(probs))
+    if top_p < 1.0:
+        sorted_p, order = torch.sort(probs, dim=-1, descending=True)
+        mass_before = torch.cumsum(sorted_p, dim=-1) - sorted_p
+        keep_sorted = mass_before < top_p
+        keep_sorted[:, 0] = True
+        keep = torch.zeros_like(keep_sorted).scatter(-1, order, keep_sorted)
+        probs = torch.where(keep, probs, torch.zeros_like(probs))
+    return probs
+
+
+class HFEngine:
+    """Rollout engine over an in-memory transformers causal LM (CPU; also runs on one GPU)."""
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        *,
+        max_batch_size: int = 64,
+        eos_token_ids: Sequence[int] | None = None,
+        initial_version: int = 0,
+    ) -> None:
+        """Serve ``model`` (a ``*ForCausalLM``; put in eval mode, gradients off) as ``initial_version``."""
+        self._model = model.eval()
+        for p in self._model.parameters():
+            p.requires_grad_(False)
+        self._device = next(model.parameters()).device
+        self._max_batch_size = int(max_batch_size)
+        self._eos_ids = tuple(eos_token_ids) if eos_token_ids else _model_eos_ids(model)
+        self._version = int(initial_version)
+        self._released = False
+        self._inconsistent = ""  # non-empty: a copy failed half-way; generate refuses until a full update
+        self._shut_down = False
+        self._lock = threading.Lock()
+        forward_params = inspect.signature(type(model).forward).parameters
+        # transformers 5 renamed the KV cache argument ``past_key_values`` -> ``cache``.
+        self._cache_kwarg = "cache" if "cache" in forward_params else "past_key_values"
+        # Names the engine accepts: every state_dict entry; required: one name per distinct parameter
+        # (tied weights are listed once by named_parameters, the alias is optional).
+        self._params = dict(self._model.state_dict(keep_vars=True))
+        self._required = {name for name, _ in self._model.named_parameters()}
+        self._required |= {name for name, _ in self._model.named_buffers() if name in self._params}
+
+    @classmethod
+    def from_config(cls, cfg: HFEngineConfig) -> HFEngine:
+        """Load the model named by ``cfg`` (HF directory, or GGUF file inside it) and serve it."""
+        from transformers import AutoModelForCausalLM
+
+        if not cfg.model_path:
+            raise ConfigError("rollout.model_path is empty: set it to an HF model directory")
+        kwargs = {"dtype": _DTYPES[cfg.dtype]}
+        if cfg.gguf_file:
+            kwargs["gguf_file"] = cfg.gguf_file
+        try:
+            model = AutoModelForCausalLM.from_pretrained(cfg.model_path, **kwargs)
+        except (OSError, ValueError) as e:
+            raise EngineError(f"cannot load an HF causal LM from {cfg.model_path!r}: {e}") from e
+        model = model.to(_DTYPES[cfg.dtype])
+        return cls(
+            model,
+            max_batch_size=cfg.max_batch_size,
+            eos_token_ids=cfg.eos_token_ids or None,
+            initial_version=cfg.initial_version,
+        )
+
+    # ------------------------------------------------------------------ state
+
+    @property
+    def weight_version(self) -> int:
+        return self._version
+
+    @property
+    def model(self) -> torch.nn.Module:
+        """The served model (read-only use: scoring, evaluation)."""
+        self._check_alive()
+        return self._model
+
+    def health(self) -> EngineHealth:
+        if self._shut_down:
+            return EngineHealth(ok=False, weight_version=self._version, detail="shut down")
+        if self._inconsistent:
+            return EngineHealth(ok=False, weight_version=self._version, detail=self._inconsistent)
+        detail = "released (generate refused until resume_memory)" if self._released else "serving"
+        return EngineHealth(ok=True, weight_version=self._version, detail=detail)
+
+    def release_memory(self) -> None:
+        self._check_alive()
+        self._released = True
+
+    def resume_memory(self) -> None:
+        self._check_alive()
+        self._released = False
+
+    def shutdown(self) -> None:
+        with self._lock:
+            self._shut_down = True
+            self._model = None  # type: ignore[assignment]
+            self._params = {}
+
+    def _check_alive(self) -> None:
+        if self._shut_down:
+            raise EngineError("the rollout engine was shut down; build a new one and resync its weights")
+
+    # ---------------------------------------------------------------- weights
+
+    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
+        """Install a complete set of HF-named tensors as ``version`` — all or nothing.
+
+        Every name and shape is validated before the first copy, so a bad update leaves the old version
+        serving. ``version`` must be greater than the version served (versions only move forward).
+        """
+        with self._lock:
+            self._check_alive()
+            if version <= self._version and not self._inconsistent:
+                raise EngineError(
+                    f"weight version {version} is not newer than the served version {self._version}; "
+                    "each sync must carry a larger version (the trainer's step count)"
+                )
+            staged: dict[str, torch.Tensor] = {}
+            duplicate, unexpected, misshaped, bad_dtype = [], [], [], []
+            try:
+                received = list(named_tensors)
+            except Exception as e:  # the sender's stream broke: nothing was copied yet
+                raise EngineError(
+                    f"weight stream for version {version} failed before it was complete ({e!r}); nothing "
+                    f"was installed, still serving version {self._version}"
+                ) from e
+            for name, tensor in received:
+                if name in staged:
+                    duplicate.append(name)
+                    continue
+                target = self._params.get(name)
+                if target is None:
+                    unexpected.append(name)
+                    continue
+                if tuple(tensor.shape) != tuple(target.shape):
+                    misshaped.append(f"{name}: got {tuple(tensor.shape)}, model has {tuple(target.shape)}")
+                    continue
+                if tensor.is_floating_point() != target.is_floating_point():
+                    bad_dtype.append(f"{name}: got {tensor.dtype}, model has {target.dtype}")
+                    continue
+                staged[name] = tensor
+            missing = sorted(self._required - set(staged))
+            problems = []
+            if missing:
+                problems.append(f"missing {len(missing)}: {_head(missing)}")
+            if unexpected:
+                problems.append(f"unexpected {len(unexpected)}: {_head(sorted(unexpected))}")
+            if misshaped:
+                problems.append(f"mis-shaped {len(misshaped)}: {_head(misshaped)}")
+            if bad_dtype:
+                problems.append(f"wrong dtype kind {len(bad_dtype)}: {_head(bad_dtype)}")
+            if duplicate:
+                problems.append(f"sent twice {len(duplicate)}: {_head(sorted(duplicate))}")
+            problems += self._alias_conflicts(staged)
+            if problems:
+                raise EngineError(
+                    f"weight update to version {version} rejected, still serving version {self._version}; "
+                    "the sender's HF names/shapes do not match the engine's model (check the conversion "
+                    "table and the model config): " + "; ".join(problems)
+                )
+            try:
+                with torch.no_grad():
+                    for name, tensor in staged.items():
+                        self._params[name].copy_(tensor.to(self._device, non_blocking=False))
+            except Exception as e:  # a half-copied model must never serve
+                self._inconsistent = (
+                    f"weight update to version {version} failed half-way ({e}); the weights are a mixture "
+                    "and generate is refused until a complete update succeeds"
+                )
+                raise EngineError(self._inconsistent) from e
+            self._inconsistent = ""
+            self._version = int(version)
+
+    def _alias_conflicts(self, staged: dict[str, torch.Tensor]) -> list[str]:
+        """Tied names (same storage) sent with different values would make the result order-dependent."""
+        problems = []
+        by_storage: dict[int, str] = {}
+        for name in staged:
+            ptr = self._params[name].data_ptr()
+            other = by_storage.setdefault(ptr, name)
+            if other != name and not torch.equal(staged[other], staged[name]):
+                problems.append(f"tied tensors {other} and {name} sent with different values")
+        return problems
+
+    # --------------------------------------------------------------- sampling
+
+    def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams) -> list[list[Completion]]:
+        """Sample ``params.n`` completions per prompt; ``result[i][j]`` is prompt i's sample j."""
+        with self._lock:
+            self._check_alive()
+            if self._released:
+                raise EngineError("generate called while the engine's memory is released; call resume_memory")
+            if self._inconsistent:
+                raise EngineError(self._inconsistent)
+            _validate(prompts, params, self._vocab_size())
+            if params.seed is None:
+                base_seed = int(torch.randint(0, 2**62, (1,)).item())
+            else:
+                base_seed = int(params.seed)
+            rows = [(i, j) for i in range(len(prompts)) for j in range(params.n)]
+            out: list[list[Completion]] = [[] for _ in prompts]
+            for start in range(0, len(rows), self._max_batch_size):
+                chunk = rows[start : start + self._max_batch_size]
+                for (i, _j), completion in zip(
+                    chunk, self._decode(prompts, chunk, params, base_seed), strict=True
+                ):
+                    out[i].append(completion)
+            return out
+
+    def _vocab_size(self) -> int:
+        return int(self._model.get_output_embeddings().weight.shape[0])
+
+    @torch.no_grad()
+    def _decode(
+        self,
+        prompts: Sequence[Sequence[int]],
+        rows: list[tuple[int, int]],
+        params: SamplingParams,
+        base_seed: int,
+    ) -> list[Completion]:
+        """Decode one batch of (prompt index, sample index) rows to completion."""
+        dev = self._device
+        bsz = len(rows)
+        lengths = [len(prompts[i]) for i, _ in rows]
+        width = max(lengths)
+        input_ids = torch.zeros(bsz, width, dtype=torch.long, device=dev)
+        mask = torch.zeros(bsz, width, dtype=torch.long, device=dev)
+        for r, (i, _) in enumerate(rows):
+            input_ids[r, width - lengths[r] :] = torch.tensor(list(prompts[i]), dtype=torch.long)
+            mask[r, width - lengths[r] :] = 1
+        positions = (mask.cumsum(-1) - 1).clamp(min=0)
+        gens = [torch.Generator(device="cpu").manual_seed(_row_seed(base_seed, i, j)) for i, j in rows]
+        stop_ids = set(self._eos_ids) | {int(t) for t in params.stop_token_ids}
+        greedy = params.temperature == 0.0
+        temperature = 1.0 if greedy else params.temperature
+
+        tokens = [[] for _ in rows]
+        logprobs = [[] for _ in rows]
+        finished = [None] * bsz
+        cache = None
+        step_ids, step_pos = input_ids, positions
+        for _ in range(params.max_new_tokens):
+            kwargs = {self._cache_kwarg: cache} if cache is not None else {}
+            out = self._model(
+                input_ids=step_ids,
+                attention_mask=mask,
+                position_ids=step_pos,
+                use_cache=True,
+                logits_to_keep=1,
+                **kwargs,
+            )
+            cache = getattr(out, "cache", None) or out.past_key_values
+            # Log-probs in fp32 whatever the model dtype; the distribution the trainer re-scores.
+            logp = torch.log_softmax(out.logits[:, -1, :].float() / temperature, dim=-1)  # [B, V]
+            if greedy:
+                next_ids = logp.argmax(dim=-1)
+            else:
+                probs = truncate_top_k_top_p(logp.exp(), params.top_k, params.top_p)
+                next_ids = torch.stack(
+                    [torch.multinomial(probs[r].cpu(), 1, generator=gens[r])[0] for r in range(bsz)]
+                ).to(dev)
+            chosen = logp.gather(-1, next_ids[:, None])[:, 0].tolist()
+            ids_list = next_ids.tolist()
+            for r in range(bsz):
+                if finished[r] is not None:
+                    continue
+                tokens[r].append(ids_list[r])
+                logprobs[r].append(chosen[r])
+                if ids_list[r] in stop_ids:
+                    finished[r] = "stop"
+            if all(f is not None for f in finished):
+                break
+            step_ids = next_ids[:, None]
+            step_pos = step_pos[:, -1:] + 1
+            mask = torch.cat([mask, mask.new_ones(bsz, 1)], dim=-1)
+        return [
+            Completion(
+                prompt_index=i,
+                token_ids=tokens[r],
+                logprobs=logprobs[r],
+                finish_reason=finished[r] or "length",
+                weight_version=self._version,
+                meta={"sample_index": j},
+            )
+            for r, (i, j) in enumerate(rows)
+        ]
+
+
+def _validate(prompts: Sequence[Sequence[int]], params: SamplingParams, vocab: int) -> None:
+    if params.n < 1:
+        raise EngineError(f"SamplingParams.n={params.n} must be >= 1")
+    if params.temperature < 0:
+        raise EngineError(f"SamplingParams.temperature={params.temperature} must be >= 0 (0 = greedy)")
+    if not 0.0 < params.top_p <= 1.0:
+        raise EngineError(f"SamplingParams.top_p={params.top_p} must be in (0, 1]")
+    if params.max_new_tokens < 1:
+        raise EngineError(f"SamplingParams.max_new_tokens={params.max_new_tokens} must be >= 1")
+    for i, p in enumerate(prompts):
+        if len(p) == 0:
+            raise EngineError(f"prompt {i} is empty; every prompt needs at least one token")
+        bad = [t for t in p if not 0 <= int(t) < vocab]
+        if bad:
+            raise EngineError(f"prompt {i} has token ids outside the vocabulary [0, {vocab}): {bad[:5]}")
+
+
+def _head(items: list[str], k: int = 8) -> str:
+    return ", ".join(items[:k]) + (f", … (+{len(items) - k})" if len(items) > k else "")

