@@ -1,0 +1,104 @@
+"""Typed configuration of the SRPO objective (SPEC §2); defaults are the paper's SRPO settings."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+from srpo_megatron.configs import ConfigError
+
+Mode = Literal["srpo", "grpo", "sdpo", "srpo_no_dw", "advantage_mix"]
+WeightScope = Literal["batch", "micro_batch"]
+MODES: tuple[str, ...] = ("srpo", "grpo", "sdpo", "srpo_no_dw", "advantage_mix")
+
+
+@dataclass
+class LossConfig:
+    """Every knob of the routed GRPO + SDPO loss."""
+
+    # srpo | grpo (all samples GRPO) | sdpo (paper's pure SDPO) | srpo_no_dw | advantage_mix (no routing)
+    mode: Mode = "srpo"
+    # reward at or above which a rollout counts as correct (c_i = 1[r_i >= threshold])
+    success_threshold: float = 0.5
+    # divide group advantages by the group's reward std (off = Dr. GRPO, the paper's setting)
+    std_normalize: bool = False
+    # added to the std before dividing, so all-equal groups do not divide by zero
+    std_eps: float = 1e-6
+    # PPO lower clip: ratio floor 1 − eps_low
+    eps_low: float = 0.2
+    # PPO upper clip (clip-higher): ratio ceiling 1 + eps_high
+    eps_high: float = 0.28
+    # dual-clip c for negative advantages (loss capped at −c·A); null disables it
+    dual_clip: float | None = 3.0
+    # truncated importance sampling cap on π_old / π_rollout (detached); null disables the correction
+    tis_cap: float | None = 2.0
+    # coefficient of the k3 KL-to-reference penalty (needs reference log-probs when > 0)
+    kl_coef: float = 0.0
+    # coefficient of the student entropy bonus (loss −= coef·H)
+    entropy_coef: float = 0.0
+    # student top-K ids per SDPO token (plus one tail bucket)
+    top_k: int = 100
+    # generalized JSD α over the K+1 buckets: 0 = KL(Q‖P) forward, 1 = KL(P‖Q) reverse, else JSD
+    divergence_alpha: float = 0.5
+    # detached cap on the current/old ratio that multiplies the SDPO token loss
+    sdpo_ratio_cap: float = 2.0
+    # dynamic-weighting sharpness: w̃ = exp(−β·H_teacher)
+    beta: float = 1.0
+    # where the mean of w̃ is taken: the whole training batch (all micro-batches and DP) or each micro-batch
+    weight_scope: WeightScope = "batch"
+    # advantage_mix only: A = λ·A_GRPO + (1 − λ)·A_SDPO
+    adv_mix_lambda: float = 0.9
+    # sampling temperature of the rollouts; student and teacher logits are divided by it
+    temperature: float = 1.0
+    # tokens per chunk in the vocab-parallel kernels (0 = sized automatically to a few tens of MiB)
+    chunk_tokens: int = 0
+
+    def __post_init__(self) -> None:
+        def bad(key: str, why: str, fix: str) -> ConfigError:
+            return ConfigError(f"loss.{key}={getattr(self, key)!r}: {why}; {fix}")
+
+        if self.mode not in MODES:
+            raise bad("mode", "unknown objective", f"choose one of {list(MODES)}")
+        if self.weight_scope not in ("batch", "micro_batch"):
+            raise bad("weight_scope", "unknown scope", "choose 'batch' (paper) or 'micro_batch'")
+        if not 0.0 <= self.eps_low < 1.0:
+            raise bad(
+                "eps_low", "the ratio floor 1 − eps_low must stay positive", "use 0 <= eps_low < 1 (0.2)"
+            )
+        if self.eps_high < 0.0:
+            raise bad("eps_high", "a negative clip would exclude ratio 1", "use eps_high >= 0 (0.28)")
+        if self.dual_clip is not None and self.dual_clip <= 1.0:
+            raise bad(
+                "dual_clip",
+                "dual-clip must exceed 1 to leave the PPO region intact",
+                "use c > 1 (3.0) or null",
+            )
+        if self.tis_cap is not None and self.tis_cap <= 0.0:
+            raise bad("tis_cap", "the importance weight cap must be positive", "use a cap > 0 (2.0) or null")
+        if self.kl_coef < 0.0:
+            raise bad("kl_coef", "a negative KL coefficient rewards drifting from the reference", "use >= 0")
+        if self.top_k < 1:
+            raise bad("top_k", "SDPO needs at least one top-K bucket", "use top_k >= 1 (100)")
+        if not 0.0 <= self.divergence_alpha <= 1.0:
+            raise bad(
+                "divergence_alpha", "α interpolates between forward and reverse KL", "use 0 <= α <= 1 (0.5)"
+            )
+        if self.sdpo_ratio_cap <= 0.0:
+            raise bad("sdpo_ratio_cap", "the ratio cap must be positive", "use a cap > 0 (2.0)")
+        if self.beta < 0.0:
+            raise bad(
+                "beta", "β < 0 would up-weight uncertain teacher tokens", "use β >= 0 (1.0; 0 = uniform)"
+            )
+        if not 0.0 <= self.adv_mix_lambda <= 1.0:
+            raise bad("adv_mix_lambda", "λ mixes two advantages convexly", "use 0 <= λ <= 1 (0.9)")
+        if self.temperature <= 0.0:
+            raise bad("temperature", "logits are divided by it", "use the rollout temperature (> 0, 1.0)")
+        if self.std_eps < 0.0:
+            raise bad("std_eps", "it is added to a standard deviation", "use a small value >= 0 (1e-6)")
+        if self.chunk_tokens < 0:
+            raise bad("chunk_tokens", "it is a number of tokens", "use 0 (automatic) or a positive count")
+
+    @property
+    def uses_dynamic_weights(self) -> bool:
+        """Only full SRPO weights SDPO tokens by teacher entropy."""
+        return self.mode == "srpo"

@@ -1,0 +1,76 @@
+"""GRPO token loss (SPEC §2): PPO clip on the token ratio with a sequence-level advantage.
+
+All inputs are per token ``[T]`` (the sample's advantage broadcast to its tokens). The loss is not
+reduced: the router masks it and divides by the global token count it is given.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def tis_weight(
+    old_logp: torch.Tensor, rollout_logp: torch.Tensor | None, cap: float | None
+) -> torch.Tensor | None:
+    """Truncated importance weight min(π_old / π_rollout, cap), detached: [T] → [T] (None if disabled)."""
+    if rollout_logp is None or cap is None:
+        return None
+    return (old_logp.detach() - rollout_logp.detach()).exp().clamp(max=cap)
+
+
+def grpo_token_loss(
+    logp: torch.Tensor,
+    old_logp: torch.Tensor,
+    advantages: torch.Tensor,
+    rollout_logp: torch.Tensor | None = None,
+    *,
+    eps_low: float = 0.2,
+    eps_high: float = 0.28,
+    dual_clip: float | None = 3.0,
+    tis_cap: float | None = 2.0,
+    ref_logp: torch.Tensor | None = None,
+    kl_coef: float = 0.0,
+    entropy: torch.Tensor | None = None,
+    entropy_coef: float = 0.0,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Per-token GRPO loss [T] and per-token metrics (detached [T] tensors).
+
+    logp:         [T] log π_θ(y_t), differentiable
+    old_logp:     [T] log π_old(y_t) (scoring pass, constant)
+    advantages:   [T] A_i of the token's sample
+    rollout_logp: [T] log π_rollout(y_t) from the engine, for the truncated IS weight (optional)
+    ref_logp:     [T] reference-policy log-probs for the k3 KL term (needed when kl_coef > 0)
+    entropy:      [T] student entropy for the entropy bonus (needed when entropy_coef > 0)
+
+    ℓ = −min(ρA, clip(ρ, 1−ε_low, 1+ε_high)A); for A < 0, ℓ = min(ℓ, −c·A) (dual clip); ℓ ·= w_TIS;
+    then + kl_coef·k3(π_ref, π_θ) − entropy_coef·H.
+    """
+    adv = advantages.detach().to(logp.dtype)
+    log_ratio = logp - old_logp.detach()
+    ratio = log_ratio.exp()
+    surrogate = -ratio * adv
+    clipped = -ratio.clamp(1.0 - eps_low, 1.0 + eps_high) * adv
+    loss = torch.maximum(surrogate, clipped)
+    metrics = {"ratio": ratio.detach(), "clipped": (clipped > surrogate).to(logp.dtype)}
+    if dual_clip is not None:
+        capped = torch.minimum(loss, -dual_clip * adv)
+        metrics["dual_clipped"] = ((adv < 0) & (loss > -dual_clip * adv)).to(logp.dtype)
+        loss = torch.where(adv < 0, capped, loss)
+    w = tis_weight(old_logp, rollout_logp, tis_cap)
+    if w is not None:
+        loss = loss * w
+        metrics["tis_weight"] = w
+    if kl_coef:
+        if ref_logp is None:
+            raise ValueError("kl_coef > 0 needs ref_logp (reference-policy log-probs of the sampled tokens)")
+        delta = ref_logp.detach() - logp
+        k3 = delta.exp() - delta - 1.0
+        loss = loss + kl_coef * k3
+        metrics["kl"] = k3.detach()
+    if entropy_coef:
+        if entropy is None:
+            raise ValueError(
+                "entropy_coef != 0 needs the student entropy (token_stats(..., with_entropy=True))"
+            )
+        loss = loss - entropy_coef * entropy
+    return loss, metrics

@@ -1,0 +1,213 @@
+"""The routed SRPO objective (SPEC §2 "Final objective") for one micro-batch of tokens.
+
+    L = ( Σ_{i,t} z_i^GRPO ℓ^GRPO_{i,t} + Σ_{i,t} z_i^SDPO w_{i,t} ℓ^SDPO_{i,t} ) / N_tokens
+
+``routed_loss`` returns this micro-batch's share of L: its per-token sum divided by the *global*
+denominator N_tokens, which the caller supplies (``global_normalizers`` all-reduces it, together with
+Σ w̃ and |Ω_sdpo| for the dynamic weights, over the data-parallel group before the training pass).
+Summing the returned losses over micro-batches and DP ranks gives L exactly, so L and its gradient do
+not depend on the micro-batch size, the DP size, or the TP size (all TP ranks return the same value).
+The trainer must therefore *sum* (not average) gradients over micro-batches and DP ranks.
+
+Batch layout: flat per-token tensors. Row t is one token position of a response (packed across
+samples, padding allowed with ``mask`` False); per-sample fields (advantage, route) are broadcast to
+the sample's rows. ``student_logits`` row t predicts ``response_ids[t]``.
+
+Modes (``LossConfig.mode``) are encoded in the batch's ``grpo`` / ``sdpo`` row masks (built with
+``routing_masks``) plus two switches here: dynamic weights only in ``srpo``; ``advantage_mix`` replaces
+the GRPO advantage by λ·A_GRPO + (1 − λ)·A_SDPO.
+
+Deviation / interpretation: SPEC names the ``advantage_mix`` ablation without defining A_SDPO. Here it is
+SDPO's per-token self-distillation advantage A_SDPO = log q(y_t) − log π_old(y_t) (teacher vs. student
+log-prob of the sampled token; 0 for samples without a teacher), applied through the same clipped GRPO
+surrogate. In ``sdpo`` mode, samples without a teacher contribute no loss but their tokens still count
+in N_tokens (same denominator for every mode).
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+from dataclasses import dataclass, fields
+
+import torch
+import torch.distributed as dist
+
+from srpo_megatron.losses.config import LossConfig
+from srpo_megatron.losses.grpo import grpo_token_loss
+from srpo_megatron.losses.sdpo import dynamic_weights, raw_weights, sdpo_token_loss
+from srpo_megatron.ops.vocab_parallel import append_tail, token_stats
+
+
+@dataclass
+class TokenBatch:
+    """One micro-batch of response tokens, flat over rows T (see the module docstring)."""
+
+    response_ids: torch.Tensor  # [T] int64: sampled token y_t (global vocabulary id)
+    mask: torch.Tensor  # [T] bool: a valid response token (False = padding / prompt)
+    advantages: torch.Tensor  # [T] float: group advantage A_i of the row's sample
+    grpo: torch.Tensor  # [T] bool: z_i^GRPO of the row's sample under the mode
+    sdpo: torch.Tensor  # [T] bool: z_i^SDPO of the row's sample under the mode
+    old_logp: torch.Tensor  # [T] float: log π_old(y_t) from the scoring pass
+    rollout_logp: torch.Tensor | None = None  # [T] float: the engine's log π_rollout(y_t) (TIS)
+    ref_logp: torch.Tensor | None = None  # [T] float: reference log-probs (only for kl_coef > 0)
+    topk_ids: torch.Tensor | None = None  # [T, K] int64: student top-K ids (rows with sdpo set)
+    teacher_logp: torch.Tensor | None = None  # [T, K+1] float: teacher log-probs at topk_ids + tail
+    teacher_entropy: torch.Tensor | None = None  # [T] float: teacher full-vocabulary entropy H
+    teacher_token_logp: torch.Tensor | None = None  # [T] float: log q(y_t) (advantage_mix only)
+    teacher: torch.Tensor | None = None  # [T] bool: rows with teacher data (advantage_mix only)
+
+    def __len__(self) -> int:
+        return self.response_ids.shape[0]
+
+    def slice(self, start: int, end: int) -> TokenBatch:
+        """Rows [start, end) as a new batch (views, no copies)."""
+        return TokenBatch(
+            **{f.name: (None if (v := getattr(self, f.name)) is None else v[start:end]) for f in fields(self)}
+        )
+
+    def split(self, n: int) -> list[TokenBatch]:
+        """Split into ``n`` consecutive micro-batches of (nearly) equal rows."""
+        t = len(self)
+        bounds = [round(i * t / n) for i in range(n + 1)]
+        return [self.slice(a, b) for a, b in itertools.pairwise(bounds)]
+
+
+@dataclass(frozen=True)
+class Normalizers:
+    """Global quantities of the whole training batch (all micro-batches, all DP ranks)."""
+
+    num_tokens: float  # valid response tokens: the denominator of L
+    num_sdpo_tokens: float  # |Ω_sdpo|: valid tokens routed to SDPO
+    sum_raw_weights: float  # Σ_{Ω_sdpo} w̃ with w̃ = exp(−β·H_teacher)
+
+    @property
+    def mean_raw_weight(self) -> float:
+        return self.sum_raw_weights / max(self.num_sdpo_tokens, 1.0)
+
+
+def _sdpo_rows(batch: TokenBatch) -> torch.Tensor:
+    return batch.sdpo & batch.mask
+
+
+def global_normalizers(
+    micro_batches: Sequence[TokenBatch], beta: float, group: dist.ProcessGroup | None = None
+) -> Normalizers:
+    """Sum token count, |Ω_sdpo| and Σ w̃ over ``micro_batches`` and all-reduce them over the DP ``group``.
+
+    Call once per optimizer step, after the scoring pass, on every rank (a collective when ``group`` is set).
+    """
+    sums = torch.zeros(3, dtype=torch.float64)
+    for mb in micro_batches:
+        sums[0] += mb.mask.sum()
+        rows = _sdpo_rows(mb)
+        if bool(rows.any()):
+            if mb.teacher_entropy is None:
+                raise ValueError(
+                    "a micro-batch has SDPO tokens but no teacher_entropy (run score_teacher first)"
+                )
+            sums[1] += rows.sum()
+            sums[2] += raw_weights(mb.teacher_entropy[rows].double(), beta).sum()
+    if group is not None:
+        dist.all_reduce(sums, group=group)
+    return Normalizers(float(sums[0]), float(sums[1]), float(sums[2]))
+
+
+def routed_loss(
+    student_logits: torch.Tensor,
+    batch: TokenBatch,
+    normalizers: Normalizers,
+    cfg: LossConfig,
+    group: dist.ProcessGroup | None = None,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """This micro-batch's share of L, and metrics.
+
+    student_logits: [T, V/P] logits shard of the tensor-parallel ``group`` (None = whole vocabulary)
+    Returns (loss scalar = Σ_t per-token loss / normalizers.num_tokens, metrics). Metrics are detached
+    sums over this micro-batch's valid tokens (sum them over micro-batches and DP ranks, then divide by
+    the matching ``*_tokens`` count), except ``*_max`` entries (reduce with max).
+    """
+    if normalizers.num_tokens <= 0:
+        raise ValueError("normalizers.num_tokens is 0: the batch has no valid response tokens")
+    mask = batch.mask
+    sdpo_rows = _sdpo_rows(batch).nonzero().squeeze(1)
+    grpo_rows = batch.grpo & mask
+    need_grpo = bool(grpo_rows.any())
+    ids = batch.response_ids.reshape(-1, 1)
+    if sdpo_rows.numel():
+        if batch.topk_ids is None or batch.teacher_logp is None:
+            raise ValueError("SDPO tokens need topk_ids and teacher_logp (score_student / score_teacher)")
+        ids = torch.cat([ids, batch.topk_ids], dim=1)
+    stats = token_stats(
+        student_logits,
+        ids,
+        with_entropy=need_grpo and cfg.entropy_coef != 0.0,
+        group=group,
+        temperature=cfg.temperature,
+        chunk_tokens=cfg.chunk_tokens or None,
+    )
+    logp = stats.logp[:, 0]
+    per_token = torch.zeros_like(logp)
+    metrics: dict[str, torch.Tensor] = {}
+    count = lambda m: m.sum().to(torch.float64)  # noqa: E731
+
+    if need_grpo:
+        adv = batch.advantages.to(logp.dtype)
+        if cfg.mode == "advantage_mix":
+            if batch.teacher_token_logp is None or batch.teacher is None:
+                raise ValueError(
+                    "advantage_mix needs teacher_token_logp and teacher (score_teacher(response_ids=...))"
+                )
+            a_sdpo = torch.where(batch.teacher, batch.teacher_token_logp - batch.old_logp, 0.0)
+            adv = cfg.adv_mix_lambda * adv + (1.0 - cfg.adv_mix_lambda) * a_sdpo
+        loss_g, mg = grpo_token_loss(
+            logp,
+            batch.old_logp,
+            adv,
+            batch.rollout_logp,
+            eps_low=cfg.eps_low,
+            eps_high=cfg.eps_high,
+            dual_clip=cfg.dual_clip,
+            tis_cap=cfg.tis_cap,
+            ref_logp=batch.ref_logp,
+            kl_coef=cfg.kl_coef,
+            entropy=stats.entropy if stats.entropy.numel() else None,
+            entropy_coef=cfg.entropy_coef,
+        )
+        per_token = torch.where(grpo_rows, loss_g, per_token)
+        metrics["grpo_tokens"] = count(grpo_rows)
+        metrics["grpo_loss_sum"] = loss_g.detach()[grpo_rows].double().sum()
+        metrics["grpo_clipped_sum"] = mg["clipped"][grpo_rows].double().sum()
+
+    if sdpo_rows.numel():
+        student_buckets = append_tail(stats.logp[sdpo_rows, 1:])
+        loss_s, ms = sdpo_token_loss(
+            student_buckets,
+            batch.teacher_logp[sdpo_rows],
+            logp[sdpo_rows],
+            batch.old_logp[sdpo_rows],
+            None if batch.rollout_logp is None else batch.rollout_logp[sdpo_rows],
+            alpha=cfg.divergence_alpha,
+            ratio_cap=cfg.sdpo_ratio_cap,
+            tis_cap=cfg.tis_cap,
+        )
+        if cfg.uses_dynamic_weights:
+            ent = batch.teacher_entropy[sdpo_rows]
+            all_rows = torch.ones_like(ent, dtype=torch.bool)
+            mean = normalizers.mean_raw_weight if cfg.weight_scope == "batch" else None
+            w = dynamic_weights(ent, all_rows, cfg.beta, mean).to(loss_s.dtype)
+            loss_s = loss_s * w
+            metrics["raw_weight_sum"] = raw_weights(ent, cfg.beta).double().sum()
+            metrics["teacher_entropy_sum"] = ent.double().sum()
+        per_token = per_token.index_add(0, sdpo_rows, loss_s)
+        metrics["sdpo_tokens"] = torch.tensor(float(sdpo_rows.numel()), dtype=torch.float64)
+        metrics["sdpo_loss_sum"] = loss_s.detach().double().sum()
+        metrics["divergence_sum"] = ms["divergence"].double().sum()
+
+    loss = per_token.sum() / normalizers.num_tokens
+    metrics["tokens"] = count(mask)
+    if batch.rollout_logp is not None and bool(mask.any()):
+        gap = (batch.old_logp - batch.rollout_logp).abs()[mask].double()
+        metrics["rollout_logp_gap_sum"] = gap.sum()
+        metrics["rollout_logp_gap_max"] = gap.max()
+    return loss, metrics
