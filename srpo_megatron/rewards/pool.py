@@ -1,0 +1,219 @@
+"""Score many (kind, response, answer) triples in worker processes with a per-sample timeout.
+
+A reward function can hang (sympy on an adversarial expression) or raise (unparsable gold). Neither may
+fail a training step: the sample gets reward 0 and a counter goes up (``reward/timeouts``,
+``reward/errors``). Timeouts are enforced by killing the worker process that overran and starting a
+fresh one — threads cannot be interrupted, and math-verify's own ``signal.alarm`` timeouts only work on a
+main thread. The clock of a sample starts when its worker has imported the reward function, so the
+first math sample does not pay for importing math-verify.
+
+``num_workers=0`` scores in the calling process on a helper thread each (for debugging and tiny runs):
+a timed-out thread cannot be stopped and keeps running in the background, but its result is ignored.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import multiprocessing as mp
+import multiprocessing.connection as mpc
+import threading
+import time
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+
+@dataclass
+class RewardResult:
+    """Rewards in input order, plus counters for the step's metrics."""
+
+    rewards: list[float]
+    num_timeouts: int = 0
+    num_errors: int = 0
+    seconds: float = 0.0
+    errors: list[str] = field(default_factory=list)  # first few error messages, for logs
+
+    def metrics(self) -> dict[str, float]:
+        return {
+            "reward/timeouts": float(self.num_timeouts),
+            "reward/errors": float(self.num_errors),
+            "time/reward_s": self.seconds,
+        }
+
+
+def _check_value(value: object) -> float:
+    value = float(value)  # type: ignore[arg-type]
+    if not math.isfinite(value):
+        raise ValueError(f"reward function returned {value}")
+    return value
+
+
+def _worker_main(conn: mpc.Connection) -> None:
+    """Worker loop: receive (task_id, target, response, answer); send begin, then ok/error."""
+    from srpo_megatron.rewards import resolve_target
+
+    cache: dict = {}
+    while True:
+        try:
+            msg = conn.recv()
+        except EOFError:
+            return
+        if msg is None:
+            return
+        task_id, target, response, answer = msg
+        try:
+            fn = cache.get(target) or cache.setdefault(target, resolve_target(target))
+        except BaseException as e:
+            conn.send((task_id, "error", f"cannot import reward {target}: {type(e).__name__}: {e}"))
+            continue
+        conn.send((task_id, "begin", None))
+        try:
+            conn.send((task_id, "ok", _check_value(fn(response, answer))))
+        except BaseException as e:
+            conn.send((task_id, "error", f"{target}: {type(e).__name__}: {e}"))
+
+
+class _Worker:
+    def __init__(self, ctx) -> None:
+        self.conn, child = ctx.Pipe()
+        self.proc = ctx.Process(target=_worker_main, args=(child,), daemon=True)
+        self.proc.start()
+        child.close()
+        self.task: int | None = None
+        self.started: float | None = None  # when the reward function began (after its import)
+
+    def stop(self, kill: bool = False) -> None:
+        if not kill:
+            with contextlib.suppress(OSError):
+                self.conn.send(None)
+            self.proc.join(timeout=2)
+        if self.proc.is_alive():
+            self.proc.kill()
+            self.proc.join()
+        self.conn.close()
+
+
+class RewardPool:
+    """Reward scoring with per-sample timeouts. Use as a context manager or call ``close()``."""
+
+    def __init__(self, num_workers: int = 2, timeout_s: float = 10.0, start_method: str = "spawn") -> None:
+        if num_workers < 0 or timeout_s <= 0:
+            raise ValueError("RewardPool needs num_workers >= 0 and timeout_s > 0")
+        self.num_workers = num_workers
+        self.timeout_s = timeout_s
+        self._ctx = mp.get_context(start_method)
+        self._workers: list[_Worker] = []
+
+    def __enter__(self) -> RewardPool:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def close(self) -> None:
+        for w in self._workers:
+            w.stop()
+        self._workers = []
+
+    def score(self, kinds: Sequence[str], responses: Sequence[str], answers: Sequence[str]) -> RewardResult:
+        """Rewards of ``responses[i]`` against ``answers[i]`` under reward ``kinds[i]``.
+
+        An unknown kind raises at once (a configuration error); everything else that goes wrong inside a
+        reward function gives 0 and is counted.
+        """
+        from srpo_megatron.rewards import reward_target
+
+        if not len(kinds) == len(responses) == len(answers):
+            raise ValueError(
+                f"lengths differ: {len(kinds)} kinds, {len(responses)} responses, {len(answers)}"
+            )
+        targets = [reward_target(k) for k in kinds]
+        t0 = time.monotonic()
+        result = RewardResult(rewards=[0.0] * len(targets))
+        if self.num_workers == 0:
+            self._score_threads(targets, responses, answers, result)
+        else:
+            self._score_processes(targets, responses, answers, result)
+        result.seconds = time.monotonic() - t0
+        return result
+
+    # -- in-process ------------------------------------------------------------------------------
+    def _score_threads(self, targets, responses, answers, result: RewardResult) -> None:
+        from srpo_megatron.rewards import resolve_target
+
+        for i, target in enumerate(targets):
+            box: dict = {}
+            fn = resolve_target(target)
+
+            def run(fn=fn, i=i, box=box, target=target) -> None:
+                try:
+                    box["value"] = _check_value(fn(responses[i], answers[i]))
+                except BaseException as e:
+                    box["error"] = f"{target}: {type(e).__name__}: {e}"
+
+            th = threading.Thread(target=run, daemon=True)
+            th.start()
+            th.join(self.timeout_s)
+            if th.is_alive():
+                self._fail(result, i, f"{target}: timed out after {self.timeout_s:.1f}s", timeout=True)
+            elif "error" in box:
+                self._fail(result, i, box["error"], timeout=False)
+            else:
+                result.rewards[i] = box["value"]
+
+    # -- worker processes ------------------------------------------------------------------------
+    def _score_processes(self, targets, responses, answers, result: RewardResult) -> None:
+        while len(self._workers) < self.num_workers:
+            self._workers.append(_Worker(self._ctx))
+        pending = deque(range(len(targets)))
+        busy: dict[int, _Worker] = {}  # task id -> worker
+        while pending or busy:
+            for w in self._workers:
+                if w.task is None and pending:
+                    i = pending.popleft()
+                    w.task, w.started = i, None
+                    w.conn.send((i, targets[i], responses[i], answers[i]))
+                    busy[i] = w
+            now = time.monotonic()
+            waits = [w.started + self.timeout_s - now for w in busy.values() if w.started is not None]
+            ready = mpc.wait([w.conn for w in busy.values()], timeout=max(0.0, min(waits, default=1.0)))
+            for conn in ready:
+                w = next(w for w in busy.values() if w.conn is conn)
+                try:
+                    task_id, status, payload = conn.recv()
+                except (EOFError, OSError):
+                    # The worker died (e.g. a C extension crashed); score 0 and replace it.
+                    self._replace(w, busy, result, f"reward worker died (exit code {w.proc.exitcode})", False)
+                    continue
+                if status == "begin":
+                    w.started = time.monotonic()
+                    continue
+                busy.pop(task_id)
+                w.task = None
+                if status == "ok":
+                    result.rewards[task_id] = payload
+                else:
+                    self._fail(result, task_id, payload, timeout=False)
+            now = time.monotonic()
+            for w in list(busy.values()):
+                if w.started is not None and now - w.started > self.timeout_s:
+                    msg = f"{targets[w.task]}: timed out after {self.timeout_s:.1f}s"
+                    self._replace(w, busy, result, msg, True)
+
+    def _replace(self, w: _Worker, busy: dict, result: RewardResult, msg: str, timeout: bool) -> None:
+        task = w.task
+        busy.pop(task, None)
+        self._fail(result, task, msg, timeout=timeout)
+        w.stop(kill=True)
+        self._workers[self._workers.index(w)] = _Worker(self._ctx)
+
+    @staticmethod
+    def _fail(result: RewardResult, i: int, msg: str, timeout: bool) -> None:
+        result.rewards[i] = 0.0
+        if timeout:
+            result.num_timeouts += 1
+        else:
+            result.num_errors += 1
+        if len(result.errors) < 10:
+            result.errors.append(msg)
