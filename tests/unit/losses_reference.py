@@ -1,0 +1,194 @@
+"""Float64 naive references for the vocab-parallel ops and the SRPO losses (test support, no tests).
+
+Written independently of ``srpo_megatron``: full-vocabulary softmax on materialised [T, V] tensors,
+probability-space divergences, per-token Python loops with explicit branches for the clipping rules
+and per-sample loops for routing. Used by the unit tests and the gloo (TP / DP) tests.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    """max |a − b| / max |b| (norm-wise relative error; b is the reference)."""
+    a, b = a.detach().double(), b.detach().double()
+    return float((a - b).abs().max() / b.abs().max().clamp_min(1e-300))
+
+
+def ref_log_softmax(logits: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+    z = logits.double() / temperature
+    return z - torch.logsumexp(z, dim=-1, keepdim=True)
+
+
+def ref_logp(logits: torch.Tensor, ids: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+    lp = ref_log_softmax(logits, temperature)
+    if ids.dim() == logits.dim() - 1:
+        return lp.gather(-1, ids.unsqueeze(-1)).squeeze(-1)
+    return lp.gather(-1, ids)
+
+
+def ref_entropy(logits: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+    p = torch.softmax(logits.double() / temperature, dim=-1)
+    return -(p * torch.log(p)).sum(-1)
+
+
+def ref_topk(logits: torch.Tensor, k: int, temperature: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Top-k by value descending, equal values by ascending id (a stable sort)."""
+    lp = ref_log_softmax(logits, temperature)
+    order = torch.sort(lp.detach(), dim=-1, descending=True, stable=True).indices[..., :k]
+    return lp.gather(-1, order), order
+
+
+def ref_bucket_probs(logits: torch.Tensor, ids: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+    """Probabilities of the K+1 buckets [T, K+1]: each id, then the summed mass of all other ids."""
+    p = torch.softmax(logits.double() / temperature, dim=-1)
+    outside = torch.ones_like(p, dtype=torch.bool).scatter(-1, ids, False)
+    return torch.cat([p.gather(-1, ids), (p * outside).sum(-1, keepdim=True)], dim=-1)
+
+
+def ref_divergence(p: torch.Tensor, q: torch.Tensor, alpha: float) -> torch.Tensor:
+    """SPEC §2 divergence between bucket probabilities p (student) and q (teacher): [T, B] → [T]."""
+    if alpha == 0.0:
+        return (q * torch.log(q / p)).sum(-1)
+    if alpha == 1.0:
+        return (p * torch.log(p / q)).sum(-1)
+    m = (1 - alpha) * p + alpha * q
+    return (1 - alpha) * (p * torch.log(p / m)).sum(-1) + alpha * (q * torch.log(q / m)).sum(-1)
+
+
+@dataclass
+class RefCfg:
+    mode: str = "srpo"
+    success_threshold: float = 0.5
+    std_normalize: bool = False
+    std_eps: float = 1e-6
+    eps_low: float = 0.2
+    eps_high: float = 0.28
+    dual_clip: float | None = 3.0
+    tis_cap: float | None = 2.0
+    kl_coef: float = 0.0
+    entropy_coef: float = 0.0
+    top_k: int = 4
+    divergence_alpha: float = 0.5
+    sdpo_ratio_cap: float = 2.0
+    beta: float = 1.0
+    adv_mix_lambda: float = 0.9
+    temperature: float = 1.0
+
+
+def ref_grpo_token(logp, old, adv: float, rollout, cfg: RefCfg, ref=None, ent=None):
+    """One token's GRPO loss with the PPO / dual-clip rules spelled out as branches."""
+    ratio = torch.exp(logp - old)
+    lo, hi = 1 - cfg.eps_low, 1 + cfg.eps_high
+    clipped_ratio = torch.clamp(ratio, lo, hi)
+    loss = -torch.minimum(ratio * adv, clipped_ratio * adv)
+    if adv < 0 and cfg.dual_clip is not None and float(loss.detach()) > cfg.dual_clip * -adv:
+        loss = torch.zeros_like(loss) + cfg.dual_clip * -adv
+    if rollout is not None and cfg.tis_cap is not None:
+        loss = loss * min(math.exp(float(old) - float(rollout)), cfg.tis_cap)
+    if cfg.kl_coef:
+        d = ref - logp
+        loss = loss + cfg.kl_coef * (torch.exp(d) - d - 1)
+    if cfg.entropy_coef:
+        loss = loss - cfg.entropy_coef * ent
+    return loss
+
+
+def ref_route(rewards: list[list[float]], threshold: float):
+    """Per-sample (correct, has_teacher, to_sdpo, sibling) by explicit loops."""
+    out = []
+    for group in rewards:
+        row = []
+        for i, r in enumerate(group):
+            correct = r >= threshold
+            sib = next((j for j, rj in enumerate(group) if j != i and rj >= threshold), -1)
+            row.append((correct, sib >= 0, (not correct) and sib >= 0, sib))
+        out.append(row)
+    return out
+
+
+def ref_routed_loss(
+    student_logits: torch.Tensor,
+    teacher_logits: torch.Tensor,
+    rewards: list[list[float]],
+    sample_of_token: list[int],
+    response_ids: torch.Tensor,
+    mask: torch.Tensor,
+    old_logp: torch.Tensor,
+    rollout_logp: torch.Tensor,
+    cfg: RefCfg,
+    ref_logp: torch.Tensor | None = None,
+    scope_of_token: list[int] | None = None,
+) -> torch.Tensor:
+    """The SPEC §2 objective for a whole batch: student_logits [T, V] fp64 (grad flows), teacher [T, V].
+
+    ``scope_of_token`` (optional) assigns each token to a micro-batch for micro-batch-scope weights.
+    """
+    g = len(rewards[0])
+    routes = ref_route(rewards, cfg.success_threshold)
+    flat = [routes[s // g][s % g] for s in range(len(rewards) * g)]
+    adv = []
+    for group in rewards:
+        mean = sum(group) / len(group)
+        std = (sum((r - mean) ** 2 for r in group) / (len(group) - 1)) ** 0.5 if len(group) > 1 else 0.0
+        adv += [(r - mean) / (std + cfg.std_eps) if cfg.std_normalize else r - mean for r in group]
+    lp_s = ref_log_softmax(student_logits, cfg.temperature)
+    lp_t = ref_log_softmax(teacher_logits, cfg.temperature)
+    h_t = ref_entropy(teacher_logits, cfg.temperature)
+    ent_s = ref_entropy(student_logits, cfg.temperature)
+    _, top_ids = ref_topk(student_logits.detach(), cfg.top_k, cfg.temperature)
+    t_rows = len(sample_of_token)
+
+    def routes_of(s):
+        _correct, has_teacher, to_sdpo, _ = flat[s]
+        if cfg.mode in ("srpo", "srpo_no_dw"):
+            return (not to_sdpo), to_sdpo
+        if cfg.mode in ("grpo", "advantage_mix"):
+            return True, False
+        return False, has_teacher  # sdpo
+
+    sdpo_tokens = [t for t in range(t_rows) if mask[t] and routes_of(sample_of_token[t])[1]]
+    w_raw = {t: math.exp(-cfg.beta * float(h_t[t])) for t in sdpo_tokens}
+    scope = scope_of_token or [0] * t_rows
+    mean_w = {}
+    for sc in set(scope):
+        vals = [w_raw[t] for t in sdpo_tokens if scope[t] == sc]
+        mean_w[sc] = sum(vals) / len(vals) if vals else 1.0
+    total = student_logits.new_zeros(())
+    n_valid = 0
+    for t in range(t_rows):
+        if not mask[t]:
+            continue
+        n_valid += 1
+        s = sample_of_token[t]
+        to_grpo, to_sdpo = routes_of(s)
+        y = int(response_ids[t])
+        logp = lp_s[t, y]
+        if to_grpo:
+            a = adv[s]
+            if cfg.mode == "advantage_mix":
+                a_sdpo = float(lp_t[t, y] - old_logp[t]) if flat[s][1] else 0.0
+                a = cfg.adv_mix_lambda * a + (1 - cfg.adv_mix_lambda) * a_sdpo
+            total = total + ref_grpo_token(
+                logp,
+                old_logp[t].double(),
+                a,
+                rollout_logp[t].double(),
+                cfg,
+                None if ref_logp is None else ref_logp[t].double(),
+                ent_s[t],
+            )
+        if to_sdpo:
+            ids = top_ids[t : t + 1]
+            p = ref_bucket_probs(student_logits[t : t + 1], ids, cfg.temperature)
+            q = ref_bucket_probs(teacher_logits[t : t + 1], ids, cfg.temperature)
+            d = ref_divergence(p, q, cfg.divergence_alpha)[0]
+            ratio = min(math.exp(float(logp.detach()) - float(old_logp[t])), cfg.sdpo_ratio_cap)
+            tis = min(math.exp(float(old_logp[t]) - float(rollout_logp[t])), cfg.tis_cap)
+            w = w_raw[t] / mean_w[scope[t]] if cfg.mode == "srpo" else 1.0
+            total = total + d * ratio * tis * w
+    return total / n_valid
