@@ -205,6 +205,10 @@ def routed_loss(
         metrics["divergence_sum"] = ms["divergence"].double().sum()
 
     loss = per_token.sum() / normalizers.num_tokens
+    if not need_grpo and not sdpo_rows.numel():
+        # Nothing routed here (e.g. pure SDPO, no sample has a teacher): keep the loss attached to the
+        # graph with an exactly-zero gradient, so backward and DDP hooks still run on this micro-batch.
+        loss = loss + 0.0 * logp.sum()
     metrics["tokens"] = count(mask)
     if batch.rollout_logp is not None and bool(mask.any()):
         gap = (batch.old_logp - batch.rollout_logp).abs()[mask].double()

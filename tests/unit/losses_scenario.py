@@ -100,3 +100,27 @@ def build_batch(
         teacher_token_logp=torch.where(needs_teacher, teacher_score.token_logp, 0.0).to(dtype),
         teacher=needs_teacher,
     )
+
+
+def group_slice(prob: Problem, lo: int, hi: int) -> tuple[Problem, torch.Tensor]:
+    """Prompt groups [lo, hi) of ``prob`` (what one data-parallel rank holds) and their token rows [T']."""
+    g = len(prob.rewards[0])
+    rows = torch.tensor([lo * g <= s < hi * g for s in prob.sample_of_token]).nonzero().squeeze(1)
+    part = Problem(
+        rewards=prob.rewards[lo:hi],
+        sample_of_token=[prob.sample_of_token[r] - lo * g for r in rows.tolist()],
+        response_ids=prob.response_ids[rows],
+        mask=prob.mask[rows],
+        student=prob.student[rows],
+        teacher=prob.teacher[rows],
+        old_logp=prob.old_logp[rows],
+        rollout_logp=prob.rollout_logp[rows],
+        ref_logp=prob.ref_logp[rows],
+    )
+    return part, rows
+
+
+def vocab_shard(x: torch.Tensor, rank: int, size: int) -> torch.Tensor:
+    """Rank ``rank``'s slice [..., V/size] of full logits (megatron's contiguous vocabulary partition)."""
+    v = x.shape[-1] // size
+    return x[..., rank * v : (rank + 1) * v].contiguous()

@@ -299,3 +299,14 @@ def test_loss_config_from_yaml_values():
         {"mode": "advantage_mix", "dual_clip": None, "tis_cap": "3", "weight_scope": "micro_batch"},
     )
     assert c.mode == "advantage_mix" and c.dual_clip is None and c.tis_cap == 3.0
+
+
+def test_micro_batch_with_nothing_routed_still_backpropagates_zero():
+    # Pure SDPO on an all-wrong group: no sample has a teacher, so no token takes any loss.
+    cfg = LossConfig(mode="sdpo", top_k=4)
+    prob = make_problem(seed=8, rewards=[[0.0, 0.0, 0.0]])
+    x = prob.student.clone().requires_grad_()
+    batch = build_batch(prob, cfg, x.detach(), prob.teacher)
+    loss, _ = routed_loss(x, batch, global_normalizers([batch], cfg.beta), cfg)
+    loss.backward()
+    assert float(loss) == 0.0 and bool((x.grad == 0).all())
