@@ -7,6 +7,7 @@ serving (or refuses to generate) — never a mixture.
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Literal, Protocol, runtime_checkable
@@ -31,6 +32,13 @@ class SamplingParams:
     max_new_tokens: int = 256
     stop_token_ids: tuple[int, ...] = ()  # generation stops after emitting any of these (EOS is added)
     seed: int | None = None  # makes a call reproducible when set
+
+
+def sample_seed(seed: int, prompt_index: int, sample_index: int) -> int:
+    """The 63-bit seed of one sample: depends only on (call seed, prompt index, sample index), so seeded
+    samples do not depend on how an engine batches them. Every engine derives its per-sample seeds here."""
+    digest = hashlib.blake2b(f"{seed}/{prompt_index}/{sample_index}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") & ((1 << 63) - 1)
 
 
 @dataclass

@@ -29,7 +29,6 @@ that the log-prob semantics, seeding and stopping are ours to state and test:
 
 from __future__ import annotations
 
-import hashlib
 import inspect
 import threading
 from collections.abc import Iterable, Sequence
@@ -39,7 +38,7 @@ from typing import Literal
 import torch
 
 from srpo_megatron.configs import ConfigError
-from srpo_megatron.rollout.base import Completion, EngineError, EngineHealth, SamplingParams
+from srpo_megatron.rollout.base import Completion, EngineError, EngineHealth, SamplingParams, sample_seed
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -75,12 +74,6 @@ def _model_eos_ids(model: torch.nn.Module) -> tuple[int, ...]:
             if int(e) not in ids:
                 ids.append(int(e))
     return tuple(ids)
-
-
-def _row_seed(seed: int, prompt_index: int, sample_index: int) -> int:
-    """A 63-bit generator seed that depends only on (seed, prompt, sample), not on batching."""
-    digest = hashlib.blake2b(f"{seed}/{prompt_index}/{sample_index}".encode(), digest_size=8).digest()
-    return int.from_bytes(digest, "little") & ((1 << 63) - 1)
 
 
 def truncate_top_k_top_p(probs: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
@@ -324,7 +317,7 @@ class HFEngine:
             input_ids[r, width - lengths[r] :] = torch.tensor(list(prompts[i]), dtype=torch.long)
             mask[r, width - lengths[r] :] = 1
         positions = (mask.cumsum(-1) - 1).clamp(min=0)
-        gens = [torch.Generator(device="cpu").manual_seed(_row_seed(base_seed, i, j)) for i, j in rows]
+        gens = [torch.Generator(device="cpu").manual_seed(sample_seed(base_seed, i, j)) for i, j in rows]
         stop_ids = set(self._eos_ids) | {int(t) for t in params.stop_token_ids}
         greedy = params.temperature == 0.0
         temperature = 1.0 if greedy else params.temperature

@@ -175,7 +175,14 @@ class RolloutEngineContract:
             named = "layers.99" if defect == "unexpected" else victim
             assert named in str(err.value), "the error must name the offending tensor"
         assert engine.weight_version == before_version
-        after = _greedy(engine)  # still the old weights, never a mixture
+        # Either the old weights keep serving, or the engine refuses to generate until a complete update
+        # (engines that stream buckets into the server cannot un-send a bucket) — never a mixture.
+        try:
+            after = _greedy(engine)
+        except EngineError:
+            engine.update_weights(perturbed.items(), version=before_version + 1)
+            assert engine.weight_version == before_version + 1
+            return
         assert _tokens(after) == _tokens(before)
         for ga, gb in zip(after, before, strict=True):
             assert ga[0].logprobs == pytest.approx(gb[0].logprobs, abs=1e-6)

@@ -1,0 +1,342 @@
+"""SGLang engine on CPU: request building and response parsing checked against SGLang's documented shapes,
+and the HTTP transport + disk weight sync run end to end against a *stand-in* server.
+
+SGLang cannot run here (PLATFORM.md). ``SGLangStandInServer`` is a tiny local HTTP server that speaks the
+subset of SGLang's HTTP API the engine uses (``/generate`` with ``return_logprob``, ``/health``,
+``/flush_cache``, ``/update_weights_from_disk``, ``/release_memory_occupation``,
+``/resume_memory_occupation``) on top of the CPU ``HFEngine``, loading weights *non-atomically* like SGLang
+does. It is a stand-in for SGLang, not SGLang: real-engine checks live in tests/gpu/test_sglang_engine.py.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from srpo_megatron.configs import ConfigError
+from srpo_megatron.rollout.base import EngineError, SamplingParams, sample_seed
+from srpo_megatron.rollout.hf_engine import HFEngine
+from srpo_megatron.rollout.sglang_engine import (
+    SGLangEngine,
+    SGLangEngineConfig,
+    bucketize,
+    build_generate_request,
+    build_init_weights_update_group_request,
+    build_memory_occupation_request,
+    build_sampling_params,
+    build_update_weights_from_disk_request,
+    build_update_weights_from_distributed_request,
+    build_update_weights_from_tensor_request,
+    parse_generate_response,
+    parse_update_response,
+)
+from tests.unit.test_rollout_contract import RolloutEngineContract, perturbed_copy
+from tests.unit.test_rollout_hf_engine import EOS, initial_weights, tiny_model
+
+# ------------------------------------------------------------------ pure request/response contract tests
+
+
+def test_sglang_contract_sampling_params_fields():
+    p = SamplingParams(
+        n=4, temperature=0.7, top_p=0.9, top_k=20, max_new_tokens=33, stop_token_ids=(5, 9), seed=3
+    )
+    sp = build_sampling_params(p, prompt_index=2, sample_index=1)
+    assert sp == {
+        "temperature": 0.7,
+        "top_p": 0.9,
+        "top_k": 20,
+        "max_new_tokens": 33,
+        "stop_token_ids": [5, 9],
+        "no_stop_trim": True,
+        "skip_special_tokens": False,
+        "sampling_seed": sample_seed(3, 2, 1),
+    }
+    assert "sampling_seed" not in build_sampling_params(SamplingParams(), 0, 0)
+    assert json.loads(json.dumps(sp)) == sp  # JSON-serialisable as sent over HTTP
+
+
+def test_sglang_contract_generate_request_expands_samples():
+    body, rows = build_generate_request([[1, 2], [3]], SamplingParams(n=2, seed=0))
+    assert rows == [(0, 0), (0, 1), (1, 0), (1, 1)]
+    assert body["input_ids"] == [[1, 2], [1, 2], [3], [3]]
+    assert body["return_logprob"] is True
+    seeds = [sp["sampling_seed"] for sp in body["sampling_params"]]
+    assert len(set(seeds)) == 4, "each sample needs its own seed or n samples would be identical"
+    assert set(body) == {"input_ids", "sampling_params", "return_logprob"}
+
+
+def _sglang_output(ids, lps, finish, version=None):
+    """One /generate output as SGLang documents it (meta_info.output_token_logprobs = [lp, id, text])."""
+    meta = {
+        "id": "abc",
+        "finish_reason": finish,
+        "prompt_tokens": 3,
+        "completion_tokens": len(ids),
+        "output_token_logprobs": [[lp, t, None] for t, lp in zip(ids, lps, strict=True)],
+    }
+    if version is not None:
+        meta["weight_version"] = version
+    return {"text": "", "output_ids": ids, "meta_info": meta}
+
+
+def test_sglang_contract_parse_generate_response():
+    outs = [
+        _sglang_output([7, 8, 2], [-0.5, -1.0, -0.1], {"type": "stop", "matched": 2}, "4"),
+        _sglang_output([9, 9], [-2.0, -3.0], {"type": "length", "length": 2}, "4"),
+        _sglang_output([], [], {"type": "abort", "message": "aborted by weight update"}),
+    ]
+    res = parse_generate_response(outs, [(0, 0), (0, 1), (1, 0)], 2, weight_version=4)
+    assert [len(g) for g in res] == [2, 1]
+    assert res[0][0].token_ids == [7, 8, 2] and res[0][0].logprobs == [-0.5, -1.0, -0.1]
+    assert res[0][0].finish_reason == "stop" and res[0][1].finish_reason == "length"
+    assert res[1][0].finish_reason == "abort" and res[1][0].prompt_index == 1
+    assert res[0][1].meta["sample_index"] == 1 and res[0][0].weight_version == 4
+
+
+@pytest.mark.parametrize(
+    "outputs,match",
+    [
+        ([{"text": "x"}], "output_token_logprobs"),
+        ([], "0 outputs for 1 requests"),
+        ([_sglang_output([1], [float("nan")], {"type": "stop"})], "NaN"),
+        ([_sglang_output([1], [-1.0], {"type": "stop"}, "3")], "weight version 3"),
+        ([_sglang_output([1], [-1.0], None)], "finish_reason"),
+    ],
+)
+def test_sglang_contract_parse_generate_response_rejects_malformed(outputs, match):
+    with pytest.raises(EngineError, match=match):
+        parse_generate_response(outputs, [(0, 0)], 1, weight_version=4)
+
+
+def test_sglang_contract_weight_sync_requests():
+    t = [("a.weight", torch.zeros(2, 3, dtype=torch.bfloat16)), ("b.bias", torch.zeros(4))]
+    assert build_update_weights_from_distributed_request(t, "g", flush_cache=False) == {
+        "names": ["a.weight", "b.bias"],
+        "dtypes": ["bfloat16", "float32"],  # SGLang resolves getattr(torch, dtype)
+        "shapes": [[2, 3], [4]],
+        "group_name": "g",
+        "flush_cache": False,
+    }
+    assert build_init_weights_update_group_request("10.0.0.1", 29600, 1, 3, "g", "nccl") == {
+        "master_address": "10.0.0.1",
+        "master_port": 29600,
+        "rank_offset": 1,
+        "world_size": 3,
+        "group_name": "g",
+        "backend": "nccl",
+    }
+    assert build_update_weights_from_tensor_request(["s0", "s1"], True) == {
+        "serialized_named_tensors": ["s0", "s1"],
+        "load_format": None,
+        "flush_cache": True,
+    }
+    assert build_update_weights_from_disk_request("/ckpt/v3") == {
+        "model_path": "/ckpt/v3",
+        "load_format": None,
+    }
+    assert build_memory_occupation_request() == {"tags": None}
+    assert build_memory_occupation_request(["kv_cache"]) == {"tags": ["kv_cache"]}
+
+
+def test_sglang_contract_update_responses():
+    parse_update_response({"success": True, "message": "ok"}, "x")  # HTTP form
+    parse_update_response((True, "Succeeded", 0), "x")  # offline Engine form
+    with pytest.raises(EngineError, match="shape mismatch"):
+        parse_update_response({"success": False, "message": "shape mismatch"}, "x")
+    with pytest.raises(EngineError, match="failed: boom"):
+        parse_update_response((False, "boom"), "x")
+    with pytest.raises(EngineError, match="unexpected response"):
+        parse_update_response(42, "x")
+
+
+def test_sglang_contract_bucketize_bounds_bytes():
+    ts = [(f"t{k}", torch.zeros(n, dtype=torch.float32)) for k, n in enumerate([10, 10, 30, 5, 1])]
+    buckets = [[n for n, _ in b] for b in bucketize(ts, bucket_bytes=80)]
+    # 40+40 fit; 120 B goes alone (larger than a bucket); 20+4 share the last
+    assert buckets == [["t0", "t1"], ["t2"], ["t3", "t4"]]
+
+
+def test_sglang_contract_config_errors():
+    with pytest.raises(ConfigError, match="url"):
+        SGLangEngineConfig(mode="http")
+    with pytest.raises(ConfigError, match="disk_sync_dir"):
+        SGLangEngineConfig(mode="http", url="http://x", weight_sync="disk")
+
+
+# ------------------------------------------------------------- HTTP transport against a stand-in server
+
+
+class SGLangStandInServer:
+    """Stand-in for an SGLang HTTP server (see module docstring), backed by a CPU HFEngine."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.model = model
+        self.engine = HFEngine(model, max_batch_size=16)
+        self.released = False
+        self.calls: list[str] = []
+        stand_in = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def log_message(self, *args):
+                pass
+
+            def _reply(self, obj, code=200):
+                data = json.dumps(obj).encode()
+                self.send_response(code)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+            def do_GET(self):
+                stand_in.calls.append(self.path)
+                self._reply({}) if self.path == "/health" else self._reply({"error": "no route"}, 404)
+
+            def do_POST(self):
+                stand_in.calls.append(self.path)
+                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])) or b"{}")
+                route = getattr(stand_in, "route_" + self.path.strip("/"), None)
+                if route is None:
+                    return self._reply({"error": f"no route {self.path}"}, 404)
+                self._reply(route(body))
+
+        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
+        self.thread = threading.Thread(target=self.httpd.serve_forever, daemon=True)
+        self.thread.start()
+
+    def route_generate(self, body):
+        outs = []
+        for ids, sp in zip(body["input_ids"], body["sampling_params"], strict=True):
+            params = SamplingParams(
+                temperature=sp["temperature"],
+                top_p=sp["top_p"],
+                top_k=sp["top_k"],
+                max_new_tokens=sp["max_new_tokens"],
+                stop_token_ids=tuple(sp["stop_token_ids"]),
+                seed=sp.get("sampling_seed"),
+            )
+            c = self.engine.generate([ids], params)[0][0]
+            finish = {"type": c.finish_reason}
+            outs.append(_sglang_output(c.token_ids, c.logprobs, finish))
+        return outs
+
+    def route_flush_cache(self, body):
+        return {}
+
+    def route_update_weights_from_disk(self, body):
+        # like SGLang: load whatever the folder holds, tensor by tensor, no atomicity
+        from pathlib import Path
+
+        params = dict(self.model.named_parameters())
+        with torch.no_grad():
+            for f in sorted(Path(body["model_path"]).glob("*.safetensors")):
+                for name, t in load_file(str(f)).items():
+                    if name not in params or params[name].shape != t.shape:
+                        return {"success": False, "message": f"bad tensor {name}"}
+                    params[name].copy_(t)
+        return {"success": True, "message": "Succeeded to update model weights."}
+
+    def route_release_memory_occupation(self, body):
+        self.released = True
+        return {}
+
+    def route_resume_memory_occupation(self, body):
+        self.released = False
+        return {}
+
+    def close(self):
+        self.httpd.shutdown()
+        self.httpd.server_close()
+
+
+@pytest.fixture(scope="module")
+def weight_sets():
+    w0 = initial_weights("llama")
+    return w0, perturbed_copy(w0, seed=1, scale=0.5)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    d = tmp_path_factory.mktemp("tiny_llama")
+    tiny_model("llama").save_pretrained(d)
+    return d
+
+
+@pytest.fixture
+def engine_factory(weight_sets, model_dir, tmp_path):
+    servers = []
+    manifest = {n: tuple(t.shape) for n, t in weight_sets[0].items()}
+
+    def make():
+        server = SGLangStandInServer(tiny_model("llama", weight_sets[0]))
+        servers.append(server)
+        cfg = SGLangEngineConfig(
+            mode="http",
+            url=server.url,
+            model_path=str(model_dir),
+            weight_sync="disk",
+            disk_sync_dir=str(tmp_path / f"sync{len(servers)}"),
+            bucket_bytes=1024**2,
+        )
+        return SGLangEngine(cfg, manifest=manifest)
+
+    yield make
+    for s in servers:
+        s.close()
+
+
+@pytest.fixture
+def engine(engine_factory):
+    return engine_factory()
+
+
+@pytest.fixture
+def eos_token_ids():
+    return (EOS,)
+
+
+@pytest.fixture
+def logprob_atol():
+    return 2e-5
+
+
+@pytest.fixture(scope="module")
+def reference_logprobs():
+    def score(prompt, tokens, temperature, weights):
+        model = tiny_model("llama", weights, dtype=torch.float64)
+        with torch.no_grad():
+            logits = model(torch.tensor([list(prompt) + list(tokens)])).logits[0, len(prompt) - 1 : -1]
+        logp = torch.log_softmax(logits / (temperature or 1.0), dim=-1)
+        return logp.gather(-1, torch.tensor(tokens)[:, None])[:, 0].tolist()
+
+    return score
+
+
+class TestSGLangEngineOverHttpAgainstStandInServer(RolloutEngineContract):
+    """The SGLang engine's HTTP transport and disk sync pass the rollout contract against the stand-in."""
+
+
+def test_sglang_contract_dead_server_is_a_clear_error(engine_factory):
+    eng = engine_factory()
+    eng._transport.url = "http://127.0.0.1:9"  # nothing listens on the discard port
+    eng._transport.timeout_s = 2.0
+    with pytest.raises(EngineError, match="crashed or timed out"):
+        eng.generate([[5, 6]], SamplingParams(max_new_tokens=2))
+    assert not eng.health().ok
+
+
+def test_sglang_contract_release_marks_weights_stale_until_resync(engine, weight_sets):
+    engine.release_memory()
+    engine.resume_memory()
+    with pytest.raises(EngineError, match="released"):
+        engine.generate([[5, 6]], SamplingParams(max_new_tokens=2))
+    engine.update_weights(weight_sets[0].items(), version=engine.weight_version + 1)
+    out = engine.generate([[5, 6]], SamplingParams(max_new_tokens=2))
+    assert math.isfinite(out[0][0].logprobs[0])
