@@ -1,0 +1,63 @@
+"""The synthetic arithmetic task: exact answers, seeded, and train/held-out never overlap."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from srpo_megatron.data.arithmetic import generate_arithmetic_rows, problem_split
+from srpo_megatron.rewards import get_reward_fn
+
+
+def reference_answer(prompt: str) -> int:
+    """Worked out independently from the prompt text (not from the generator's key)."""
+    m = re.search(r"(?:What is|Compute|Calculate) (.+?)[?.] Answer", prompt)
+    if m:
+        expr = m.group(1)
+        assert re.fullmatch(r"[\d\s+\-*()]+", expr)
+        return int(eval(expr, {"__builtins__": {}}))
+    nums = [int(x) for x in re.findall(r"\d+", prompt)]
+    if "gives away" in prompt:
+        return nums[0] + nums[1] - nums[2]
+    if "boxes of" in prompt:
+        return nums[0] + nums[1] * nums[2]
+    if "pages a day" in prompt:
+        return nums[0] * nums[1] + nums[2]
+    raise AssertionError(f"unrecognised prompt {prompt!r}")
+
+
+@pytest.mark.parametrize("difficulty", [0, 1, 2, 3])
+def test_answers_are_exact_and_verifiable(difficulty):
+    rows = generate_arithmetic_rows("train", 200, difficulty, seed=5)
+    assert len(rows) == 200
+    for r in rows:
+        assert r["kind"] == "arithmetic" and r["system"] is None
+        assert int(r["answer"]) == reference_answer(r["prompt"]) and int(r["answer"]) >= 0
+        assert r["prompt"].endswith("Answer with just the number.")
+        assert get_reward_fn("arithmetic")(r["answer"], r["answer"]) == 1.0
+
+
+@pytest.mark.parametrize("difficulty", [0, 1, 2, 3])
+def test_train_and_held_out_never_overlap(difficulty):
+    train_keys, test_keys = set(), set()
+    for seed in range(4):
+        train_keys |= {r["key"] for r in generate_arithmetic_rows("train", 300, difficulty, seed)}
+        test_keys |= {r["key"] for r in generate_arithmetic_rows("test", 60, difficulty, seed)}
+    assert train_keys and test_keys and not train_keys & test_keys
+    assert all(problem_split(k) == "train" for k in train_keys)
+    # Overlap also checked on the computation, not only on our key: same operands and operator.
+    canon = lambda k: k.split("/", 1)[1]  # noqa: E731
+    assert not {canon(k) for k in train_keys} & {canon(k) for k in test_keys}
+
+
+def test_seeded_and_distinct_and_difficulty_changes_the_problems():
+    a = generate_arithmetic_rows("test", 50, 0, seed=1)
+    assert a == generate_arithmetic_rows("test", 50, 0, seed=1)
+    assert a != generate_arithmetic_rows("test", 50, 0, seed=2)
+    assert len({r["prompt"] for r in a}) == 50
+    easy = generate_arithmetic_rows("train", 100, 0, 0)
+    hard = generate_arithmetic_rows("train", 100, 1, 0)
+    assert max(int(r["answer"]) for r in easy) <= 40 < max(int(r["answer"]) for r in hard)
+    with pytest.raises(ValueError, match="difficulty=9"):
+        generate_arithmetic_rows("train", 1, 9)
