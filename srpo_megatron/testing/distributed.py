@@ -10,6 +10,7 @@ finish within ``timeout`` seconds, they are killed and a ``TimeoutError`` names 
 
 from __future__ import annotations
 
+import io
 import multiprocessing as mp
 import os
 import queue
@@ -47,8 +48,12 @@ def _worker(fn, rank, world_size, port, args, kwargs, results, env):
         torch.set_num_threads(1)
         dist.init_process_group("gloo", rank=rank, world_size=world_size)
         out = fn(rank, world_size, *args, **kwargs)
-        results.put((rank, "ok", out))
-    except BaseException:  # noqa: BLE001 - everything must reach the parent
+        # Serialise to bytes: torch's shared-memory tensor pickling would need this process alive
+        # until the parent reads the result.
+        buf = io.BytesIO()
+        torch.save(out, buf)
+        results.put((rank, "ok", buf.getvalue()))
+    except BaseException:
         results.put((rank, "error", traceback.format_exc()))
     finally:
         try:
@@ -74,7 +79,9 @@ def run_distributed(
     port = free_port()
     child_env = {"OMP_NUM_THREADS": "1", **(env or {})}
     procs = [
-        ctx.Process(target=_worker, args=(fn, r, world_size, port, args, kwargs, results, child_env), daemon=False)
+        ctx.Process(
+            target=_worker, args=(fn, r, world_size, port, args, kwargs, results, child_env), daemon=False
+        )
         for r in range(world_size)
     ]
     for p in procs:
@@ -98,7 +105,9 @@ def run_distributed(
                 continue
             if status == "error":
                 raise RankFailed(f"rank {rank} of {world_size} failed:\n{payload}")
-            out[rank] = payload
+            import torch
+
+            out[rank] = torch.load(io.BytesIO(payload), weights_only=False)
     finally:
         for p in procs:
             p.join(timeout=5)

@@ -1,0 +1,138 @@
+"""Let megatron-core's real code run on CPU with the gloo backend (tests, the CPU demo).
+
+megatron-core assumes CUDA in a handful of places that have nothing to do with the maths. When CUDA is
+absent, ``enable_cpu_compat()`` covers exactly those places and nothing else:
+
+1. Devices. ``torch.cuda.current_device()`` answers 0, and a ``TorchFunctionMode`` rewrites CUDA device
+   arguments (``device="cuda"``, ``device=0``, ``torch.device("cuda")``, ``tensor.cuda()``,
+   ``tensor.to("cuda")``) to the CPU. Used by megatron for buffers, p2p shapes and the schedules'
+   ``total_num_tokens``.
+2. Type strings. ``clip_grad_by_total_norm_fp32`` and the distributed optimizer compare
+   ``tensor.type()`` with ``'torch.cuda.FloatTensor'``-style names; the same mode answers a bare
+   ``tensor.type()`` with the ``torch.cuda.`` name of the tensor's dtype.
+3. Synchronisation. ``torch.cuda.synchronize`` is a no-op (CPU ops are synchronous).
+4. RNG. ``torch.cuda.manual_seed``/``get_rng_state``/``set_rng_state`` (also under ``torch.cuda.random``)
+   and megatron's ``tensor_parallel.random._set_cuda_rng_state`` act on one private CPU
+   ``torch.Generator`` that stands in for "the GPU generator", so ``model_parallel_cuda_manual_seed``
+   and the RNG tracker's ``add``/``fork`` work. Nothing on the CPU draws from that generator, so the
+   layer never changes numerics: CPU initialisation (``use_cpu_initialization=True``) and CPU dropout
+   use torch's default CPU generator, exactly as without this layer.
+
+When CUDA is available, ``enable_cpu_compat()`` does nothing and returns False. The layer is
+process-wide and idempotent; ``disable_cpu_compat()`` undoes it (used by its tests). Every behaviour
+has a test in ``tests/unit/test_cpu_compat.py`` and ``tests/dist/test_megatron_cpu.py`` that fails if
+megatron-core stops needing it differently (for example a new CUDA call on the training path).
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+_lock = threading.Lock()
+_state: dict[str, Any] = {}
+
+
+def _is_cuda_device(device: Any) -> bool:
+    if isinstance(device, torch.device):
+        return device.type == "cuda"
+    if isinstance(device, str):
+        return device.split(":")[0] == "cuda"
+    # A bare int means a CUDA ordinal for torch factory functions and Tensor.to.
+    return isinstance(device, int) and not isinstance(device, bool)
+
+
+def _cuda_type_name(t: torch.Tensor) -> str:
+    name = torch.Tensor.type(t)  # e.g. 'torch.FloatTensor'; called outside the mode (no recursion)
+    return name if name.startswith("torch.cuda.") else name.replace("torch.", "torch.cuda.", 1)
+
+
+class _CudaAsCpu(TorchFunctionMode):
+    """Rewrite CUDA device arguments to CPU; answer bare ``Tensor.type()`` with the CUDA type name."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = dict(kwargs or {})
+        if func is torch.Tensor.type and len(args) == 1 and not kwargs:
+            with torch._C.DisableTorchFunction():
+                return _cuda_type_name(args[0])
+        if func is torch.Tensor.cuda:
+            return args[0]
+        if "device" in kwargs and _is_cuda_device(kwargs["device"]):
+            kwargs["device"] = "cpu"
+        if func is torch.Tensor.to and len(args) > 1 and _is_cuda_device(args[1]):
+            args = (args[0], "cpu", *args[2:])
+        return func(*args, **kwargs)
+
+
+def _fake_generator() -> torch.Generator:
+    return _state["generator"]
+
+
+def _manual_seed(seed: int) -> None:
+    _fake_generator().manual_seed(int(seed))
+
+
+def _get_rng_state(device: Any = "cuda") -> torch.Tensor:
+    return _fake_generator().get_state()
+
+
+def _set_rng_state(new_state: torch.Tensor, device: Any = "cuda", *args: Any, **kwargs: Any) -> None:
+    _fake_generator().set_state(new_state.clone())
+
+
+_PATCHES = [
+    # (module path, attribute, replacement factory)
+    ("torch.cuda", "current_device", lambda: lambda: 0),
+    ("torch.cuda", "synchronize", lambda: lambda device=None: None),
+    ("torch.cuda", "manual_seed", lambda: _manual_seed),
+    ("torch.cuda", "manual_seed_all", lambda: _manual_seed),
+    ("torch.cuda", "get_rng_state", lambda: _get_rng_state),
+    ("torch.cuda", "set_rng_state", lambda: _set_rng_state),
+    ("torch.cuda.random", "manual_seed", lambda: _manual_seed),
+    ("torch.cuda.random", "manual_seed_all", lambda: _manual_seed),
+    ("torch.cuda.random", "get_rng_state", lambda: _get_rng_state),
+    ("torch.cuda.random", "set_rng_state", lambda: _set_rng_state),
+    ("megatron.core.tensor_parallel.random", "_set_cuda_rng_state", lambda: _set_rng_state),
+]
+
+
+def cpu_compat_active() -> bool:
+    return bool(_state.get("active"))
+
+
+def enable_cpu_compat() -> bool:
+    """Activate the CPU layer when CUDA is unavailable. Returns True if it is active after the call."""
+    if torch.cuda.is_available():
+        return False
+    with _lock:
+        if _state.get("active"):
+            return True
+        import importlib
+
+        _state["generator"] = torch.Generator(device="cpu")
+        _state["generator"].manual_seed(0)
+        saved = []
+        for mod_name, attr, factory in _PATCHES:
+            mod = importlib.import_module(mod_name)
+            saved.append((mod, attr, getattr(mod, attr)))
+            setattr(mod, attr, factory())
+        _state["saved"] = saved
+        mode = _CudaAsCpu()
+        mode.__enter__()
+        _state["mode"] = mode
+        _state["active"] = True
+        return True
+
+
+def disable_cpu_compat() -> None:
+    """Undo ``enable_cpu_compat`` (for tests)."""
+    with _lock:
+        if not _state.get("active"):
+            return
+        _state["mode"].__exit__(None, None, None)
+        for mod, attr, original in reversed(_state["saved"]):
+            setattr(mod, attr, original)
+        _state.clear()

@@ -1,0 +1,117 @@
+"""Distributed set-up: torch.distributed + megatron-core model parallel state, on GPU (NCCL) or CPU (gloo).
+
+This is the one place that touches global parallel state. Everything downstream receives explicit
+process groups (``ParallelGroups``) so the maths can be tested without megatron's globals.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from srpo_megatron.compat.cpu import enable_cpu_compat
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    """How the policy is split across ranks. world_size = tp * pp * dp."""
+
+    tp: int = 1  # tensor-parallel size (Megatron TP; shards attention heads, MLP and the vocabulary)
+    pp: int = 1  # pipeline-parallel size (layers split into pp stages)
+    distributed_optimizer: bool = False  # shard optimizer state across data-parallel ranks (ZeRO-1)
+    sequence_parallel: bool = False  # Megatron sequence parallelism (needs tp > 1; GPU runs)
+
+    def __post_init__(self) -> None:
+        for name in ("tp", "pp"):
+            value = getattr(self, name)
+            if value < 1:
+                raise ValueError(f"parallel.{name}={value} must be >= 1")
+        if self.sequence_parallel and self.tp == 1:
+            raise ValueError("parallel.sequence_parallel=true needs parallel.tp > 1; set it to false")
+
+
+@dataclass(frozen=True)
+class ParallelGroups:
+    """Explicit process groups handed to losses, weight sync and checkpointing."""
+
+    tp: dist.ProcessGroup | None
+    pp: dist.ProcessGroup | None
+    dp: dist.ProcessGroup | None
+    tp_rank: int
+    tp_size: int
+    pp_rank: int
+    pp_size: int
+    dp_rank: int
+    dp_size: int
+
+    @property
+    def is_first_stage(self) -> bool:
+        return self.pp_rank == 0
+
+    @property
+    def is_last_stage(self) -> bool:
+        return self.pp_rank == self.pp_size - 1
+
+
+def init_distributed(timeout_minutes: int = 30) -> None:
+    """Initialise torch.distributed from torchrun's env (or a single process), NCCL on GPU, gloo on CPU."""
+    if torch.cuda.is_available():
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    else:
+        enable_cpu_compat()
+    if dist.is_initialized():
+        return
+    if "RANK" not in os.environ:
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        if "MASTER_PORT" not in os.environ:
+            from srpo_megatron.testing.distributed import free_port
+
+            os.environ["MASTER_PORT"] = str(free_port())
+        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
+    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    dist.init_process_group(backend, timeout=datetime.timedelta(minutes=timeout_minutes))
+
+
+def initialize_model_parallel(tp: int = 1, pp: int = 1, seed: int = 1234) -> ParallelGroups:
+    """Set up megatron's TP/PP/DP groups (torch.distributed must be initialised) and seed the RNGs."""
+    from megatron.core import parallel_state as ps
+    from megatron.core import tensor_parallel
+
+    init_distributed()
+    world = dist.get_world_size()
+    if world % (tp * pp) != 0:
+        raise ValueError(
+            f"world size {world} is not divisible by tp*pp = {tp}*{pp}; launch a multiple of {tp * pp} ranks"
+        )
+    if ps.model_parallel_is_initialized():
+        ps.destroy_model_parallel()
+    ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
+    tensor_parallel.model_parallel_cuda_manual_seed(seed)
+    return current_groups()
+
+
+def current_groups() -> ParallelGroups:
+    from megatron.core import parallel_state as ps
+
+    return ParallelGroups(
+        tp=ps.get_tensor_model_parallel_group(),
+        pp=ps.get_pipeline_model_parallel_group(),
+        dp=ps.get_data_parallel_group(),
+        tp_rank=ps.get_tensor_model_parallel_rank(),
+        tp_size=ps.get_tensor_model_parallel_world_size(),
+        pp_rank=ps.get_pipeline_model_parallel_rank(),
+        pp_size=ps.get_pipeline_model_parallel_world_size(),
+        dp_rank=ps.get_data_parallel_rank(),
+        dp_size=ps.get_data_parallel_world_size(),
+    )
+
+
+def destroy_model_parallel() -> None:
+    from megatron.core import parallel_state as ps
+
+    if ps.model_parallel_is_initialized():
+        ps.destroy_model_parallel()
