@@ -1,0 +1,147 @@
+"""The `srpo launch` and `srpo jobs` command lines (srpo_megatron/cli.py wires them as subcommands).
+
+    srpo launch RECIPE --cluster cluster/NAME.yaml [--nodes N] [--dryrun] [--wait] [--override k=v ...]
+    srpo jobs status|logs|cancel [EXPERIMENT] [--home DIR] [--tail N]
+
+Each ``*_main(args)`` returns a process exit code and prints errors as one clear message (no traceback):
+an unknown cluster file or field, a request larger than the partition, a GPU cluster without account or
+image, and a job that did not complete (its Slurm state and the tail of its log).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from srpo_megatron.configs import ConfigError, apply_overrides, load_yaml
+from srpo_megatron.launch.cluster import CLUSTER_DIR, cluster_files, load_cluster
+from srpo_megatron.launch.experiment import (
+    REPO_ROOT,
+    JobCommand,
+    LaunchRequest,
+    RolloutPlacement,
+    srpo_train_command,
+    submit,
+)
+from srpo_megatron.launch.jobs import JobError, check_completed, job_infos, load_experiment, read_logs, wait
+
+
+def add_launch_args(parser: argparse.ArgumentParser) -> None:
+    """Arguments of `srpo launch` (RECIPE, --cluster, --nodes, --gpus-per-node, --dryrun, --wait, ...)."""
+    parser.add_argument("recipe", help="training recipe YAML (examples/*.yaml)")
+    parser.add_argument(
+        "--cluster",
+        required=True,
+        help=f"cluster definition YAML or a name in {CLUSTER_DIR.name}/ ({', '.join(cluster_files())})",
+    )
+    parser.add_argument("--nodes", type=int, default=1, help="training nodes (engine nodes are added)")
+    parser.add_argument("--gpus-per-node", type=int, default=None, help="default: all GPUs of a node")
+    parser.add_argument("--dryrun", action="store_true", help="print the sbatch script; submit nothing")
+    parser.add_argument("--wait", action="store_true", help="block until the job ends; fail if it fails")
+    parser.add_argument("--timeout", type=float, default=24 * 3600.0, help="--wait limit in seconds")
+    parser.add_argument("--name", default=None, help="experiment title (default: srpo-<recipe name>)")
+    parser.add_argument("--home", default=None, help="nemo-run home for experiment files ($NEMORUN_HOME)")
+    parser.add_argument(
+        "--probe",
+        action="store_true",
+        help="run the stand-in job (srpo_megatron.launch.probe) instead of `srpo train`, to try a cluster",
+    )
+    parser.add_argument("--override", nargs="*", default=[], metavar="KEY=VALUE", help="recipe overrides")
+
+
+def add_jobs_args(parser: argparse.ArgumentParser) -> None:
+    """Arguments of `srpo jobs` (ACTION, EXPERIMENT, --home, --tail)."""
+    parser.add_argument("action", choices=["status", "logs", "cancel"])
+    parser.add_argument("experiment", nargs="?", default=None, help="id or title (default: latest)")
+    parser.add_argument("--home", default=None, help="nemo-run home ($NEMORUN_HOME, default ~/.nemo_run)")
+    parser.add_argument("--tail", type=int, default=None, help="logs: only the last N lines")
+
+
+def _job_command(args: argparse.Namespace, recipe_path: Path, recipe: dict, code: str) -> JobCommand:
+    # The job reads the recipe itself: an absolute path when it runs this checkout in place, a path
+    # relative to the repository when the code is shipped with `git archive`.
+    if code == "git":
+        try:
+            recipe_arg = str(recipe_path.resolve().relative_to(REPO_ROOT))
+        except ValueError:
+            raise ConfigError(
+                f"recipe {recipe_path} lies outside the repository, but the cluster ships the code with "
+                "git; move the recipe into the repository (e.g. examples/) and commit it"
+            ) from None
+    else:
+        recipe_arg = str(recipe_path.resolve())
+    if not args.probe:
+        return srpo_train_command(recipe_arg, args.override)
+    run_dir = (recipe.get("run") or {}).get("dir")
+    steps = (recipe.get("train") or {}).get("steps", 3)
+    if not run_dir:
+        raise ConfigError("--probe needs run.dir in the recipe (the probe writes its metrics there)")
+    return JobCommand(
+        "srpo_megatron.launch.probe", ("--run-dir", str(Path(run_dir).resolve()), "--steps", str(steps))
+    )
+
+
+def launch_main(args: argparse.Namespace) -> int:
+    """`srpo launch`: build the experiment from recipe + cluster and submit it (or print it)."""
+    try:
+        from srpo_megatron.launch.jobs import set_home
+
+        set_home(args.home)
+        cluster = load_cluster(args.cluster)
+        recipe_path = Path(args.recipe)
+        recipe = apply_overrides(load_yaml(recipe_path), list(args.override))
+        request = LaunchRequest(
+            name=args.name or f"srpo-{recipe_path.stem}",
+            command=_job_command(args, recipe_path, recipe, cluster.code),
+            nodes=args.nodes,
+            placement=RolloutPlacement.from_recipe(recipe),
+            gpus_per_node=args.gpus_per_node,
+        )
+        result = submit(cluster, request, dryrun=args.dryrun)
+        if args.dryrun:
+            print(result.script)
+            return 0
+        print(f"submitted experiment {result.experiment_id}")
+        print(f"  srpo jobs status {result.experiment_id}\n  srpo jobs logs {result.experiment_id}")
+        if args.wait:
+            exp = load_experiment(result.experiment_id)
+            check_completed(exp, wait(exp, timeout=args.timeout))
+            print(f"experiment {result.experiment_id} COMPLETED")
+        return 0
+    except (ConfigError, JobError, TimeoutError) as e:
+        print(f"srpo launch: error: {e}", file=sys.stderr)
+        return 1
+
+
+def jobs_main(args: argparse.Namespace) -> int:
+    """`srpo jobs status|logs|cancel [EXPERIMENT]`."""
+    from srpo_megatron.launch.jobs import cancel
+
+    try:
+        exp = load_experiment(args.experiment, args.home)
+        infos = cancel(exp) if args.action == "cancel" else job_infos(exp)
+        for info in infos:
+            if args.action == "logs":
+                sys.stdout.write(read_logs(exp, info, tail=args.tail))
+            else:
+                slurm_id = info.job_id or "-"
+                print(f"{info.experiment_id}  {info.name}  slurm_id={slurm_id}  {info.state}  {info.job_dir}")
+        return 0
+    except ConfigError as e:
+        print(f"srpo jobs: error: {e}", file=sys.stderr)
+        return 1
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Standalone entry (`python -m srpo_megatron.launch.commands launch|jobs ...`) until cli.py wires it."""
+    parser = argparse.ArgumentParser(prog="srpo")
+    sub = parser.add_subparsers(dest="command", required=True)
+    add_launch_args(sub.add_parser("launch", help="submit a recipe to a cluster through nemo-run"))
+    add_jobs_args(sub.add_parser("jobs", help="status, logs or cancel of launched experiments"))
+    args = parser.parse_args(argv)
+    return launch_main(args) if args.command == "launch" else jobs_main(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,218 @@
+"""Build and submit a nemo-run Experiment that runs one command under torchrun on a cluster.
+
+`srpo launch RECIPE --cluster cluster/NAME.yaml` turns (cluster definition, recipe, node count) into a
+nemo-run ``Experiment`` with one task: ``torchrun -m srpo_megatron.cli train RECIPE --override ...`` on
+every node (c10d rendezvous on the first node), run by a ``SlurmExecutor`` (sbatch through a local or SSH
+tunnel, pyxis/enroot container flags) or a ``LocalExecutor`` (this workstation). The builder takes any
+``python -m`` command (:class:`JobCommand`), so the whole path is exercised with the stand-in job in
+:mod:`srpo_megatron.launch.probe` as well as with the trainer.
+
+Preemption: nemo-run always submits with ``sbatch --requeue``, so a preempted job is requeued by Slurm
+and restarts the same command; the trainer resumes from ``<run.dir>/checkpoints/latest`` by itself.
+``max_retries`` in the cluster file additionally requeues a job whose command exited non-zero.
+
+Rollout placement is read from the recipe as plain data (``rollout.placement``: "colocated" |
+"separate", ``rollout.engine_nodes``). With "separate" the job asks for ``nodes + engine_nodes`` nodes
+and torchrun spans all of them; every process gets ``SRPO_ROLLOUT_PLACEMENT``, ``SRPO_TRAIN_NODES`` and
+``SRPO_ENGINE_NODES`` so the trainer can give the last ``engine_nodes`` nodes to SGLang engines.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from srpo_megatron.configs import ConfigError
+from srpo_megatron.launch.cluster import ClusterConfig
+
+# The repository root: jobs that run the code in place put it on PYTHONPATH.
+REPO_ROOT = Path(__file__).resolve().parents[2]
+# Where nemo-run puts the shipped code inside the job ("/nemo_run/code"; outside a container nemo-run
+# rewrites /nemo_run to the job directory in the sbatch script).
+_SHIPPED_CODE = "/nemo_run/code"
+
+
+@dataclass(frozen=True)
+class RolloutPlacement:
+    """Where the rollout engines run, read from the recipe's ``rollout`` section as plain data."""
+
+    placement: str = "colocated"  # colocated: engines share the training GPUs; separate: own nodes
+    engine_nodes: int = 0  # nodes given to SGLang engines when separate
+
+    @classmethod
+    def from_recipe(cls, recipe: dict[str, Any]) -> RolloutPlacement:
+        rollout = recipe.get("rollout") or {}
+        if not isinstance(rollout, dict):
+            raise ConfigError(f"rollout: expected a mapping, got {rollout!r}")
+        placement = rollout.get("placement", "colocated")
+        engine_nodes = rollout.get("engine_nodes", 0)
+        if placement not in ("colocated", "separate"):
+            raise ConfigError(
+                f"rollout.placement: {placement!r} is not valid; choose 'colocated' or 'separate'"
+            )
+        if not isinstance(engine_nodes, int) or isinstance(engine_nodes, bool) or engine_nodes < 0:
+            raise ConfigError(f"rollout.engine_nodes: {engine_nodes!r} must be a non-negative integer")
+        if placement == "separate" and engine_nodes < 1:
+            raise ConfigError(
+                "rollout.placement 'separate' needs rollout.engine_nodes >= 1 (nodes for the SGLang engines)"
+            )
+        if placement == "colocated" and engine_nodes:
+            raise ConfigError(
+                f"rollout.engine_nodes={engine_nodes} only applies to placement 'separate'; set it to 0 "
+                "or use rollout.placement: separate"
+            )
+        return cls(placement, engine_nodes)
+
+
+@dataclass(frozen=True)
+class JobCommand:
+    """What every torchrun process runs: ``python -m module *args``."""
+
+    module: str  # e.g. "srpo_megatron.cli"
+    args: tuple[str, ...] = ()  # e.g. ("train", "examples/x.yaml", "--override", "train.steps=2")
+
+
+def srpo_train_command(recipe: str, overrides: list[str] | None = None) -> JobCommand:
+    """``srpo train RECIPE --override k=v ...`` as a module command (the job's entry point)."""
+    args = ["train", recipe]
+    if overrides:
+        args += ["--override", *overrides]
+    return JobCommand("srpo_megatron.cli", tuple(args))
+
+
+@dataclass
+class LaunchRequest:
+    """One experiment to submit: a command on ``nodes`` training nodes (+ engine nodes)."""
+
+    name: str  # experiment title (nemo-run id = f"{name}_{timestamp}")
+    command: JobCommand  # what each process runs
+    nodes: int = 1  # training nodes
+    placement: RolloutPlacement = field(default_factory=RolloutPlacement)  # from the recipe
+    gpus_per_node: int | None = None  # GPUs to ask for per node (None: all the node has)
+    env: dict[str, str] = field(default_factory=dict)  # extra job environment
+
+    @property
+    def total_nodes(self) -> int:
+        return self.nodes + self.placement.engine_nodes
+
+
+def _job_env(cluster: ClusterConfig, request: LaunchRequest) -> dict[str, str]:
+    """The job's environment. Slurm values are `export`ed in the sbatch script, so `$PATH` expands there."""
+    local = cluster.executor == "local"
+    env = {
+        # megatron-core needs one CUDA work queue so that TP/SP communication overlaps in issue order.
+        "CUDA_DEVICE_MAX_CONNECTIONS": "1",
+        "SRPO_ROLLOUT_PLACEMENT": request.placement.placement,
+        "SRPO_TRAIN_NODES": str(request.nodes),
+        "SRPO_ENGINE_NODES": str(request.placement.engine_nodes),
+    }
+    code = str(REPO_ROOT) if cluster.code == "in_place" else _SHIPPED_CODE
+    inherited = os.environ.get("PYTHONPATH", "") if local else "${PYTHONPATH:-}"
+    env["PYTHONPATH"] = code + (os.pathsep + inherited if inherited else "")
+    if cluster.venv:
+        # nemo-run's job and torchrun are found on PATH, so the environment's bin/ must come first.
+        venv_bin = Path(sys.executable).parent if cluster.venv == "auto" else Path(cluster.venv) / "bin"
+        env["PATH"] = f"{venv_bin}{os.pathsep}{os.environ['PATH'] if local else '$PATH'}"
+    env.update(cluster.env)
+    env.update(request.env)
+    return env
+
+
+def build_executor(cluster: ClusterConfig, request: LaunchRequest):
+    """A nemo-run ``SlurmExecutor`` / ``LocalExecutor`` for ``request`` on ``cluster`` (checked first)."""
+    import nemo_run as run
+
+    cluster.check_request(request.total_nodes, request.gpus_per_node)
+    gpus = request.gpus_per_node if request.gpus_per_node is not None else cluster.gpus_per_node
+    procs = gpus if gpus > 0 else cluster.tasks_per_node
+    env = _job_env(cluster, request)
+    launcher = run.Torchrun(rdzv_port=cluster.rdzv_port)
+    if cluster.executor == "local":
+        return run.LocalExecutor(ntasks_per_node=procs, launcher=launcher, env_vars=env)
+
+    if cluster.tunnel.kind == "ssh":
+        t = cluster.tunnel
+        tunnel = run.SSHTunnel(host=t.host, user=t.user, job_dir=t.job_dir, identity=t.identity or None)
+    else:
+        # nemo-run keeps the experiment files in its own home on a login node; only "" works here.
+        tunnel = run.LocalTunnel(job_dir="")
+    mounts = list(cluster.container_mounts)
+    if cluster.container_image and cluster.code == "in_place" and f"{REPO_ROOT}:{REPO_ROOT}" not in mounts:
+        mounts.append(f"{REPO_ROOT}:{REPO_ROOT}")  # the in-place code must be visible in the container
+    executor = run.SlurmExecutor(
+        account=cluster.account,
+        partition=cluster.partition or None,
+        job_name_prefix=f"{cluster.name}-",
+        time=cluster.time,
+        nodes=request.total_nodes,
+        ntasks_per_node=procs,  # nemo-run's torchrun launcher turns this into 1 task x `procs` workers
+        gpus_per_node=gpus or None,
+        cpus_per_task=cluster.cpus_per_task or None,
+        mem=cluster.mem or None,
+        exclusive=cluster.exclusive or None,
+        container_image=cluster.container_image or None,
+        container_mounts=mounts,
+        env_vars=env,
+        tunnel=tunnel,
+        packager=run.GitArchivePackager() if cluster.code == "git" else run.Packager(),
+        launcher=launcher,
+        retries=cluster.max_retries,
+        poll_estimated_start_time=False,
+    )
+    if not cluster.account:
+        executor.account = None  # no --account flag: the user's default account (CPU/test clusters)
+    return executor
+
+
+def build_experiment(cluster: ClusterConfig, request: LaunchRequest):
+    """An un-launched nemo-run Experiment holding the single torchrun task; use it as a context manager."""
+    import nemo_run as run
+
+    executor = build_executor(cluster, request)
+    # LOGLEVEL: torchrun logs every rendezvous detail at INFO, which buries the job's own output.
+    task = run.Script(
+        path=request.command.module,
+        m=True,
+        args=list(request.command.args),
+        entrypoint="python",
+        env={"LOGLEVEL": "WARNING"},
+    )
+    exp = run.Experiment(
+        request.name,
+        executor=executor,
+        log_level="WARN",
+        enable_goodbye_message=False,
+        skip_status_at_exit=True,
+    )
+    return exp, task
+
+
+@dataclass
+class LaunchResult:
+    """What `srpo launch` did: the experiment id (for `srpo jobs`) or, for a dry run, the script."""
+
+    experiment_id: str
+    script: str = ""  # dry run on Slurm: the sbatch script that would be submitted
+
+
+def submit(cluster: ClusterConfig, request: LaunchRequest, dryrun: bool = False) -> LaunchResult:
+    """Submit ``request`` (Slurm: returns once sbatch accepted it; local: returns when it finished).
+
+    With ``dryrun`` nothing runs: the sbatch script nemo-run would submit is returned (Slurm), and the
+    experiment directory is removed again.
+    """
+    exp, task = build_experiment(cluster, request)
+    with exp:
+        exp.add(task, name=request.name)
+        if dryrun:
+            exp.dryrun(log=cluster.executor == "local", delete_exp_dir=False)
+            scripts = sorted(Path(exp._exp_dir).glob("*_sbatch.sh"))
+            script = scripts[0].read_text() if scripts else ""
+            shutil.rmtree(exp._exp_dir, ignore_errors=True)
+            return LaunchResult(exp._id, script)
+        exp.run(detach=True)
+        return LaunchResult(exp._id)
