@@ -1,0 +1,259 @@
+"""HF safetensors <-> megatron-core ``dist_checkpointing`` policy checkpoints, through the one table.
+
+Checkpoint layout (shared with the trainer; the trainer saves the same way):
+
+    <dir>/                       a dist_checkpointing (torch_dist) directory
+        metadata.json, *.distcp, common.pt   (written by megatron.core.dist_checkpointing.save)
+        hf_config.json           the HF config.json of the policy (architecture + export metadata)
+        hf_assets/               tokenizer files, generation_config.json, chat template (optional)
+
+Policy tensors are saved from ``model.sharded_state_dict(prefix="model.")``, i.e. every policy
+ShardedTensor key starts with ``model.`` (``POLICY_PREFIX``). A trainer checkpoint may hold more keys
+(optimizer state, RNG, ...) in the same directory; export reads only the ``model.`` keys.
+
+Why a TP1/PP1 skeleton on import: megatron's own ``sharded_state_dict`` then produces the exact global
+layout (SwiGLU fc1 split into gate/up chunks, tied-embedding replicas, padded vocab flagged
+``allow_shape_mismatch``), so the checkpoint loads at ANY TP/PP with megatron's resharding and no
+hand-written layout logic can drift. The cost is holding the model once in memory (plus the tensors of
+one table row in flight), not twice; ``tools/bench_conversion.py`` measures it. The vocab is padded for
+TP1 (a multiple of 128); loading at TP>1 zero-fills the extra padded rows (``allow_shape_mismatch``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import sys
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import torch
+
+from srpo_megatron.conversion.safetensors_io import HFCheckpointReader, ShardedSafetensorsWriter
+from srpo_megatron.conversion.table import ConversionError, ConversionTable, canonical_name
+from srpo_megatron.models.architecture import Architecture, load_hf_config_dict
+
+POLICY_PREFIX = "model."
+HF_CONFIG_NAME = "hf_config.json"
+HF_ASSETS_DIR = "hf_assets"
+# Files copied beside the weights so the checkpoint can be exported and tokenised without the source.
+ASSET_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "tokenizer.model",
+    "vocab.json",
+    "merges.txt",
+    "added_tokens.json",
+    "chat_template.jinja",
+    "chat_template.json",
+    "generation_config.json",
+)
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+_DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
+
+
+class OutputExistsError(FileExistsError):
+    """The output directory is not empty and --force was not given."""
+
+
+def log(msg: str) -> None:
+    print(f"[convert {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+
+@contextlib.contextmanager
+def atomic_output_dir(out_dir: str | Path, force: bool) -> Iterator[Path]:
+    """Yield a temp dir beside ``out_dir``; on success it replaces ``out_dir`` in one rename."""
+    out = Path(out_dir).resolve()
+    if out.exists() and (not out.is_dir() or any(out.iterdir())) and not force:
+        raise OutputExistsError(f"output {out} exists and is not empty; pass --force to overwrite it")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
+    try:
+        yield tmp
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    if out.exists():
+        trash = out.parent / f".{out.name}.old-{os.getpid()}"
+        out.rename(trash)
+        tmp.rename(out)
+        shutil.rmtree(trash, ignore_errors=True) if trash.is_dir() else trash.unlink()
+    else:
+        tmp.rename(out)
+
+
+@contextlib.contextmanager
+def single_process_megatron() -> Iterator[None]:
+    """A 1-rank gloo world with TP1/PP1 megatron state (what the converters need), torn down after."""
+    import torch.distributed as dist
+
+    from srpo_megatron.parallel import destroy_model_parallel, initialize_model_parallel
+
+    owned = not dist.is_initialized()
+    initialize_model_parallel(1, 1)
+    try:
+        yield
+    finally:
+        destroy_model_parallel()
+        if owned and dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def _skeleton(arch: Architecture, dtype: torch.dtype):
+    from srpo_megatron.models.policy import build_policy
+
+    # Weights are overwritten, so random initialisation would only cost time.
+    return build_policy(arch, params_dtype=dtype, perform_initialization=False)
+
+
+def _with_dtype(config: dict, dtype: torch.dtype) -> dict:
+    """Config with its dtype field updated (``dtype`` in transformers 5, ``torch_dtype`` before)."""
+    key = "dtype" if "dtype" in config else "torch_dtype"
+    return dict(config, **{key: _DTYPE_NAMES[dtype]})
+
+
+def _copy_assets(src: Path, dst: Path) -> None:
+    dst.mkdir(exist_ok=True)
+    for name in ASSET_FILES:
+        if (src / name).is_file():
+            shutil.copy2(src / name, dst / name)
+
+
+def hf_to_megatron(
+    hf_dir: str | Path,
+    out_dir: str | Path,
+    *,
+    dtype: torch.dtype | None = None,
+    force: bool = False,
+    progress: Callable[[str], None] = log,
+) -> Path:
+    """Convert an HF folder (safetensors) into a policy ``dist_checkpointing`` dir; return its path.
+
+    Must run in a process with an ``if __name__ == "__main__":`` guard (dist_checkpointing spawns).
+    """
+    from megatron.core import dist_checkpointing
+
+    from srpo_megatron.conversion.weights import load_hf_weights
+
+    hf_dir = Path(hf_dir)
+    config = load_hf_config_dict(hf_dir)
+    arch = Architecture.from_hf(config)
+    table = ConversionTable(arch)
+    reader = HFCheckpointReader(hf_dir)
+    table.check_hf_names(reader.names())
+    dtype = dtype or reader.dtype()
+    with atomic_output_dir(out_dir, force) as tmp, single_process_megatron():
+        model = _skeleton(arch, dtype)
+        done = [0]
+        total = len(table.hf_names())
+
+        def get(name: str) -> torch.Tensor:
+            done[0] += 1
+            if done[0] % 50 == 0 or done[0] == total:
+                progress(f"read {done[0]}/{total} HF tensors")
+            return reader.get(name).to(dtype)
+
+        load_hf_weights(model, table, get, tp=1, tp_rank=0)
+        reader.close()
+        progress(f"saving dist_checkpointing checkpoint ({arch.model_type}, {dtype}) to {out_dir}")
+        dist_checkpointing.save(model.sharded_state_dict(prefix=POLICY_PREFIX), str(tmp))
+        config = _with_dtype(config, dtype)
+        (tmp / HF_CONFIG_NAME).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+        _copy_assets(hf_dir, tmp / HF_ASSETS_DIR)
+        del model
+    progress(f"done: {out_dir}")
+    return Path(out_dir)
+
+
+def stored_policy_dtype(ckpt_dir: str | Path) -> torch.dtype:
+    """dtype of the policy tensors in a checkpoint (from its metadata, no tensor read)."""
+    from megatron.core import dist_checkpointing
+
+    meta = dist_checkpointing.load_tensors_metadata(str(ckpt_dir))
+    keys = [k for k in meta if k.startswith(POLICY_PREFIX)]
+    if not keys:
+        raise ConversionError(
+            f"{ckpt_dir} has no policy tensors (keys starting with {POLICY_PREFIX!r}); "
+            f"found e.g. {sorted(meta)[:5]}"
+        )
+    return meta[keys[0]].dtype
+
+
+def load_policy_checkpoint(model: torch.nn.Module, ckpt_dir: str | Path) -> None:
+    """Load the ``model.`` tensors of a checkpoint into this rank's policy stage (any TP/PP)."""
+    from megatron.core import dist_checkpointing
+
+    sharded = model.sharded_state_dict(prefix=POLICY_PREFIX)
+    loaded = dist_checkpointing.load(sharded, str(ckpt_dir))
+    state = {k[len(POLICY_PREFIX) :]: v for k, v in loaded.items()}
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    missing = [k for k in missing if not k.endswith("_extra_state")]
+    if missing or unexpected:
+        raise ConversionError(
+            f"checkpoint {ckpt_dir}: missing tensors {missing}; unexpected tensors {unexpected}"
+        )
+
+
+def megatron_to_hf(
+    ckpt_dir: str | Path,
+    out_dir: str | Path,
+    *,
+    dtype: torch.dtype | None = None,
+    max_shard_bytes: int = 5 * 10**9,
+    force: bool = False,
+    progress: Callable[[str], None] = log,
+) -> Path:
+    """Export the policy of a converter or trainer checkpoint to an HF folder loadable by transformers."""
+    ckpt_dir = Path(ckpt_dir)
+    if not (ckpt_dir / HF_CONFIG_NAME).is_file():
+        raise FileNotFoundError(
+            f"{ckpt_dir} has no {HF_CONFIG_NAME}: point --megatron-dir at a checkpoint written by "
+            "tools/convert_hf_to_megatron.py or by the trainer"
+        )
+    config = load_hf_config_dict(ckpt_dir / HF_CONFIG_NAME)
+    arch = Architecture.from_hf(config)
+    table = ConversionTable(arch)
+    with atomic_output_dir(out_dir, force) as tmp, single_process_megatron():
+        stored = stored_policy_dtype(ckpt_dir)
+        out_dtype = dtype or stored
+        model = _skeleton(arch, stored)
+        progress(f"loading {ckpt_dir} ({arch.model_type}, {stored})")
+        load_policy_checkpoint(model, ckpt_dir)
+        writer = ShardedSafetensorsWriter(tmp, max_shard_bytes)
+        params = dict(model.named_parameters())
+        for i, name in enumerate(table.megatron_names()):
+            local = name if name in params else None
+            if local is None:
+                raise ConversionError(f"policy has no parameter {name} (table and model disagree)")
+            for hf_name, tensor in table.to_hf(name, params[local].detach()):
+                writer.add(hf_name, tensor.to(out_dtype))
+            if (i + 1) % 50 == 0:
+                progress(f"exported {i + 1}/{len(params)} megatron tensors")
+        writer.close()
+        config = _with_dtype(config, out_dtype)
+        (tmp / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+        assets = ckpt_dir / HF_ASSETS_DIR
+        if assets.is_dir():
+            for f in assets.iterdir():
+                shutil.copy2(f, tmp / f.name)
+        del model, params
+    progress(f"done: {out_dir}")
+    return Path(out_dir)
+
+
+__all__ = [
+    "DTYPES",
+    "HF_CONFIG_NAME",
+    "POLICY_PREFIX",
+    "OutputExistsError",
+    "canonical_name",
+    "hf_to_megatron",
+    "load_policy_checkpoint",
+    "megatron_to_hf",
+]
