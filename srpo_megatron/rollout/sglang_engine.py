@@ -46,6 +46,7 @@ import torch
 
 from srpo_megatron.configs import ConfigError
 from srpo_megatron.rollout.base import Completion, EngineError, EngineHealth, SamplingParams, sample_seed
+from srpo_megatron.weights.buckets import bucketize
 
 WeightSync = Literal["tensor", "distributed", "disk"]
 
@@ -260,23 +261,6 @@ def check_against_manifest(
     if tuple(tensor.shape) != manifest[name]:
         return f"mis-shaped tensor {name}: got {tuple(tensor.shape)}, model has {manifest[name]}"
     return None
-
-
-def bucketize(
-    named_tensors: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int
-) -> Iterable[list[tuple[str, torch.Tensor]]]:
-    """Group a stream of tensors into lists of at most ``bucket_bytes`` (a larger tensor goes alone)."""
-    bucket: list[tuple[str, torch.Tensor]] = []
-    size = 0
-    for name, t in named_tensors:
-        nbytes = t.numel() * t.element_size()
-        if bucket and size + nbytes > bucket_bytes:
-            yield bucket
-            bucket, size = [], 0
-        bucket.append((name, t))
-        size += nbytes
-    if bucket:
-        yield bucket
 
 
 # ------------------------------------------------------------------------------------------ transports

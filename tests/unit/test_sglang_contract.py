@@ -25,7 +25,6 @@ from srpo_megatron.rollout.hf_engine import HFEngine
 from srpo_megatron.rollout.sglang_engine import (
     SGLangEngine,
     SGLangEngineConfig,
-    bucketize,
     build_generate_request,
     build_init_weights_update_group_request,
     build_memory_occupation_request,
@@ -36,6 +35,7 @@ from srpo_megatron.rollout.sglang_engine import (
     parse_generate_response,
     parse_update_response,
 )
+from srpo_megatron.weights.buckets import bucketize
 from tests.unit.test_rollout_contract import RolloutEngineContract, perturbed_copy
 from tests.unit.test_rollout_hf_engine import EOS, initial_weights, tiny_model
 

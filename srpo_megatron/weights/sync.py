@@ -1,0 +1,294 @@
+"""Weight sync transports: trainer (Megatron TP/PP) -> rollout engine, in buckets bounded by bytes.
+
+Every transport consumes the per-stage HF stream of ``weights.export`` (one sender per PP stage) and ends
+in ``engine.update_weights(stream, version)``, so the engine's own atomicity rules apply (the CPU engine
+validates every name and shape before copying; SGLang refuses to serve after a partial update).
+
+- **in-process** (``sync_in_process``): the engine object lives in the trainer process of global rank
+  ``engine_rank`` (the first stage's sender); the other stages' senders ship their buckets to it
+  point-to-point on the default group.
+- **broadcast** (``StageChannel`` + ``send_stage`` / ``receive_update``): a separate engine process joins
+  one two-member process group per PP stage (that stage's sender is rank 0, the engine rank 1; gloo on
+  CPU, NCCL on GPU) and receives each bucket by broadcast from the sender.
+- **disk** (``save_stage_shards`` / ``load_synced_folder``): each stage's sender writes safetensors
+  shards; after a barrier rank 0 writes ``sync.json`` last, which names the version and the shards, so a
+  reader never sees a half-written version.
+
+Wire format for the p2p / broadcast transports, per bucket: an int64 ``[2]`` header (JSON length, done
+flag), the JSON ``{"version", "names", "dtypes", "shapes"}`` as uint8, then each tensor. A final header
+with ``done = 1`` ends a stage's stream. The bucket bound (default 512 MiB) caps what a sender holds
+beyond one full parameter.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+from collections.abc import Callable, Iterable, Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from srpo_megatron.conversion.table import ConversionTable
+from srpo_megatron.parallel import ParallelGroups
+from srpo_megatron.weights.buckets import bucketize
+from srpo_megatron.weights.export import is_stage_sender, iter_stage_hf_tensors
+
+DEFAULT_BUCKET_BYTES = 512 * 1024**2
+
+
+class WeightSyncError(RuntimeError):
+    """A sync could not complete (stream broken, versions disagree); the engine keeps or refuses."""
+
+
+# ------------------------------------------------------------------------------------------- channels
+
+
+class P2PChannel:
+    """Point-to-point on the default group: ``send`` to ``peer`` / ``recv`` from ``peer``."""
+
+    def __init__(self, peer: int) -> None:
+        self.peer = peer
+
+    def send(self, t: torch.Tensor) -> None:
+        dist.send(t, dst=self.peer)
+
+    def recv(self, t: torch.Tensor) -> None:
+        dist.recv(t, src=self.peer)
+
+
+class StageChannel:
+    """A two-member process group {stage sender = 0, engine = 1}, built from its own TCPStore so the
+    engine process need not be part of the trainer's world. Data moves by ``broadcast`` from rank 0."""
+
+    def __init__(
+        self, host: str, port: int, rank: int, timeout_s: float = 600.0, backend: str = "gloo"
+    ) -> None:
+        timeout = datetime.timedelta(seconds=timeout_s)
+        self._store = dist.TCPStore(host, port, 2, rank == 0, timeout=timeout)
+        if backend == "gloo":
+            self._pg = dist.ProcessGroupGloo(self._store, rank, 2, timeout)
+        else:
+            self._pg = dist.ProcessGroupNCCL(self._store, rank, 2)
+        self.rank = rank
+
+    def _bcast(self, t: torch.Tensor) -> None:
+        opts = dist.BroadcastOptions()
+        opts.rootRank = 0
+        self._pg.broadcast([t], opts).wait()
+
+    send = _bcast
+    recv = _bcast
+
+
+def _send_bucket(ch, bucket: list[tuple[str, torch.Tensor]], version: int) -> None:
+    meta = {
+        "version": version,
+        "names": [n for n, _ in bucket],
+        "dtypes": [str(t.dtype).removeprefix("torch.") for _, t in bucket],
+        "shapes": [list(t.shape) for _, t in bucket],
+    }
+    blob = torch.frombuffer(bytearray(json.dumps(meta).encode()), dtype=torch.uint8)
+    ch.send(torch.tensor([blob.numel(), 0], dtype=torch.int64))
+    ch.send(blob)
+    for _, t in bucket:
+        ch.send(t.contiguous())
+
+
+def _send_done(ch) -> None:
+    ch.send(torch.tensor([0, 1], dtype=torch.int64))
+
+
+def send_stream(ch, stream: Iterable[tuple[str, torch.Tensor]], version: int, bucket_bytes: int) -> int:
+    """Send a stage's stream over ``ch`` in buckets; returns the bytes sent."""
+    sent = 0
+    for bucket in bucketize(stream, bucket_bytes):
+        _send_bucket(ch, bucket, version)
+        sent += sum(t.numel() * t.element_size() for _, t in bucket)
+    _send_done(ch)
+    return sent
+
+
+def receive_stream(ch, version: int | None = None, device: str = "cpu") -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield ``(hf_name, tensor)`` from a sender until its done marker; checks every bucket's version."""
+    while True:
+        header = torch.zeros(2, dtype=torch.int64)
+        ch.recv(header)
+        if int(header[1]) == 1:
+            return
+        blob = torch.empty(int(header[0]), dtype=torch.uint8)
+        ch.recv(blob)
+        meta = json.loads(bytes(blob.tolist()).decode())
+        if version is not None and meta["version"] != version:
+            raise WeightSyncError(f"bucket of version {meta['version']} arrived during the sync of {version}")
+        for name, dtype, shape in zip(meta["names"], meta["dtypes"], meta["shapes"], strict=True):
+            t = torch.empty(shape, dtype=getattr(torch, dtype), device=device)
+            ch.recv(t)
+            yield name, t
+
+
+def _peek_version(ch) -> tuple[int | None, Callable[[], Iterator[tuple[str, torch.Tensor]]]]:
+    """Read the first bucket header to learn the version, and return a stream that replays it."""
+    header = torch.zeros(2, dtype=torch.int64)
+    ch.recv(header)
+    if int(header[1]) == 1:
+        return None, lambda: iter(())
+    blob = torch.empty(int(header[0]), dtype=torch.uint8)
+    ch.recv(blob)
+    meta = json.loads(bytes(blob.tolist()).decode())
+
+    def stream():
+        for name, dtype, shape in zip(meta["names"], meta["dtypes"], meta["shapes"], strict=True):
+            t = torch.empty(shape, dtype=getattr(torch, dtype))
+            ch.recv(t)
+            yield name, t
+        yield from receive_stream(ch, meta["version"])
+
+    return int(meta["version"]), stream
+
+
+# --------------------------------------------------------------------------------------- in-process
+
+
+def _stage_senders(groups: ParallelGroups) -> list[int]:
+    """Global rank of each PP stage's sender, in stage order (collective over the default group)."""
+    mine = torch.tensor([groups.pp_rank if is_stage_sender(groups) else -1], dtype=torch.int64)
+    everyone = [torch.zeros(1, dtype=torch.int64) for _ in range(dist.get_world_size())]
+    dist.all_gather(everyone, mine)
+    senders = {int(t): r for r, t in enumerate(everyone) if int(t) >= 0}
+    return [senders[p] for p in range(groups.pp_size)]
+
+
+def sync_in_process(
+    model: torch.nn.Module,
+    table: ConversionTable,
+    groups: ParallelGroups,
+    engine: Any | None,
+    version: int,
+    *,
+    engine_rank: int = 0,
+    bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+    dtype: torch.dtype | None = None,
+) -> None:
+    """Collective over all trainer ranks: install the policy into ``engine`` (given on ``engine_rank`` only)
+    as ``version``. ``engine_rank`` must be the first stage's sender (global rank 0 in megatron's order)."""
+    senders = _stage_senders(groups)
+    if senders[0] != engine_rank:
+        raise WeightSyncError(
+            f"engine_rank={engine_rank} is not the first pipeline stage's sender (rank {senders[0]}); "
+            "host the in-process engine there"
+        )
+    me = dist.get_rank()
+    local = iter_stage_hf_tensors(model, table, groups, dtype)
+    if me == engine_rank:
+        if engine is None:
+            raise WeightSyncError(f"rank {me} hosts the engine but got engine=None")
+
+        def stream():
+            yield from local
+            for peer in senders[1:]:
+                yield from receive_stream(P2PChannel(peer), version)
+
+        engine.update_weights(stream(), version)
+    elif me in senders:
+        send_stream(P2PChannel(engine_rank), local, version, bucket_bytes)
+    else:
+        for _ in local:  # join this stage's TP gathers
+            pass
+
+
+# ---------------------------------------------------------------------------- broadcast (engine process)
+
+
+def send_stage(
+    model: torch.nn.Module,
+    table: ConversionTable,
+    groups: ParallelGroups,
+    channel: StageChannel | None,
+    version: int,
+    *,
+    bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+    dtype: torch.dtype | None = None,
+) -> int:
+    """Trainer side, collective over the stage's TP group: the stage sender (which holds ``channel``)
+    broadcasts its stage to the engine process. Returns bytes sent (0 on non-senders)."""
+    local = iter_stage_hf_tensors(model, table, groups, dtype)
+    if is_stage_sender(groups):
+        if channel is None:
+            raise WeightSyncError("this rank is its stage's sender but has no StageChannel to the engine")
+        return send_stream(channel, local, version, bucket_bytes)
+    for _ in local:
+        pass
+    return 0
+
+
+def receive_update(engine: Any, channels: list[StageChannel]) -> int:
+    """Engine process: receive one sync from all stages (stage order) into ``engine``; returns the version."""
+    version, first = _peek_version(channels[0])
+    if version is None:
+        raise WeightSyncError("stage 0 sent an empty sync")
+
+    def stream():
+        yield from first()
+        for ch in channels[1:]:
+            yield from receive_stream(ch, version)
+
+    engine.update_weights(stream(), version)
+    return version
+
+
+# ------------------------------------------------------------------------------------------------ disk
+
+
+def save_stage_shards(
+    model: torch.nn.Module,
+    table: ConversionTable,
+    groups: ParallelGroups,
+    folder: str | Path,
+    version: int,
+    *,
+    bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+    dtype: torch.dtype | None = None,
+) -> None:
+    """Collective over all trainer ranks: write the policy as safetensors shards + ``sync.json`` (last)."""
+    from safetensors.torch import save_file
+
+    folder = Path(folder)
+    if dist.get_rank() == 0:
+        folder.mkdir(parents=True, exist_ok=True)
+        (folder / "sync.json").unlink(missing_ok=True)
+        for old in folder.glob("*.safetensors"):
+            old.unlink()
+    dist.barrier()
+    files = []
+    for k, bucket in enumerate(bucketize(iter_stage_hf_tensors(model, table, groups, dtype), bucket_bytes)):
+        name = f"model-stage{groups.pp_rank:03d}-{k:05d}.safetensors"
+        save_file(dict(bucket), str(folder / name), metadata={"version": str(version)})
+        files.append(name)
+    everyone: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, files)
+    if dist.get_rank() == 0:
+        shards = sorted(f for fs in everyone for f in fs)
+        (folder / "sync.json").write_text(json.dumps({"version": version, "shards": shards}))
+    dist.barrier()
+
+
+def load_synced_folder(folder: str | Path) -> tuple[int, Iterator[tuple[str, torch.Tensor]]]:
+    """Engine side: ``(version, stream)`` of a folder written by ``save_stage_shards``."""
+    from safetensors import safe_open
+
+    folder = Path(folder)
+    marker = folder / "sync.json"
+    if not marker.exists():
+        raise WeightSyncError(f"{folder} has no sync.json: the trainer has not finished writing a version")
+    info = json.loads(marker.read_text())
+
+    def stream():
+        for shard in info["shards"]:
+            with safe_open(str(folder / shard), framework="pt") as f:
+                for key in f.keys():  # noqa: SIM118 - safe_open is not a mapping
+                    yield key, f.get_tensor(key)
+
+    return int(info["version"]), stream()
