@@ -1,0 +1,18 @@
+"""Evaluation: avg@k through any rollout engine, the best-within-budget report, and run plots."""
+
+from srpo_megatron.evaluation.avg_at_k import build_eval_benchmarks, evaluate, run_eval
+from srpo_megatron.evaluation.budget_report import append_eval_log, best_within_budgets, format_budget_report
+from srpo_megatron.evaluation.config import EvalConfig
+from srpo_megatron.evaluation.plots import plot_main, plot_run
+
+__all__ = [
+    "EvalConfig",
+    "append_eval_log",
+    "best_within_budgets",
+    "build_eval_benchmarks",
+    "evaluate",
+    "format_budget_report",
+    "plot_main",
+    "plot_run",
+    "run_eval",
+]

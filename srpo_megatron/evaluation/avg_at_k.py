@@ -1,0 +1,186 @@
+"""avg@k evaluation through any ``RolloutEngine``: sample k responses per prompt, score them, write it all.
+
+``evaluate`` samples ``k`` completions per prompt (paper: k = 16, temperature 0.6, top-p 0.95), decodes
+them (special tokens skipped), scores each with its row's reward kind in a ``RewardPool`` and computes,
+per benchmark, avg@k = mean over prompts of the mean reward of the prompt's k samples (every prompt has
+exactly k samples, so this is also the mean over all samples), and the unweighted mean over benchmarks
+(the paper's "average" column). It writes ``samples.jsonl`` (one line per sample: benchmark, prompt,
+response, reward, ...) and ``summary.json`` into ``out_dir``.
+
+``run_eval`` is the entry point the CLI (``srpo eval``) and the trainer call: it builds the held-out
+prompts from the recipe's ``data`` section and evaluates them.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from srpo_megatron.data.config import DataConfig
+from srpo_megatron.data.dataset import Prompt, PromptDataset, arithmetic_rows
+from srpo_megatron.evaluation.config import EvalConfig
+from srpo_megatron.rewards import RewardPool
+from srpo_megatron.rollout.base import RolloutEngine, SamplingParams
+
+SAMPLES_FILE = "samples.jsonl"
+SUMMARY_FILE = "summary.json"
+
+
+def evaluate(
+    engine: RolloutEngine,
+    benchmarks: Mapping[str, Sequence[Prompt]],
+    tokenizer: Any,
+    out_dir: str | Path,
+    *,
+    k: int = 16,
+    temperature: float = 0.6,
+    top_p: float = 0.95,
+    max_new_tokens: int = 8192,
+    seed: int = 1234,
+    prompts_per_call: int = 64,
+    reward_pool: RewardPool | None = None,
+    step: int | None = None,
+) -> dict[str, Any]:
+    """avg@k per benchmark and their mean; writes ``samples.jsonl`` and ``summary.json`` to ``out_dir``."""
+    if not benchmarks or any(len(ps) == 0 for ps in benchmarks.values()):
+        empty = [name for name, ps in benchmarks.items() if not ps] or ["(none given)"]
+        raise ValueError(f"evaluate: no prompts for benchmark(s) {empty}; check data.eval_files")
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    t0 = time.monotonic()
+    items = [(name, i, p) for name, ps in benchmarks.items() for i, p in enumerate(ps)]
+    stop_ids = tuple(i for i in (getattr(tokenizer, "eos_token_id", None),) if i is not None)
+    completions = []
+    for start in range(0, len(items), prompts_per_call):
+        chunk = items[start : start + prompts_per_call]
+        params = SamplingParams(
+            n=k,
+            temperature=temperature,
+            top_p=top_p,
+            max_new_tokens=max_new_tokens,
+            stop_token_ids=stop_ids,
+            # Distinct per chunk, so prompts in different calls do not share sample seeds.
+            seed=seed * 1_000_003 + start,
+        )
+        result = engine.generate([list(p.ids) for _, _, p in chunk], params)
+        if len(result) != len(chunk) or any(len(c) != k for c in result):
+            raise RuntimeError(f"engine returned {[len(c) for c in result]} samples per prompt, expected {k}")
+        completions.extend(result)
+    gen_s = time.monotonic() - t0
+
+    records = []
+    for (name, i, p), samples in zip(items, completions, strict=True):
+        for j, c in enumerate(samples):
+            records.append(
+                {
+                    "benchmark": name,
+                    "prompt_index": i,
+                    "sample_index": j,
+                    "source": p.row.source,
+                    "system": p.row.system,
+                    "prompt": p.row.prompt,
+                    "answer": p.row.answer,
+                    "kind": p.row.kind,
+                    "response": tokenizer.decode(c.token_ids, skip_special_tokens=True),
+                    "num_tokens": len(c.token_ids),
+                    "finish_reason": c.finish_reason,
+                    "weight_version": c.weight_version,
+                }
+            )
+    own_pool = reward_pool is None
+    pool = reward_pool or RewardPool(num_workers=2)
+    try:
+        scored = pool.score(
+            [r["kind"] for r in records], [r["response"] for r in records], [r["answer"] for r in records]
+        )
+    finally:
+        if own_pool:
+            pool.close()
+    for r, reward in zip(records, scored.rewards, strict=True):
+        r["reward"] = reward
+
+    with (out / SAMPLES_FILE).open("w", encoding="utf-8") as f:
+        for r in records:
+            f.write(json.dumps(r, ensure_ascii=False) + "\n")
+
+    per_bench: dict[str, dict[str, float]] = {}
+    for name, ps in benchmarks.items():
+        rs = [r for r in records if r["benchmark"] == name]
+        per_prompt = [sum(r["reward"] for r in rs if r["prompt_index"] == i) / k for i in range(len(ps))]
+        per_bench[name] = {
+            "avg_at_k": sum(per_prompt) / len(per_prompt),
+            "pass_at_k": sum(v > 0 for v in per_prompt) / len(per_prompt),
+            "num_prompts": len(ps),
+            "num_samples": len(rs),
+            "response_tokens_mean": sum(r["num_tokens"] for r in rs) / len(rs),
+            "truncated_frac": sum(r["finish_reason"] == "length" for r in rs) / len(rs),
+        }
+    summary = {
+        "k": k,
+        "temperature": temperature,
+        "top_p": top_p,
+        "max_new_tokens": max_new_tokens,
+        "seed": seed,
+        "step": step,
+        "weight_version": engine.weight_version,
+        "benchmarks": per_bench,
+        "mean_avg_at_k": sum(b["avg_at_k"] for b in per_bench.values()) / len(per_bench),
+        "reward_timeouts": scored.num_timeouts,
+        "reward_errors": scored.num_errors,
+        "generate_s": gen_s,
+        "total_s": time.monotonic() - t0,
+    }
+    (out / SUMMARY_FILE).write_text(json.dumps(summary, indent=2) + "\n")
+    return summary
+
+
+def build_eval_benchmarks(
+    data: DataConfig, tokenizer: Any, limit: int | None = None
+) -> dict[str, list[Prompt]]:
+    """Held-out prompts of a recipe grouped by benchmark (eval files, plus the arithmetic held-out split)."""
+    ds = PromptDataset.from_files(data.eval_files, tokenizer, data)
+    benches = ds.benchmarks()
+    if data.arithmetic is not None:
+        extra = PromptDataset.from_rows(arithmetic_rows(data.arithmetic, "test"), tokenizer, data)
+        for name, ps in extra.benchmarks().items():
+            benches.setdefault(name, []).extend(ps)
+    if limit is not None:
+        benches = {name: ps[:limit] for name, ps in benches.items()}
+    return benches
+
+
+def run_eval(
+    engine: RolloutEngine,
+    tokenizer: Any,
+    data: DataConfig,
+    cfg: EvalConfig,
+    out_dir: str | Path,
+    *,
+    step: int | None = None,
+    reward_pool: RewardPool | None = None,
+) -> dict[str, Any]:
+    """Evaluate ``engine`` on the recipe's held-out benchmarks; what ``srpo eval`` and the trainer call."""
+    benches = build_eval_benchmarks(data, tokenizer, cfg.max_prompts_per_benchmark)
+    own_pool = reward_pool is None
+    pool = reward_pool or RewardPool(num_workers=cfg.reward_workers, timeout_s=cfg.reward_timeout_s)
+    try:
+        return evaluate(
+            engine,
+            benches,
+            tokenizer,
+            out_dir,
+            k=cfg.k,
+            temperature=cfg.temperature,
+            top_p=cfg.top_p,
+            max_new_tokens=cfg.max_new_tokens,
+            seed=cfg.seed,
+            prompts_per_call=cfg.prompts_per_call,
+            reward_pool=pool,
+            step=step,
+        )
+    finally:
+        if own_pool:
+            pool.close()
