@@ -33,8 +33,8 @@ from typing import NamedTuple
 import torch
 import torch.distributed as dist
 
-# Bytes of one [rows, V/P] fp32 temporary; a chunk uses about three of them at a time.
-DEFAULT_CHUNK_BYTES = 32 << 20
+# Bytes of one [rows, V/P] fp32 work buffer (a call uses up to three): small enough to stay in cache.
+DEFAULT_CHUNK_BYTES = 1 << 20
 
 
 class VocabStats(NamedTuple):
@@ -68,10 +68,29 @@ def _chunk_rows(vocab_shard: int, chunk_tokens: int | None) -> int:
     return max(1, DEFAULT_CHUNK_BYTES // (4 * max(1, vocab_shard)))
 
 
-def _scaled(x: torch.Tensor, cdt: torch.dtype, temperature: float) -> torch.Tensor:
-    """z = x / τ in the compute dtype. May alias ``x`` (fp32, τ = 1): callers never write into it."""
-    z = x.to(cdt)
-    return z if temperature == 1.0 else z / temperature
+class _Workspace:
+    """Chunk-sized work buffers, allocated once per call and reused for every chunk.
+
+    Fresh [rows, V/P] allocations per chunk would each be new pages for the OS to fault in; reusing a
+    few small buffers keeps the working set in cache and the page faults to one round.
+    """
+
+    def __init__(self, rows: int, vocab_shard: int, cdt: torch.dtype, count: int):
+        self.bufs = [torch.empty(rows, vocab_shard, dtype=cdt) for _ in range(count)]
+
+    def get(self, i: int, rows: int) -> torch.Tensor:
+        return self.bufs[i][:rows]
+
+
+def _scaled(x: torch.Tensor, cdt: torch.dtype, temperature: float, out: torch.Tensor) -> torch.Tensor:
+    """z = x / τ in the compute dtype, written into ``out`` unless ``x`` can be used as is.
+
+    The returned tensor may alias ``x`` (compute dtype, τ = 1): callers never write into it.
+    """
+    if x.dtype == cdt and temperature == 1.0:
+        return x
+    out.copy_(x)
+    return out if temperature == 1.0 else out.div_(temperature)
 
 
 def _local_ids(ids: torch.Tensor, offset: int, vocab_shard: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -81,15 +100,16 @@ def _local_ids(ids: torch.Tensor, offset: int, vocab_shard: int) -> tuple[torch.
     return local.clamp(0, vocab_shard - 1), owned
 
 
-def _local_topk(z: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _local_topk(z: torch.Tensor, k: int, flags: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Top-k of each row of ``z`` [R, V/P] with ties at the k-th value broken towards the lower index.
 
     ``torch.topk`` picks arbitrarily among values equal to the k-th largest; only rows where such a tie
-    straddles the boundary (more than k values ≥ the k-th) are redone with a stable sort.
+    straddles the boundary (more than k values ≥ the k-th) are redone with a stable sort. ``flags`` is
+    a bool work buffer shaped like ``z``.
     """
     vals, idx = z.topk(k, dim=-1, sorted=False)
     kth = vals.min(dim=-1, keepdim=True).values
-    tied = (z >= kth).sum(dim=-1) > k
+    tied = torch.ge(z, kth, out=flags).sum(dim=-1) > k
     if bool(tied.any()):
         rows = tied.nonzero().squeeze(1)
         svals, sidx = torch.sort(z[rows], dim=-1, descending=True, stable=True)
@@ -135,28 +155,31 @@ def _forward_stats(
     cand_v = torch.full((n, kl), -torch.inf, dtype=cdt)
     cand_i = torch.zeros((n, kl), dtype=torch.int64)
     local_ids, owned = _local_ids(ids, offset, vs)
+    ws = _Workspace(min(chunk, n), vs, cdt, 3)
+    flags = torch.empty(min(chunk, n), vs, dtype=torch.bool) if kl else None
     for a in range(0, n, chunk):
         b = min(n, a + chunk)
-        z = _scaled(x[a:b], cdt, temperature)
-        m = z.max(dim=-1).values
-        d = z - m[:, None]
-        e = d.exp()
+        r = b - a
+        z = _scaled(x[a:b], cdt, temperature, ws.get(0, r))
+        m = torch.amax(z, dim=-1)
+        d = torch.sub(z, m[:, None], out=ws.get(1, r))
         m_loc[a:b] = m
-        s_loc[a:b] = e.sum(dim=-1)
         if with_entropy:
+            e = torch.exp(d, out=ws.get(2, r))
+            torch.sum(e, dim=-1, out=s_loc[a:b])
             sd_loc[a:b] = torch.bmm(e.unsqueeze(1), d.unsqueeze(2)).view(-1)
-        del d, e
+        else:
+            torch.sum(d.exp_(), dim=-1, out=s_loc[a:b])
         if j:
             z_ids[a:b] = torch.where(owned[a:b], z.gather(1, local_ids[a:b]), 0)
         if kl:
             rows = None if topk_rows is None else topk_rows[a:b].nonzero().squeeze(1)
             if rows is None:
-                v, i = _local_topk(z, kl)
+                v, i = _local_topk(z, kl, flags[:r])
                 cand_v[a:b], cand_i[a:b] = v, i + offset
             elif rows.numel():
-                v, i = _local_topk(z[rows], kl)
+                v, i = _local_topk(z[rows], kl, flags[: rows.numel()])
                 cand_v[a + rows], cand_i[a + rows] = v, i + offset
-        del z
     if world > 1:
         m_glob = m_loc.clone()
         dist.all_reduce(m_glob, op=dist.ReduceOp.MAX, group=group)
@@ -207,28 +230,35 @@ def _backward_stats(
     n, vs = x.shape
     cdt = lse.dtype
     grad = torch.empty_like(x)
+    inv_t = 1.0 / temperature
+    # ∂L/∂x_v = p_v·(α·log p_v + β) + Σ_j (g_j / τ)·1[v = id_j] with per-row α = −g_H/τ and
+    # β = −(Σ_j g_j + g_H·H)/τ: two multiplies per element after the exp.
     g_sum = grad_ids.sum(dim=1) if grad_ids is not None else torch.zeros(n, dtype=cdt)
+    beta = -inv_t * g_sum
+    if grad_entropy is not None:
+        alpha = -inv_t * grad_entropy
+        beta = beta - inv_t * grad_entropy * entropy
     if grad_ids is not None:
         local_ids, owned = _local_ids(ids, rank * vs, vs)
-        g_owned = torch.where(owned, grad_ids, 0)
+        g_owned = torch.where(owned, grad_ids * inv_t, 0)
+    ws = _Workspace(min(chunk, n), vs, cdt, 3)
+    direct = grad.dtype == cdt  # write straight into the gradient, no staging copy
     for a in range(0, n, chunk):
         b = min(n, a + chunk)
-        z = _scaled(x[a:b], cdt, temperature)
-        logp = z - lse[a:b, None]
-        del z
-        p = logp.exp()
+        r = b - a
+        z = _scaled(x[a:b], cdt, temperature, ws.get(0, r))
+        logp = torch.sub(z, lse[a:b, None], out=ws.get(1, r))
+        target = grad[a:b] if direct else ws.get(0, r)  # z is dead once logp exists
         if grad_entropy is not None:
-            coef = logp.add_(entropy[a:b, None]).mul_(grad_entropy[a:b, None]).add_(g_sum[a:b, None])
+            p = torch.exp(logp, out=ws.get(2, r))
+            coef = logp.mul_(alpha[a:b, None]).add_(beta[a:b, None])
+            torch.mul(p, coef, out=target)
         else:
-            coef = g_sum[a:b, None]
-        dz = p.mul_(coef).neg_()
-        del logp, coef
+            torch.mul(logp.exp_(), beta[a:b, None], out=target)
         if grad_ids is not None:
-            dz.scatter_add_(1, local_ids[a:b], g_owned[a:b])
-        if temperature != 1.0:
-            dz.div_(temperature)
-        grad[a:b].copy_(dz)
-        del dz, p
+            target.scatter_add_(1, local_ids[a:b], g_owned[a:b])
+        if not direct:
+            grad[a:b].copy_(target)
     return grad
 
 
