@@ -1,0 +1,79 @@
+"""The ``srpo`` command line.
+
+    srpo train RECIPE [--override key=value ...]        SRPO/GRPO/SDPO training (torchrun for TP/PP/DP)
+    srpo eval RECIPE --checkpoint DIR [--override ...]  avg@k (+ greedy) of a checkpoint on the held-out data
+    srpo plot RUN_DIR [--out DIR]                       PNG plots of a run's metrics
+    srpo launch RECIPE --cluster cluster/NAME.yaml ...  submit with nemo-run (Slurm or local)
+    srpo jobs status|logs|cancel [EXPERIMENT]           follow launched experiments
+
+Errors in recipes and inputs are printed as one message naming the key/file, value and fix.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from srpo_megatron.configs import ConfigError
+
+
+def _add_recipe(p: argparse.ArgumentParser) -> None:
+    p.add_argument("recipe", help="YAML recipe (see examples/)")
+    p.add_argument(
+        "--override", "-o", action="append", default=[], metavar="KEY=VALUE", help="e.g. train.steps=3"
+    )
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from srpo_megatron.launch.commands import add_jobs_args, add_launch_args
+
+    parser = argparse.ArgumentParser(prog="srpo", description="SRPO RL post-training on megatron-core")
+    sub = parser.add_subparsers(dest="command", required=True)
+    _add_recipe(sub.add_parser("train", help="train a policy with SRPO (or a GRPO/SDPO baseline)"))
+    p = sub.add_parser("eval", help="evaluate a checkpoint: avg@k per benchmark and their mean")
+    _add_recipe(p)
+    p.add_argument("--checkpoint", required=True, help="training checkpoint dir, or an HF model folder")
+    p.add_argument("--out", default=None, help="output folder (default <run.dir>/eval/manual)")
+    p = sub.add_parser("plot", help="render PNG plots from <RUN_DIR>/metrics.jsonl")
+    p.add_argument("run_dir")
+    p.add_argument("--out", default=None)
+    add_launch_args(sub.add_parser("launch", help="submit a recipe with nemo-run (Slurm or local)"))
+    add_jobs_args(sub.add_parser("jobs", help="status, logs or cancel of launched experiments"))
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        if args.command == "train":
+            from srpo_megatron.train import main as train_main
+
+            result = train_main(args.recipe, args.override)
+            if result.get("print_summary", True) and result.get("rank", 0) == 0:
+                print(json.dumps(result.get("summary", result), default=str), flush=True)
+            return 0
+        if args.command == "eval":
+            from srpo_megatron.trainer.eval_command import eval_main
+
+            return eval_main(args)
+        if args.command == "plot":
+            from srpo_megatron.evaluation.plots import plot_main
+
+            return plot_main(args.run_dir, args.out)
+        if args.command == "launch":
+            from srpo_megatron.launch.commands import launch_main
+
+            return launch_main(args)
+        if args.command == "jobs":
+            from srpo_megatron.launch.commands import jobs_main
+
+            return jobs_main(args)
+    except (ConfigError, FileNotFoundError) as e:
+        print(f"srpo {args.command}: error: {e}", file=sys.stderr)
+        return 2
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

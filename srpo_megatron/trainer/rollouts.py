@@ -1,0 +1,144 @@
+"""SPEC §1 steps 1–4: rollouts, rewards, routing and the teacher's context, as one ``RolloutBatch``.
+
+Runs on the rank that hosts the rollout engine (global rank 0); the result is plain Python data that
+``broadcast_batch`` ships to every trainer rank, so all ranks agree on routing and advantages.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from srpo_megatron.data.dataset import Prompt
+from srpo_megatron.data.templating import encode_text, template_text
+from srpo_megatron.losses import group_advantages, route, routing_masks
+from srpo_megatron.losses.config import LossConfig
+from srpo_megatron.rewards.pool import RewardPool
+from srpo_megatron.rollout.base import RolloutEngine, SamplingParams
+from srpo_megatron.trainer.config import RolloutConfig, TeacherConfig
+
+_THINK = re.compile(r"<think>.*?</think>", re.DOTALL)
+
+
+@dataclass
+class Sample:
+    """One rollout y_i of prompt group ``group`` (index ``member`` in the group)."""
+
+    group: int
+    member: int
+    prompt_ids: list[int]
+    response_ids: list[int]
+    rollout_logp: list[float]  # the engine's log-prob of each sampled token (TIS)
+    reward: float = 0.0
+    advantage: float = 0.0
+    grpo: bool = True  # z^GRPO under the loss mode
+    sdpo: bool = False  # z^SDPO under the loss mode
+    needs_teacher: bool = False  # the teacher forward runs on this sample
+    teacher_prompt_ids: list[int] | None = None  # teacher context (sibling's solution), SPEC §1.4
+    finish_reason: str = "stop"
+
+
+@dataclass
+class RolloutBatch:
+    samples: list[Sample]
+    metrics: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def num_teacher_samples(self) -> int:
+        return sum(s.needs_teacher for s in self.samples)
+
+
+def clean_solution(text: str) -> str:
+    """The sibling's response as the teacher sees it: ``<think>…</think>`` blocks removed."""
+    return _THINK.sub("", text).strip()
+
+
+def teacher_prompt_ids(tokenizer: Any, prompt: Prompt, sibling_text: str, cfg: TeacherConfig) -> list[int]:
+    """SPEC §1.4: system kept, the user turn shows the correct sibling's solution; right-truncated."""
+    user = cfg.solution_template.format(
+        user_prompt=prompt.row.prompt, sibling_response=clean_solution(sibling_text)
+    )
+    ids = encode_text(tokenizer, template_text(tokenizer, user, prompt.row.system, enable_thinking=False))
+    return ids[: cfg.max_prompt_tokens]
+
+
+def collect_rollouts(
+    engine: RolloutEngine,
+    tokenizer: Any,
+    prompts: list[Prompt],
+    rollout: RolloutConfig,
+    loss: LossConfig,
+    teacher: TeacherConfig,
+    rewards: RewardPool,
+    seed: int,
+) -> RolloutBatch:
+    """Generate G rollouts per prompt, score, route and build teacher prompts (SPEC §1 steps 1–4)."""
+    t0 = time.monotonic()
+    params = SamplingParams(
+        n=rollout.group_size,
+        temperature=rollout.temperature,
+        top_p=rollout.top_p,
+        top_k=rollout.top_k,
+        max_new_tokens=rollout.max_new_tokens,
+        seed=seed,
+    )
+    completions = engine.generate([list(p.ids) for p in prompts], params)
+    t_gen = time.monotonic() - t0
+    samples: list[Sample] = []
+    texts: list[str] = []
+    for g, (prompt, group) in enumerate(zip(prompts, completions, strict=True)):
+        for m, c in enumerate(group):
+            samples.append(Sample(g, m, list(prompt.ids), list(c.token_ids), list(c.logprobs)))
+            samples[-1].finish_reason = c.finish_reason
+            texts.append(tokenizer.decode(c.token_ids, skip_special_tokens=True))
+    t1 = time.monotonic()
+    scored = rewards.score(
+        [prompts[s.group].row.kind for s in samples], texts, [prompts[s.group].row.answer for s in samples]
+    )
+    t_reward = time.monotonic() - t1
+    b, g = len(prompts), rollout.group_size
+    r = torch.tensor(scored.rewards, dtype=torch.float64).view(b, g)
+    routing = route(r, loss.success_threshold)
+    grpo, sdpo, needs_teacher = routing_masks(routing, loss.mode)
+    adv = group_advantages(r, loss.std_normalize, loss.std_eps)
+    for s in samples:
+        i, j = s.group, s.member
+        s.reward, s.advantage = float(r[i, j]), float(adv[i, j])
+        s.grpo, s.sdpo, s.needs_teacher = bool(grpo[i, j]), bool(sdpo[i, j]), bool(needs_teacher[i, j])
+        if s.needs_teacher:
+            sib = int(routing.sibling[i, j])
+            s.teacher_prompt_ids = teacher_prompt_ids(tokenizer, prompts[i], texts[i * g + sib], teacher)
+    n = len(samples)
+    lengths = torch.tensor([len(s.response_ids) for s in samples], dtype=torch.float64)
+    fallback = (~routing.correct & ~routing.has_teacher).double().mean().item()
+    metrics = {
+        "reward/mean": r.mean().item(),
+        "reward/accuracy": routing.correct.double().mean().item(),
+        "route/grpo_frac": (~routing.to_sdpo & routing.correct).double().mean().item(),
+        "route/sdpo_frac": routing.to_sdpo.double().mean().item(),
+        "route/fallback_frac": fallback,
+        "route/has_teacher_frac": routing.has_teacher.double().mean().item(),
+        "route/teacher_samples": float(sum(s.needs_teacher for s in samples)),
+        "response/length_mean": lengths.mean().item(),
+        "response/length_max": lengths.max().item(),
+        "response/truncated_frac": sum(s.finish_reason == "length" for s in samples) / n,
+        "time/generate_s": t_gen,
+        "time/reward_s": t_reward,
+        **scored.metrics(),
+    }
+    return RolloutBatch(samples, metrics)
+
+
+def broadcast_batch(batch: RolloutBatch | None, src: int = 0) -> RolloutBatch:
+    """Ship the batch from ``src`` to every rank (a collective)."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        assert batch is not None
+        return batch
+    box = [batch]
+    dist.broadcast_object_list(box, src=src)
+    return box[0]
