@@ -91,11 +91,13 @@ def launch_main(args: argparse.Namespace) -> int:
         cluster = load_cluster(args.cluster)
         recipe_path = Path(args.recipe)
         recipe = apply_overrides(load_yaml(recipe_path), list(args.override))
+        placement = RolloutPlacement.from_recipe(recipe)
+        cluster.check_request(args.nodes + placement.engine_nodes, args.gpus_per_node)
         request = LaunchRequest(
             name=args.name or f"srpo-{recipe_path.stem}",
             command=_job_command(args, recipe_path, recipe, cluster.code),
             nodes=args.nodes,
-            placement=RolloutPlacement.from_recipe(recipe),
+            placement=placement,
             gpus_per_node=args.gpus_per_node,
         )
         result = submit(cluster, request, dryrun=args.dryrun)

@@ -28,13 +28,17 @@ class JobError(RuntimeError):
     """A launched job did not complete; the message holds its state and the tail of its log."""
 
 
-def set_home(home: str | Path | None) -> Path:
-    """Point nemo-run at ``home`` (else ``$NEMORUN_HOME`` or ``~/.nemo_run``) and return it."""
-    from nemo_run.config import set_nemorun_home
+def set_home(home: str | Path | None = None) -> Path:
+    """Point nemo-run at ``home`` and return it; None keeps nemo-run's current home.
 
-    path = Path(home or os.environ.get("NEMORUN_HOME") or "~/.nemo_run").expanduser()
-    set_nemorun_home(str(path))
-    return path
+    nemo-run's home starts as ``$NEMORUN_HOME`` (default ``~/.nemo_run``); experiments, their sbatch
+    scripts and (on a login node) their logs live under ``<home>/experiments``.
+    """
+    from nemo_run.config import get_nemorun_home, set_nemorun_home
+
+    if home is not None:
+        set_nemorun_home(str(Path(home).expanduser()))
+    return Path(get_nemorun_home())
 
 
 def experiment_ids(home: Path) -> list[str]:
