@@ -97,7 +97,8 @@ def global_normalizers(
 
     Call once per optimizer step, after the scoring pass, on every rank (a collective when ``group`` is set).
     """
-    sums = torch.zeros(3, dtype=torch.float64)
+    device = micro_batches[0].mask.device if micro_batches else None
+    sums = torch.zeros(3, dtype=torch.float64, device=device)
     for mb in micro_batches:
         sums[0] += mb.mask.sum()
         rows = _sdpo_rows(mb)
@@ -200,7 +201,9 @@ def routed_loss(
             metrics["raw_weight_sum"] = raw_weights(ent, cfg.beta).double().sum()
             metrics["teacher_entropy_sum"] = ent.double().sum()
         per_token = per_token.index_add(0, sdpo_rows, loss_s)
-        metrics["sdpo_tokens"] = torch.tensor(float(sdpo_rows.numel()), dtype=torch.float64)
+        metrics["sdpo_tokens"] = torch.full(
+            (), float(sdpo_rows.numel()), dtype=torch.float64, device=logp.device
+        )
         metrics["sdpo_loss_sum"] = loss_s.detach().double().sum()
         metrics["divergence_sum"] = ms["divergence"].double().sum()
 

@@ -14,9 +14,12 @@ How it stays exact and small:
   Σ exp(z − max), a local Σ exp(z − max)·(z − max) (for the entropy), the logits at the requested ids that
   it owns, and its local top-k; then one MAX and one SUM all-reduce (plus one all-gather of k candidates
   per row for top-k) combine them.
-- Work is done in chunks of rows (tokens), so the only ``[rows, V/P]`` temporaries are a few chunks of
-  ``DEFAULT_CHUNK_BYTES``. Backward saves only ``[T]`` statistics and recomputes the softmax per chunk
-  instead of saving ``[T, V]`` probabilities; the only full-size allocation is the gradient itself.
+- Work is done in chunks of rows (tokens) through three reusable work buffers of about
+  ``DEFAULT_CHUNK_BYTES`` each (cache-sized: each element is touched several times while still in
+  cache, and no fresh pages are faulted in per chunk). Backward saves only ``[T]`` statistics and
+  recomputes the softmax per chunk instead of saving ``[T, V]`` probabilities; the only full-size
+  allocation is the gradient itself. Forward: amax, subtract, exp, sum (+ one dot for the entropy);
+  backward: subtract, exp, one multiply (two more for the entropy), a scatter of the id gradients.
 - Inputs are never modified (megatron's ``vocab_parallel_cross_entropy`` rewrites fp32 logits in place;
   this module does not).
 - fp32 and bf16/fp16 logits are computed in fp32; fp64 logits stay fp64. Outputs have the compute dtype;
@@ -33,8 +36,10 @@ from typing import NamedTuple
 import torch
 import torch.distributed as dist
 
-# Bytes of one [rows, V/P] fp32 work buffer (a call uses up to three): small enough to stay in cache.
+# Bytes of one [rows, V/P] fp32 work buffer (a call uses up to three). On CPU small enough to stay in
+# cache; on accelerators large enough that kernel launches per chunk do not dominate.
 DEFAULT_CHUNK_BYTES = 1 << 20
+DEFAULT_CHUNK_BYTES_ACCELERATOR = 128 << 20
 
 
 class VocabStats(NamedTuple):
@@ -62,10 +67,11 @@ def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
-def _chunk_rows(vocab_shard: int, chunk_tokens: int | None) -> int:
+def _chunk_rows(vocab_shard: int, chunk_tokens: int | None, device: torch.device) -> int:
     if chunk_tokens:
         return max(1, int(chunk_tokens))
-    return max(1, DEFAULT_CHUNK_BYTES // (4 * max(1, vocab_shard)))
+    budget = DEFAULT_CHUNK_BYTES if device.type == "cpu" else DEFAULT_CHUNK_BYTES_ACCELERATOR
+    return max(1, budget // (4 * max(1, vocab_shard)))
 
 
 class _Workspace:
@@ -75,8 +81,8 @@ class _Workspace:
     few small buffers keeps the working set in cache and the page faults to one round.
     """
 
-    def __init__(self, rows: int, vocab_shard: int, cdt: torch.dtype, count: int):
-        self.bufs = [torch.empty(rows, vocab_shard, dtype=cdt) for _ in range(count)]
+    def __init__(self, rows: int, vocab_shard: int, cdt: torch.dtype, count: int, device: torch.device):
+        self.bufs = [torch.empty(rows, vocab_shard, dtype=cdt, device=device) for _ in range(count)]
 
     def get(self, i: int, rows: int) -> torch.Tensor:
         return self.bufs[i][:rows]
@@ -147,16 +153,19 @@ def _forward_stats(
     offset = rank * vs
     j = ids.shape[1]
     # Per-row local statistics, relative to the local max so exp() never overflows.
-    m_loc = torch.empty(n, dtype=cdt)
-    s_loc = torch.empty(n, dtype=cdt)
-    sd_loc = torch.zeros(n, dtype=cdt)  # Σ exp(z − m)·(z − m): entropy without cancellation against lse
-    z_ids = torch.zeros(n, j, dtype=cdt)
+    dev = x.device
+    m_loc = torch.empty(n, dtype=cdt, device=dev)
+    s_loc = torch.empty(n, dtype=cdt, device=dev)
+    sd_loc = torch.zeros(
+        n, dtype=cdt, device=dev
+    )  # Σ exp(z − m)·(z − m): entropy without cancellation against lse
+    z_ids = torch.zeros(n, j, dtype=cdt, device=dev)
     kl = min(k, vs)
-    cand_v = torch.full((n, kl), -torch.inf, dtype=cdt)
-    cand_i = torch.zeros((n, kl), dtype=torch.int64)
+    cand_v = torch.full((n, kl), -torch.inf, dtype=cdt, device=dev)
+    cand_i = torch.zeros((n, kl), dtype=torch.int64, device=dev)
     local_ids, owned = _local_ids(ids, offset, vs)
-    ws = _Workspace(min(chunk, n), vs, cdt, 3)
-    flags = torch.empty(min(chunk, n), vs, dtype=torch.bool) if kl else None
+    ws = _Workspace(min(chunk, n), vs, cdt, 3, dev)
+    flags = torch.empty(min(chunk, n), vs, dtype=torch.bool, device=dev) if kl else None
     for a in range(0, n, chunk):
         b = min(n, a + chunk)
         r = b - a
@@ -195,7 +204,7 @@ def _forward_stats(
     log_s = s_glob.log()
     lse = m_glob + log_s
     logp = z_ids - lse[:, None]
-    entropy = (log_s - sd_glob / s_glob) if with_entropy else torch.empty(0, dtype=cdt)
+    entropy = (log_s - sd_glob / s_glob) if with_entropy else torch.empty(0, dtype=cdt, device=dev)
     if k:
         if world > 1:
             all_v = [torch.empty_like(cand_v) for _ in range(world)]
@@ -206,8 +215,8 @@ def _forward_stats(
         top_v, top_i = _order_candidates(cand_v, cand_i, k)
         topk_logp = top_v - lse[:, None]
     else:
-        topk_logp = torch.empty(n, 0, dtype=cdt)
-        top_i = torch.empty(n, 0, dtype=torch.int64)
+        topk_logp = torch.empty(n, 0, dtype=cdt, device=dev)
+        top_i = torch.empty(n, 0, dtype=torch.int64, device=dev)
     return lse, logp, topk_logp, top_i, entropy
 
 
@@ -233,7 +242,7 @@ def _backward_stats(
     inv_t = 1.0 / temperature
     # ∂L/∂x_v = p_v·(α·log p_v + β) + Σ_j (g_j / τ)·1[v = id_j] with per-row α = −g_H/τ and
     # β = −(Σ_j g_j + g_H·H)/τ: two multiplies per element after the exp.
-    g_sum = grad_ids.sum(dim=1) if grad_ids is not None else torch.zeros(n, dtype=cdt)
+    g_sum = grad_ids.sum(dim=1) if grad_ids is not None else torch.zeros(n, dtype=cdt, device=x.device)
     beta = -inv_t * g_sum
     if grad_entropy is not None:
         alpha = -inv_t * grad_entropy
@@ -241,7 +250,7 @@ def _backward_stats(
     if grad_ids is not None:
         local_ids, owned = _local_ids(ids, rank * vs, vs)
         g_owned = torch.where(owned, grad_ids * inv_t, 0)
-    ws = _Workspace(min(chunk, n), vs, cdt, 3)
+    ws = _Workspace(min(chunk, n), vs, cdt, 3, x.device)
     direct = grad.dtype == cdt  # write straight into the gradient, no staging copy
     for a in range(0, n, chunk):
         b = min(n, a + chunk)
@@ -269,7 +278,7 @@ class _VocabParallelStats(torch.autograd.Function):
     def forward(ctx, logits, ids, k, topk_rows, group, temperature, with_entropy, chunk_tokens):
         vs = logits.shape[-1]
         x = logits.reshape(-1, vs)
-        chunk = _chunk_rows(vs, chunk_tokens)
+        chunk = _chunk_rows(vs, chunk_tokens, logits.device)
         lse, logp, topk_logp, topk_ids, ent = _forward_stats(
             x, ids, k, topk_rows, group, temperature, with_entropy, chunk
         )
@@ -331,7 +340,7 @@ def token_stats(
     if k > vs * world:
         raise ValueError(f"top-k of {k} ids asked from a vocabulary of {vs * world}; use k <= vocab size")
     if ids is None:
-        ids2 = torch.empty(n, 0, dtype=torch.int64)
+        ids2 = torch.empty(n, 0, dtype=torch.int64, device=logits.device)
     else:
         if ids.shape[: len(lead)] != lead:
             raise ValueError(

@@ -155,7 +155,7 @@ def _ours(prob, cfg, n_micro, dtype=torch.float64):
     for xm, mb in zip(xs, micro, strict=True):
         loss, _ = routed_loss(xm, mb, norm, cfg)
         (g,) = torch.autograd.grad(loss, xm)
-        total += float(loss)
+        total += float(loss.detach())
         grads.append(g)
     return total, torch.cat(grads)
 
