@@ -47,7 +47,9 @@ def add_launch_args(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="run the stand-in job (srpo_megatron.launch.probe) instead of `srpo train`, to try a cluster",
     )
-    parser.add_argument("--override", nargs="*", default=[], metavar="KEY=VALUE", help="recipe overrides")
+    parser.add_argument(
+        "--override", "-o", action="append", default=[], metavar="KEY=VALUE", help="e.g. train.steps=3"
+    )
 
 
 def add_jobs_args(parser: argparse.ArgumentParser) -> None:

@@ -79,8 +79,8 @@ class JobCommand:
 def srpo_train_command(recipe: str, overrides: list[str] | None = None) -> JobCommand:
     """``srpo train RECIPE --override k=v ...`` as a module command (the job's entry point)."""
     args = ["train", recipe]
-    if overrides:
-        args += ["--override", *overrides]
+    for item in overrides or []:
+        args += ["--override", item]  # `srpo train` takes one KEY=VALUE per --override
     return JobCommand("srpo_megatron.cli", tuple(args))
 
 
@@ -134,6 +134,17 @@ def build_executor(cluster: ClusterConfig, request: LaunchRequest):
     if cluster.executor == "local":
         return run.LocalExecutor(ntasks_per_node=procs, launcher=launcher, env_vars=env)
 
+    if not cluster.container_image:
+        # Without a container nemo-run rewrites every "/nemo_run" in the sbatch script to the job's
+        # directory, so a directory path that itself contains "/nemo_run" would be mangled.
+        from nemo_run.config import get_nemorun_home
+
+        base = cluster.tunnel.job_dir if cluster.tunnel.kind == "ssh" else get_nemorun_home()
+        if "/nemo_run" in base:
+            raise ConfigError(
+                f"experiment directory {base} contains '/nemo_run', which nemo-run rewrites in scripts "
+                "run without a container; use another directory (e.g. .../nemorun or ~/.nemo_run)"
+            )
     if cluster.tunnel.kind == "ssh":
         t = cluster.tunnel
         tunnel = run.SSHTunnel(host=t.host, user=t.user, job_dir=t.job_dir, identity=t.identity or None)

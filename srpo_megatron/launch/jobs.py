@@ -11,6 +11,7 @@ Logs are the job's own output files (one per Slurm restart), read through the sa
 from __future__ import annotations
 
 import os
+import re
 import shlex
 import time
 from dataclasses import dataclass, field
@@ -81,7 +82,9 @@ class JobInfo:
 
     @property
     def finished(self) -> bool:
-        return self.state in FINAL_STATES or self.state in ("SUCCEEDED", "UNKNOWN")
+        if self.job_id:  # Slurm: sacct lags submission, so an unknown state is not an end
+            return self.state in FINAL_STATES
+        return self.state in ("SUCCEEDED", "FAILED", "CANCELLED", "UNKNOWN")
 
 
 def _tunnel_run(tunnel, cmd: str) -> str:
@@ -169,16 +172,27 @@ def wait(exp, timeout: float = 3600.0, poll: float = 1.0) -> list[JobInfo]:
         time.sleep(poll)
 
 
-def check_completed(exp, infos: list[JobInfo], tail: int = 30) -> None:
-    """Raise :class:`JobError` with state and log tail for every task that did not complete."""
+# A worker's exception line as torchrun --tee prefixes it: "[default0]:RuntimeError: ...".
+_WORKER_ERROR = re.compile(r"^\[\w+?\d+\]:[\w.]*(Error|Exception)\b.*$", re.M)
+
+
+def check_completed(exp, infos: list[JobInfo], tail: int = 40) -> None:
+    """Raise :class:`JobError` with state and log tail for every task that did not complete.
+
+    torchrun's own traceback fills the last ~30 lines of a failed job's log, so the first worker
+    exception is quoted on its own line as well.
+    """
     bad = [i for i in infos if i.state not in ("COMPLETED", "SUCCEEDED")]
     if bad:
         parts = []
         for i in bad:
-            log = read_logs(exp, i, tail=tail).rstrip() or "(no log output)"
+            log = read_logs(exp, i).rstrip()
+            error = _WORKER_ERROR.search(log)
+            last = "\n".join(log.splitlines()[-tail:]) or "(no log output)"
             parts.append(
-                f"job {i.name} (Slurm id {i.job_id or '-'}) of experiment {i.experiment_id} ended {i.state}; "
-                f"last {tail} log lines ({', '.join(i.log_files) or 'no log file'}):\n{log}"
+                f"job {i.name} (Slurm id {i.job_id or '-'}) of experiment {i.experiment_id} ended {i.state}"
+                + (f"\nfirst worker error: {error.group(0)}" if error else "")
+                + f"\nlast {tail} log lines ({', '.join(i.log_files) or 'no log file'}):\n{last}"
             )
         raise JobError("\n\n".join(parts))
 

@@ -2,8 +2,9 @@
 
 ``python -m srpo_megatron.launch.probe --run-dir DIR --steps N`` behaves like ``srpo train`` as seen from
 outside, without a model: each step (rank 0 of torchrun) appends ``{"step": s, ...}`` to
-``DIR/metrics.jsonl`` and writes ``DIR/checkpoints/latest`` (JSON ``{"step": s}``); a restarted job
-(resubmitted, or requeued by Slurm after preemption) continues after the step in ``latest``.
+``DIR/metrics.jsonl``, then writes the checkpoint ``DIR/checkpoints/step_00000s/`` and points the text
+file ``DIR/checkpoints/latest`` at it (the trainer's layout and order); a restarted job (resubmitted, or
+requeued by Slurm after preemption) continues after the step ``latest`` names.
 ``--fail-at-step`` raises, to check failure reporting. Used by the launch tests and by `srpo launch
 --probe` to try a new cluster file before spending GPU hours.
 """
@@ -21,7 +22,7 @@ from pathlib import Path
 def latest_step(run_dir: Path) -> int:
     """The last completed step recorded in ``run_dir/checkpoints/latest`` (0 when starting fresh)."""
     latest = run_dir / "checkpoints" / "latest"
-    return json.loads(latest.read_text())["step"] if latest.is_file() else 0
+    return int(latest.read_text().strip().rpartition("_")[2]) if latest.is_file() else 0
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -41,12 +42,14 @@ def main(argv: list[str] | None = None) -> None:
         if step == args.fail_at_step:
             raise RuntimeError(f"probe: deliberate failure at step {step}")
         if rank == 0:
-            args.run_dir.joinpath("checkpoints").mkdir(parents=True, exist_ok=True)
+            ckpt = args.run_dir / "checkpoints" / f"step_{step:06d}"
+            ckpt.mkdir(parents=True, exist_ok=True)
             with open(args.run_dir / "metrics.jsonl", "a") as f:
                 f.write(json.dumps({"step": step, "world_size": world}) + "\n")
+            (ckpt / "state.json").write_text(json.dumps({"step": step}))
             # Write-then-rename so a job killed mid-write never leaves a torn `latest`.
             tmp = args.run_dir / "checkpoints" / "latest.tmp"
-            tmp.write_text(json.dumps({"step": step}))
+            tmp.write_text(ckpt.name)
             tmp.replace(args.run_dir / "checkpoints" / "latest")
         print(f"probe: step {step}/{args.steps} done", flush=True)
     print("probe: finished", flush=True)

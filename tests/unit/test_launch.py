@@ -196,7 +196,7 @@ def test_dryrun_separate_rollout_nodes_and_overrides(tmp_path):
     assert "--nnodes 4 --nproc-per-node 8" in script
     assert "export SRPO_ROLLOUT_PLACEMENT=separate" in script and "export SRPO_ENGINE_NODES=2" in script
     assert script.rstrip().splitlines()[-1] != ""  # script complete
-    assert f"train {recipe} --override train.steps=5 run.dir=/x" in script
+    assert f"train {recipe} --override train.steps=5 --override run.dir=/x" in script
     # In-place code inside a container: the checkout is mounted and put on PYTHONPATH.
     assert f"{REPO}:{REPO}" in script and f"export PYTHONPATH={REPO}:" in script
 
