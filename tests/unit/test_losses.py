@@ -310,3 +310,24 @@ def test_micro_batch_with_nothing_routed_still_backpropagates_zero():
     loss, _ = routed_loss(x, batch, global_normalizers([batch], cfg.beta), cfg)
     loss.backward()
     assert float(loss) == 0.0 and bool((x.grad == 0).all())
+
+
+def test_routed_loss_metrics_are_consistent_sums():
+    cfg = LossConfig(top_k=4)
+    prob = make_problem(seed=9)
+    batch = build_batch(prob, cfg, prob.student, prob.teacher)
+    micro = batch.split(2)
+    norm = global_normalizers(micro, cfg.beta)
+    totals: dict[str, float] = {}
+    loss_sum = 0.0
+    for mb, x in zip(micro, torch.tensor_split(prob.student, [len(micro[0])]), strict=True):
+        loss, m = routed_loss(x, mb, norm, cfg)
+        loss_sum += float(loss)
+        for k, v in m.items():
+            totals[k] = totals.get(k, 0.0) + float(v)
+    valid = int(prob.mask.sum())
+    assert totals["tokens"] == valid == norm.num_tokens
+    assert totals["grpo_tokens"] + totals["sdpo_tokens"] == valid  # srpo routes every valid token once
+    assert totals["sdpo_tokens"] == norm.num_sdpo_tokens
+    assert abs(totals["raw_weight_sum"] - norm.sum_raw_weights) < 1e-9
+    assert abs((totals["grpo_loss_sum"] + totals["sdpo_loss_sum"]) / valid - loss_sum) < 1e-12
