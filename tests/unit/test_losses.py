@@ -184,7 +184,7 @@ def _reference(prob, cfg, scope_of_token=None):
         scope_of_token,
     )
     (g,) = torch.autograd.grad(loss, x)
-    return float(loss), g
+    return float(loss.detach()), g
 
 
 @pytest.mark.parametrize("mode", MODES)
