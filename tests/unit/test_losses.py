@@ -309,7 +309,7 @@ def test_micro_batch_with_nothing_routed_still_backpropagates_zero():
     batch = build_batch(prob, cfg, x.detach(), prob.teacher)
     loss, _ = routed_loss(x, batch, global_normalizers([batch], cfg.beta), cfg)
     loss.backward()
-    assert float(loss) == 0.0 and bool((x.grad == 0).all())
+    assert float(loss.detach()) == 0.0 and bool((x.grad == 0).all())
 
 
 def test_routed_loss_metrics_are_consistent_sums():
@@ -322,7 +322,7 @@ def test_routed_loss_metrics_are_consistent_sums():
     loss_sum = 0.0
     for mb, x in zip(micro, torch.tensor_split(prob.student, [len(micro[0])]), strict=True):
         loss, m = routed_loss(x, mb, norm, cfg)
-        loss_sum += float(loss)
+        loss_sum += float(loss.detach())
         for k, v in m.items():
             totals[k] = totals.get(k, 0.0) + float(v)
     valid = int(prob.mask.sum())
