@@ -140,7 +140,8 @@ def job_infos(exp) -> list[JobInfo]:
                 local_status = exp.status(return_dict=True) or {}
             state = str(local_status.get(job.id, {}).get("status", "UNKNOWN")).split(".")[-1]
             job_dir = job.executor.job_dir
-            logs = sorted(str(p) for p in Path(job_dir).glob("log*.out"))
+            # torchx's local scheduler: <job_dir>/nemo_run/<app id>/<role>/<replica>/combined.log
+            logs = sorted(str(p) for p in Path(job_dir).glob("nemo_run/*/*/*/combined.log"))
             job_id = ""
         infos.append(JobInfo(exp._id, job.id, job_id, state, job_dir, logs))
     return infos

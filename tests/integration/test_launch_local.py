@@ -1,0 +1,37 @@
+"""`srpo launch --cluster cluster/local.yaml`: the workstation path (nemo-run LocalExecutor + torchrun)."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+import yaml
+
+from srpo_megatron.launch import commands, jobs
+
+
+def test_local_launch_runs_under_torchrun_and_jobs_shows_it(tmp_path, monkeypatch, capsys):
+    with open(os.devnull) as devnull:  # nemo-run's `invoke` steps mirror stdin, which pytest captures
+        monkeypatch.setattr(sys, "stdin", devnull)
+        jobs.set_home(tmp_path / "home")
+        run_dir = tmp_path / "run"
+        recipe = tmp_path / "probe.yaml"
+        recipe.write_text(yaml.safe_dump({"run": {"dir": str(run_dir)}, "train": {"steps": 2}}))
+        assert (
+            commands.main(["launch", str(recipe), "--cluster", "cluster/local.yaml", "--probe", "--wait"])
+            == 0
+        )
+        capsys.readouterr()
+        lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+        assert [json.loads(line) for line in lines] == [
+            {"step": 1, "world_size": 1},
+            {"step": 2, "world_size": 1},
+        ]
+        assert commands.main(["jobs", "status"]) == 0
+        assert "SUCCEEDED" in capsys.readouterr().out.split()
+        assert commands.main(["jobs", "logs", "--tail", "2"]) == 0
+        assert capsys.readouterr().out.splitlines() == [
+            "[default0]:probe: step 2/2 done",
+            "[default0]:probe: finished",
+        ]
