@@ -147,6 +147,7 @@ def hf_to_megatron(
     table = ConversionTable(arch)
     reader = HFCheckpointReader(hf_dir)
     table.check_hf_names(reader.names())
+    table.check_hf_shapes({name: reader.shape(name) for name in table.hf_names()})
     dtype = dtype or reader.dtype()
     with atomic_output_dir(out_dir, force) as tmp, single_process_megatron():
         model = _skeleton(arch, dtype)
@@ -191,7 +192,9 @@ def load_policy_checkpoint(model: torch.nn.Module, ckpt_dir: str | Path) -> None
 
     sharded = model.sharded_state_dict(prefix=POLICY_PREFIX)
     loaded = dist_checkpointing.load(sharded, str(ckpt_dir))
-    state = {k[len(POLICY_PREFIX) :]: v for k, v in loaded.items()}
+    # dist_checkpointing.load merges the checkpoint's common (non-tensor) state into the result; a trainer
+    # checkpoint has such entries (e.g. optimizer param groups), so keep only the policy's own keys.
+    state = {k[len(POLICY_PREFIX) :]: v for k, v in loaded.items() if k.startswith(POLICY_PREFIX)}
     missing, unexpected = model.load_state_dict(state, strict=False)
     missing = [k for k in missing if not k.endswith("_extra_state")]
     if missing or unexpected:

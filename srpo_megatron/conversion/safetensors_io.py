@@ -54,10 +54,18 @@ class HFCheckpointReader:
         return list(self.weight_map)
 
     def get(self, name: str) -> torch.Tensor:
+        return self.get_handle(name).get_tensor(name)
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        """Shape from the safetensors header (no data read)."""
+        self.get_handle(name)
+        return tuple(self._handles[self.weight_map[name]].get_slice(name).get_shape())
+
+    def get_handle(self, name: str):
         file = self.weight_map[name]
         if file not in self._handles:
             self._handles[file] = safe_open(self.dir / file, framework="pt")
-        return self._handles[file].get_tensor(name)
+        return self._handles[file]
 
     def dtype(self) -> torch.dtype:
         """dtype of the first tensor (checkpoints are uniform in practice)."""

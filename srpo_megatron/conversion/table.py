@@ -336,6 +336,16 @@ class ConversionTable:
                 f"missing tensors {missing}; unexpected tensors {unexpected}"
             )
 
+    def check_hf_shapes(self, shapes: Mapping[str, tuple[int, ...]]) -> None:
+        """Raise listing every HF tensor whose shape differs from the table's (name, expected, got)."""
+        bad = [
+            f"{name}: expected {self.hf_shape(name)}, got {tuple(shape)}"
+            for name, shape in shapes.items()
+            if name in set(self.hf_names()) and self.hf_shape(name) != tuple(shape)
+        ]
+        if bad:
+            raise ConversionError("shape mismatch: " + "; ".join(bad))
+
     def iter_to_megatron(
         self, get_hf: Callable[[str], torch.Tensor], tp: int = 1
     ) -> Iterator[tuple[str, torch.Tensor]]:
