@@ -8,14 +8,19 @@ The one place that turns the trainer's sharded parameters into what a rollout en
   handled), then split into HF tensors with ``ConversionTable.to_hf``;
 - exactly one rank per stage sends: TP rank 0 of data-parallel rank 0 (``is_stage_sender``); other DP
   replicas do nothing;
-- the stream is lazy, one megatron parameter at a time, so a rank never holds more than one full
-  parameter plus whatever bucket the transport is filling — never a full model copy.
+- the stream is lazy, one megatron parameter at a time, and announces each parameter's HF byte size
+  before gathering it, so ``bucketize_pending`` sends the current bucket first when the next parameter
+  would overflow it: a sender holds at most ``bucket_bytes`` plus one gathered parameter (column-parallel
+  shards are gathered straight into the full tensor; row/gated ones need one merge copy) — never a full
+  model copy.
 
 The tied ``output_layer`` of the last stage is skipped: the embedding (first stage) carries it.
 """
 
 from __future__ import annotations
 
+import functools
+import math
 from collections.abc import Iterator
 
 import torch
@@ -24,6 +29,7 @@ import torch.distributed as dist
 from srpo_megatron.conversion.table import ConversionTable, merge_tp_shards
 from srpo_megatron.conversion.weights import rank_param_name, stage_layer_offset
 from srpo_megatron.parallel import ParallelGroups
+from srpo_megatron.weights.buckets import PendingParam
 
 
 def is_stage_sender(groups: ParallelGroups) -> bool:
@@ -49,36 +55,65 @@ def stage_param_names(model: torch.nn.Module, table: ConversionTable) -> list[tu
     return out
 
 
-@torch.no_grad()
-def iter_stage_hf_tensors(
+def iter_stage_params(
     model: torch.nn.Module, table: ConversionTable, groups: ParallelGroups, dtype: torch.dtype | None = None
-) -> Iterator[tuple[str, torch.Tensor]]:
-    """This stage's HF tensors, lazily. Every TP rank of the stage must iterate (they join the gathers);
-    only the stage sender receives tensors, the others get an empty stream.
+) -> Iterator[PendingParam]:
+    """This stage's parameters as ``PendingParam``s, in model order. Every TP rank of the stage must call
+    each ``fetch()`` (it joins the TP gather); only the stage sender gets tensors, the others ``[]``.
+    ``nbytes`` (the HF bytes ``fetch`` will return) lets a bucketer flush *before* gathering.
 
     ``dtype``: cast each exported tensor (e.g. fp32 master -> bf16 engine), ``None`` keeps the param's.
     """
     model = _unwrap(model)
     params = dict(model.named_parameters())
-    dst_is_me = groups.tp_rank == 0
+    if groups.dp_rank != 0:  # whole TP groups share a DP rank: replicas simply do not take part
+        return
     for local_name, name in stage_param_names(model, table):
-        if groups.dp_rank != 0:
-            continue
         param = params[local_name].detach()
-        part = table.partition(name)
-        if part.dim is not None and groups.tp_size > 1:
-            shards = [torch.empty_like(param) for _ in range(groups.tp_size)] if dst_is_me else None
-            dst = dist.get_global_rank(groups.tp, 0)
-            dist.gather(param.contiguous(), shards, dst=dst, group=groups.tp)
-            if not dst_is_me:
-                continue
+        nbytes = 0
+        if is_stage_sender(groups):
+            size = (dtype or param.dtype).itemsize
+            nbytes = sum(math.prod(table.hf_shape(h)) * size for h in table.hf_names_for(name))
+        yield PendingParam(name, nbytes, functools.partial(_fetch, table, groups, name, param, dtype))
+
+
+@torch.no_grad()
+def _fetch(
+    table: ConversionTable, groups: ParallelGroups, name: str, param: torch.Tensor, dtype: torch.dtype | None
+) -> list[tuple[str, torch.Tensor]]:
+    part = table.partition(name)
+    dst_is_me = groups.tp_rank == 0
+    if part.dim is not None and groups.tp_size > 1:
+        full_shape = list(param.shape)
+        full_shape[part.dim] *= groups.tp_size
+        full = shards = None
+        if dst_is_me and part.dim == 0 and not part.gated:
+            # Column-parallel: gather straight into the rows of the full tensor (no merge copy).
+            full = torch.empty(full_shape, dtype=param.dtype, device=param.device)
+            shards = list(full.chunk(groups.tp_size, dim=0))
+        elif dst_is_me:
+            shards = [torch.empty_like(param) for _ in range(groups.tp_size)]
+        dist.gather(param.contiguous(), shards, dst=dist.get_global_rank(groups.tp, 0), group=groups.tp)
+        if not dst_is_me:
+            return []
+        if full is None:
             full = merge_tp_shards(shards, part)
-        elif not dst_is_me:
-            continue
-        else:
-            full = param
-        for hf_name, t in table.to_hf(name, full):
-            yield hf_name, (t if dtype is None else t.to(dtype)).contiguous()
+        del shards
+    elif not dst_is_me:
+        return []
+    else:
+        full = param
+    converted = table.to_hf(name, full)
+    del full  # fused tensors were split into copies: keep alive only what is returned
+    return [(h, (t if dtype is None else t.to(dtype)).contiguous()) for h, t in converted]
+
+
+def iter_stage_hf_tensors(
+    model: torch.nn.Module, table: ConversionTable, groups: ParallelGroups, dtype: torch.dtype | None = None
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """This stage's HF tensors, one parameter at a time (all TP ranks of the stage must iterate)."""
+    for pending in iter_stage_params(model, table, groups, dtype):
+        yield from pending.fetch()
 
 
 def hf_manifest(table: ConversionTable) -> dict[str, tuple[int, ...]]:

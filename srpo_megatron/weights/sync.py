@@ -33,8 +33,8 @@ import torch.distributed as dist
 
 from srpo_megatron.conversion.table import ConversionTable
 from srpo_megatron.parallel import ParallelGroups
-from srpo_megatron.weights.buckets import bucketize
-from srpo_megatron.weights.export import is_stage_sender, iter_stage_hf_tensors
+from srpo_megatron.weights.buckets import bucketize, bucketize_pending
+from srpo_megatron.weights.export import is_stage_sender, iter_stage_hf_tensors, iter_stage_params
 
 DEFAULT_BUCKET_BYTES = 512 * 1024**2
 
@@ -82,6 +82,20 @@ class StageChannel:
     send = _bcast
     recv = _bcast
 
+    def ack(self, version: int) -> None:
+        """Engine side: confirm that ``version`` is installed (the sender's ``wait_ack`` returns it)."""
+        opts = dist.BroadcastOptions()
+        opts.rootRank = 1
+        self._pg.broadcast([torch.tensor([version], dtype=torch.int64)], opts).wait()
+
+    def wait_ack(self) -> int:
+        """Sender side: block until the engine confirms; returns the version it now serves."""
+        t = torch.zeros(1, dtype=torch.int64)
+        opts = dist.BroadcastOptions()
+        opts.rootRank = 1
+        self._pg.broadcast([t], opts).wait()
+        return int(t)
+
 
 def _send_bucket(ch, bucket: list[tuple[str, torch.Tensor]], version: int) -> None:
     meta = {
@@ -101,14 +115,20 @@ def _send_done(ch) -> None:
     ch.send(torch.tensor([0, 1], dtype=torch.int64))
 
 
-def send_stream(ch, stream: Iterable[tuple[str, torch.Tensor]], version: int, bucket_bytes: int) -> int:
-    """Send a stage's stream over ``ch`` in buckets; returns the bytes sent."""
+def send_buckets(ch, buckets: Iterable[list[tuple[str, torch.Tensor]]], version: int) -> int:
+    """Send buckets over ``ch``, then the done marker; returns the bytes sent."""
     sent = 0
-    for bucket in bucketize(stream, bucket_bytes):
+    for bucket in buckets:
         _send_bucket(ch, bucket, version)
         sent += sum(t.numel() * t.element_size() for _, t in bucket)
+        del bucket  # release it before the generator materialises the next one
     _send_done(ch)
     return sent
+
+
+def send_stream(ch, stream: Iterable[tuple[str, torch.Tensor]], version: int, bucket_bytes: int) -> int:
+    """Send a stream of tensors over ``ch`` in buckets of at most ``bucket_bytes``; returns bytes sent."""
+    return send_buckets(ch, bucketize(stream, bucket_bytes), version)
 
 
 def receive_stream(ch, version: int | None = None, device: str = "cpu") -> Iterator[tuple[str, torch.Tensor]]:
@@ -181,8 +201,8 @@ def sync_in_process(
             "host the in-process engine there"
         )
     me = dist.get_rank()
-    local = iter_stage_hf_tensors(model, table, groups, dtype)
     if me == engine_rank:
+        local = iter_stage_hf_tensors(model, table, groups, dtype)
         if engine is None:
             raise WeightSyncError(f"rank {me} hosts the engine but got engine=None")
 
@@ -192,11 +212,13 @@ def sync_in_process(
                 yield from receive_stream(P2PChannel(peer), version)
 
         engine.update_weights(stream(), version)
-    elif me in senders:
-        send_stream(P2PChannel(engine_rank), local, version, bucket_bytes)
+        return
+    pending = iter_stage_params(model, table, groups, dtype)
+    if me in senders:
+        send_buckets(P2PChannel(engine_rank), bucketize_pending(pending, bucket_bytes), version)
     else:
-        for _ in local:  # join this stage's TP gathers
-            pass
+        for p in pending:  # join this stage's TP gathers
+            p.fetch()
 
 
 # ---------------------------------------------------------------------------- broadcast (engine process)
@@ -213,14 +235,19 @@ def send_stage(
     dtype: torch.dtype | None = None,
 ) -> int:
     """Trainer side, collective over the stage's TP group: the stage sender (which holds ``channel``)
-    broadcasts its stage to the engine process. Returns bytes sent (0 on non-senders)."""
-    local = iter_stage_hf_tensors(model, table, groups, dtype)
+    broadcasts its stage to the engine process and waits for the engine's acknowledgement (sent once
+    every stage arrived and the engine installed the version). Returns bytes sent (0 on non-senders)."""
+    pending = iter_stage_params(model, table, groups, dtype)
     if is_stage_sender(groups):
         if channel is None:
             raise WeightSyncError("this rank is its stage's sender but has no StageChannel to the engine")
-        return send_stream(channel, local, version, bucket_bytes)
-    for _ in local:
-        pass
+        sent = send_buckets(channel, bucketize_pending(pending, bucket_bytes), version)
+        served = channel.wait_ack()
+        if served != version:
+            raise WeightSyncError(f"engine serves version {served} after the sync of version {version}")
+        return sent
+    for p in pending:
+        p.fetch()
     return 0
 
 
@@ -236,6 +263,8 @@ def receive_update(engine: Any, channels: list[StageChannel]) -> int:
             yield from receive_stream(ch, version)
 
     engine.update_weights(stream(), version)
+    for ch in channels:
+        ch.ack(engine.weight_version)
     return version
 
 
@@ -263,7 +292,8 @@ def save_stage_shards(
             old.unlink()
     dist.barrier()
     files = []
-    for k, bucket in enumerate(bucketize(iter_stage_hf_tensors(model, table, groups, dtype), bucket_bytes)):
+    buckets = bucketize_pending(iter_stage_params(model, table, groups, dtype), bucket_bytes)
+    for k, bucket in enumerate(buckets):
         name = f"model-stage{groups.pp_rank:03d}-{k:05d}.safetensors"
         save_file(dict(bucket), str(folder / name), metadata={"version": str(version)})
         files.append(name)

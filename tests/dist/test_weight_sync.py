@@ -216,3 +216,21 @@ def test_channel_roundtrip_and_version_check():
     for (_, want), (_, t) in zip(tensors, got, strict=True):
         assert t.dtype == want.dtype and torch.equal(t, want)
     assert box["sent"] == 60 + 14 + 800
+
+
+def test_bucketize_pending_flushes_before_materialising_an_overflowing_parameter():
+    """Hand-worked: with 100-byte buckets and parameters of 40, 40, 80, 30 bytes, the bucket [p0, p1] is
+    handed out before p2 is fetched, so at most one bucket plus one parameter is ever alive."""
+    from srpo_megatron.weights.buckets import PendingParam, bucketize_pending
+
+    log = []
+
+    def fetch(k, n):
+        log.append(f"fetch{k}")
+        return [(f"p{k}", torch.zeros(n // 4))]
+
+    sizes = [40, 40, 80, 30]
+    pending = [PendingParam(f"p{k}", n, lambda k=k, n=n: fetch(k, n)) for k, n in enumerate(sizes)]
+    for bucket in bucketize_pending(pending, bucket_bytes=100):
+        log.append("send " + ",".join(n for n, _ in bucket))
+    assert log == ["fetch0", "fetch1", "send p0,p1", "fetch2", "send p2", "fetch3", "send p3"]
