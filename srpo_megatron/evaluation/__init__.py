@@ -1,7 +1,12 @@
 """Evaluation: avg@k through any rollout engine, the best-within-budget report, and run plots."""
 
 from srpo_megatron.evaluation.avg_at_k import build_eval_benchmarks, evaluate, run_eval
-from srpo_megatron.evaluation.budget_report import append_eval_log, best_within_budgets, format_budget_report
+from srpo_megatron.evaluation.budget_report import (
+    append_eval_log,
+    best_within_budgets,
+    budget_report_main,
+    format_budget_report,
+)
 from srpo_megatron.evaluation.config import EvalConfig
 from srpo_megatron.evaluation.plots import plot_main, plot_run
 
@@ -9,6 +14,7 @@ __all__ = [
     "EvalConfig",
     "append_eval_log",
     "best_within_budgets",
+    "budget_report_main",
     "build_eval_benchmarks",
     "evaluate",
     "format_budget_report",

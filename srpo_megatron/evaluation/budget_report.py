@@ -85,3 +85,9 @@ def format_budget_report(report: list[dict[str, Any]]) -> str:
         )
     widths = [max(len(row[i]) for row in rows) for i in range(len(head))]
     return "\n".join("  ".join(c.rjust(w) for c, w in zip(row, widths, strict=True)) for row in rows)
+
+
+def budget_report_main(run_dir: str, budgets_hours: Sequence[float] = (1.0, 5.0, 10.0)) -> int:
+    """Print the best-avg@k-within-budget table of a run (``srpo report RUN_DIR``, if the CLI wires it)."""
+    print(format_budget_report(best_within_budgets(run_dir, budgets_hours)))
+    return 0

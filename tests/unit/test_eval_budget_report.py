@@ -67,3 +67,10 @@ def test_log_lines_are_plain_json(run_dir):
     }
     with pytest.raises(FileNotFoundError, match="no eval log"):
         best_within_budgets(run_dir / "nowhere", [1])
+
+
+def test_report_main_prints_the_table(run_dir, capsys):
+    from srpo_megatron.evaluation import budget_report_main
+
+    assert budget_report_main(str(run_dir), [5]) == 0
+    assert capsys.readouterr().out.splitlines()[1].split() == ["5", "h", "60.0", "30", "75.0", "70.0"]
