@@ -11,6 +11,7 @@ image, and a job that did not complete (its Slurm state and the tail of its log)
 from __future__ import annotations
 
 import argparse
+import subprocess
 import sys
 from pathlib import Path
 
@@ -71,6 +72,14 @@ def _job_command(args: argparse.Namespace, recipe_path: Path, recipe: dict, code
                 f"recipe {recipe_path} lies outside the repository, but the cluster ships the code with "
                 "git; move the recipe into the repository (e.g. examples/) and commit it"
             ) from None
+        tracked = subprocess.run(
+            ["git", "-C", str(REPO_ROOT), "cat-file", "-e", f"HEAD:{recipe_arg}"], capture_output=True
+        )
+        if tracked.returncode != 0:
+            raise ConfigError(
+                f"recipe {recipe_arg} is not committed, but the cluster ships the code with `git archive "
+                "HEAD`, so the job would not find it; commit it (git add + git commit) and launch again"
+            )
     else:
         recipe_arg = str(recipe_path.resolve())
     if not args.probe:

@@ -100,6 +100,20 @@ def test_rollout_placement_from_recipe():
         RolloutPlacement.from_recipe({"rollout": {"placement": "remote"}})
 
 
+def test_git_shipped_recipe_must_be_committed(tmp_path, capsys):
+    # h100 ships `git archive HEAD`: a recipe the archive lacks would only fail on the cluster.
+    # runs/ is git-ignored: a file there lies inside the repository but never in HEAD.
+    recipe = REPO / "runs" / f"_uncommitted_{os.getpid()}.yaml"
+    recipe.parent.mkdir(exist_ok=True)
+    recipe.write_text("train: {steps: 1}\n")
+    try:
+        args = ["launch", str(recipe.relative_to(REPO)), "--cluster", "h100", "--dryrun"]
+        assert commands.main([*args, "--home", str(tmp_path)]) == 1
+    finally:
+        recipe.unlink()
+    assert "is not committed" in capsys.readouterr().err
+
+
 def test_cli_reports_oversized_request(tmp_path, capsys):
     recipe = _write(tmp_path / "r.yaml", {"run": {"dir": str(tmp_path / "run")}})
     rc = commands.main(
@@ -129,12 +143,15 @@ def _sbatch_flags(script: str) -> dict[str, str]:
     return flags
 
 
-def _qwen_dryrun(tmp_path: Path, capsys) -> tuple[str, str]:
-    """The sbatch script for the 8B recipe on 4 H100 nodes, and the recipe path the job is given."""
+def _qwen_dryrun(tmp_path: Path, capsys) -> tuple[str, str, int]:
+    """The sbatch script for the 8B recipe on 4 H100 nodes, the recipe path the job is given, and the
+    engine nodes the recipe asks for on top (rollout.placement 'separate')."""
     if QWEN_RECIPE.is_file():
         args = [str(QWEN_RECIPE.relative_to(REPO)), "--cluster", "cluster/h100.yaml", "--nodes", "4"]
         assert commands.main(["launch", *args, "--dryrun", "--home", str(tmp_path)]) == 0
-        return capsys.readouterr().out, "examples/qwen3_8b_srpo.yaml"
+        rollout = yaml.safe_load(QWEN_RECIPE.read_text()).get("rollout") or {}
+        engine_nodes = rollout.get("engine_nodes", 0) if rollout.get("placement") == "separate" else 0
+        return capsys.readouterr().out, "examples/qwen3_8b_srpo.yaml", engine_nodes
     # Until the lead's recipe lands: the same keys in a tmp recipe. h100 ships the code with git, which
     # needs a committed recipe; the tmp one is given in place instead (the script is otherwise the same).
     recipe = _write(
@@ -145,14 +162,16 @@ def _qwen_dryrun(tmp_path: Path, capsys) -> tuple[str, str]:
     from srpo_megatron.launch.jobs import set_home
 
     set_home(tmp_path)
-    return submit(cluster, request, dryrun=True).script, str(recipe)
+    return submit(cluster, request, dryrun=True).script, str(recipe), 0
 
 
 def test_dryrun_h100_four_nodes(tmp_path, capsys):
-    script, recipe_arg = _qwen_dryrun(tmp_path, capsys)
+    script, recipe_arg, engine_nodes = _qwen_dryrun(tmp_path, capsys)
     flags = _sbatch_flags(script)
-    # 4 nodes, 8 GPUs each, one torchrun agent per node that starts 8 workers.
-    assert flags["nodes"] == "4"
+    # 4 training nodes (+ the recipe's SGLang nodes), 8 GPUs each, one torchrun agent per node with 8
+    # workers.
+    nodes = 4 + engine_nodes
+    assert flags["nodes"] == str(nodes)
     assert flags["gpus-per-node"] == "8"
     assert flags["ntasks-per-node"] == "1"
     assert (flags["account"], flags["partition"], flags["time"]) == ("my_account", "batch", "04:00:00")
@@ -166,7 +185,7 @@ def test_dryrun_h100_four_nodes(tmp_path, capsys):
     # Multi-node torchrun: c10d rendezvous on the first node's IP, node rank from Slurm.
     torchrun = srun[srun.index("torchrun") :].split()
     opt = {torchrun[i]: torchrun[i + 1] for i in range(1, len(torchrun) - 1) if torchrun[i].startswith("--")}
-    assert opt["--nnodes"] == "4" and opt["--nproc-per-node"] == "8"
+    assert opt["--nnodes"] == str(nodes) and opt["--nproc-per-node"] == "8"
     assert opt["--rdzv-backend"] == "c10d" and opt["--rdzv-endpoint"] == "$head_node_ip:29500"
     assert opt["--node-rank"] == "$SLURM_NODEID"
     assert 'head_node_ip=$(srun --nodes=1 --ntasks=1 -w "$head_node" hostname --ip-address)' in script
@@ -174,7 +193,7 @@ def test_dryrun_h100_four_nodes(tmp_path, capsys):
     # Job environment: megatron's single CUDA queue and the cluster's NCCL settings.
     assert "export CUDA_DEVICE_MAX_CONNECTIONS=1" in script
     assert "export TORCH_NCCL_ASYNC_ERROR_HANDLING=1" in script
-    assert "export SRPO_TRAIN_NODES=4" in script and "export SRPO_ENGINE_NODES=0" in script
+    assert "export SRPO_TRAIN_NODES=4" in script and f"export SRPO_ENGINE_NODES={engine_nodes}" in script
     # Requeue: Slurm requeues on preemption (sbatch --requeue), and once after a crash (max_retries: 1).
     assert "sbatch --requeue" in script and "export TORCHX_MAX_RETRIES=1" in script
 
