@@ -1,0 +1,219 @@
+"""Benchmark: reshard + transfer of a >= 1 GB policy from TP2xPP2 (4 gloo ranks) into an engine process.
+
+Four trainer ranks hold a Llama-style megatron policy (random weights, fp32) at TP2xPP2; a separate engine
+process holds the CPU ``HFEngine`` of the same architecture. Measured in the same run, alternating:
+
+- **sync**: ``weights.sync.send_stage`` — TP gather, conversion to HF names/shapes, byte-bounded
+  buckets broadcast per stage, ``HFEngine.update_weights`` (validate all, then copy), acknowledgement;
+- **plain copy**: the same number of bytes per stage, sent over the same channels in bucket-sized
+  chunks of one reused buffer and received into fresh buffers (no gather, no conversion, no install).
+
+Throughput ratio = plain-copy time / sync time (same bytes). Peak extra memory per trainer rank = the peak
+RSS during the sync above the RSS right before it (sampled every 2 ms). The engine's extra memory is
+printed too (the CPU engine stages a full version before installing it, by design: atomic updates).
+
+Usage: ``python tools/bench_weight_sync.py [--layers 10 --hidden 1536 --bucket-mb 512 --repeats 2]``;
+the last line is one JSON object.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import os
+import threading
+import time
+
+import psutil
+import torch
+import torch.distributed as dist
+
+TP, PP = 2, 2
+
+
+def hf_config(args) -> dict:
+    return dict(
+        model_type="llama",
+        vocab_size=args.vocab,
+        hidden_size=args.hidden,
+        intermediate_size=args.intermediate,
+        num_hidden_layers=args.layers,
+        num_attention_heads=args.hidden // 128,
+        num_key_value_heads=4 if (args.hidden // 128) % 4 == 0 else 2,
+        max_position_embeddings=2048,
+        tie_word_embeddings=True,
+    )
+
+
+class PeakRSS:
+    """Peak resident memory of this process above the level at ``start``, sampled in a thread."""
+
+    def __init__(self, period_s: float = 0.002) -> None:
+        self.proc = psutil.Process()
+        self.period_s = period_s
+
+    def __enter__(self):
+        self.base = self.proc.memory_info().rss
+        self.peak = self.base
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+        return self
+
+    def _run(self):
+        while not self._stop.is_set():
+            self.peak = max(self.peak, self.proc.memory_info().rss)
+            time.sleep(self.period_s)
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        self._thread.join()
+        self.peak = max(self.peak, self.proc.memory_info().rss)
+
+    @property
+    def extra(self) -> int:
+        return self.peak - self.base
+
+
+def plain_stream(nbytes: int, bucket_bytes: int):
+    """``nbytes`` as bucket-sized uint8 chunks of one reused buffer (content is irrelevant)."""
+    buf = torch.zeros(min(nbytes, bucket_bytes), dtype=torch.uint8)
+    k, left = 0, nbytes
+    while left > 0:
+        n = min(left, bucket_bytes)
+        yield f"flat.{k}", buf[:n]
+        k, left = k + 1, left - n
+
+
+def engine_main(config: dict, ports: list[int], schedule: list[str], out) -> None:
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from srpo_megatron.rollout.hf_engine import HFEngine
+    from srpo_megatron.weights.sync import StageChannel, receive_stream, receive_update
+
+    torch.set_num_threads(1)
+    model = AutoModelForCausalLM.from_config(AutoConfig.for_model(**config), dtype=torch.float32)
+    engine = HFEngine(model)
+    channels = [StageChannel("127.0.0.1", p, rank=1, timeout_s=1800) for p in ports]
+    extra = []
+    for kind in schedule:
+        with PeakRSS() as mem:
+            if kind == "copy":
+                for ch in channels:
+                    for _ in receive_stream(ch):
+                        pass
+                for ch in channels:
+                    ch.ack(engine.weight_version)
+            else:
+                receive_update(engine, channels)
+        extra.append(mem.extra)
+    out.put({"engine_version": engine.weight_version, "engine_peak_extra_bytes": max(extra)})
+
+
+def trainer_main(rank, world, config, ports, schedule, bucket_bytes):
+    from srpo_megatron.conversion.table import ConversionTable
+    from srpo_megatron.models.architecture import Architecture
+    from srpo_megatron.models.policy import build_policy
+    from srpo_megatron.parallel import initialize_model_parallel
+    from srpo_megatron.weights.export import is_stage_sender
+    from srpo_megatron.weights.sync import StageChannel, send_stage, send_stream
+
+    groups = initialize_model_parallel(TP, PP, seed=1)
+    arch = Architecture.from_hf(config)
+    table = ConversionTable(arch)
+    with torch.no_grad():
+        model = build_policy(arch)
+    sender = is_stage_sender(groups)
+    channel = StageChannel("127.0.0.1", ports[groups.pp_rank], rank=0, timeout_s=1800) if sender else None
+    from srpo_megatron.weights.export import iter_stage_params
+
+    stage_bytes = sum(p.nbytes for p in iter_stage_params(model, table, groups))  # no fetch: no gather
+    times = {"sync": [], "copy": []}
+    extra = []
+    version = 0
+    largest = 0
+    for kind in schedule:
+        dist.barrier()
+        t0 = time.perf_counter()
+        if kind == "sync":
+            version += 1
+            with PeakRSS() as mem:
+                sent = send_stage(model, table, groups, channel, version, bucket_bytes=bucket_bytes)
+            extra.append(mem.extra)
+            assert sent in (0, stage_bytes), (sent, stage_bytes)
+        else:
+            if sender:
+                send_stream(channel, plain_stream(stage_bytes, bucket_bytes), 0, bucket_bytes)
+                channel.wait_ack()
+        dist.barrier()
+        times[kind].append(time.perf_counter() - t0)
+    if sender:
+        largest = max(t.numel() * t.element_size() for _, t in _hf_shapes(table))
+    return {"times": times, "bytes": stage_bytes, "peak_extra": max(extra), "largest": largest}
+
+
+def _hf_shapes(table):
+    for h in table.hf_names():
+        yield h, torch.empty(table.hf_shape(h), dtype=torch.float32, device="meta")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--layers", type=int, default=10)
+    ap.add_argument("--hidden", type=int, default=1536)
+    ap.add_argument("--intermediate", type=int, default=4096)
+    ap.add_argument("--vocab", type=int, default=32000)
+    ap.add_argument("--bucket-mb", type=int, default=512)
+    ap.add_argument("--repeats", type=int, default=2)
+    args = ap.parse_args()
+
+    from srpo_megatron.testing.distributed import free_port, run_distributed
+
+    config = hf_config(args)
+    bucket_bytes = args.bucket_mb * 1024**2
+    # copy first as a warm-up of the channels, then alternate so drift hits both alike
+    schedule = ["copy", "sync"] * args.repeats
+    ports = [free_port() for _ in range(PP)]
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    engine = ctx.Process(target=engine_main, args=(config, ports, schedule, q))
+    engine.start()
+    try:
+        ranks = run_distributed(trainer_main, TP * PP, config, ports, schedule, bucket_bytes, timeout=3600)
+        eng = q.get(timeout=600)
+    finally:
+        engine.join(timeout=60)
+        if engine.is_alive():
+            engine.kill()
+
+    total = sum(r["bytes"] for r in ranks)
+    sync_s = min(max(r["times"]["sync"][k] for r in ranks) for k in range(args.repeats))
+    copy_s = min(max(r["times"]["copy"][k] for r in ranks) for k in range(args.repeats))
+    peak = max(r["peak_extra"] for r in ranks)
+    largest = max(r["largest"] for r in ranks)
+    print(f"model bytes (HF, fp32): {total / 1e9:.2f} GB; engine serves version {eng['engine_version']}")
+    print(f"sync (reshard+transfer+install): {sync_s:.2f} s = {total / sync_s / 1e9:.2f} GB/s")
+    print(f"plain copy of the same bytes:    {copy_s:.2f} s = {total / copy_s / 1e9:.2f} GB/s")
+    print(
+        f"peak extra memory, worst trainer rank: {peak / 1e6:.0f} MB (bucket {bucket_bytes / 1e6:.0f} MB + "
+        f"largest tensor {largest / 1e6:.0f} MB = {(bucket_bytes + largest) / 1e6:.0f} MB bound)"
+    )
+    engine_mb = eng["engine_peak_extra_bytes"] / 1e6
+    print(f"engine process peak extra memory: {engine_mb:.0f} MB (stages one version)")
+    result = {
+        "model_bytes": total,
+        "sync_s": round(sync_s, 3),
+        "copy_s": round(copy_s, 3),
+        "throughput_vs_copy": round(copy_s / sync_s, 3),
+        "peak_extra_mem_bytes": peak,
+        "bucket_bytes": bucket_bytes,
+        "largest_tensor_bytes": largest,
+        "engine_peak_extra_bytes": eng["engine_peak_extra_bytes"],
+    }
+    print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    main()
