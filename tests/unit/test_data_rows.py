@@ -197,3 +197,28 @@ def test_data_dir_env_override(tmp_path, monkeypatch):
     assert default_data_dir() == tmp_path.resolve()
     rows, _ = load_rows(default_data_dir() / "t.jsonl")
     assert len(rows) == 68
+
+
+def test_build_datasets_from_a_recipe_section(qwen3):
+    from srpo_megatron.data import ArithmeticTaskConfig, build_datasets
+
+    cfg = from_dict(
+        DataConfig,
+        {
+            "train_files": ["tooluse/test.jsonl"],
+            "eval_files": ["sciknoweval/biology/test.jsonl", "sciknoweval/physics/test.jsonl"],
+            "arithmetic": {"difficulty": 0, "num_train": 30, "num_eval": 10},
+        },
+    )
+    assert cfg.arithmetic == ArithmeticTaskConfig(difficulty=0, num_train=30, num_eval=10)
+    train, evals = build_datasets(cfg, qwen3)
+    assert {n: len(ps) for n, ps in train.benchmarks().items()} == {"tooluse": 68, "arithmetic/level0": 30}
+    assert {n: len(ps) for n, ps in evals.benchmarks().items()} == {
+        "sciknoweval/biology": 50,
+        "sciknoweval/physics": 80,
+        "arithmetic/level0": 10,
+    }
+    arith = train.benchmarks()["arithmetic/level0"][0]
+    assert qwen3.decode(arith.ids).startswith("<|im_start|>user\nWhat is ")
+    train_prompts = {p.row.prompt for p in train.benchmarks()["arithmetic/level0"]}
+    assert not train_prompts & {p.row.prompt for p in evals.benchmarks()["arithmetic/level0"]}
