@@ -48,11 +48,11 @@ def reference_reward(sample: dict) -> float:
 def test_avg_at_k_equals_direct_computation_from_written_samples(engine, tokenizer, tmp_path):
     data = DataConfig(
         eval_files=["sciknoweval/physics/test.jsonl"],
-        arithmetic=ArithmeticTaskConfig(difficulty=0, num_eval=8),
+        arithmetic=ArithmeticTaskConfig(difficulty=0, num_eval=6),
         max_prompt_tokens=1024,
     )
-    benches = build_eval_benchmarks(data, tokenizer, limit=8)
-    benches["sciknoweval/physics"] = benches["sciknoweval/physics"][:2]
+    benches = build_eval_benchmarks(data, tokenizer, limit=6)
+    benches["sciknoweval/physics"] = benches["sciknoweval/physics"][:1]
     k = 4
     with RewardPool(num_workers=0) as pool:
         summary = evaluate(
@@ -61,7 +61,7 @@ def test_avg_at_k_equals_direct_computation_from_written_samples(engine, tokeniz
             tokenizer,
             tmp_path,
             k=k,
-            max_new_tokens=16,
+            max_new_tokens=12,
             seed=7,
             prompts_per_call=3,
             reward_pool=pool,
@@ -72,7 +72,7 @@ def test_avg_at_k_equals_direct_computation_from_written_samples(engine, tokeniz
     by_prompt: dict[tuple[str, int], list[float]] = defaultdict(list)
     for s in samples:
         assert s["reward"] == reference_reward(s)
-        assert 1 <= s["num_tokens"] <= 16 and s["finish_reason"] in ("stop", "length")
+        assert 1 <= s["num_tokens"] <= 12 and s["finish_reason"] in ("stop", "length")
         by_prompt[(s["benchmark"], s["prompt_index"])].append(s["reward"])
     assert all(len(v) == k for v in by_prompt.values())
     direct = {}
@@ -88,9 +88,9 @@ def test_avg_at_k_equals_direct_computation_from_written_samples(engine, tokeniz
 
 
 def test_easy_arithmetic_is_learnable_greedy(engine, tokenizer, tmp_path):
-    data = DataConfig(arithmetic=ArithmeticTaskConfig(difficulty=0, num_eval=40))
-    cfg = EvalConfig(k=1, temperature=0.0, max_new_tokens=24, prompts_per_call=40, reward_workers=0)
+    data = DataConfig(arithmetic=ArithmeticTaskConfig(difficulty=0, num_eval=32))
+    cfg = EvalConfig(k=1, temperature=0.0, max_new_tokens=20, prompts_per_call=32, reward_workers=0)
     summary = run_eval(engine, tokenizer, data, cfg, tmp_path)
     acc = summary["benchmarks"]["arithmetic/level0"]["avg_at_k"]
-    print(f"SmolLM2-135M greedy accuracy on arithmetic level 0 (40 held-out prompts): {acc:.3f}")
+    print(f"SmolLM2-135M greedy accuracy on arithmetic level 0 (32 held-out prompts): {acc:.3f}")
     assert 0.25 <= acc <= 0.75
