@@ -93,6 +93,7 @@ JobCompLoc=$R/log/jobcomp.txt
 AccountingStorageType=accounting_storage/slurmdbd
 AccountingStorageHost=localhost
 SchedulerType=sched/backfill
+SchedulerParameters=sched_interval=2,bf_interval=2
 SelectType=select/cons_tres
 SelectTypeParameters=CR_Core
 EnforcePartLimits=ALL

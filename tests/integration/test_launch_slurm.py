@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -141,19 +142,27 @@ def test_preempted_job_is_requeued_and_resumes(tmp_path):
     job_id = jobs.job_infos(exp)[0].job_id
     subprocess.run(["scontrol", "requeue", job_id], check=True, timeout=20)
     preempted_at = latest_step(run_dir)
-    # Slurm holds a requeued job back for a while before it may start again; release it now.
-    _wait_for(lambda: jobs.job_infos(exp)[0].state == "PENDING", 30, "the job to be requeued")
-    subprocess.run(["scontrol", "update", f"JobId={job_id}", "StartTime=now"], check=True, timeout=20)
+
+    def restarted() -> bool:
+        if len(jobs.job_infos(exp)[0].log_files) == 2:
+            return True
+        # Slurm holds a requeued job back before it may start again; release it (an error, ignored,
+        # while the first run is still being torn down).
+        subprocess.run(
+            ["scontrol", "update", f"JobId={job_id}", "StartTime=now"], capture_output=True, timeout=20
+        )
+        return False
+
+    _wait_for(restarted, 90, "the requeued job to start again")
     infos = jobs.wait(exp, timeout=120)
     jobs.check_completed(exp, infos)
     assert len(infos[0].log_files) == 2  # one log per run: restart 0 and restart 1
     steps = _steps(run_dir)
     assert steps[-1] == 15 and sorted(set(steps)) == list(range(1, 16))
     restart_log = jobs.read_logs(exp, infos[0]).split("probe: rank 0/1")[-1]
-    assert (
-        f"resuming after step {preempted_at}" in restart_log
-        or f"resuming after step {preempted_at + 1}" in restart_log
-    )
+    resumed_after = int(re.search(r"resuming after step (\d+)", restart_log).group(1))
+    assert resumed_after >= preempted_at >= 2  # continued from its checkpoint, not from step 1
+    assert steps[-(15 - resumed_after) :] == list(range(resumed_after + 1, 16))  # the restarted run's steps
 
 
 # ---- the real trainer (`srpo train`, examples/tiny_cpu_test.yaml) -------------------------------------
