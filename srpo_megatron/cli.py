@@ -50,8 +50,8 @@ def main(argv: list[str] | None = None) -> int:
             from srpo_megatron.train import main as train_main
 
             result = train_main(args.recipe, args.override)
-            if result.get("print_summary", True) and result.get("rank", 0) == 0:
-                print(json.dumps(result.get("summary", result), default=str), flush=True)
+            if result["rank"] == 0:
+                print(json.dumps(result["summary"], default=str), flush=True)
             return 0
         if args.command == "eval":
             from srpo_megatron.trainer.eval_command import eval_main

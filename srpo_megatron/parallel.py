@@ -65,15 +65,16 @@ def init_distributed(timeout_minutes: int = 30) -> None:
         enable_cpu_compat()
     if dist.is_initialized():
         return
-    if "RANK" not in os.environ:
-        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        if "MASTER_PORT" not in os.environ:
-            from srpo_megatron.testing.distributed import free_port
-
-            os.environ["MASTER_PORT"] = str(free_port())
-        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
     backend = "nccl" if torch.cuda.is_available() else "gloo"
-    dist.init_process_group(backend, timeout=datetime.timedelta(minutes=timeout_minutes))
+    timeout = datetime.timedelta(minutes=timeout_minutes)
+    if "RANK" not in os.environ:
+        # A plain `srpo train` without torchrun: one rank, rendezvous through a file (no port to race for).
+        import tempfile
+
+        store = dist.FileStore(tempfile.mktemp(prefix="srpo-store-"), 1)
+        dist.init_process_group(backend, store=store, rank=0, world_size=1, timeout=timeout)
+        return
+    dist.init_process_group(backend, timeout=timeout)
 
 
 def initialize_model_parallel(tp: int = 1, pp: int = 1, seed: int = 1234) -> ParallelGroups:

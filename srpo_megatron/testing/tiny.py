@@ -52,3 +52,8 @@ def coin_reward(response: str, answer: str) -> float:
     import zlib
 
     return float(zlib.crc32(response.encode()) % 2)
+
+
+def zero_reward(response: str, answer: str) -> float:
+    """Every response wrong: every group is uniform, so the batch carries no learning signal."""
+    return 0.0

@@ -38,31 +38,23 @@ SPEC_METRICS = (
 class MetricsLogger:
     """Rank-0 sink for step metrics. ``log`` appends one JSON object per step (flushed at once)."""
 
-    def __init__(
-        self,
-        run_dir: str | Path,
-        *,
-        tensorboard: bool,
-        wandb_project: str | None,
-        progress: bool,
-        total: int,
-        start: int,
-    ) -> None:
+    def __init__(self, run_dir: str | Path, run: Any, *, total: int, start: int) -> None:
+        """``run``: the recipe's ``RunConfig`` (tensorboard, wandb_project, progress_bar)."""
         self.path = Path(run_dir) / "metrics.jsonl"
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._file = self.path.open("a")
         self._tb = None
-        if tensorboard:
+        if run.tensorboard:
             from torch.utils.tensorboard import SummaryWriter
 
             self._tb = SummaryWriter(str(Path(run_dir) / "tensorboard"))
         self._wandb = None
-        if wandb_project:
+        if run.wandb_project:
             import wandb
 
-            self._wandb = wandb.init(project=wandb_project, dir=str(run_dir), resume="allow")
+            self._wandb = wandb.init(project=run.wandb_project, dir=str(run_dir), resume="allow")
         self._bar = None
-        if progress:
+        if run.progress_bar:
             from tqdm import tqdm
 
             self._bar = tqdm(total=total, initial=start, desc="srpo", dynamic_ncols=True)

@@ -6,6 +6,7 @@ Runs on the rank that hosts the rollout engine (global rank 0); the result is pl
 
 from __future__ import annotations
 
+import contextlib
 import re
 import time
 from dataclasses import dataclass, field
@@ -19,7 +20,7 @@ from srpo_megatron.data.templating import encode_text, template_text
 from srpo_megatron.losses import group_advantages, route, routing_masks
 from srpo_megatron.losses.config import LossConfig
 from srpo_megatron.rewards.pool import RewardPool
-from srpo_megatron.rollout.base import RolloutEngine, SamplingParams
+from srpo_megatron.rollout.base import EngineError, RolloutEngine, SamplingParams
 from srpo_megatron.trainer.config import RolloutConfig, TeacherConfig
 
 _THINK = re.compile(r"<think>.*?</think>", re.DOTALL)
@@ -134,7 +135,7 @@ def collect_rollouts(
     return RolloutBatch(samples, metrics)
 
 
-def broadcast_batch(batch: RolloutBatch | None, src: int = 0) -> RolloutBatch:
+def broadcast_batch(batch: Any, src: int = 0) -> Any:
     """Ship the batch from ``src`` to every rank (a collective)."""
     if not dist.is_initialized() or dist.get_world_size() == 1:
         assert batch is not None
@@ -142,3 +143,77 @@ def broadcast_batch(batch: RolloutBatch | None, src: int = 0) -> RolloutBatch:
     box = [batch]
     dist.broadcast_object_list(box, src=src)
     return box[0]
+
+
+class RolloutService:
+    """The rollout side of the SPMD job: engine + reward pool on global rank 0, collectives everywhere.
+
+    ``collect`` returns the same routed batch on every rank. If the engine fails (crash, timeout, refused
+    update) rank 0 reports it with the step, every rank joins a restart: a fresh engine is built and the
+    current policy weights are synced into it, then the step's rollouts are retried once.
+    """
+
+    def __init__(self, cfg: Any, tokenizer: Any, runtime: Any, groups: Any) -> None:
+        from srpo_megatron.rollout.factory import build_engine
+
+        self.cfg, self.tokenizer, self.runtime, self.groups = cfg, tokenizer, runtime, groups
+        self.rank0 = not dist.is_initialized() or dist.get_rank() == 0
+        self._build = lambda: build_engine(cfg.rollout, cfg.model)
+        self.engine = self._build() if self.rank0 else None
+        self.rewards = (
+            RewardPool(cfg.rollout.reward_workers, cfg.rollout.reward_timeout_s) if self.rank0 else None
+        )
+        self.version = 0
+        self.restarts = 0
+
+    def sync(self, version: int) -> float:
+        """Collective: install the policy into the engine as ``version``; returns seconds taken."""
+        from srpo_megatron.weights.sync import sync_in_process
+
+        t0 = time.monotonic()
+        if self.rank0 and self.cfg.rollout.placement == "colocated":
+            self.engine.resume_memory()
+        sync_in_process(self.runtime.model, self.runtime.table, self.groups, self.engine, version)
+        self.version = version
+        return time.monotonic() - t0
+
+    def _try_collect(self, prompts: list[Prompt], step: int) -> RolloutBatch | str:
+        c = self.cfg
+        try:
+            batch = collect_rollouts(
+                self.engine,
+                self.tokenizer,
+                prompts,
+                c.rollout,
+                c.loss,
+                c.teacher,
+                self.rewards,
+                seed=c.run.seed * 1_000_003 + step,
+            )
+        except EngineError as e:
+            return f"rollout engine failed at step {step + 1} (weights v{self.version}): {e}"
+        if c.rollout.placement == "colocated":
+            self.engine.release_memory()  # give the accelerator memory to training
+        return batch
+
+    def collect(self, prompts: list[Prompt], step: int) -> RolloutBatch:
+        """Collective: rollouts, rewards and routing for ``prompts`` (SPEC §1 steps 1–4)."""
+        result = broadcast_batch(self._try_collect(prompts, step) if self.rank0 else None)
+        if isinstance(result, RolloutBatch):
+            return result
+        print(f"[srpo] {result}; restarting the engine and resyncing", flush=True)
+        if self.rank0:
+            with contextlib.suppress(Exception):  # the engine is already broken
+                self.engine.shutdown()
+            self.engine = self._build()
+        self.restarts += 1
+        self.sync(self.version)
+        result = broadcast_batch(self._try_collect(prompts, step) if self.rank0 else None)
+        if not isinstance(result, RolloutBatch):
+            raise EngineError(f"{result} (again after a restart; giving up)")
+        return result
+
+    def close(self) -> None:
+        if self.rank0:
+            self.rewards.close()
+            self.engine.shutdown()

@@ -1,0 +1,79 @@
+"""The trainer survives bad steps: a non-finite loss skips the step with the weights untouched, and a batch
+with no signal (every group uniform) trains without dividing by zero."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from srpo_megatron.testing.distributed import run_distributed
+
+REPO = Path(__file__).resolve().parents[2]
+RECIPE = REPO / "examples" / "tiny_cpu_test.yaml"
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    from srpo_megatron.testing.tiny import write_tiny_qwen3
+
+    root = tmp_path_factory.mktemp("tiny_robust")
+    hf = write_tiny_qwen3(root / "qwen3")
+    data = root / "train.jsonl"
+    rows = [{"prompt": f"Count to {i}.", "system": None, "answer": "-", "kind": "coin"} for i in range(8)]
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return root, hf, data
+
+
+def _cfg(tiny, run_dir, extra=()):
+    from srpo_megatron.configs import load_config
+    from srpo_megatron.trainer.config import TrainConfig
+
+    _, hf, data = tiny
+    ov = [f"model.hf_dir={hf}", f"data.train_files=[{data}]", f"run.dir={run_dir}", *extra]
+    return load_config(TrainConfig, str(RECIPE), ov)
+
+
+def _nonfinite_step(rank, world, tiny, run_dir):
+    from srpo_megatron.parallel import initialize_model_parallel
+    from srpo_megatron.trainer.policy_runtime import PolicyRuntime
+    from srpo_megatron.trainer.rollouts import Sample
+
+    cfg = _cfg(tiny, run_dir, ["loss.mode=grpo"])
+    groups = initialize_model_parallel(1, 1, seed=1)
+    runtime = PolicyRuntime(cfg, groups)
+    samples = [Sample(0, m, [1, 2, 3], [4, 5], [-1.0, -1.0], reward=float(m % 2), advantage=m % 2 - 0.5)
+               for m in range(4)]
+    stored, _ = runtime.score(samples)
+    before = {n: p.detach().clone() for n, p in runtime.model.named_parameters()}
+    stored[0]["old_logp"] = torch.full_like(stored[0]["old_logp"], float("nan"))  # a poisoned batch
+    out = runtime.train_step(samples, stored)
+    unchanged = all(torch.equal(before[n], p) for n, p in runtime.model.named_parameters())
+    good, _ = runtime.score(samples)
+    ok = runtime.train_step(samples, good)
+    moved = any(not torch.equal(before[n], p) for n, p in runtime.model.named_parameters())
+    return out["skipped"], unchanged, ok["skipped"], moved
+
+
+def test_nonfinite_loss_skips_the_step_and_keeps_the_weights(tiny, tmp_path):
+    skipped, unchanged, skipped_after, moved = run_distributed(_nonfinite_step, 1, tiny, str(tmp_path))[0]
+    assert skipped == 1.0 and unchanged
+    assert skipped_after == 0.0 and moved, "a finite batch afterwards must train normally"
+
+
+def _train(rank, world, tiny, run_dir):
+    from srpo_megatron.train import train
+
+    extra = ['rollout.reward_fns={coin: "srpo_megatron.testing.tiny:zero_reward"}', "train.steps=1"]
+    return train(_cfg(tiny, run_dir, extra))
+
+
+def test_zero_signal_batch_trains_without_dividing_by_zero(tiny, tmp_path):
+    run_distributed(_train, 1, tiny, str(tmp_path / "run"))
+    (row,) = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert row["reward/mean"] == 0.0 and row["route/sdpo_frac"] == 0.0
+    assert row["route/fallback_frac"] == 1.0
+    assert row["loss/total"] == 0.0 and row["grad_norm"] == 0.0
+    assert row["train/skipped_steps"] == 0.0
