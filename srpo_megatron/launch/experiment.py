@@ -19,6 +19,7 @@ and torchrun spans all of them; every process gets ``SRPO_ROLLOUT_PLACEMENT``, `
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import sys
@@ -217,13 +218,16 @@ def submit(cluster: ClusterConfig, request: LaunchRequest, dryrun: bool = False)
     experiment directory is removed again.
     """
     exp, task = build_experiment(cluster, request)
-    with exp:
+    # nemo-run's git packager archives the repository around the working directory: make that this one.
+    where = contextlib.chdir(REPO_ROOT) if cluster.code == "git" else contextlib.nullcontext()
+    with where, exp:
         exp.add(task, name=request.name)
         if dryrun:
             exp.dryrun(log=cluster.executor == "local", delete_exp_dir=False)
-            scripts = sorted(Path(exp._exp_dir).glob("*_sbatch.sh"))
+            exp_dir = Path(exp._exp_dir)  # nemo-run 0.11 has no public accessor (tests fail if it moves)
+            scripts = sorted(exp_dir.glob("*_sbatch.sh"))
             script = scripts[0].read_text() if scripts else ""
-            shutil.rmtree(exp._exp_dir, ignore_errors=True)
+            shutil.rmtree(exp_dir, ignore_errors=True)
             return LaunchResult(exp._id, script)
         exp.run(detach=True)
         return LaunchResult(exp._id)
