@@ -145,3 +145,16 @@ def test_sigkill_after_step_2_then_resume_matches_uninterrupted_run(tiny, tmp_pa
     b = _export(killed_dir / "checkpoints" / "step_000004", tmp_path / "hf_resumed")
     for k in a:
         assert (a[k] - b[k]).abs().max().item() <= 1e-6, k
+
+
+def test_tp2_checkpoint_resumes_at_tp1(tiny, tp2_run, tmp_path):
+    """Policy, EMA teacher and optimizer state saved at TP2 load at TP1 and training continues."""
+    import shutil
+
+    run_dir = tmp_path / "resharded"
+    shutil.copytree(tp2_run, run_dir)
+    run_distributed(_train_rank, 1, _overrides(tiny, run_dir, **{"train.steps": 4}), timeout=600)
+    rows = _metrics(run_dir)
+    assert [r["step"] for r in rows] == [1, 2, 3, 4]
+    assert rows[-1]["logprob/gap_max"] < 1e-4, "the engine got the resumed TP1 weights"
+    assert rows[-1]["train/skipped_steps"] == 0.0
