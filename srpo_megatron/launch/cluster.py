@@ -84,6 +84,11 @@ class ClusterConfig:
                     f"cluster {self.name!r} has GPUs but no {' and no '.join(missing)}; set "
                     f"{' and '.join(hints[k] for k in missing)} in the cluster file"
                 )
+        if self.tunnel.kind == "ssh" and self.code != "git":
+            raise ConfigError(
+                "tunnel kind 'ssh' submits from another machine, so this checkout is not on the cluster; "
+                "set code: git (ship the committed code with each experiment)"
+            )
         if self.executor == "local" and self.tunnel.kind != "local":
             raise ConfigError("executor 'local' runs on this machine; remove the ssh tunnel section")
 

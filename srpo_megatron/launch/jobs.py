@@ -198,9 +198,12 @@ def check_completed(exp, infos: list[JobInfo], tail: int = 40) -> None:
         raise JobError("\n\n".join(parts))
 
 
-def cancel(exp) -> list[JobInfo]:
-    """Cancel every task of ``exp`` that is still pending or running; return the infos after."""
+def cancel(exp, timeout: float = 60.0) -> list[JobInfo]:
+    """Cancel every task of ``exp`` that is still pending or running; return the infos once they ended.
+
+    scancel only asks Slurm to stop the job, so this waits (up to ``timeout``) until sacct shows the end.
+    """
     for info in job_infos(exp):
         if not info.finished:
             exp.cancel(info.name)
-    return job_infos(exp)
+    return wait(exp, timeout=timeout, poll=0.5)

@@ -81,6 +81,11 @@ def test_ssh_tunnel_needs_host_user_dir():
         TunnelConfig(kind="ssh", host="login")
 
 
+def test_ssh_tunnel_needs_shipped_code():
+    with pytest.raises(ConfigError, match="set code: git"):
+        ClusterConfig(name="r", tunnel=TunnelConfig(kind="ssh", host="h", user="u", job_dir="/d"))
+
+
 def test_request_larger_than_partition_is_refused():
     c = ClusterConfig(name="g", gpus_per_node=8, account="a", container_image="i", max_nodes=4)
     c.check_request(4, 8)  # exactly the partition: fine
@@ -153,11 +158,12 @@ def _qwen_dryrun(tmp_path: Path, capsys) -> tuple[str, str, int]:
         engine_nodes = rollout.get("engine_nodes", 0) if rollout.get("placement") == "separate" else 0
         return capsys.readouterr().out, "examples/qwen3_8b_srpo.yaml", engine_nodes
     # Until the lead's recipe lands: the same keys in a tmp recipe. h100 ships the code with git, which
-    # needs a committed recipe; the tmp one is given in place instead (the script is otherwise the same).
+    # needs a committed recipe; the tmp one is given in place from the login node instead (the rest of the
+    # script is the same).
     recipe = _write(
         tmp_path / "qwen3_8b_srpo.yaml", {"run": {"dir": "/lustre/runs/q"}, "train": {"steps": 10}}
     )
-    cluster = dataclasses.replace(load_cluster("h100"), code="in_place")
+    cluster = dataclasses.replace(load_cluster("h100"), code="in_place", tunnel=TunnelConfig())
     request = LaunchRequest("srpo-qwen3_8b_srpo", srpo_train_command(str(recipe)), nodes=4)
     from srpo_megatron.launch.jobs import set_home
 
@@ -200,7 +206,7 @@ def test_dryrun_h100_four_nodes(tmp_path, capsys):
 
 def test_dryrun_separate_rollout_nodes_and_overrides(tmp_path):
     recipe = _write(tmp_path / "r.yaml", {"rollout": {"placement": "separate", "engine_nodes": 2}})
-    cluster = dataclasses.replace(load_cluster("h100"), code="in_place")
+    cluster = dataclasses.replace(load_cluster("h100"), code="in_place", tunnel=TunnelConfig())
     from srpo_megatron.launch.jobs import set_home
 
     set_home(tmp_path)
