@@ -331,3 +331,42 @@ def test_interrupted_conversion_leaves_nothing_that_looks_valid(tiny_folders, tm
         "interrupted"
     ]
     assert not out.exists() and not list(tmp_path.iterdir())
+
+
+def trainer_save_worker(rank, world, tp, pp, src, out):
+    """Save like the trainer: the policy's sharded_state_dict under the "model." key prefix, at TP x PP."""
+    from megatron.core import dist_checkpointing
+
+    from srpo_megatron.conversion.checkpoint import POLICY_PREFIX
+    from srpo_megatron.conversion.safetensors_io import HFCheckpointReader
+    from srpo_megatron.conversion.table import ConversionTable
+    from srpo_megatron.conversion.weights import load_hf_weights
+    from srpo_megatron.models.architecture import Architecture
+    from srpo_megatron.models.policy import build_policy
+    from srpo_megatron.parallel import initialize_model_parallel
+
+    initialize_model_parallel(tp, pp)
+    arch = Architecture.from_hf(src)
+    model = build_policy(arch)
+    reader = HFCheckpointReader(src)
+    load_hf_weights(model, ConversionTable(arch), lambda n: reader.get(n).float())
+    state = {"model": model.sharded_state_dict(prefix=POLICY_PREFIX), "iteration": 7}
+    dist_checkpointing.save(state, out)
+
+
+def export_worker(rank, world, ckpt, out):
+    from srpo_megatron.conversion.checkpoint import megatron_to_hf
+
+    megatron_to_hf(ckpt, out, progress=lambda _: None)
+
+
+def test_trainer_checkpoint_saved_at_tp2_pp2_exports_bit_exact(tiny_folders, tmp_path):
+    import shutil
+
+    src = tiny_folders["llama"]  # tied embeddings: the last stage's copy must not be exported twice
+    ckpt = tmp_path / "trainer_ckpt"
+    ckpt.mkdir()
+    run_distributed(trainer_save_worker, 4, 2, 2, str(src), str(ckpt), timeout=300)
+    shutil.copy(src / "config.json", ckpt / "hf_config.json")
+    run_distributed(export_worker, 1, str(ckpt), str(tmp_path / "hf"), timeout=300)
+    assert_bit_exact(src, tmp_path / "hf")
