@@ -26,6 +26,10 @@ TP partitions (``partition(name)`` -> :class:`TPPartition`):
 - ``dim=0, gated=True`` (``linear_fc1``): each rank holds ``[gate_r; up_r]``; the full tensor is
   ``[gate; up]`` (``[2F, H]``), so merging concatenates the gate halves and the up halves separately.
 
+Gradients (for trainers, not weight sync): the replicated QK-norm weights see only the local heads on
+each TP rank, so their gradients are partial sums; megatron's ``finalize_model_grads`` (with megatron
+DDP) sums them over TP, and sums the tied embedding gradient over the first/last pipeline stage.
+
 Vocabulary padding: ``to_megatron`` pads embedding/output rows with zeros to ``padded_vocab_size(V, tp)``;
 ``to_hf`` drops rows beyond the HF ``vocab_size``. With tied embeddings there is no ``output_layer``
 row (HF's ``lm_head.weight`` is not written; transformers re-ties it from ``tie_word_embeddings``).

@@ -9,8 +9,13 @@ imports (GPU clusters), otherwise megatron's local spec with :class:`SDPACoreAtt
 ``seq_len_interpolation_factor`` and "llama3" to ``rope_scaling``/``rope_scaling_factor``.
 
 TP and PP sizes and the stage come from ``megatron.core.parallel_state`` (initialise it first). The
-vocabulary is padded to a multiple of ``128 * TP`` (see ``padded_vocab_size``); logits of padded rows are
-meaningless and callers must slice ``[..., :arch.vocab_size]`` after gathering.
+vocabulary is padded to a multiple of ``128 * TP`` (see ``padded_vocab_size``); padded rows are zero, so
+their logits are 0, not -inf: samplers, log-probs and entropies must exclude token ids >= ``vocab_size``
+(slice after gathering, or mask the padded tail of the last TP shard).
+
+Deviations from the HF models: attention runs through SDPA (same maths, different kernel order, fp32
+differences ~1e-6); llama3 RoPE scaling accepts only megatron's fixed band parameters (see
+``architecture.py``); sliding-window attention is rejected rather than approximated.
 """
 
 from __future__ import annotations
