@@ -44,8 +44,10 @@ def _nonfinite_step(rank, world, tiny, run_dir):
     cfg = _cfg(tiny, run_dir, ["loss.mode=grpo"])
     groups = initialize_model_parallel(1, 1, seed=1)
     runtime = PolicyRuntime(cfg, groups)
-    samples = [Sample(0, m, [1, 2, 3], [4, 5], [-1.0, -1.0], reward=float(m % 2), advantage=m % 2 - 0.5)
-               for m in range(4)]
+    samples = [
+        Sample(0, m, [1, 2, 3], [4, 5], [-1.0, -1.0], reward=float(m % 2), advantage=m % 2 - 0.5)
+        for m in range(4)
+    ]
     stored, _ = runtime.score(samples)
     before = {n: p.detach().clone() for n, p in runtime.model.named_parameters()}
     stored[0]["old_logp"] = torch.full_like(stored[0]["old_logp"], float("nan"))  # a poisoned batch

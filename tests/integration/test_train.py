@@ -37,8 +37,10 @@ def tiny(tmp_path_factory):
     root = tmp_path_factory.mktemp("tiny")
     hf = write_tiny_qwen3(root / "qwen3")
     data = root / "train.jsonl"
-    rows = [{"prompt": f"Tell me a fact about the number {i}.", "system": None, "answer": "-", "kind": "coin"}
-            for i in range(16)]
+    rows = [
+        {"prompt": f"Tell me a fact about the number {i}.", "system": None, "answer": "-", "kind": "coin"}
+        for i in range(16)
+    ]
     data.write_text("".join(json.dumps(r) + "\n" for r in rows))
     return root, hf, data
 
@@ -112,7 +114,9 @@ def _srpo_train(overrides: list[str]) -> subprocess.Popen:
     cmd = [sys.executable, "-m", "srpo_megatron.cli", "train", str(RECIPE)]
     for o in overrides:
         cmd += ["--override", o]
-    return subprocess.Popen(cmd, env=env, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    return subprocess.Popen(
+        cmd, env=env, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
 
 
 def test_sigkill_after_step_2_then_resume_matches_uninterrupted_run(tiny, tmp_path):
