@@ -222,3 +222,17 @@ def test_build_datasets_from_a_recipe_section(qwen3):
     assert qwen3.decode(arith.ids).startswith("<|im_start|>user\nWhat is ")
     train_prompts = {p.row.prompt for p in train.benchmarks()["arithmetic/level0"]}
     assert not train_prompts & {p.row.prompt for p in evals.benchmarks()["arithmetic/level0"]}
+
+
+@pytest.mark.parametrize(
+    ("side", "kept", "lost"), [("left", "ZEBRA", "AARDVARK"), ("right", "AARDVARK", "ZEBRA")]
+)
+def test_truncation_side(qwen3, side, kept, lost):
+    from srpo_megatron.data import Row
+    from srpo_megatron.data.templating import encode_prompt
+
+    row = Row("AARDVARK " + "filler words here " * 100 + "ZEBRA", "sys", "1", "arithmetic", "b", "x:1")
+    ids, truncated = encode_prompt(qwen3, row, max_tokens=120, side=side)
+    text = qwen3.decode(ids)
+    assert truncated and len(ids) <= 120 and kept in text and lost not in text
+    assert text.startswith("<|im_start|>system\nsys<|im_end|>\n<|im_start|>user\n")
