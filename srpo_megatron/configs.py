@@ -36,14 +36,14 @@ def _coerce(value: Any, tp: Any, path: str) -> Any:
         args = get_args(tp)
         if value is None and type(None) in args:
             return None
-        errors = []
-        for arg in args:
-            if arg is type(None):
-                continue
+        options = [a for a in args if a is not type(None)]
+        if len(options) == 1:  # Optional[X]: X's own error is the helpful one
+            return _coerce(value, options[0], path)
+        for arg in options:
             try:
                 return _coerce(value, arg, path)
-            except ConfigError as e:
-                errors.append(str(e))
+            except ConfigError:
+                pass
         raise ConfigError(f"{path}: {value!r} matches none of {', '.join(_type_name(a) for a in args)}")
     if origin is Literal:
         allowed = get_args(tp)
