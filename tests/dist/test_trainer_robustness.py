@@ -79,3 +79,46 @@ def test_zero_signal_batch_trains_without_dividing_by_zero(tiny, tmp_path):
     assert row["route/fallback_frac"] == 1.0
     assert row["loss/total"] == 0.0 and row["grad_norm"] == 0.0
     assert row["train/skipped_steps"] == 0.0
+
+
+def _teacher_update(rank, world, tiny, run_dir, kind):
+    from srpo_megatron.parallel import initialize_model_parallel
+    from srpo_megatron.trainer.policy_runtime import PolicyRuntime
+    from srpo_megatron.trainer.rollouts import Sample
+
+    cfg = _cfg(tiny, run_dir, [f"teacher.kind={kind}", "teacher.ema_alpha=0.25"])
+    groups = initialize_model_parallel(1, 1, seed=1)
+    runtime = PolicyRuntime(cfg, groups)
+    theta0 = {n: p.detach().clone().double() for n, p in runtime.model.named_parameters()}
+    samples = [
+        Sample(0, m, [1, 2, 3], [4, 5], [-1.0, -1.0], reward=float(m % 2), advantage=m % 2 - 0.5)
+        for m in range(4)
+    ]
+    runtime.train_step(samples, runtime.score(samples)[0])
+    runtime.update_teacher()
+    theta1 = {n: p.detach().double() for n, p in runtime.model.named_parameters()}
+    teacher = {n: p.detach().double() for n, p in runtime.teacher.named_parameters()}
+    return theta0, theta1, teacher
+
+
+@pytest.mark.parametrize("kind", ["ema", "frozen"])
+def test_teacher_update_is_the_ema_of_the_student_or_frozen(tiny, tmp_path, kind):
+    theta0, theta1, teacher = run_distributed(_teacher_update, 1, tiny, str(tmp_path), kind)[0]
+    assert any(not torch.equal(theta0[n], theta1[n]) for n in theta0), "the student must have moved"
+    alpha = 0.25 if kind == "ema" else 0.0
+    for n in theta0:  # independent float64 recomputation of θ′ = (1−α)θ0 + αθ1
+        expected = (1 - alpha) * theta0[n] + alpha * theta1[n]
+        assert (teacher[n] - expected).abs().max().item() <= 1e-6, n
+
+
+def _train_kind(rank, world, tiny, run_dir, kind):
+    from srpo_megatron.train import train
+
+    return train(_cfg(tiny, run_dir, [f"teacher.kind={kind}", "train.steps=1"]))
+
+
+def test_trust_region_teacher_runs_on_the_sdpo_samples(tiny, tmp_path):
+    run_distributed(_train_kind, 1, tiny, str(tmp_path / "run"), "trust_region")
+    (row,) = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert row["teacher/forward_samples"] == row["route/teacher_samples"] > 0
+    assert row["teacher/entropy_mean"] > 0 and row["loss/sdpo"] != 0.0
