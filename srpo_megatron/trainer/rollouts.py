@@ -124,7 +124,7 @@ def collect_rollouts(
         "route/sdpo_frac": routing.to_sdpo.double().mean().item(),
         "route/fallback_frac": fallback,
         "route/has_teacher_frac": routing.has_teacher.double().mean().item(),
-        "route/teacher_samples": float(sum(s.needs_teacher for s in samples)),
+        "samples/routed_to_teacher": float(sum(s.needs_teacher for s in samples)),
         "response/length_mean": lengths.mean().item(),
         "response/length_max": lengths.max().item(),
         "response/truncated_frac": sum(s.finish_reason == "length" for s in samples) / n,

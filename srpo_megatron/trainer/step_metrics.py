@@ -73,7 +73,7 @@ def step_metrics(
             "tokens/total": tokens,
             "teacher/entropy_mean": sums.get("teacher_entropy_sum", 0.0) / max(sdpo, 1.0),
             "teacher/divergence_mean": sums.get("divergence_sum", 0.0) / max(sdpo, 1.0),
-            "teacher/forward_samples": sums.get("teacher_runs", 0.0),
+            "samples/teacher_forward": sums.get("teacher_runs", 0.0),
             "dw/w_tilde_mean": w_mean,
             "dw/w_tilde_std": math.sqrt(max(w_var, 0.0)),
             "grad_norm": sum(grad_norms) / len(grad_norms) if grad_norms else math.nan,

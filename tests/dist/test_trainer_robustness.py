@@ -120,5 +120,5 @@ def _train_kind(rank, world, tiny, run_dir, kind):
 def test_trust_region_teacher_runs_on_the_sdpo_samples(tiny, tmp_path):
     run_distributed(_train_kind, 1, tiny, str(tmp_path / "run"), "trust_region")
     (row,) = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
-    assert row["teacher/forward_samples"] == row["route/teacher_samples"] > 0
+    assert row["samples/teacher_forward"] == row["samples/routed_to_teacher"] > 0
     assert row["teacher/entropy_mean"] > 0 and row["loss/sdpo"] != 0.0

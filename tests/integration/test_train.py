@@ -87,8 +87,8 @@ def test_three_srpo_steps_at_tp2_log_everything_and_train(tiny, tp2_run, tmp_pat
         assert not missing, f"step {r['step']} lacks SPEC §6 metrics {missing}"
         # The teacher's own count of scored samples equals the routing's SDPO share.
         sdpo_samples = round(r["route/sdpo_frac"] * group)
-        assert r["teacher/forward_samples"] == sdpo_samples
-        assert r["route/teacher_samples"] == sdpo_samples
+        assert r["samples/teacher_forward"] == sdpo_samples
+        assert r["samples/routed_to_teacher"] == sdpo_samples
         sdpo_total += sdpo_samples
         assert r["logprob/gap_max"] < 1e-4, "engine and trainer must hold the same weights"
     assert sdpo_total > 0, "the recipe must route some samples to SDPO for this test to mean anything"
