@@ -57,3 +57,18 @@ def coin_reward(response: str, answer: str) -> float:
 def zero_reward(response: str, answer: str) -> float:
     """Every response wrong: every group is uniform, so the batch carries no learning signal."""
     return 0.0
+
+
+def write_tiny_run(root: str | Path, num_prompts: int = 16) -> tuple[Path, Path, Path]:
+    """A tiny Qwen3 folder and a JSONL of ``coin``-rewarded prompts under ``root``: (root, hf_dir, data)."""
+    import json
+
+    root = Path(root)
+    hf = write_tiny_qwen3(root / "qwen3")
+    data = root / "train.jsonl"
+    rows = [
+        {"prompt": f"Tell me a fact about the number {i}.", "system": None, "answer": "-", "kind": "coin"}
+        for i in range(num_prompts)
+    ]
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return root, hf, data

@@ -17,14 +17,9 @@ RECIPE = REPO / "examples" / "tiny_cpu_test.yaml"
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
-    from srpo_megatron.testing.tiny import write_tiny_qwen3
+    from srpo_megatron.testing.tiny import write_tiny_run
 
-    root = tmp_path_factory.mktemp("tiny_robust")
-    hf = write_tiny_qwen3(root / "qwen3")
-    data = root / "train.jsonl"
-    rows = [{"prompt": f"Count to {i}.", "system": None, "answer": "-", "kind": "coin"} for i in range(8)]
-    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    return root, hf, data
+    return write_tiny_run(tmp_path_factory.mktemp("tiny_robust"), num_prompts=8)
 
 
 def _cfg(tiny, run_dir, extra=()):

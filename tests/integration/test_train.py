@@ -32,17 +32,9 @@ RECIPE = REPO / "examples" / "tiny_cpu_test.yaml"
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
-    from srpo_megatron.testing.tiny import write_tiny_qwen3
+    from srpo_megatron.testing.tiny import write_tiny_run
 
-    root = tmp_path_factory.mktemp("tiny")
-    hf = write_tiny_qwen3(root / "qwen3")
-    data = root / "train.jsonl"
-    rows = [
-        {"prompt": f"Tell me a fact about the number {i}.", "system": None, "answer": "-", "kind": "coin"}
-        for i in range(16)
-    ]
-    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    return root, hf, data
+    return write_tiny_run(tmp_path_factory.mktemp("tiny"), num_prompts=16)
 
 
 def _overrides(tiny, run_dir: Path, **extra) -> list[str]:
