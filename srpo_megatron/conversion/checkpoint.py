@@ -14,9 +14,12 @@ ShardedTensor key starts with ``model.`` (``POLICY_PREFIX``). A trainer checkpoi
 Why a TP1/PP1 skeleton on import: megatron's own ``sharded_state_dict`` then produces the exact global
 layout (SwiGLU fc1 split into gate/up chunks, tied-embedding replicas, padded vocab flagged
 ``allow_shape_mismatch``), so the checkpoint loads at ANY TP/PP with megatron's resharding and no
-hand-written layout logic can drift. The cost is holding the model once in memory (plus the tensors of
-one table row in flight), not twice; ``tools/bench_conversion.py`` measures it. The vocab is padded for
-TP1 (a multiple of 128); loading at TP>1 zero-fills the extra padded rows (``allow_shape_mismatch``).
+hand-written layout logic can drift. The skeleton's parameters are never filled: ``hf_to_megatron``
+streams one table row at a time (read the HF tensors, build the full megatron tensor, write its chunks)
+through ``conversion.stream_writer``, which writes the same torch_dist files ``dist_checkpointing.save``
+would. Peak memory is a few of the largest tensors; ``tools/bench_conversion.py`` measures it. The vocab
+is padded for TP1 (a multiple of 128); loading at TP>1 zero-fills the extra padded rows
+(``allow_shape_mismatch``).
 """
 
 from __future__ import annotations
@@ -137,9 +140,12 @@ def hf_to_megatron(
 
     Must run in a process with an ``if __name__ == "__main__":`` guard (dist_checkpointing spawns).
     """
-    from megatron.core import dist_checkpointing
+    from megatron.core.dist_checkpointing.dict_utils import nested_values
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor, is_main_replica
+    from megatron.core.dist_checkpointing.state_dict_utils import save_preprocess
 
-    from srpo_megatron.conversion.weights import load_hf_weights
+    from srpo_megatron.conversion.stream_writer import write_streamed_checkpoint
+    from srpo_megatron.conversion.weights import rank_param_name
 
     hf_dir = Path(hf_dir)
     config = load_hf_config_dict(hf_dir)
@@ -150,24 +156,50 @@ def hf_to_megatron(
     table.check_hf_shapes({name: reader.shape(name) for name in table.hf_names()})
     dtype = dtype or reader.dtype()
     with atomic_output_dir(out_dir, force) as tmp, single_process_megatron():
+        # The skeleton's parameters are never written (their pages stay unallocated): megatron's own
+        # sharded_state_dict only supplies the checkpoint layout, and each ShardedTensor's data is a view
+        # of one parameter, so its values are that view's slice of the table's full tensor.
         model = _skeleton(arch, dtype)
+        sharded, common = save_preprocess(model.sharded_state_dict(prefix=POLICY_PREFIX))
+        params = {p.untyped_storage().data_ptr(): (n, p) for n, p in model.named_parameters()}
+        groups: dict[int, list] = {}
+        for sh in nested_values(sharded):
+            if isinstance(sh, ShardedTensor) and is_main_replica(sh.replica_id):
+                ptr = sh.data.untyped_storage().data_ptr()
+                if ptr not in params:
+                    raise ConversionError(f"checkpoint tensor {sh.key} is not a policy parameter")
+                groups.setdefault(ptr, []).append(sh)
         done = [0]
-        total = len(table.hf_names())
 
-        def get(name: str) -> torch.Tensor:
+        def data_of(group: list) -> list[torch.Tensor]:
+            local_name, param = params[group[0].data.untyped_storage().data_ptr()]
+            name = rank_param_name(table, local_name, 0)
+            hf = {h: reader.get(h).to(dtype) for h in table.hf_names_for(name)}
+            # safetensors tensors are views of the mmapped shard: dropping the handles now unmaps each
+            # tensor's pages with the tensor, else resident memory grows to the whole shard.
+            reader.close()
+            full = table.to_megatron(name, hf)
+            # The param's dtype (megatron keeps e.g. norm weights in fp32 in a bf16 model), as copy_ would.
+            full = full.to(param.dtype)
+            if full.shape != param.shape:
+                raise ConversionError(
+                    f"shape mismatch for {local_name}: expected {tuple(param.shape)}, got {tuple(full.shape)}"
+                )
             done[0] += 1
-            if done[0] % 50 == 0 or done[0] == total:
-                progress(f"read {done[0]}/{total} HF tensors")
-            return reader.get(name).to(dtype)
+            if done[0] % 50 == 0 or done[0] == len(groups):
+                progress(f"wrote {done[0]}/{len(groups)} megatron tensors")
+            base = param.storage_offset()
+            return [
+                full.as_strided(sh.data.shape, sh.data.stride(), sh.data.storage_offset() - base)
+                for sh in group
+            ]
 
-        load_hf_weights(model, table, get, tp=1, tp_rank=0)
-        reader.close()
         progress(f"saving dist_checkpointing checkpoint ({arch.model_type}, {dtype}) to {out_dir}")
-        dist_checkpointing.save(model.sharded_state_dict(prefix=POLICY_PREFIX), str(tmp))
+        write_streamed_checkpoint(tmp, sharded, common, data_of, list(groups.values()))
+        reader.close()
         config = _with_dtype(config, dtype)
         (tmp / HF_CONFIG_NAME).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
         _copy_assets(hf_dir, tmp / HF_ASSETS_DIR)
-        del model
     progress(f"done: {out_dir}")
     return Path(out_dir)
 
