@@ -1,0 +1,93 @@
+"""The streamed HF -> megatron checkpoint is the checkpoint megatron's own ``dist_checkpointing.save``
+writes for the same TP1 model: same keys, global shapes, dtypes and chunks in the torch DCP
+``.metadata``, the same bytes behind every chunk and object, the same ``common.pt`` and ``metadata.json``.
+
+Loading at other layouts is shown in test_conversion.py (TP2, PP2, TP2xPP2, TP3 against HF logits).
+"""
+
+from __future__ import annotations
+
+import io
+from pathlib import Path
+
+import torch
+from torch.distributed.checkpoint import FileSystemReader
+
+from srpo_megatron.testing.distributed import run_distributed
+from tests.dist.test_models_tp import tiny_hf_model
+
+
+def megatron_save_worker(rank, world, src, out):
+    """Reference: fill a TP1 policy from HF tensors and save it with megatron's dist_checkpointing."""
+    from megatron.core import dist_checkpointing
+
+    from srpo_megatron.conversion.checkpoint import POLICY_PREFIX
+    from srpo_megatron.conversion.safetensors_io import HFCheckpointReader
+    from srpo_megatron.conversion.table import ConversionTable
+    from srpo_megatron.conversion.weights import load_hf_weights
+    from srpo_megatron.models.architecture import Architecture
+    from srpo_megatron.models.policy import build_policy
+    from srpo_megatron.parallel import initialize_model_parallel
+
+    initialize_model_parallel(1, 1)
+    arch = Architecture.from_hf(src)
+    reader = HFCheckpointReader(src)
+    dtype = reader.dtype()
+    model = build_policy(arch, params_dtype=dtype)
+    load_hf_weights(model, ConversionTable(arch), lambda n: reader.get(n).to(dtype))
+    dist_checkpointing.save(model.sharded_state_dict(prefix=POLICY_PREFIX), out)
+
+
+def stream_worker(rank, world, src, out):
+    from srpo_megatron.conversion.checkpoint import hf_to_megatron
+
+    hf_to_megatron(src, out, progress=lambda _: None)
+
+
+def read_checkpoint(folder: Path) -> tuple[dict, dict]:
+    """(per key: properties, global shape, sorted chunks) and (per (key, offset): the stored item)."""
+    md = FileSystemReader(str(folder)).read_metadata()
+    layout = {
+        k: (v.properties, tuple(v.size), sorted((tuple(c.offsets), tuple(c.sizes)) for c in v.chunks))
+        if hasattr(v, "chunks")
+        else "bytes"
+        for k, v in md.state_dict_metadata.items()
+    }
+    items = {}
+    for index, info in md.storage_data.items():
+        with open(folder / info.relative_path, "rb") as f:
+            f.seek(info.offset)
+            raw = f.read(info.length)
+        key = (index.fqn, None if index.offset is None else tuple(index.offset))
+        items[key] = torch.load(io.BytesIO(raw), weights_only=False)
+    return layout, items
+
+
+def test_streamed_checkpoint_equals_megatrons_own_save(tmp_path):
+    # Tied Llama (no output layer, fp32) and Qwen2 in bf16 (QKV bias; megatron keeps norms in fp32).
+    for i, model_type in enumerate(["llama", "qwen2"]):
+        model = tiny_hf_model(model_type, seed=i)
+        if model_type == "qwen2":
+            model = model.to(torch.bfloat16)
+        src = tmp_path / f"{model_type}_hf"
+        model.save_pretrained(src)
+        ref, got = tmp_path / f"{model_type}_ref", tmp_path / f"{model_type}_stream"
+        ref.mkdir()
+        run_distributed(megatron_save_worker, 1, str(src), str(ref), timeout=300)
+        run_distributed(stream_worker, 1, str(src), str(got), timeout=300)
+
+        ref_layout, ref_items = read_checkpoint(ref)
+        got_layout, got_items = read_checkpoint(got)
+        assert got_layout == ref_layout, model_type
+        assert sorted(got_items, key=str) == sorted(ref_items, key=str), model_type
+        for key, want in ref_items.items():
+            have = got_items[key]
+            if isinstance(want, torch.Tensor):
+                assert have.dtype == want.dtype and have.shape == want.shape, key
+                assert torch.equal(have, want), key
+                # Each chunk stores its own bytes, not a larger storage it was sliced from.
+                assert have.untyped_storage().nbytes() == want.untyped_storage().nbytes(), key
+            else:
+                assert have == want, key
+        assert (got / "metadata.json").read_text() == (ref / "metadata.json").read_text()
+        assert torch.load(got / "common.pt") == torch.load(ref / "common.pt")
