@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -53,7 +54,9 @@ def _child(mode: str, src: str, dst: str) -> None:
     from safetensors import safe_open
     from safetensors.torch import save_file
 
-    import srpo_megatron.models.policy  # noqa: F401
+    import srpo_megatron.conversion.stream_writer
+    import srpo_megatron.models.policy
+    import srpo_megatron.parallel  # noqa: F401
     from srpo_megatron.conversion.checkpoint import hf_to_megatron
 
     baseline = _rss_now()
@@ -67,13 +70,15 @@ def _child(mode: str, src: str, dst: str) -> None:
         Path(dst).mkdir(parents=True, exist_ok=True)
         save_file(tensors, str(Path(dst) / "model.safetensors"))
     else:
-        hf_to_megatron(src, dst, force=True, progress=lambda _: None)  # force: --repeats rewrites dst
+        hf_to_megatron(src, dst, progress=lambda _: None)
     seconds = time.perf_counter() - start
     peak = _peak_rss()
     print(json.dumps({"seconds": seconds, "peak_above_baseline": peak - baseline}))
 
 
 def _run_child(mode: str, src: Path, dst: Path) -> dict:
+    # Both stages start from no output: removing a previous run's files is not part of either.
+    shutil.rmtree(dst, ignore_errors=True)
     out = subprocess.run(
         [sys.executable, __file__, "--child", mode, str(src), str(dst)],
         capture_output=True,

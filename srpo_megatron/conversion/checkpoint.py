@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import os
 import shutil
 import sys
@@ -153,8 +154,10 @@ def hf_to_megatron(
     table = ConversionTable(arch)
     reader = HFCheckpointReader(hf_dir)
     table.check_hf_names(reader.names())
-    table.check_hf_shapes({name: reader.shape(name) for name in table.hf_names()})
+    shapes = {name: reader.shape(name) for name in table.hf_names()}
+    table.check_hf_shapes(shapes)
     dtype = dtype or reader.dtype()
+    largest = max(math.prod(shape) for shape in shapes.values()) * reader.dtype().itemsize
     with atomic_output_dir(out_dir, force) as tmp, single_process_megatron():
         # The skeleton's parameters are never written (their pages stay unallocated): megatron's own
         # sharded_state_dict only supplies the checkpoint layout, and each ShardedTensor's data is a view
@@ -169,15 +172,20 @@ def hf_to_megatron(
                 if ptr not in params:
                     raise ConversionError(f"checkpoint tensor {sh.key} is not a policy parameter")
                 groups.setdefault(ptr, []).append(sh)
-        done = [0]
+        done, mapped = [0], [0]
 
         def data_of(group: list) -> list[torch.Tensor]:
             local_name, param = params[group[0].data.untyped_storage().data_ptr()]
             name = rank_param_name(table, local_name, 0)
-            hf = {h: reader.get(h).to(dtype) for h in table.hf_names_for(name)}
-            # safetensors tensors are views of the mmapped shard: dropping the handles now unmaps each
-            # tensor's pages with the tensor, else resident memory grows to the whole shard.
-            reader.close()
+            hf = {h: reader.get(h) for h in table.hf_names_for(name)}
+            # safetensors tensors are views of the mmapped shards, whose pages stay resident while the
+            # shard is open: dropping the handles once a largest tensor's worth was read unmaps the
+            # pages with their tensors (resident <= ~2 largest tensors), without reopening every row.
+            mapped[0] += sum(t.nbytes for t in hf.values())
+            if mapped[0] >= largest:
+                reader.close()
+                mapped[0] = 0
+            hf = {h: t.to(dtype) for h, t in hf.items()}
             full = table.to_megatron(name, hf)
             # The param's dtype (megatron keeps e.g. norm weights in fp32 in a bf16 model), as copy_ would.
             full = full.to(param.dtype)
@@ -187,7 +195,7 @@ def hf_to_megatron(
                 )
             done[0] += 1
             if done[0] % 50 == 0 or done[0] == len(groups):
-                progress(f"wrote {done[0]}/{len(groups)} megatron tensors")
+                progress(f"converted {done[0]}/{len(groups)} megatron tensors")
             base = param.storage_offset()
             return [
                 full.as_strided(sh.data.shape, sh.data.stride(), sh.data.storage_offset() - base)

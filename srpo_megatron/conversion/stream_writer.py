@@ -72,9 +72,9 @@ def write_streamed_checkpoint(
 
     ``data_of(group)`` returns the data of each ShardedTensor of ``group`` (shape ``local_shape``,
     the dtype written in the metadata); it is called once per group, in order, and the tensors are
-    dropped after writing, so peak memory is one group's data. ``groups`` (default: one group per
-    ShardedTensor) lets a caller produce tensors that share a source together; every main-replica
-    ShardedTensor must be in exactly one group.
+    dropped after writing, so peak memory is one group's data.
+    ``groups`` (default: one group per ShardedTensor) lets a caller produce tensors that share a source
+    together; every main-replica ShardedTensor must be in exactly one group.
     """
     out = Path(out_dir)
     tensors, objects = _main_replicas(sharded_part)
@@ -98,9 +98,9 @@ def write_streamed_checkpoint(
             for obj in objects:
                 state_md[obj.unique_key] = BytesStorageMetadata()
                 put(MetadataIndex(obj.unique_key), [obj.data])
-            for group in groups:
-                for sh, data in zip(group, data_of(group), strict=True):
-                    chunk = _chunk(sh, data)
+
+            def write_group(group: list[ShardedTensor], chunks: list[torch.Tensor]) -> None:
+                for sh, chunk in zip(group, chunks, strict=True):
                     md = state_md.setdefault(
                         sh.key,
                         TensorStorageMetadata(TensorProperties(chunk.dtype), torch.Size(sh.global_shape), []),
@@ -109,6 +109,9 @@ def write_streamed_checkpoint(
                         raise ValueError(f"{sh.key}: chunks disagree on dtype")
                     md.chunks.append(ChunkStorageMetadata(torch.Size(sh.global_offset), chunk.shape))
                     put(MetadataIndex(sh.key, torch.Size(sh.global_offset)), chunk)
+
+            for group in groups:
+                write_group(group, [_chunk(sh, d) for sh, d in zip(group, data_of(group), strict=True)])
     finally:
         torch.serialization.set_crc32_options(crc32)
     metadata = Metadata(state_md, None, storage, StorageMeta(), CURRENT_DCP_VERSION)
@@ -125,7 +128,11 @@ def _chunk(sh: ShardedTensor, data: torch.Tensor) -> torch.Tensor:
         raise ValueError(f"{sh.key}: data {tuple(data.shape)} != local shape {tuple(sh.local_shape)}")
     data = data.detach().contiguous()
     if data.untyped_storage().nbytes() != data.nbytes:
-        data = data.clone()  # torch.save writes a view's whole storage
+        # torch.save writes a view's whole storage: give the chunk a storage of exactly its bytes, a
+        # slice of the same memory (it keeps the parent storage alive), rather than a copy.
+        start = data.storage_offset() * data.element_size()
+        storage = data.untyped_storage()[start : start + data.nbytes]
+        data = torch.empty(0, dtype=data.dtype).set_(storage, 0, data.shape)
     return data.view((1,) * sh.prepend_axis_num + tuple(sh.local_shape))
 
 
