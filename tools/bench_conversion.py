@@ -11,7 +11,7 @@ Prints per-stage lines, then one JSON object as the last line with
 conversion. Peak RSS is the kernel's VmHWM, restarted after the imports. Goals (issue #4): >= 0.5 and
 <= 3; this script reports them, it does not assert them.
 
-    tools/bench_conversion.py [--layers 30] [--hidden 576] [--vocab 49152] [--repeats 3] [--workdir DIR]
+    tools/bench_conversion.py [--layers 30] [--hidden 576] [--vocab 49152] [--repeats 5] [--workdir DIR]
 """
 
 from __future__ import annotations
@@ -98,7 +98,7 @@ def main() -> None:
     p.add_argument("--heads", type=int, default=9)
     p.add_argument("--kv-heads", type=int, default=3)
     p.add_argument("--vocab", type=int, default=49152)
-    p.add_argument("--repeats", type=int, default=3, help="runs of each stage (best time, worst peak)")
+    p.add_argument("--repeats", type=int, default=5, help="runs of each stage (best time, worst peak)")
     p.add_argument("--workdir", default=None, help="scratch directory (default: a temp dir)")
     p.add_argument("--child", nargs=3, help=argparse.SUPPRESS)
     args = p.parse_args()
