@@ -3,7 +3,8 @@
 Checkpoint layout (shared with the trainer; the trainer saves the same way):
 
     <dir>/                       a dist_checkpointing (torch_dist) directory
-        metadata.json, *.distcp, common.pt   (written by megatron.core.dist_checkpointing.save)
+        metadata.json, *.distcp, common.pt   (megatron.core.dist_checkpointing.save, or on import the
+                                             same files from conversion.stream_writer)
         hf_config.json           the HF config.json of the policy (architecture + export metadata)
         hf_assets/               tokenizer files, generation_config.json, chat template (optional)
 
