@@ -117,3 +117,35 @@ def test_trust_region_teacher_runs_on_the_sdpo_samples(tiny, tmp_path):
     (row,) = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert row["samples/teacher_forward"] == row["samples/routed_to_teacher"] > 0
     assert row["teacher/entropy_mean"] > 0 and row["loss/sdpo"] != 0.0
+
+
+def _engine_dies(rank, world, tiny, run_dir):
+    from srpo_megatron.data.dataset import build_datasets
+    from srpo_megatron.parallel import initialize_model_parallel
+    from srpo_megatron.rewards import register_reward
+    from srpo_megatron.rollout.factory import load_tokenizer
+    from srpo_megatron.trainer.policy_runtime import PolicyRuntime
+    from srpo_megatron.trainer.rollouts import RolloutService
+
+    cfg = _cfg(tiny, run_dir)
+    register_reward("coin", "srpo_megatron.testing.tiny:coin_reward")
+    groups = initialize_model_parallel(1, 1, seed=1)
+    tokenizer = load_tokenizer(cfg.model.hf_dir)
+    prompts = list(build_datasets(cfg.data, tokenizer)[0])[:4]
+    runtime = PolicyRuntime(cfg, groups)
+    service = RolloutService(cfg, tokenizer, runtime, groups)
+    service.sync(3)
+    first = service.collect(prompts, step=0)
+    service.engine.shutdown()  # a real engine failure: it refuses to generate from now on
+    again = service.collect(prompts, step=0)
+    served = service.engine.weight_version
+    service.close()
+    tokens = lambda b: [s.response_ids for s in b.samples]  # noqa: E731
+    return service.restarts, served, tokens(first) == tokens(again)
+
+
+def test_a_dead_engine_is_restarted_and_resynced(tiny, tmp_path):
+    restarts, served, same = run_distributed(_engine_dies, 1, tiny, str(tmp_path))[0]
+    assert restarts == 1
+    assert served == 3, "the new engine must serve the trainer's current weight version"
+    assert same, "same weights and seed after the resync: the retried rollouts are identical"
