@@ -17,6 +17,7 @@ from srpo_megatron.conversion.checkpoint import HF_CONFIG_NAME, megatron_to_hf
 from srpo_megatron.evaluation.avg_at_k import run_eval
 from srpo_megatron.rollout.factory import build_engine, load_tokenizer
 from srpo_megatron.trainer.config import TrainConfig
+from srpo_megatron.trainer.evaluation import greedy_accuracy
 
 
 def eval_main(args: argparse.Namespace) -> int:
@@ -44,10 +45,7 @@ def eval_main(args: argparse.Namespace) -> int:
                 **{f"{name}/avg@{cfg.eval.k}": b["avg_at_k"] for name, b in avg["benchmarks"].items()},
             }
             if cfg.train.eval_greedy:
-                greedy_cfg = dataclasses.replace(cfg.eval, k=1, temperature=0.0, top_p=1.0)
-                result["greedy"] = run_eval(engine, tokenizer, cfg.data, greedy_cfg, out / "greedy")[
-                    "mean_avg_at_k"
-                ]
+                result["greedy"] = greedy_accuracy(engine, tokenizer, cfg, out / "greedy")
         finally:
             engine.shutdown()
     (out / "result.json").write_text(json.dumps(result, indent=2) + "\n")

@@ -13,6 +13,12 @@ from srpo_megatron.evaluation.budget_report import append_eval_log
 _START = time.monotonic()
 
 
+def greedy_accuracy(engine: Any, tokenizer: Any, cfg: Any, out_dir: Path, step: int | None = None) -> float:
+    """Held-out accuracy of one greedy sample per problem (temperature 0, k = 1)."""
+    greedy_cfg = dataclasses.replace(cfg.eval, k=1, temperature=0.0, top_p=1.0)
+    return run_eval(engine, tokenizer, cfg.data, greedy_cfg, out_dir, step=step)["mean_avg_at_k"]
+
+
 def evaluate_policy(cfg: Any, engine: Any, tokenizer: Any, run_dir: Path, step: int) -> dict | None:
     """Evaluate the weights the engine serves (== the trainer's). Returns a small summary on rank 0."""
     if engine is None:
@@ -22,9 +28,7 @@ def evaluate_policy(cfg: Any, engine: Any, tokenizer: Any, run_dir: Path, step: 
     append_eval_log(run_dir, avg, step, time.monotonic() - _START)
     result = {"step": step, f"avg@{cfg.eval.k}": avg["mean_avg_at_k"]}
     if cfg.train.eval_greedy:
-        greedy_cfg = dataclasses.replace(cfg.eval, k=1, temperature=0.0, top_p=1.0)
-        greedy = run_eval(engine, tokenizer, cfg.data, greedy_cfg, out / "greedy", step=step)
-        result["greedy"] = greedy["mean_avg_at_k"]
+        result["greedy"] = greedy_accuracy(engine, tokenizer, cfg, out / "greedy", step)
     print(
         f"[eval] step {step}: " + ", ".join(f"{k}={v:.4f}" for k, v in result.items() if k != "step"),
         flush=True,

@@ -49,10 +49,6 @@ class RolloutBatch:
     samples: list[Sample]
     metrics: dict[str, float] = field(default_factory=dict)
 
-    @property
-    def num_teacher_samples(self) -> int:
-        return sum(s.needs_teacher for s in self.samples)
-
 
 def clean_solution(text: str) -> str:
     """The sibling's response as the teacher sees it: ``<think>…</think>`` blocks removed."""
