@@ -1,4 +1,4 @@
-"""Typed configuration of the SRPO objective (SPEC §2); defaults are the paper's SRPO settings."""
+"""Typed configuration of the SRPO objective (method §2); defaults are the paper's SRPO settings."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""GRPO token loss (SPEC §2): PPO clip on the token ratio with a sequence-level advantage.
+"""GRPO token loss (method §2): PPO clip on the token ratio with a sequence-level advantage.
 
 All inputs are per token ``[T]`` (the sample's advantage broadcast to its tokens). The loss is not
 reduced: the router masks it and divides by the global token count it is given.

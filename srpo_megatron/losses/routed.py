@@ -1,4 +1,4 @@
-"""The routed SRPO objective (SPEC §2 "Final objective") for one micro-batch of tokens.
+"""The routed SRPO objective (method §2 "Final objective") for one micro-batch of tokens.
 
     L = ( Σ_{i,t} z_i^GRPO ℓ^GRPO_{i,t} + Σ_{i,t} z_i^SDPO w_{i,t} ℓ^SDPO_{i,t} ) / N_tokens
 
@@ -17,7 +17,7 @@ Modes (``LossConfig.mode``) are encoded in the batch's ``grpo`` / ``sdpo`` row m
 ``routing_masks``) plus two switches here: dynamic weights only in ``srpo``; ``advantage_mix`` replaces
 the GRPO advantage by λ·A_GRPO + (1 − λ)·A_SDPO.
 
-Deviation / interpretation: SPEC names the ``advantage_mix`` ablation without defining A_SDPO. Here it is
+Deviation / interpretation: The paper names the ``advantage_mix`` ablation without defining A_SDPO. Here it is
 SDPO's per-token self-distillation advantage A_SDPO = log q(y_t) − log π_old(y_t) (teacher vs. student
 log-prob of the sampled token; 0 for samples without a teacher), applied through the same clipped GRPO
 surrogate. In ``sdpo`` mode, samples without a teacher contribute no loss but their tokens still count

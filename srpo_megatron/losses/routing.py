@@ -1,4 +1,4 @@
-"""Sample routing and group advantages (SPEC §1.2–1.3, §2): pure functions of per-sample rewards.
+"""Sample routing and group advantages (method §1.2–1.3, §2): pure functions of per-sample rewards.
 
 Per-sample tensors are ``[B, G]`` (B prompts, G rollouts each). The trainer broadcasts them to the
 response tokens of each sample (``values[sample_of_token]``) to build a ``TokenBatch``.
@@ -27,7 +27,7 @@ class Routing(NamedTuple):
 
 
 def route(rewards: torch.Tensor, success_threshold: float = 0.5) -> Routing:
-    """Route each sample of ``rewards`` [B, G] to GRPO or SDPO exactly as SPEC §1.3."""
+    """Route each sample of ``rewards`` [B, G] to GRPO or SDPO exactly as method §1.3."""
     if rewards.dim() != 2:
         raise ValueError(f"rewards must be [B, G] (prompts × rollouts), got shape {tuple(rewards.shape)}")
     correct = rewards >= success_threshold

@@ -1,4 +1,4 @@
-"""The no-grad scoring pass of SPEC §3: what the trainer keeps from the student and the teacher.
+"""The no-grad scoring pass of method §3: what the trainer keeps from the student and the teacher.
 
 Student scoring (every sample): log π_old of the sampled tokens [T], and the student's top-K ids [T, K]
 for the tokens that will take the SDPO loss. Teacher scoring (only samples that need a teacher): the

@@ -1,10 +1,10 @@
-"""SDPO token loss over top-K + tail buckets and entropy-aware dynamic weights (SPEC §2).
+"""SDPO token loss over top-K + tail buckets and entropy-aware dynamic weights (method §2).
 
 Student P and teacher Q are represented on the K+1 buckets "each of the student's top-K ids" plus
 "everything else" (the tail, log(1 − Σ_K p)); this is an exact coarsening of both full distributions.
 Divergences are per token ``[T]``; the router applies masks, weights and the global denominator.
 
-Note on the endpoints: SPEC §2 defines α = 0 as KL(Q‖P) ("forward") and α = 1 as KL(P‖Q) ("reverse");
+Note on the endpoints: method §2 defines α = 0 as KL(Q‖P) ("forward") and α = 1 as KL(P‖Q) ("reverse");
 these are special-cased (the generalized-JSD formula itself vanishes at both ends).
 """
 

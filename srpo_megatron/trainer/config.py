@@ -57,7 +57,7 @@ class ModelConfig:
 
 @dataclass
 class OptimConfig:
-    """AdamW with linear warm-up to a constant learning rate (SPEC §4)."""
+    """AdamW with linear warm-up to a constant learning rate (method §4)."""
 
     lr: float = 5e-6  # peak (constant) learning rate; paper: GRPO 1e-6, SDPO 1e-5, SRPO 5e-6
     warmup_steps: int = 10  # linear warm-up steps from 0
@@ -118,14 +118,14 @@ class RolloutConfig:
 
 @dataclass
 class TeacherConfig:
-    """The self-teacher of SDPO (SPEC §1.4–1.5)."""
+    """The self-teacher of SDPO (method §1.4–1.5)."""
 
     kind: Literal["ema", "frozen", "trust_region"] = "ema"  # EMA of the student / initial model / mix
     ema_alpha: float = (
         0.05  # θ′ ← (1−α)θ′ + αθ after each step; trust_region: log q = (1−α)log q_ref + α log q_θ
     )
     max_prompt_tokens: int = 4096  # teacher prompt (with the sibling's solution) truncated from the right
-    # the teacher's user turn (SPEC §1.4); {user_prompt} and {sibling_response} are filled in
+    # the teacher's user turn (method §1.4); {user_prompt} and {sibling_response} are filled in
     solution_template: str = (
         "{user_prompt}\nCorrect solution:\n\n{sibling_response}\n\nCorrectly solve the original question."
     )
@@ -179,7 +179,7 @@ class TrainConfig:
             raise ConfigError(
                 f"loss.temperature={self.loss.temperature} differs from rollout.temperature="
                 f"{self.rollout.temperature}: the loss must divide logits by the sampling temperature "
-                "(SPEC §2); set both to the same value"
+                "(method §2); set both to the same value"
             )
         if self.rollout.prompts_per_step % self.train.mini_batches:
             raise ConfigError(

@@ -1,4 +1,4 @@
-"""Per-step metrics (SPEC §6) to ``<run>/metrics.jsonl``, TensorBoard, optional W&B, and a console bar."""
+"""Per-step metrics (method §6) to ``<run>/metrics.jsonl``, TensorBoard, optional W&B, and a console bar."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ import math
 from pathlib import Path
 from typing import Any
 
-# What SPEC §6 asks to log every step; the integration test checks each key is present.
-SPEC_METRICS = (
+# What the method (§6) asks to log every step; the integration test checks each key is present.
+METHOD_METRICS = (
     "route/grpo_frac",
     "route/sdpo_frac",
     "route/fallback_frac",

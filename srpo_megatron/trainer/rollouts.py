@@ -1,4 +1,4 @@
-"""SPEC §1 steps 1–4: rollouts, rewards, routing and the teacher's context, as one ``RolloutBatch``.
+"""method §1 steps 1–4: rollouts, rewards, routing and the teacher's context, as one ``RolloutBatch``.
 
 Runs on the rank that hosts the rollout engine (global rank 0); the result is plain Python data that
 ``broadcast_batch`` ships to every trainer rank, so all ranks agree on routing and advantages.
@@ -40,7 +40,7 @@ class Sample:
     grpo: bool = True  # z^GRPO under the loss mode
     sdpo: bool = False  # z^SDPO under the loss mode
     needs_teacher: bool = False  # the teacher forward runs on this sample
-    teacher_prompt_ids: list[int] | None = None  # teacher context (sibling's solution), SPEC §1.4
+    teacher_prompt_ids: list[int] | None = None  # teacher context (sibling's solution), method §1.4
     finish_reason: str = "stop"
 
 
@@ -56,7 +56,7 @@ def clean_solution(text: str) -> str:
 
 
 def teacher_prompt_ids(tokenizer: Any, prompt: Prompt, sibling_text: str, cfg: TeacherConfig) -> list[int]:
-    """SPEC §1.4: system kept, the user turn shows the correct sibling's solution; right-truncated."""
+    """method §1.4: system kept, the user turn shows the correct sibling's solution; right-truncated."""
     user = cfg.solution_template.format(
         user_prompt=prompt.row.prompt, sibling_response=clean_solution(sibling_text)
     )
@@ -74,7 +74,7 @@ def collect_rollouts(
     rewards: RewardPool,
     seed: int,
 ) -> RolloutBatch:
-    """Generate G rollouts per prompt, score, route and build teacher prompts (SPEC §1 steps 1–4)."""
+    """Generate G rollouts per prompt, score, route and build teacher prompts (method §1 steps 1–4)."""
     t0 = time.monotonic()
     params = SamplingParams(
         n=rollout.group_size,
@@ -193,7 +193,7 @@ class RolloutService:
         return batch
 
     def collect(self, prompts: list[Prompt], step: int) -> RolloutBatch:
-        """Collective: rollouts, rewards and routing for ``prompts`` (SPEC §1 steps 1–4)."""
+        """Collective: rollouts, rewards and routing for ``prompts`` (method §1 steps 1–4)."""
         result = broadcast_batch(self._try_collect(prompts, step) if self.rank0 else None)
         if isinstance(result, RolloutBatch):
             return result

@@ -1,4 +1,4 @@
-"""Assemble one step's SPEC §6 metrics on rank 0 from the rollout batch and every rank's loss sums."""
+"""Assemble one step's method §6 metrics on rank 0 from the rollout batch and every rank's loss sums."""
 
 from __future__ import annotations
 

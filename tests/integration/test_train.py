@@ -1,6 +1,6 @@
 """End-to-end `srpo train` on a tiny random Qwen3 (real Qwen vocabulary) with the CPU rollout engine.
 
-- 3 SRPO steps at TP2 (gloo): every SPEC §6 metric is logged each step, the weights change, and the
+- 3 SRPO steps at TP2 (gloo): every method §6 metric is logged each step, the weights change, and the
   teacher forward ran on exactly the SDPO-routed samples (its own count vs the routing's).
 - TP1 and TP2 give the same first-step loss.
 - A run SIGKILLed after step 2 and resumed reproduces the uninterrupted run's metrics and weights at step 4.
@@ -24,7 +24,7 @@ import torch
 from safetensors.torch import load_file
 
 from srpo_megatron.testing.distributed import run_distributed
-from srpo_megatron.trainer.metrics import SPEC_METRICS
+from srpo_megatron.trainer.metrics import METHOD_METRICS
 
 REPO = Path(__file__).resolve().parents[2]
 RECIPE = REPO / "examples" / "tiny_cpu_test.yaml"
@@ -75,8 +75,8 @@ def test_three_srpo_steps_at_tp2_log_everything_and_train(tiny, tp2_run, tmp_pat
     group = 4 * 4  # prompts_per_step × group_size of the recipe
     sdpo_total = 0
     for r in rows:
-        missing = [k for k in SPEC_METRICS if r.get(k) is None]
-        assert not missing, f"step {r['step']} lacks SPEC §6 metrics {missing}"
+        missing = [k for k in METHOD_METRICS if r.get(k) is None]
+        assert not missing, f"step {r['step']} lacks method §6 metrics {missing}"
         # The teacher's own count of scored samples equals the routing's SDPO share.
         sdpo_samples = round(r["route/sdpo_frac"] * group)
         assert r["samples/teacher_forward"] == sdpo_samples

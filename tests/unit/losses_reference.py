@@ -51,7 +51,7 @@ def ref_bucket_probs(logits: torch.Tensor, ids: torch.Tensor, temperature: float
 
 
 def ref_divergence(p: torch.Tensor, q: torch.Tensor, alpha: float) -> torch.Tensor:
-    """SPEC §2 divergence between bucket probabilities p (student) and q (teacher): [T, B] → [T]."""
+    """method §2 divergence between bucket probabilities p (student) and q (teacher): [T, B] → [T]."""
     if alpha == 0.0:
         return (q * torch.log(q / p)).sum(-1)
     if alpha == 1.0:
@@ -124,7 +124,7 @@ def ref_routed_loss(
     ref_logp: torch.Tensor | None = None,
     scope_of_token: list[int] | None = None,
 ) -> torch.Tensor:
-    """The SPEC §2 objective for a whole batch: student_logits [T, V] fp64 (grad flows), teacher [T, V].
+    """The method §2 objective for a whole batch: student_logits [T, V] fp64 (grad flows), teacher [T, V].
 
     ``scope_of_token`` (optional) assigns each token to a micro-batch for micro-batch-scope weights.
     """

@@ -1,4 +1,4 @@
-"""Hand-worked routing and advantage cases (SPEC §1.3, §2)."""
+"""Hand-worked routing and advantage cases (method §1.3, §2)."""
 
 from __future__ import annotations
 
