@@ -6,13 +6,30 @@ signature as ``megatron.core.transformer.dot_product_attention.DotProductAttenti
 CUDA buffers (megatron's DotProductAttention preallocates from ``torch.cuda.current_device()``) and no
 materialised repeat of K/V heads. It has no parameters. Dropout is not supported (RL policies train
 with attention dropout 0; the config loader rejects anything else).
+
+Packed sequences (THD, ``packed_seq_params.qkv_format == "thd"``): megatron hands ``[t, heads, hn]``
+tensors holding several sequences end to end, delimited by ``cu_seqlens_q_padded`` (or ``cu_seqlens_q``).
+Attention is block-diagonal causal: each sequence attends only to its own earlier tokens. Tokens between
+a sequence's real end and its padded end are padding; causality keeps them out of every real token's
+context, so their (unused) outputs need no mask.
+
+Context parallelism (``context_parallel_size`` > 1, THD only, as TE's attention on GPU): every packed
+sequence of padded length L is split into 2·CP chunks of L/(2·CP) tokens, and CP rank r holds chunks r and
+2·CP−1−r (megatron's load-balanced causal split; RoPE follows it in ``rope_utils``). This module gathers
+K and V of the whole sequence across the CP group (a differentiable all-gather: gradients flow back to the
+rank that owns each chunk) and attends each local query chunk to the keys at or before its global
+position. That is the reference maths of ring attention, at the cost of materialising the full K/V, which
+is fine for the CPU tests it exists for; GPU runs use TE's CP attention.
 """
 
 from __future__ import annotations
 
+import itertools
 import math
 
 import torch
+import torch.distributed as dist
+from megatron.core import parallel_state
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_config import TransformerConfig
@@ -34,10 +51,9 @@ class SDPACoreAttention(MegatronModule):
         pg_collection=None,
     ):
         super().__init__(config=config)
-        if config.context_parallel_size != 1:
-            raise ValueError(
-                "SDPACoreAttention does not support context parallelism; set context_parallel_size=1"
-            )
+        self.cp_group = (
+            pg_collection.cp if pg_collection is not None and hasattr(pg_collection, "cp") else None
+        )
         dropout = config.attention_dropout if attention_dropout is None else attention_dropout
         if dropout:
             raise ValueError(
@@ -65,9 +81,14 @@ class SDPACoreAttention(MegatronModule):
         ``attention_mask`` follows megatron's convention (bool, True = masked out, ``[b, 1, sq, sk]``);
         when it is None the mask type decides (causal for decoder self-attention).
         """
-        if packed_seq_params is not None or attention_bias is not None:
-            raise NotImplementedError(
-                "SDPACoreAttention supports neither packed sequences nor attention bias"
+        if attention_bias is not None:
+            raise NotImplementedError("SDPACoreAttention does not support attention bias")
+        if packed_seq_params is not None:
+            return self._packed(query, key, value, packed_seq_params)
+        if self.config.context_parallel_size != 1:
+            raise ValueError(
+                "SDPACoreAttention runs context parallelism only on packed (THD) sequences; pack the "
+                "micro-batch (train.max_tokens_per_micro_batch) or set parallel.cp=1"
             )
         q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))  # [b, heads, s, hn]
         mask_type = attn_mask_type if attn_mask_type is not None else self.attn_mask_type
@@ -86,3 +107,79 @@ class SDPACoreAttention(MegatronModule):
         )
         sq, b = query.size(0), query.size(1)
         return out.permute(2, 0, 1, 3).reshape(sq, b, self.hidden_size_per_partition)
+
+    def _packed(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, params) -> torch.Tensor:
+        """THD: query ``[t, np, hn]``, key/value ``[t, ng, hn]`` (this CP rank's chunks) -> ``[t, np*hn]``."""
+        if params.qkv_format != "thd":
+            raise NotImplementedError(
+                f"packed_seq_params.qkv_format={params.qkv_format!r}; only 'thd' is supported"
+            )
+        cu = params.cu_seqlens_q_padded if params.cu_seqlens_q_padded is not None else params.cu_seqlens_q
+        bounds = cu.tolist()
+        group = params.cp_group or self.cp_group or parallel_state.get_context_parallel_group()
+        cp = 1 if self.config.context_parallel_size == 1 else dist.get_world_size(group)
+        rank = 0 if cp == 1 else dist.get_rank(group)
+        if cp > 1:
+            key, value = (_gather_cp_sequences(t, bounds, cp, group) for t in (key, value))
+        outs = []
+        for start, end in itertools.pairwise(bounds):
+            n = end - start  # the sequence's padded global length
+            local = slice(start // cp, end // cp)
+            q = query[local].permute(1, 0, 2)[None]  # [1, np, n/cp, hn]
+            k = key[start:end].permute(1, 0, 2)[None]  # [1, ng, n, hn]
+            v = value[start:end].permute(1, 0, 2)[None]
+            mask = None
+            if cp > 1:
+                pos = _cp_positions(n, cp, rank, device=query.device)  # global positions of the local queries
+                mask = pos[:, None] >= torch.arange(n, device=query.device)[None, :]
+            out = torch.nn.functional.scaled_dot_product_attention(
+                q,
+                k,
+                v,
+                attn_mask=mask,
+                is_causal=mask is None,
+                scale=self.softmax_scale,
+                enable_gqa=q.size(1) != k.size(1),
+            )
+            outs.append(out[0].permute(1, 0, 2))
+        out = torch.cat(outs) if outs else query.new_zeros(0, *query.shape[1:])
+        return out.reshape(out.size(0), self.hidden_size_per_partition)
+
+
+def _cp_positions(n: int, cp: int, rank: int, device: torch.device) -> torch.Tensor:
+    """Global in-sequence positions ``[n/cp]`` held by CP ``rank``: chunks ``rank`` and ``2·cp−1−rank``."""
+    c = n // (2 * cp)
+    first = torch.arange(rank * c, (rank + 1) * c, device=device)
+    second = torch.arange((2 * cp - 1 - rank) * c, (2 * cp - rank) * c, device=device)
+    return torch.cat([first, second])
+
+
+def _gather_cp_sequences(local: torch.Tensor, bounds: list[int], cp: int, group) -> torch.Tensor:
+    """This rank's ``[t/cp, ...]`` chunks -> every sequence whole, in global order ``[t, ...]``."""
+    shards = _AllGather.apply(local, group)  # [cp, t/cp, ...]
+    host = torch.device("cpu")  # index bookkeeping; the gather itself runs on the tensors' device
+    source, target = [], []
+    for start, end in itertools.pairwise(bounds):
+        for r in range(cp):
+            source.append(r * local.size(0) + start // cp + torch.arange((end - start) // cp))
+            target.append(start + _cp_positions(end - start, cp, r, device=host))
+    order = torch.empty(bounds[-1], dtype=torch.long)
+    order[torch.cat(target)] = torch.cat(source)  # global position -> row of the stacked shards
+    return shards.reshape(-1, *local.shape[1:]).index_select(0, order.to(local.device))
+
+
+class _AllGather(torch.autograd.Function):
+    """All-gather along a new leading dim; backward sums the gradient over the group and keeps this rank's."""
+
+    @staticmethod
+    def forward(ctx, t: torch.Tensor, group) -> torch.Tensor:
+        ctx.group = group
+        parts = [torch.empty_like(t) for _ in range(dist.get_world_size(group))]
+        dist.all_gather(parts, t.contiguous(), group=group)
+        return torch.stack(parts)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        grad = grad.contiguous()
+        dist.all_reduce(grad, group=ctx.group)
+        return grad[dist.get_rank(ctx.group)], None
