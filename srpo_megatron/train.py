@@ -1,4 +1,4 @@
-"""``srpo train``: the SRPO loop (method §1), one step = generate → reward → route → score → train → EMA → sync.
+"""``srpo train``: the SRPO loop (method §1): generate → reward → route → score → train → EMA → sync.
 
 The torchrun (SPMD) job is the controller: global rank 0 hosts the rollout engine (the CPU transformers
 engine, or a client of SGLang engines) and the reward pool, and broadcasts the routed batch; every rank

@@ -240,7 +240,7 @@ class PolicyRuntime:
 
     @torch.no_grad()
     def score(self, samples: list[Sample]) -> tuple[list[dict[str, torch.Tensor]], dict[str, float]]:
-        """method §3 scoring pass. Returns per-sample stored tensors (last stage only) and teacher forwards run.
+        """Scoring pass (method §3). Returns per-sample stored tensors (last stage) and teacher forwards run.
 
         Student (all samples): old log-probs [R] and, for SDPO samples, top-K ids [R, K]. Teacher (only
         samples that need it): top-K+tail log-probs [R, K+1], entropy [R], sampled-token log-prob [R].
