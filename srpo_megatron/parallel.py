@@ -77,20 +77,23 @@ def init_distributed(timeout_minutes: int = 30) -> None:
     dist.init_process_group(backend, timeout=timeout)
 
 
-def initialize_model_parallel(tp: int = 1, pp: int = 1, seed: int = 1234) -> ParallelGroups:
-    """Set up megatron's TP/PP/DP groups (torch.distributed must be initialised) and seed the RNGs."""
+def initialize_model_parallel(tp: int = 1, pp: int = 1, seed: int = 1234, cp: int = 1) -> ParallelGroups:
+    """Set up megatron's TP/PP/CP/DP groups (torch.distributed must be initialised) and seed the RNGs."""
     from megatron.core import parallel_state as ps
     from megatron.core import tensor_parallel
 
     init_distributed()
     world = dist.get_world_size()
-    if world % (tp * pp) != 0:
+    if world % (tp * pp * cp) != 0:
         raise ValueError(
-            f"world size {world} is not divisible by tp*pp = {tp}*{pp}; launch a multiple of {tp * pp} ranks"
+            f"world size {world} is not divisible by tp*pp*cp = {tp}*{pp}*{cp}; "
+            f"launch a multiple of {tp * pp * cp} ranks"
         )
     if ps.model_parallel_is_initialized():
         ps.destroy_model_parallel()
-    ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
+    ps.initialize_model_parallel(
+        tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, context_parallel_size=cp
+    )
     tensor_parallel.model_parallel_cuda_manual_seed(seed)
     return current_groups()
 

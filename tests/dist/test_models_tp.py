@@ -105,8 +105,8 @@ def run_policy(
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
     from srpo_megatron.conversion.checkpoint import load_policy_checkpoint
-    from srpo_megatron.conversion.table import ConversionTable, merge_tp_shards
-    from srpo_megatron.conversion.weights import load_hf_weights, rank_param_name, stage_layer_offset
+    from srpo_megatron.conversion.table import ConversionTable
+    from srpo_megatron.conversion.weights import load_hf_weights, stage_layer_offset
     from srpo_megatron.models.architecture import Architecture
     from srpo_megatron.models.policy import build_policy
     from srpo_megatron.parallel import initialize_model_parallel
@@ -146,22 +146,33 @@ def run_policy(
     )
     tp_rank = ps.get_tensor_model_parallel_rank()
     logits = [o["logits"] for o in out] if ps.is_pipeline_last_stage() and tp_rank == 0 else None
-    grads: dict[str, torch.Tensor] = {}
-    if backward:
-        for local_name, param in model.module.named_parameters():
-            name = rank_param_name(table, local_name, offset)
-            if local_name == "output_layer.weight" and arch.tie_embeddings:
-                continue  # the tied copy's gradient equals the embedding's after finalize_model_grads
-            part = table.partition(name)
-            grad = param.main_grad
-            if part.dim is not None and tp > 1:
-                shards = [torch.empty_like(grad) for _ in range(tp)]
-                dist.all_gather(shards, grad.contiguous(), group=ps.get_tensor_model_parallel_group())
-                grad = merge_tp_shards(shards, part)
-            if tp_rank == 0:
-                for hf_name, g in table.to_hf(name, grad):
-                    grads[hf_name] = g
+    grads = hf_named_grads(model.module, table, offset) if backward else {}
     return logits, grads
+
+
+def hf_named_grads(module, table, offset: int) -> dict[str, torch.Tensor]:
+    """This stage's full gradients (DDP ``main_grad``) in HF names, TP shards merged (TP rank 0, else {})."""
+    from megatron.core import parallel_state as ps
+
+    from srpo_megatron.conversion.table import merge_tp_shards
+    from srpo_megatron.conversion.weights import rank_param_name
+
+    tp, tp_rank = ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_rank()
+    grads: dict[str, torch.Tensor] = {}
+    for local_name, param in module.named_parameters():
+        name = rank_param_name(table, local_name, offset)
+        if local_name == "output_layer.weight" and table.arch.tie_embeddings:
+            continue  # the tied copy's gradient equals the embedding's after finalize_model_grads
+        part = table.partition(name)
+        grad = param.main_grad
+        if part.dim is not None and tp > 1:
+            shards = [torch.empty_like(grad) for _ in range(tp)]
+            dist.all_gather(shards, grad.contiguous(), group=ps.get_tensor_model_parallel_group())
+            grad = merge_tp_shards(shards, part)
+        if tp_rank == 0:
+            for hf_name, g in table.to_hf(name, grad):
+                grads[hf_name] = g
+    return grads
 
 
 def policy_worker(rank, world, tp, pp, cases, backward):
