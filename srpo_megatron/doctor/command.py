@@ -45,9 +45,9 @@ def recipe_checks(recipe: str, overrides: list[str], expect: NodeExpectations) -
     if cfg.model.megatron_checkpoint:
         checks += paths.check_megatron_checkpoint(cfg.model.megatron_checkpoint, cfg.model.hf_dir)
     sglang = cfg.rollout.sglang
-    if cfg.rollout.engine == "sglang" and sglang is not None and sglang.mode == "offline":
-        if sglang.model_path and sglang.model_path != cfg.model.hf_dir:
-            checks.append(paths.check_hf_dir("rollout.sglang.model_path", sglang.model_path))
+    offline = cfg.rollout.engine == "sglang" and sglang is not None and sglang.mode == "offline"
+    if offline and sglang.model_path and sglang.model_path != cfg.model.hf_dir:
+        checks.append(paths.check_hf_dir("rollout.sglang.model_path", sglang.model_path))
     checks.append(paths.check_data_files([*cfg.data.train_files, *cfg.data.eval_files], cfg.data.data_dir))
     return checks
 

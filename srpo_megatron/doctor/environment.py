@@ -85,7 +85,7 @@ def _driver_release() -> str:
 
 
 def _cuda_int(version: str) -> int:
-    major, minor = (version.split(".") + ["0"])[:2]
+    major, minor = [*version.split("."), "0"][:2]
     return int(major) * 1000 + int(minor) * 10
 
 
