@@ -32,7 +32,7 @@ def filesystem_type(path: Path, mounts: str | None = None) -> str:
             mounts = Path("/proc/mounts").read_text()
         except OSError:
             return "unknown"
-    target = str(_existing_ancestor(path.resolve()))
+    target = str(path.resolve())  # resolves the symlinks of the existing part of the path
     best, fstype = "", "unknown"
     for line in mounts.splitlines():
         fields = line.split()
