@@ -6,7 +6,9 @@ records its arguments, so the flag reuse, the ordering and the early exit are ch
 
 from __future__ import annotations
 
+import os
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -67,3 +69,21 @@ def test_other_srun_calls_pass_through(tmp_path):
     script = f"PATH={fake.parent}:$PATH\n" + slurm_setup_lines(None, []) + "\nsrun hostname\n"
     out = subprocess.run(["bash", "-c", script], capture_output=True, text=True, timeout=30)
     assert out.stdout.strip() == "real srun hostname"
+
+
+def test_launch_puts_the_doctor_step_in_the_sbatch_script_unless_skipped(tmp_path, capsys, monkeypatch):
+    from srpo_megatron.launch import commands
+
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text("model: {hf_dir: /m}\ndata: {train_files: [/d.jsonl]}\n")
+    launch = ["launch", str(recipe), "--cluster", "cluster/ci.yaml", "--dryrun", "--home", str(tmp_path)]
+    # nemo-run runs shell steps through `invoke`, which mirrors stdin; pytest's captured stdin raises.
+    with open(os.devnull) as devnull:
+        monkeypatch.setattr(sys, "stdin", devnull)
+        assert commands.main([*launch, "-o", "train.steps=1"]) == 0
+        script = capsys.readouterr().out
+        assert commands.main([*launch, "--skip-doctor"]) == 0
+        skipped = capsys.readouterr().out
+    doctor = f"python -m srpo_megatron.cli doctor {recipe.resolve()} --override train.steps=1"
+    assert doctor in script and script.index(doctor) < script.index("torchrun --rdzv")
+    assert "srpo_megatron.cli doctor" not in skipped and "torchrun --rdzv" in skipped
