@@ -171,4 +171,4 @@ def check_data_files(files: list[str], data_dir: str | None) -> Check:
             f"missing: {', '.join(missing[:3])}{more}",
             "copy the data there, or fix data.data_dir / data.train_files / data.eval_files",
         )
-    return ok("data files", f"{len(resolved)} present under {resolved[0].parent.parent}")
+    return ok("data files", f"{len(resolved)} present ({resolved[0]}{', ...' if len(resolved) > 1 else ''})")

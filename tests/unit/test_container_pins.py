@@ -34,7 +34,11 @@ def test_every_pin_is_inside_pyprojects_tested_range():
 
 @pytest.mark.parametrize(
     ("key", "value", "dist"),
-    [("MEGATRON_CORE_VERSION", "0.15.3", "megatron-core"), ("SGLANG_VERSION", "0.4.9", "sglang")],
+    [
+        ("MEGATRON_CORE_VERSION", "0.15.3", "megatron-core"),
+        ("MEGATRON_CORE_VERSION", "0.20.0", "megatron-core"),
+        ("SGLANG_VERSION", "0.4.9", "sglang"),
+    ],
 )
 def test_a_pin_outside_the_range_is_reported(key, value, dist):
     table = [dataclasses.replace(p, value=value) if p.key == key else p for p in pins.read_pins()]

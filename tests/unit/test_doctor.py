@@ -210,7 +210,7 @@ def test_versions_against_the_tested_ranges(monkeypatch):
     ranges = read_pyproject()
     mcore = str(ranges.get("megatron-core"))
     assert ">=0.16.1" in mcore
-    for version, status in [("0.16.1", "ok"), ("0.15.3", "fail")]:
+    for version, status in [("0.16.1", "ok"), ("0.19.2", "ok"), ("0.15.3", "fail"), ("0.20.1", "warn")]:
         monkeypatch.setattr(environment, "_installed", lambda *d, v=version: (d[0], v))
         check = environment._version_check("megatron-core", ("megatron-core",), ranges, True, False)
         assert check.status == status, check
