@@ -13,6 +13,10 @@ requeue would land on the same broken node), and `srpo jobs logs` shows the doct
 from __future__ import annotations
 
 import shlex
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from srpo_megatron.launch.experiment import LaunchRequest
 
 
 def doctor_args(recipe: str | None, overrides: list[str]) -> list[str]:
@@ -45,3 +49,26 @@ srun() {{
     command srun "$@"
 }}
 """
+
+
+def doctor_first(
+    executor: str, request: LaunchRequest, recipe: str | None, overrides: list[str], dryrun: bool
+) -> bool:
+    """Make `srpo doctor` the first step of ``request`` on every node; False if it failed here already.
+
+    Slurm: the setup lines above go into the sbatch script. Local executor: this machine is the node,
+    so the doctor runs now (not for a dry run). ``recipe`` None (the probe job, which has no model):
+    the node checks only.
+    """
+    overrides = overrides if recipe else []
+    if executor == "slurm":
+        request.setup_lines = slurm_setup_lines(recipe, overrides)
+        return True
+    if dryrun:
+        return True
+    from srpo_megatron.doctor.command import collect
+    from srpo_megatron.doctor.report import exit_code, render_text
+
+    checks, where = collect(recipe, overrides, None)
+    print(render_text(checks, where), flush=True)
+    return exit_code(checks) == 0

@@ -98,28 +98,6 @@ def _job_command(args: argparse.Namespace, recipe_path: Path, recipe: dict, code
     )
 
 
-def _doctor_first(cluster, request: LaunchRequest, args: argparse.Namespace) -> bool:
-    """Make `srpo doctor` the job's first step on every node; False if it already failed here (local).
-
-    Slurm: a step before torchrun on every node (srpo_megatron.doctor.first_step). Local: this machine
-    is the node, so the doctor runs now. The probe job has no model: its nodes get the node checks only.
-    """
-    from srpo_megatron.doctor.first_step import slurm_setup_lines
-
-    recipe = None if args.probe else request.command.args[1]  # the recipe path as the job sees it
-    if cluster.executor == "slurm":
-        request.setup_lines = slurm_setup_lines(recipe, list(args.override) if recipe else [])
-        return True
-    if args.dryrun:
-        return True
-    from srpo_megatron.doctor.command import collect
-    from srpo_megatron.doctor.report import exit_code, render_text
-
-    checks, where = collect(recipe, list(args.override) if recipe else [], None)
-    print(render_text(checks, where), flush=True)
-    return exit_code(checks) == 0
-
-
 def launch_main(args: argparse.Namespace) -> int:
     """`srpo launch`: build the experiment from recipe + cluster and submit it (or print it)."""
     try:
@@ -138,8 +116,12 @@ def launch_main(args: argparse.Namespace) -> int:
             placement=placement,
             gpus_per_node=args.gpus_per_node,
         )
-        if not args.skip_doctor and not _doctor_first(cluster, request, args):
-            return 1
+        if not args.skip_doctor:
+            from srpo_megatron.doctor.first_step import doctor_first
+
+            recipe_arg = None if args.probe else request.command.args[1]  # the recipe as the job reads it
+            if not doctor_first(cluster.executor, request, recipe_arg, list(args.override), args.dryrun):
+                return 1
         result = submit(cluster, request, dryrun=args.dryrun)
         if args.dryrun:
             print(result.script)

@@ -87,3 +87,16 @@ def test_launch_puts_the_doctor_step_in_the_sbatch_script_unless_skipped(tmp_pat
     doctor = f"python -m srpo_megatron.cli doctor {recipe.resolve()} --override train.steps=1"
     assert doctor in script and script.index(doctor) < script.index("torchrun --rdzv")
     assert "srpo_megatron.cli doctor" not in skipped and "torchrun --rdzv" in skipped
+
+
+def test_local_launch_runs_the_doctor_here_and_submits_nothing_when_it_fails(tmp_path, capsys):
+    from srpo_megatron.launch import commands
+
+    missing = tmp_path / "no-model"
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text(f"model: {{hf_dir: {missing}}}\ndata: {{arithmetic: {{}}}}\nrun: {{dir: {tmp_path}}}\n")
+    home = tmp_path / "home"
+    assert commands.main(["launch", str(recipe), "--cluster", "cluster/local.yaml", "--home", str(home)]) == 1
+    line = next(x for x in capsys.readouterr().out.splitlines() if "model.hf_dir" in x)
+    assert line.split()[0] == "FAIL" and str(missing) in line
+    assert not list(home.glob("experiments/*"))  # nothing was submitted
