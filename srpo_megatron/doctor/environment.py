@@ -40,7 +40,7 @@ def _in_range(version: str, spec: SpecifierSet | None) -> tuple[bool, bool]:
         v = Version(version)
     except InvalidVersion:
         return True, False
-    below = any(s.operator in (">=", ">", "==", "~=") and not s.contains(v, prereleases=True) for s in spec)
+    below = any(s.operator in (">=", ">") and not s.contains(v, prereleases=True) for s in spec)
     return spec.contains(v, prereleases=True), below and not spec.contains(v, prereleases=True)
 
 

@@ -114,7 +114,7 @@ def range_problems(pins: list[Pin], ranges: TestedRanges) -> list[str]:
     """Pins outside pyproject.toml's tested ranges, and version pins this module cannot map."""
     problems = []
     for pin in pins:
-        if not pin.key.endswith("_VERSION") or pin.key == "SGLANG_CUDA":
+        if not pin.key.endswith("_VERSION"):  # APEX_COMMIT, SGLANG_CUDA: not package versions
             continue
         dist = PIN_DISTRIBUTIONS.get(pin.key)
         if dist is None:

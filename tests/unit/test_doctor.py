@@ -239,3 +239,15 @@ def test_expectations_inside_a_slurm_job():
     e = NodeExpectations.from_environment({"SLURM_JOB_ID": "8", "SLURM_JOB_NUM_NODES": "1"})
     assert (e.gpus, e.multi_node, e.shared_fs) == (0, False, False)
     assert NodeExpectations.from_environment({}).gpus is None
+
+
+def test_hf_home(tmp_path, monkeypatch):
+    monkeypatch.delenv("HF_HOME", raising=False)
+    assert paths.check_hf_home({}, on_cluster=False).status == "ok"
+    assert paths.check_hf_home({}, on_cluster=True).status == "warn"  # per-node caches on a cluster
+    check = paths.check_hf_home({"HF_HOME": str(tmp_path / "nope")}, on_cluster=True)  # from the cluster file
+    assert check.status == "warn" and str(tmp_path / "nope") in check.detail
+    monkeypatch.setenv("HF_HOME", str(tmp_path))  # the job's environment wins
+    assert paths.check_hf_home({"HF_HOME": "/elsewhere"}, on_cluster=True) == paths.ok(
+        "HF_HOME", str(tmp_path)
+    )
