@@ -100,7 +100,8 @@ def check_hf_home(cluster_env: dict[str, str], on_cluster: bool) -> Check:
         return ok("HF_HOME", "not set (default ~/.cache/huggingface)")
     path = Path(value).expanduser()
     if not path.is_dir():
-        return fail(
+        # HF creates it on first use; on a cluster that means per-node caches or downloads on nodes.
+        return warn(
             "HF_HOME", f"{path} does not exist", "create it on the shared filesystem or fix env.HF_HOME"
         )
     error = _write_probe(path)
