@@ -125,7 +125,7 @@ class _Provenance(TorchFunctionMode):
         created = _is_cuda_device(device)
         inputs = [t for a in (*args, *kwargs.values()) for t in _tensors(a)]
         tagged = [t for t in inputs if on_device(t)]
-        if tagged and _computes(func):
+        if tagged and _computes(func) and not _in_backward():
             host = [t for t in inputs if not on_device(t) and t.dim() > 0]
             if host:
                 raise StrictDeviceError(
@@ -177,8 +177,17 @@ def mark_module(module: torch.nn.Module) -> torch.nn.Module:
     return module
 
 
+def _in_backward() -> bool:
+    """Inside autograd's backward: gradients are made by the engine (no torch function runs), and the
+    engine itself keeps each gradient on its forward tensor's device, so nothing is checked there."""
+    return torch._C._current_graph_task_id() != -1
+
+
 def _check_collective(name: str, original, *args, **kwargs) -> None:
     from srpo_megatron.parallel import is_host_group
+
+    if _in_backward():
+        return
 
     try:
         bound = inspect.signature(original).bind_partial(*args, **kwargs).arguments

@@ -67,8 +67,10 @@ def fp32_main_params(optimizer, model: torch.nn.Module, device: torch.device) ->
     """
     full: dict[torch.nn.Parameter, torch.Tensor] = {}
     shards = []
+    distributed = False
     for opt in _chained(optimizer):
         if hasattr(opt, "shard_fp32_from_float16_groups"):  # DistributedOptimizer
+            distributed = True
             for mg, sg in zip(opt.model_float16_groups, opt.shard_fp32_from_float16_groups, strict=True):
                 for p, shard in zip(mg, sg, strict=True):
                     shards.append(
@@ -79,36 +81,32 @@ def fp32_main_params(optimizer, model: torch.nn.Module, device: torch.device) ->
                 for p, main in zip(mg, fg, strict=True):
                     full[p] = main
     params = list(model.parameters())
-    if shards or any(p.dtype != torch.float32 and p not in full for p in params):
-        return _gather_shards(params, full, shards, device)
+    if distributed:
+        return _gather_shards(params, shards, device)
+    missing = [p for p in params if p.dtype != torch.float32 and p not in full]
+    if missing:
+        p = missing[0]
+        raise RuntimeError(f"no fp32 main parameter found for a {p.dtype} parameter of shape {list(p.shape)}")
     return [full.get(p, p).float() for p in params]
 
 
-def _gather_shards(params, full, shards, device) -> list[torch.Tensor]:
+def _gather_shards(params, shards, device) -> list[torch.Tensor]:
     """Assemble the distributed optimizer's disjoint fp32 shards into one flat buffer, all-reduced over DP."""
-    sizes = [p.numel() for p in params]
+    from megatron.core import parallel_state as ps
+
     starts = [0]
-    for n in sizes:
-        starts.append(starts[-1] + n)
+    for p in params:
+        starts.append(starts[-1] + p.numel())
     flat = torch.zeros(starts[-1], dtype=torch.float32, device=device)
     where = {p: i for i, p in enumerate(params)}
-    group = None
-    for p, shard, rng, g in shards:
+    group = shards[0][3] if shards else ps.get_data_parallel_group(with_context_parallel=True)
+    for p, shard, rng, _ in shards:
         s = starts[where[p]]
         flat[s + rng.start : s + rng.end] = shard.view(-1)
-        group = g
-    sharded = {p for p, *_ in shards}
     for i, p in enumerate(params):
-        if p in sharded:
-            continue
-        if p.dtype == torch.float32 or p in full:
-            # Replicated (not sharded) values: only DP rank 0 contributes so the sum stays exact.
-            if group is None or dist.get_rank(group) == 0:
-                flat[starts[i] : starts[i + 1]] = full.get(p, p).detach().float().view(-1)
-        else:
-            raise RuntimeError(
-                f"no fp32 main parameter found for a {p.dtype} parameter of shape {list(p.shape)}"
-            )
-    if group is not None:
-        dist.all_reduce(flat, group=group)
+        # fp32 model params are full replicas (the optimizer writes them back after each step): only DP
+        # rank 0 adds them so the sum stays exact. bf16 params without a shard here are owned elsewhere.
+        if p.dtype == torch.float32 and dist.get_rank(group) == 0:
+            flat[starts[i] : starts[i + 1]] = p.detach().view(-1)
+    dist.all_reduce(flat, group=group)
     return [flat[starts[i] : starts[i + 1]].view(p.shape) for i, p in enumerate(params)]

@@ -69,6 +69,7 @@ def _step(rank, world, tiny, run_dir, tp, pp, extra):
     from srpo_megatron.trainer.learning import learn
     from srpo_megatron.trainer.policy import Policy
     from srpo_megatron.trainer.scoring import score_rollouts
+    from srpo_megatron.trainer.stats import reduce_stats
     from srpo_megatron.trainer.step_metrics import gather_stats
     from srpo_megatron.weights.sync import sync_in_process
 
@@ -79,7 +80,7 @@ def _step(rank, world, tiny, run_dir, tp, pp, extra):
         policy = Policy(cfg, groups)
         scored = score_rollouts(policy, rank_share(_samples(), 1, groups.dp_size, groups.dp_rank))
         before = [p.detach().double().clone() for p in policy.teacher.module.parameters()]
-        stats = gather_stats(learn(policy, scored, 1), groups.host)
+        stats = gather_stats(reduce_stats([scored.stats, learn(policy, scored, 1)]), groups.host)
         policy.update_teacher()
         moved = any(
             not torch.equal(b, p.detach().double())
