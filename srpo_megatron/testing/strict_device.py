@@ -37,7 +37,13 @@ import torch
 import torch.distributed as dist
 from torch.overrides import TorchFunctionMode
 
-from srpo_megatron.compat.cpu import _is_cuda_device, enable_cpu_compat, set_cuda_emulated
+from srpo_megatron.compat.cpu import (
+    _is_cuda_device,
+    cpu_compat_active,
+    disable_cpu_compat,
+    enable_cpu_compat,
+    set_cuda_emulated,
+)
 
 TAG = "_srpo_on_device"
 _COLLECTIVES = (
@@ -259,6 +265,7 @@ def strict_device() -> Iterator[None]:
     """Run the block in strict-device mode (CPU only: needs the CUDA-as-CPU layer)."""
     from megatron.core.models.gpt.gpt_model import GPTModel
 
+    was_active = cpu_compat_active()
     if not enable_cpu_compat():
         raise RuntimeError("strict_device() checks CPU runs; with CUDA present the real device checks")
     patches: list[tuple[Any, str, Any]] = [
@@ -281,3 +288,5 @@ def strict_device() -> Iterator[None]:
         set_cuda_emulated(False)
         for obj, name, old in reversed(saved):
             setattr(obj, name, old)
+        if not was_active:
+            disable_cpu_compat()

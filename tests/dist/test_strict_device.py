@@ -71,6 +71,7 @@ def _step(rank, world, tiny, run_dir, tp, pp, extra):
     from srpo_megatron.trainer.scoring import score_rollouts
     from srpo_megatron.trainer.stats import reduce_stats
     from srpo_megatron.trainer.step_metrics import gather_stats
+    from srpo_megatron.trainer.teacher import fp32_main_params
     from srpo_megatron.weights.sync import sync_in_process
 
     with strict_device():
@@ -81,6 +82,11 @@ def _step(rank, world, tiny, run_dir, tp, pp, extra):
         scored = score_rollouts(policy, rank_share(_samples(), 1, groups.dp_size, groups.dp_rank))
         before = [p.detach().double().clone() for p in policy.teacher.module.parameters()]
         stats = gather_stats(reduce_stats([scored.stats, learn(policy, scored, 1)]), groups.host)
+        mains = fp32_main_params(policy.optimizer, policy.model, groups.device)
+        model = [p.detach().float() for p in policy.model.parameters()]
+        # The teacher's source: fp32 values (not the bf16 weights), within a bf16 rounding of them.
+        main_gap = max(((m - p).abs() / p.abs().clamp_min(1e-3)).max().item() for m, p in zip(mains, model))
+        fp32_values = any(bool((m != p).any()) for m, p in zip(mains, model, strict=True))
         policy.update_teacher()
         moved = any(
             not torch.equal(b, p.detach().double())
@@ -92,6 +98,8 @@ def _step(rank, world, tiny, run_dir, tp, pp, extra):
         "loss": stats.loss,
         "teacher_runs": stats.teacher_runs,
         "teacher_moved": moved,
+        "main_gap": main_gap,
+        "fp32_values": fp32_values,
         "synced": None if engine is None else (engine.weight_version, len(engine.names)),
     }
 
@@ -109,6 +117,9 @@ def test_a_training_step_keeps_tensors_on_the_device(tiny, tmp_path, tp, pp, wor
     assert all(r["teacher_moved"] for r in out), "the EMA teacher must have been updated"
     assert out[0]["synced"][0] == 2 and out[0]["synced"][1] > 0
     assert out[0]["loss"] != 0.0 and out[0]["teacher_runs"] == 4
+    for r in out:  # the EMA's source is the optimizer's fp32 main copy (gathered over DP when sharded)
+        assert r["main_gap"] <= 2**-8, r["main_gap"]
+        assert r["fp32_values"] == ("model.params_dtype=bf16" in extra)
 
 
 def _planted(rank, world, tiny, run_dir):
