@@ -44,6 +44,11 @@ def add_launch_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--name", default=None, help="experiment title (default: srpo-<recipe name>)")
     parser.add_argument("--home", default=None, help="nemo-run home for experiment files ($NEMORUN_HOME)")
     parser.add_argument(
+        "--skip-doctor",
+        action="store_true",
+        help="do not run `srpo doctor` on every node as the job's first step",
+    )
+    parser.add_argument(
         "--probe",
         action="store_true",
         help="run the stand-in job (srpo_megatron.launch.probe) instead of `srpo train`, to try a cluster",
@@ -111,6 +116,12 @@ def launch_main(args: argparse.Namespace) -> int:
             placement=placement,
             gpus_per_node=args.gpus_per_node,
         )
+        if not args.skip_doctor:
+            from srpo_megatron.doctor.first_step import doctor_first
+
+            recipe_arg = None if args.probe else request.command.args[1]  # the recipe as the job reads it
+            if not doctor_first(cluster.executor, request, recipe_arg, list(args.override), args.dryrun):
+                return 1
         result = submit(cluster, request, dryrun=args.dryrun)
         if args.dryrun:
             print(result.script)

@@ -95,6 +95,7 @@ class LaunchRequest:
     placement: RolloutPlacement = field(default_factory=RolloutPlacement)  # from the recipe
     gpus_per_node: int | None = None  # GPUs to ask for per node (None: all the node has)
     env: dict[str, str] = field(default_factory=dict)  # extra job environment
+    setup_lines: str = ""  # Slurm: bash run before the command's srun (the per-node `srpo doctor`)
 
     @property
     def total_nodes(self) -> int:
@@ -174,6 +175,7 @@ def build_executor(cluster: ClusterConfig, request: LaunchRequest):
         launcher=launcher,
         retries=cluster.max_retries,
         poll_estimated_start_time=False,
+        setup_lines=request.setup_lines or None,
     )
     if not cluster.account:
         executor.account = None  # no --account flag: the user's default account (CPU/test clusters)

@@ -131,13 +131,13 @@ def collect_rollouts(
     return RolloutBatch(samples, metrics)
 
 
-def broadcast_batch(batch: Any, src: int = 0) -> Any:
-    """Ship the batch from ``src`` to every rank (a collective)."""
+def broadcast_batch(batch: Any, src: int = 0, group: Any = None) -> Any:
+    """Ship the batch (a host object) from ``src`` to every rank over the gloo ``group`` (a collective)."""
     if not dist.is_initialized() or dist.get_world_size() == 1:
         assert batch is not None
         return batch
     box = [batch]
-    dist.broadcast_object_list(box, src=src)
+    dist.broadcast_object_list(box, src=src, group=group)
     return box[0]
 
 
@@ -194,7 +194,9 @@ class RolloutService:
 
     def collect(self, prompts: list[Prompt], step: int) -> RolloutBatch:
         """Collective: rollouts, rewards and routing for ``prompts`` (method §1 steps 1–4)."""
-        result = broadcast_batch(self._try_collect(prompts, step) if self.rank0 else None)
+        result = broadcast_batch(
+            self._try_collect(prompts, step) if self.rank0 else None, group=self.groups.host
+        )
         if isinstance(result, RolloutBatch):
             return result
         print(f"[srpo] {result}; restarting the engine and resyncing", flush=True)
@@ -204,7 +206,9 @@ class RolloutService:
             self.engine = self._build()
         self.restarts += 1
         self.sync(self.version)
-        result = broadcast_batch(self._try_collect(prompts, step) if self.rank0 else None)
+        result = broadcast_batch(
+            self._try_collect(prompts, step) if self.rank0 else None, group=self.groups.host
+        )
         if not isinstance(result, RolloutBatch):
             raise EngineError(f"{result} (again after a restart; giving up)")
         return result

@@ -8,7 +8,7 @@ from srpo_megatron.cli import build_parser, main
 def test_subcommands_are_exactly_these():
     parser = build_parser()
     sub = next(a for a in parser._actions if a.dest == "command")
-    assert sorted(sub.choices) == ["eval", "jobs", "launch", "plot", "train"]
+    assert sorted(sub.choices) == ["doctor", "eval", "jobs", "launch", "plot", "train"]
     args = parser.parse_args(["train", "r.yaml", "-o", "train.steps=3", "--override", "loss.mode=grpo"])
     assert args.override == ["train.steps=3", "loss.mode=grpo"]
 
