@@ -66,6 +66,12 @@ class TokenBatch:
             **{f.name: (None if (v := getattr(self, f.name)) is None else v[start:end]) for f in fields(self)}
         )
 
+    def take(self, index: torch.Tensor) -> TokenBatch:
+        """Rows ``index`` ([R] int64, on the batch's device) as a new batch (copies)."""
+        return TokenBatch(
+            **{f.name: (None if (v := getattr(self, f.name)) is None else v[index]) for f in fields(self)}
+        )
+
     def to(self, device: torch.device | str) -> TokenBatch:
         """Every tensor moved to ``device`` (one hand-off; a no-op for tensors already there)."""
         return TokenBatch(

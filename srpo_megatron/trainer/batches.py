@@ -6,6 +6,10 @@ p+1, so response token t sits at ``len(prompt) + t`` and its row is one earlier)
 the ``[b, S, V/TP]`` logits shard with a ``[b, S]`` mask, in sample then position order, which is the
 order of the flat per-token tensors of ``losses.TokenBatch`` and of ``ScoredBatch.tokens``.
 
+Packing (``train.max_tokens_per_micro_batch`` > 0, see ``trainer/packing.py``): sequences are laid end
+to end in token-budget micro-batches (THD, ``PackedSeqParams``) instead; a micro-batch then holds tokens
+``[1, T]`` and its members in increasing order, so the kept rows are still in sample then position order.
+
 Device discipline: everything here is built once on the host (Python lists → tensors) and moved to the
 runtime's ``device`` once, at the hand-off (``make_micro_batches``, ``ScoredBatch.on``); the passes never
 create host tensors that reach the model or a collective.
@@ -15,10 +19,12 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
 from srpo_megatron.losses import TokenBatch
+from srpo_megatron.trainer import packing
 from srpo_megatron.trainer.rollouts import Sample
 from srpo_megatron.trainer.stats import StepStats
 
@@ -38,12 +44,15 @@ class MicroBatch:
 
     tokens [b, S] int64, positions [1, S] int64, rows [b, S] bool (logit rows kept), and ``members``:
     which sequence (index into the pass's list) each of the b slots holds (None = padding slot).
+    Packed: b = 1, positions [1, S] restart at 0 in every sequence, ``members`` are the packed sequences
+    in order and ``packed`` carries their boundaries (megatron ``PackedSeqParams``, on the device).
     """
 
     tokens: torch.Tensor
     positions: torch.Tensor
     rows: torch.Tensor
     members: list[int | None]
+    packed: Any = None
 
 
 def student_sequences(samples: list[Sample]) -> list[Sequence]:
@@ -92,6 +101,36 @@ def make_micro_batches(
             members.append(k)
         out.append(MicroBatch(tokens.to(device), positions, rows.to(device), members))
     return out
+
+
+def make_packed_micro_batches(
+    seqs: list[Sequence], max_tokens: int, multiple: int, fixed: bool, device: torch.device
+) -> list[MicroBatch]:
+    """Token-budget micro-batches (first-fit decreasing), each packed end to end; ``fixed`` pads every one
+    to ``max_tokens`` (pipeline parallelism: megatron's p2p shapes are fixed)."""
+    triples = [(s.ids, s.first, s.num_rows) for s in seqs]
+    out = []
+    for members in packing.plan_micro_batches([len(s.ids) for s in seqs], max_tokens, multiple):
+        mb = packing.pack(triples, members, multiple, total=max_tokens if fixed else None)
+        out.append(
+            MicroBatch(
+                mb.tokens.to(device),
+                mb.positions.to(device),
+                mb.rows.to(device),
+                list(members),
+                mb.packed_seq_params(device),
+            )
+        )
+    return out
+
+
+def micro_batches_for(
+    seqs: list[Sequence], micro_batch_size: int, max_tokens: int, pp_size: int, device: torch.device
+) -> list[MicroBatch]:
+    """The pass's micro-batches: packed by token budget when ``max_tokens`` > 0, else right-padded."""
+    if max_tokens > 0:
+        return make_packed_micro_batches(seqs, max_tokens, 1, pp_size > 1, device)
+    return make_micro_batches(seqs, micro_batch_size, padded_len(seqs), device)
 
 
 def row_offsets(samples: list[Sample]) -> list[int]:
@@ -162,10 +201,18 @@ class ScoredBatch:
         return [self.select(j * k, (j + 1) * k) for j in range(m)]
 
     def micro_tokens(self, members: list[int | None]) -> TokenBatch:
-        """Rows of a micro-batch's (consecutive) members, as views."""
+        """Rows of a micro-batch's members in member order: views when they are consecutive (padded
+        micro-batches), else gathered (packed micro-batches take members out of order)."""
         idx = [i for i in members if i is not None]
-        assert self.tokens is not None and idx == list(range(idx[0], idx[-1] + 1))
-        return self.tokens.slice(self.offsets[idx[0]], self.offsets[idx[-1] + 1])
+        assert self.tokens is not None
+        if idx == list(range(idx[0], idx[-1] + 1)):
+            return self.tokens.slice(self.offsets[idx[0]], self.offsets[idx[-1] + 1])
+        return self.tokens.take(self.row_index(idx))
+
+    def row_index(self, members: list[int]) -> torch.Tensor:
+        """[R] rows of ``members`` (sample indices) in the flat layout, on the tokens' device."""
+        rows = [r for i in members for r in range(self.offsets[i], self.offsets[i + 1])]
+        return torch.tensor(rows, dtype=torch.long).to(self.tokens.mask.device)
 
 
 def rank_share(samples: list[Sample], mini_batches: int, dp_size: int, dp_rank: int) -> list[Sample]:

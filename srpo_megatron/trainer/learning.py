@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 from srpo_megatron.losses import Normalizers, global_normalizers, routed_loss
-from srpo_megatron.trainer.batches import ScoredBatch, make_micro_batches, padded_len, student_sequences
+from srpo_megatron.trainer.batches import ScoredBatch, micro_batches_for, student_sequences
 from srpo_megatron.trainer.policy import Policy
 from srpo_megatron.trainer.schedule import run_schedule
 from srpo_megatron.trainer.stats import StepStats, reduce_stats
@@ -35,7 +35,10 @@ def train_mini_batch(policy: Policy, scored: ScoredBatch) -> StepStats:
     """One optimizer step on ``scored`` (this DP rank's share of a mini-batch)."""
     cfg, g = policy.cfg, policy.groups
     seqs = student_sequences(scored.samples)
-    micro = make_micro_batches(seqs, cfg.train.micro_batch_size, padded_len(seqs), policy.device)
+    t = cfg.train
+    micro = micro_batches_for(
+        seqs, t.micro_batch_size, t.max_tokens_per_micro_batch, g.pp_size, policy.device
+    )
     last = g.is_last_stage
     batches = [scored.micro_tokens(mb.members) for mb in micro] if last else []
     normalizers = (

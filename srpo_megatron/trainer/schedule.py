@@ -43,7 +43,10 @@ def run_schedule(
     def forward_step(data_iterator, m):
         k = next(data_iterator)
         mb = micro_batches[k]
-        out = m(mb.tokens, mb.positions, None)
+        if mb.packed is None:
+            out = m(mb.tokens, mb.positions, None)
+        else:  # THD: attention stays inside each packed sequence
+            out = m(mb.tokens, mb.positions, None, packed_seq_params=mb.packed)
 
         def loss_func(logits):
             loss = on_rows(logit_rows(logits, mb.rows, vocab_pad), k)
@@ -58,7 +61,7 @@ def run_schedule(
         data_iterator=index,
         model=[model],
         num_microbatches=len(micro_batches),
-        seq_length=micro_batches[0].tokens.shape[1],
+        seq_length=max(mb.tokens.shape[1] for mb in micro_batches),  # PP: all equal (fixed shapes)
         micro_batch_size=micro_batches[0].tokens.shape[0],
         forward_only=forward_only,
     )

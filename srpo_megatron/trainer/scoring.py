@@ -19,8 +19,7 @@ import torch
 from srpo_megatron.losses import score_student, score_teacher
 from srpo_megatron.trainer.batches import (
     ScoredBatch,
-    make_micro_batches,
-    padded_len,
+    micro_batches_for,
     row_offsets,
     sample_tokens,
     student_sequences,
@@ -30,12 +29,6 @@ from srpo_megatron.trainer.policy import Policy
 from srpo_megatron.trainer.rollouts import Sample
 from srpo_megatron.trainer.schedule import run_schedule
 from srpo_megatron.trainer.stats import StepStats
-
-
-def _rows(offsets: list[int], members: list[int], device: torch.device) -> torch.Tensor:
-    """[R] row indices of ``members`` (sample indices) in the flat layout."""
-    idx = [r for i in members for r in range(offsets[i], offsets[i + 1])]
-    return torch.tensor(idx, dtype=torch.long).to(device)
 
 
 @torch.no_grad()
@@ -48,19 +41,17 @@ def score_rollouts(policy: Policy, samples: list[Sample]) -> ScoredBatch:
     offsets = row_offsets(samples)
     tokens = sample_tokens(samples, k_top, dev) if g.is_last_stage else None
     seqs = student_sequences(samples)
-    micro = make_micro_batches(seqs, mbs, padded_len(seqs), dev)
-
-    def rows_of(members: list[int | None]) -> tuple[int, int]:
-        idx = [i for i in members if i is not None]
-        return offsets[idx[0]], offsets[idx[-1] + 1]
+    budget = cfg.train.max_tokens_per_micro_batch
+    micro = micro_batches_for(seqs, mbs, budget, g.pp_size, dev)
+    scored = ScoredBatch(samples, offsets, tokens, StepStats())
 
     def on_student(row_logits: torch.Tensor, k: int) -> None:
-        a, b = rows_of(micro[k].members)
+        rows = scored.row_index([i for i in micro[k].members if i is not None])
         score = score_student(
-            row_logits, tokens.response_ids[a:b], tokens.sdpo[a:b], k_top, g.tp, lc.temperature, chunk
+            row_logits, tokens.response_ids[rows], tokens.sdpo[rows], k_top, g.tp, lc.temperature, chunk
         )
-        tokens.old_logp[a:b] = score.old_logp.float()
-        tokens.topk_ids[a:b] = score.topk_ids
+        tokens.old_logp[rows] = score.old_logp.float()
+        tokens.topk_ids[rows] = score.topk_ids
 
     policy.ddp.eval()
     run_schedule(policy.ddp, micro, on_student, policy.vocab_pad, forward_only=True)
@@ -71,7 +62,7 @@ def score_rollouts(policy: Policy, samples: list[Sample]) -> ScoredBatch:
     wanted = [i for i, s in enumerate(samples) if s.needs_teacher]
     if wanted and policy.teacher is not None:
         t_seqs = teacher_sequences([samples[i] for i in wanted])
-        t_micro = make_micro_batches(t_seqs, mbs, padded_len(t_seqs), dev)
+        t_micro = micro_batches_for(t_seqs, mbs, budget, g.pp_size, dev)
         mix = cfg.teacher.kind == "trust_region"
         student_logits: dict[int, torch.Tensor] = {}
         if mix:  # log q = (1−α) log q_ref + α log q_θ  ⇔  logits mix (the log-normaliser is shared)
@@ -87,7 +78,7 @@ def score_rollouts(policy: Policy, samples: list[Sample]) -> ScoredBatch:
                 row_logits = (1 - a) * row_logits + a * student_logits[k]
             members = [wanted[j] for j in t_micro[k].members if j is not None]
             teacher_runs += len(members)
-            rows = _rows(offsets, members, dev)
+            rows = scored.row_index(members)
             # Rows of samples that need a teacher but take no SDPO loss (advantage_mix) hold top-K ids 0:
             # only their sampled-token log-prob is used.
             ts = score_teacher(
@@ -102,4 +93,5 @@ def score_rollouts(policy: Policy, samples: list[Sample]) -> ScoredBatch:
     stats = StepStats(
         teacher_runs=float(teacher_runs), score_s=t_student, teacher_s=time.monotonic() - t0 - t_student
     ).counted_once(g.is_last_stage and g.tp_rank == 0)
-    return ScoredBatch(samples, offsets, tokens, stats)
+    scored.stats = stats
+    return scored

@@ -1,0 +1,117 @@
+"""A full SRPO step (scoring pass, teacher scoring, training pass, optimizer step) gives the same result
+with token-budget packed micro-batches as with right-padded ones, on the real megatron path.
+
+Checked at several budgets (one sequence per micro-batch up to all in one), at TP1 and at PP2 (where every
+packed micro-batch is padded to the budget): π_old, the teacher's top-K + tail log-probs and entropies of
+the scoring pass, the step's loss and per-branch sums, and every parameter after the optimizer step
+(≤ 1e-5). The samples have different prompt and response lengths, and half of them take the SDPO branch
+with a teacher prompt longer than the student's.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from srpo_megatron.testing.distributed import run_distributed
+
+pytestmark = pytest.mark.packing
+
+REPO = Path(__file__).resolve().parents[2]
+RECIPE = REPO / "examples" / "tiny_cpu_test.yaml"
+BUDGETS = (0, 24, 40, 400)  # 0 = padded micro-batches (the reference)
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    from srpo_megatron.testing.tiny import write_tiny_run
+
+    return write_tiny_run(tmp_path_factory.mktemp("tiny_packing"), num_prompts=8)
+
+
+def _samples():
+    from srpo_megatron.trainer.rollouts import Sample
+
+    g = torch.Generator().manual_seed(7)
+    out = []
+    for m in range(8):
+        prompt = torch.randint(10, 2000, (3 + m % 3,), generator=g).tolist()
+        resp = torch.randint(10, 2000, (2 + (5 * m) % 9,), generator=g).tolist()
+        sdpo = m % 2 == 1
+        teacher = torch.randint(10, 2000, (6 + m,), generator=g).tolist() if sdpo else None
+        logp = (-torch.rand(len(resp), generator=g) * 3).tolist()
+        out.append(
+            Sample(
+                m // 4,
+                m % 4,
+                prompt,
+                resp,
+                logp,
+                reward=float(not sdpo),
+                advantage=0.5 if not sdpo else -0.5,
+                grpo=not sdpo,
+                sdpo=sdpo,
+                needs_teacher=sdpo,
+                teacher_prompt_ids=teacher,
+            )
+        )
+    return out
+
+
+def _step(rank, world, tiny, run_dir, pp, budgets):
+    from srpo_megatron.configs import load_config
+    from srpo_megatron.parallel import initialize_model_parallel
+    from srpo_megatron.trainer.config import TrainConfig
+    from srpo_megatron.trainer.learning import learn
+    from srpo_megatron.trainer.policy import Policy
+    from srpo_megatron.trainer.scoring import score_rollouts
+
+    _, hf, data = tiny
+    out = []
+    groups = initialize_model_parallel(1, pp, seed=1)
+    for budget in budgets:
+        ov = [
+            f"model.hf_dir={hf}",
+            f"data.train_files=[{data}]",
+            f"run.dir={run_dir}/{budget}",
+            f"parallel.pp={pp}",
+            "loss.mode=srpo",
+            "optim.lr=0.01",
+            "optim.warmup_steps=0",
+            "train.micro_batch_size=3",
+            f"train.max_tokens_per_micro_batch={budget}",
+        ]
+        policy = Policy(load_config(TrainConfig, str(RECIPE), ov), groups)
+        scored = score_rollouts(policy, _samples())
+        t = scored.tokens
+        kept = None if t is None else (t.old_logp, t.teacher_logp, t.teacher_entropy)
+        stats = learn(policy, scored, 1)
+        params = {n: p.detach().float().clone() for n, p in policy.model.named_parameters()}
+        out.append((kept, stats.loss if groups.is_last_stage else None, stats.sdpo_loss_sum, params))
+    return out
+
+
+@pytest.mark.parametrize("pp", [1, 2])
+def test_packed_step_equals_padded_step(tiny, tmp_path, pp):
+    results = run_distributed(_step, pp, tiny, str(tmp_path), pp, BUDGETS, timeout=900)
+    last = results[-1]
+    (ref_kept, ref_loss, ref_sdpo, _), *packed = last
+    assert ref_sdpo != 0.0, "the reference step has no SDPO loss: the test would not see the teacher path"
+    for budget, (kept, loss, sdpo, _) in zip(BUDGETS[1:], packed, strict=True):
+        for name, got, want in zip(
+            ("π_old", "teacher log-probs", "teacher entropy"), kept, ref_kept, strict=True
+        ):
+            diff = (got - want).abs().max().item()
+            assert diff <= 1e-5, f"PP{pp} budget {budget}: {name} differs by {diff}"
+        assert loss == pytest.approx(ref_loss, abs=1e-6), f"PP{pp} budget {budget}: loss"
+        assert sdpo == pytest.approx(ref_sdpo, abs=1e-5), f"PP{pp} budget {budget}: SDPO loss sum"
+    for stage in results:  # every pipeline stage's parameters after the optimizer step
+        ref_params = stage[0][3]
+        for budget, (_, _, _, params) in zip(BUDGETS[1:], stage[1:], strict=True):
+            for name, want in ref_params.items():
+                diff = (params[name] - want).abs().max().item()
+                assert diff <= 1e-5, (
+                    f"PP{pp} budget {budget}: parameter {name} differs by {diff} after the step"
+                )
