@@ -17,7 +17,6 @@ import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -34,7 +33,9 @@ from srpo_megatron.losses import (
     score_student,
     score_teacher,
 )
+from srpo_megatron.models import performance as perf_choice
 from srpo_megatron.models.architecture import Architecture, padded_vocab_size
+from srpo_megatron.models.performance import Accelerators
 from srpo_megatron.models.policy import build_policy
 from srpo_megatron.parallel import ParallelGroups
 from srpo_megatron.trainer.config import TrainConfig
@@ -98,52 +99,40 @@ class PolicyRuntime:
     """Owns the policy (DDP-wrapped), its optimizer and LR schedule, and the self-teacher."""
 
     def __init__(self, cfg: TrainConfig, groups: ParallelGroups) -> None:
-        from megatron.core.distributed import (
-            DistributedDataParallel,
-            DistributedDataParallelConfig,
-            finalize_model_grads,
-        )
-        from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+        from megatron.core.distributed import DistributedDataParallel, finalize_model_grads
+        from megatron.core.optimizer import get_megatron_optimizer
         from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
         self.cfg, self.groups = cfg, groups
         self.arch = Architecture.from_hf(cfg.model.hf_dir)
         self.table = ConversionTable(self.arch)
-        dtype = _DTYPES[cfg.model.params_dtype]
-        bf16 = dtype == torch.bfloat16
-        overrides: dict[str, Any] = {"bf16": bf16} if bf16 else {}
+        # GPU defaults (bf16 + fp32 main params, TE spec, SP, fusions, overlap, recompute): see performance.py
+        acc, perf = Accelerators.detect(), cfg.performance
+        dtype = perf_choice.params_dtype(cfg.model.params_dtype, acc)
+        sp = perf_choice.sequence_parallel(cfg.parallel.sequence_parallel, groups.tp_size, acc)
+        overrides = perf_choice.transformer_overrides(perf, sequence_parallel=sp, acc=acc)
+        use_te = perf_choice.use_transformer_engine(perf, acc)
         build = lambda: build_policy(  # noqa: E731
-            self.arch, params_dtype=dtype, max_sequence_length=cfg.model.max_sequence_length, **overrides
+            self.arch,
+            params_dtype=dtype,
+            max_sequence_length=cfg.model.max_sequence_length,
+            use_te=use_te,
+            **overrides,
         )
         torch.manual_seed(cfg.run.seed)
         self.model = build()
         self._load_initial(self.model)
         self.tconfig = self.model.config
-        self.ddp = DistributedDataParallel(
-            self.tconfig,
-            DistributedDataParallelConfig(
-                grad_reduce_in_fp32=True, use_distributed_optimizer=cfg.parallel.distributed_optimizer
-            ),
-            self.model,
+        ddp_config = perf_choice.ddp_config(
+            perf, distributed_optimizer=cfg.parallel.distributed_optimizer, acc=acc
         )
+        self.ddp = DistributedDataParallel(self.tconfig, ddp_config, self.model)
         # Megatron's schedules reduce grads over DP (and tied embeddings over PP) only via this hook.
         self.tconfig.finalize_model_grads_func = finalize_model_grads
+        perf_choice.wire_overlap(self.tconfig, self.ddp)
         o = cfg.optim
         self.optimizer = get_megatron_optimizer(
-            OptimizerConfig(
-                optimizer="adam",
-                lr=o.lr,
-                min_lr=o.lr,
-                weight_decay=o.weight_decay,
-                adam_beta1=o.adam_beta1,
-                adam_beta2=o.adam_beta2,
-                adam_eps=o.adam_eps,
-                clip_grad=o.clip_grad,
-                bf16=bf16,
-                params_dtype=dtype,
-                use_distributed_optimizer=cfg.parallel.distributed_optimizer,
-            ),
-            [self.ddp],
+            perf_choice.optimizer_config(o, dtype=dtype, ddp=ddp_config), [self.ddp]
         )
         total = max(cfg.train.steps * cfg.train.mini_batches, o.warmup_steps + 1)
         self.scheduler = OptimizerParamScheduler(
@@ -398,6 +387,7 @@ class PolicyRuntime:
         grad_norm = float("nan")
         if finite or not cfg.train.skip_nonfinite:
             ok, grad_norm, _ = self.optimizer.step()
+            perf_choice.finish_param_gather(self.ddp)  # full weights before EMA / sync / save read them
             grad_norm = float(grad_norm) if grad_norm is not None else float("nan")
             if ok and math.isfinite(grad_norm):
                 self.scheduler.step(1)
