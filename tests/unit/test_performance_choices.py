@@ -113,7 +113,7 @@ def test_sequence_parallel_auto_and_explicit():
     assert perf.sequence_parallel(None, 4, CPU) is False
     assert perf.sequence_parallel(True, 2, CPU) is True  # explicit on the CPU local spec (tested in dist)
     assert perf.sequence_parallel(False, 4, GPU_TE_APEX) is False
-    with pytest.raises(ConfigError, match="needs parallel.tp > 1"):
+    with pytest.raises(ConfigError, match=r"needs parallel\.tp > 1"):
         perf.sequence_parallel(True, 1, CPU)
 
 
@@ -143,13 +143,13 @@ def test_recompute_keys_reach_a_valid_transformer_config(cfg, expected):
 
 
 def test_bad_choices_name_the_key_and_the_fix(tmp_path):
-    with pytest.raises(ConfigError, match="layer_spec=te.*transformer_engine does not import"):
+    with pytest.raises(ConfigError, match=r"layer_spec=te.*transformer_engine does not import"):
         perf.use_transformer_engine(PerformanceConfig(layer_spec="te"), GPU_STOCK)
-    with pytest.raises(ConfigError, match="overlap_comm=on needs parallel.distributed_optimizer"):
+    with pytest.raises(ConfigError, match=r"overlap_comm=on needs parallel\.distributed_optimizer"):
         perf.overlap_enabled(PerformanceConfig(overlap_comm="on"), distributed_optimizer=False, acc=CPU)
     with pytest.raises(ConfigError, match="recompute_num_layers=0"):
         PerformanceConfig(recompute="full", recompute_num_layers=0)
-    with pytest.raises(ConfigError, match="recompute_modules.*core_attn"):
+    with pytest.raises(ConfigError, match=r"recompute_modules.*core_attn"):
         PerformanceConfig(recompute="selective", recompute_modules=["attention"])
     p = tmp_path / "r.yaml"
     p.write_text("model: {hf_dir: x}\ndata: {train_files: [a.jsonl]}\nperformance: {recompute: everything}\n")
