@@ -15,7 +15,9 @@ What is chosen when CUDA is present (``auto`` everywhere):
 - **Layer spec.** Transformer Engine's (fused LayerNorm-linear, TE attention that dispatches to flash or
   cuDNN fused attention) when TE imports; otherwise the local spec with SDPA core attention.
 - **Sequence parallel** when TP > 1 (activations outside the TP regions are split along the sequence;
-  LayerNorm and dropout work on ``S/TP`` rows). It runs on the local spec too (tested on CPU gloo).
+  norms and dropout work on ``S/TP`` rows). The local spec gets SP-aware norms (``models/norms.py``), so
+  it runs without TE too; on CPU gloo it matches the HF model at TP2 (tests/dist), but the trainer refuses
+  it on CPU (one backward allocation escapes the CPU layer; see :func:`sequence_parallel`).
 - **Fusions**, each only where its kernel exists: gradient-accumulation fusion needs apex's
   ``fused_weight_gradient_mlp_cuda`` (megatron's own linears, e.g. the output layer, raise without it
   even under the TE spec); RoPE fusion needs TE's ``fused_apply_rotary_pos_emb``; the SwiGLU
@@ -143,6 +145,12 @@ def sequence_parallel(requested: bool | None, tp: int, acc: Accelerators) -> boo
         return tp > 1 and acc.cuda
     if requested and tp == 1:
         raise ConfigError("parallel.sequence_parallel=true needs parallel.tp > 1; set it to false or omit it")
+    if requested and not acc.cuda:
+        raise ConfigError(
+            "parallel.sequence_parallel=true trains only on CUDA: megatron's sequence-parallel linear "
+            "backward allocates on torch.cuda.current_device() inside autograd, where the CPU layer cannot "
+            "redirect it; omit the key (auto: on for TP > 1 on GPUs) or set it to false for CPU runs"
+        )
     return requested
 
 

@@ -111,7 +111,9 @@ def test_sequence_parallel_auto_and_explicit():
     assert perf.sequence_parallel(None, 1, GPU_TE_APEX) is False
     assert perf.sequence_parallel(None, 4, GPU_TE_APEX) is True
     assert perf.sequence_parallel(None, 4, CPU) is False
-    assert perf.sequence_parallel(True, 2, CPU) is True  # explicit on the CPU local spec (tested in dist)
+    assert perf.sequence_parallel(True, 2, GPU_STOCK) is True  # local spec with SP-aware norms
+    with pytest.raises(ConfigError, match=r"trains only on CUDA.*set it to false for CPU runs"):
+        perf.sequence_parallel(True, 2, CPU)
     assert perf.sequence_parallel(False, 4, GPU_TE_APEX) is False
     with pytest.raises(ConfigError, match=r"needs parallel\.tp > 1"):
         perf.sequence_parallel(True, 1, CPU)
