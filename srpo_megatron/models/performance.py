@@ -298,7 +298,7 @@ def rng_states_compatible(saved_kind: str | None, path: str) -> bool:
     """Whether RNG tracker states saved on ``saved_kind`` can be restored here; warns with the cause if not.
 
     A CUDA generator state (16 bytes: seed and offset) and the CPU layer's stand-in generator state
-    (5056 bytes) cannot be exchanged: ``set_rng_state`` would raise "RNG state is wrong size".
+    (5056 bytes) cannot be exchanged: the first ``fork()`` would raise "Expected a ... of size 5056".
     """
     here = rng_device_kind()
     if (saved_kind or "cpu") == here:
