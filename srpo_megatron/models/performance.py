@@ -281,9 +281,9 @@ def drop_absent_extra_state(sharded: dict[str, Any], stored_keys: set[str], wher
 
 def stored_sharded_keys(ckpt_dir: str) -> set[str]:
     """Keys of every ShardedTensor and ShardedObject in a torch_dist checkpoint (metadata only)."""
-    from megatron.core import dist_checkpointing
+    from megatron.core.dist_checkpointing.serialization import load_sharded_metadata
 
-    meta = dist_checkpointing.load_sharded_metadata(str(ckpt_dir))
+    meta = load_sharded_metadata(str(ckpt_dir))
     return {getattr(v, "key", k) for k, v in meta.items()}
 
 

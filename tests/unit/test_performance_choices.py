@@ -69,6 +69,24 @@ def test_cpu_choices_reproduce_the_previous_config_exactly():
     assert ddp.grad_reduce_in_fp32 and not ddp.overlap_grad_reduce and not ddp.overlap_param_gather
     opt = perf.optimizer_config(OptimConfig(), dtype=torch.float32, ddp=ddp)
     assert not opt.bf16 and opt.params_dtype == torch.float32
+    from megatron.core.distributed import DistributedDataParallelConfig
+    from megatron.core.optimizer import OptimizerConfig
+
+    o = OptimConfig()  # what PolicyRuntime built before the choosers
+    assert ddp == DistributedDataParallelConfig(grad_reduce_in_fp32=True, use_distributed_optimizer=True)
+    assert opt == OptimizerConfig(
+        optimizer="adam",
+        lr=o.lr,
+        min_lr=o.lr,
+        weight_decay=o.weight_decay,
+        adam_beta1=o.adam_beta1,
+        adam_beta2=o.adam_beta2,
+        adam_eps=o.adam_eps,
+        clip_grad=o.clip_grad,
+        bf16=False,
+        params_dtype=torch.float32,
+        use_distributed_optimizer=True,
+    )
 
 
 def test_simulated_gpu_with_te_and_apex_turns_everything_on():
