@@ -2,10 +2,11 @@
 
 ``transformer_config_from_hf`` maps an :class:`Architecture` onto megatron's ``TransformerConfig``
 (RMSNorm, SwiGLU, GQA via ``num_query_groups``, explicit ``head_dim`` as ``kv_channels``, QKV bias,
-QK-norm, norm epsilon, no dropout, no fused kernels that need apex/TE). ``build_policy`` builds the
-``GPTModel`` for the calling rank's pipeline stage from layer specs: Transformer Engine's spec when TE
-imports (GPU clusters), otherwise megatron's local spec with :class:`SDPACoreAttention` swapped into the
-``core_attention`` slot. RoPE uses the model's theta; "linear" scaling maps to megatron's
+QK-norm, norm epsilon, no dropout, fused kernels off: ``models/performance.py`` chooses the GPU overrides).
+``build_policy`` builds the ``GPTModel`` for the calling rank's pipeline stage from layer specs: Transformer
+Engine's spec when TE imports (GPU clusters), otherwise megatron's local spec with :class:`SDPACoreAttention`
+swapped into the ``core_attention`` slot (and SP-aware norms under sequence parallelism, ``models/norms.py``).
+RoPE uses the model's theta; "linear" scaling maps to megatron's
 ``seq_len_interpolation_factor`` and "llama3" to ``rope_scaling``/``rope_scaling_factor``.
 
 TP and PP sizes and the stage come from ``megatron.core.parallel_state`` (initialise it first). The

@@ -252,7 +252,7 @@ def _te_load_worker(rank, world, hf_dir, ckpt):
     try:  # what the explicit handling prevents
         dist_checkpointing.load(te_like.sharded_state_dict(prefix=POLICY_PREFIX), ckpt)
         plain_error = ""
-    except Exception as e:
+    except BaseException as e:  # torch's CheckpointException derives from BaseException
         plain_error = f"{type(e).__name__}: {e}"
     return same, plain_error
 
