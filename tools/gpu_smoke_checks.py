@@ -64,7 +64,7 @@ def train_report(run_dir: str, hf_dir: str) -> None:
 
     run = Path(run_dir)
     rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines() if x.strip()]
-    losses = [r.get("loss") for r in rows]
+    losses = [r.get("loss/total") for r in rows]
     finite = bool(rows) and all(v is not None and math.isfinite(float(v)) for v in losses)
     gaps = [r.get("logprob/gap_mean") for r in rows]
     ckpt = latest_checkpoint(run)
