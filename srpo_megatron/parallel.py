@@ -29,7 +29,7 @@ class ParallelConfig:
     tp: int = 1  # tensor-parallel size (Megatron TP; shards attention heads, MLP and the vocabulary)
     pp: int = 1  # pipeline-parallel size (layers split into pp stages)
     distributed_optimizer: bool = False  # shard optimizer state across data-parallel ranks (ZeRO-1)
-    sequence_parallel: bool = False  # Megatron sequence parallelism (needs tp > 1; GPU runs)
+    sequence_parallel: bool | None = None  # Megatron sequence parallelism; None = on when tp > 1 on CUDA
 
     def __post_init__(self) -> None:
         for name in ("tp", "pp"):

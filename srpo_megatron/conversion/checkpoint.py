@@ -235,7 +235,12 @@ def load_policy_checkpoint(model: torch.nn.Module, ckpt_dir: str | Path) -> None
     """Load the ``model.`` tensors of a checkpoint into this rank's policy stage (any TP/PP)."""
     from megatron.core import dist_checkpointing
 
+    from srpo_megatron.models.performance import drop_absent_extra_state, stored_sharded_keys
+
     sharded = model.sharded_state_dict(prefix=POLICY_PREFIX)
+    # A checkpoint converted without Transformer Engine lacks some TE `_extra_state` objects (FP8 metadata,
+    # empty in bf16): those modules keep their fresh state; any other absent key is an error.
+    drop_absent_extra_state(sharded, stored_sharded_keys(str(ckpt_dir)), str(ckpt_dir))
     loaded = dist_checkpointing.load(sharded, str(ckpt_dir))
     # dist_checkpointing.load merges the checkpoint's common (non-tensor) state into the result; a trainer
     # checkpoint has such entries (e.g. optimizer param groups), so keep only the policy's own keys.

@@ -2,10 +2,11 @@
 
 ``transformer_config_from_hf`` maps an :class:`Architecture` onto megatron's ``TransformerConfig``
 (RMSNorm, SwiGLU, GQA via ``num_query_groups``, explicit ``head_dim`` as ``kv_channels``, QKV bias,
-QK-norm, norm epsilon, no dropout, no fused kernels that need apex/TE). ``build_policy`` builds the
-``GPTModel`` for the calling rank's pipeline stage from layer specs: Transformer Engine's spec when TE
-imports (GPU clusters), otherwise megatron's local spec with :class:`SDPACoreAttention` swapped into the
-``core_attention`` slot. RoPE uses the model's theta; "linear" scaling maps to megatron's
+QK-norm, norm epsilon, no dropout, fused kernels off: ``models/performance.py`` chooses the GPU overrides).
+``build_policy`` builds the ``GPTModel`` for the calling rank's pipeline stage from layer specs: Transformer
+Engine's spec when TE imports (GPU clusters), otherwise megatron's local spec with :class:`SDPACoreAttention`
+swapped into the ``core_attention`` slot (and SP-aware norms under sequence parallelism, ``models/norms.py``).
+RoPE uses the model's theta; "linear" scaling maps to megatron's
 ``seq_len_interpolation_factor`` and "llama3" to ``rope_scaling``/``rope_scaling_factor``.
 
 TP and PP sizes and the stage come from ``megatron.core.parallel_state`` (initialise it first). The
@@ -29,10 +30,12 @@ from megatron.core import parallel_state
 from megatron.core.models.gpt import GPTModel
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.transformer.spec_utils import ModuleSpec
+from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from srpo_megatron.models.architecture import Architecture, padded_vocab_size
 from srpo_megatron.models.attention import SDPACoreAttention
+from srpo_megatron.models.norms import SequenceParallelRMSNorm
 
 
 def transformer_engine_available() -> bool:
@@ -97,8 +100,11 @@ def transformer_config_from_hf(
     return TransformerConfig(**kwargs)
 
 
-def layer_spec(arch: Architecture, *, use_te: bool | None = None) -> ModuleSpec:
-    """Layer spec: TE's when available (or ``use_te=True``), else local with SDPA core attention."""
+def layer_spec(
+    arch: Architecture, *, use_te: bool | None = None, sequence_parallel: bool = False
+) -> ModuleSpec:
+    """Layer spec: TE's when available (or ``use_te=True``), else local with SDPA core attention (and, under
+    sequence parallelism, :class:`SequenceParallelRMSNorm` norms: the local torch norm refuses SP)."""
     if use_te is None:
         use_te = transformer_engine_available()
     if use_te:
@@ -108,9 +114,16 @@ def layer_spec(arch: Architecture, *, use_te: bool | None = None) -> ModuleSpec:
     spec = get_gpt_layer_local_spec(qk_layernorm=arch.qk_norm, normalization="RMSNorm")
     attention = spec.submodules.self_attention
     attention_submodules = dataclasses.replace(attention.submodules, core_attention=SDPACoreAttention)
+    norms: dict[str, Any] = {}
+    if sequence_parallel:
+        norms = dict(input_layernorm=SequenceParallelRMSNorm, pre_mlp_layernorm=SequenceParallelRMSNorm)
+        if arch.qk_norm:
+            attention_submodules = dataclasses.replace(
+                attention_submodules, q_layernorm=SequenceParallelRMSNorm, k_layernorm=SequenceParallelRMSNorm
+            )
     self_attention = dataclasses.replace(attention, submodules=attention_submodules)
     return dataclasses.replace(
-        spec, submodules=dataclasses.replace(spec.submodules, self_attention=self_attention)
+        spec, submodules=dataclasses.replace(spec.submodules, self_attention=self_attention, **norms)
     )
 
 
@@ -150,9 +163,18 @@ def build_policy(
         rope["seq_len_interpolation_factor"] = arch.rope_factor
     elif arch.rope_type == "llama3":
         rope.update(rope_scaling=True, rope_scaling_factor=arch.rope_factor)
+    use_te = transformer_engine_available() if use_te is None else use_te
+    spec: ModuleSpec | TransformerBlockSubmodules = layer_spec(
+        arch, use_te=use_te, sequence_parallel=config.sequence_parallel
+    )
+    if config.sequence_parallel and not use_te:  # the block's final norm must be SP-aware too
+        spec = TransformerBlockSubmodules(
+            layer_specs=[spec] * get_num_layers_to_build(config, vp_stage=vp_stage),
+            layer_norm=SequenceParallelRMSNorm,
+        )
     model = GPTModel(
         config=config,
-        transformer_layer_spec=layer_spec(arch, use_te=use_te),
+        transformer_layer_spec=spec,
         vocab_size=padded_vocab_size(arch.vocab_size, tp),
         max_sequence_length=max_sequence_length or arch.max_position_embeddings,
         pre_process=pre_process,

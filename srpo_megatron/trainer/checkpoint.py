@@ -30,6 +30,12 @@ import torch.distributed as dist
 
 from srpo_megatron.conversion.checkpoint import HF_CONFIG_NAME, POLICY_PREFIX
 from srpo_megatron.models.architecture import load_hf_config_dict
+from srpo_megatron.models.performance import (
+    drop_absent_extra_state,
+    rng_device_kind,
+    rng_states_compatible,
+    stored_sharded_keys,
+)
 
 TEACHER_PREFIX = "teacher."
 STATE_FILE = "trainer_state.json"
@@ -76,17 +82,20 @@ def _rng_state() -> dict[str, Any]:
         "numpy": np.random.get_state(),
         "torch": torch.get_rng_state(),
         "tracker": tensor_parallel.get_cuda_rng_tracker().get_states(),
+        "tracker_device": rng_device_kind(),  # CUDA and CPU-layer generator states differ in size
     }
 
 
-def _set_rng_state(state: dict[str, Any]) -> None:
+def _set_rng_state(state: dict[str, Any], path: str = "") -> None:
     import numpy as np
     from megatron.core import tensor_parallel
 
     random.setstate(state["python"])
     np.random.set_state(state["numpy"])
     torch.set_rng_state(state["torch"])
-    tensor_parallel.get_cuda_rng_tracker().set_states(state["tracker"])
+    # Saved on the other device kind (CPU <-> GPU resume): the tracker keeps its seeding (warned).
+    if rng_states_compatible(state.get("tracker_device"), path):
+        tensor_parallel.get_cuda_rng_tracker().set_states(state["tracker"])
 
 
 def save_checkpoint(
@@ -128,7 +137,12 @@ def load_checkpoint(runtime: Any, path: str | Path) -> dict:
     from megatron.core import dist_checkpointing
 
     path = Path(path)
-    loaded = dist_checkpointing.load(_sharded_state(runtime, loading=True), str(path))
+    sharded = _sharded_state(runtime, loading=True)
+    stored = stored_sharded_keys(str(path))
+    for part in ("model", "teacher"):  # saved without TE, resumed with TE: see drop_absent_extra_state
+        if part in sharded:
+            drop_absent_extra_state(sharded[part], stored, str(path))
+    loaded = dist_checkpointing.load(sharded, str(path))
     strip = lambda sd, p: {k[len(p) :] if k.startswith(p) else k: v for k, v in sd.items()}  # noqa: E731
     runtime.model.load_state_dict(strip(loaded["model"], POLICY_PREFIX), strict=False)
     if runtime.teacher is not None:
@@ -139,5 +153,5 @@ def load_checkpoint(runtime: Any, path: str | Path) -> dict:
     runtime.scheduler.load_state_dict(state["scheduler"])
     rng = path / "rng" / f"rank_{_rank():05d}.pt"
     if rng.is_file():  # absent when resuming at a different world size: RNG then restarts from the seed
-        _set_rng_state(torch.load(rng, weights_only=False))
+        _set_rng_state(torch.load(rng, weights_only=False), str(rng))
     return state

@@ -14,6 +14,7 @@ from srpo_megatron.configs import ConfigError
 from srpo_megatron.data.config import DataConfig
 from srpo_megatron.evaluation.config import EvalConfig
 from srpo_megatron.losses.config import LossConfig
+from srpo_megatron.models.performance import PerformanceConfig
 from srpo_megatron.parallel import ParallelConfig
 from srpo_megatron.rollout.sglang_engine import SGLangEngineConfig
 
@@ -44,7 +45,7 @@ class ModelConfig:
 
     hf_dir: str = ""  # HF model folder (config.json, tokenizer, safetensors); the rollout engine loads it
     megatron_checkpoint: str | None = None  # tools/convert_hf_to_megatron.py output; None = read hf_dir
-    params_dtype: Literal["fp32", "bf16"] = "fp32"  # training dtype (bf16 mixed precision on GPU)
+    params_dtype: Literal["auto", "fp32", "bf16"] = "auto"  # auto: bf16 (fp32 main params) on CUDA, else fp32
     max_sequence_length: int = 4096  # longest prompt + response the policy will see (RoPE table size)
 
     def __post_init__(self) -> None:
@@ -173,6 +174,7 @@ class TrainConfig:
     teacher: TeacherConfig = field(default_factory=TeacherConfig)
     train: TrainLoopConfig = field(default_factory=TrainLoopConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
+    performance: PerformanceConfig = field(default_factory=PerformanceConfig)  # GPU kernels, recompute
 
     def __post_init__(self) -> None:
         if abs(self.loss.temperature - self.rollout.temperature) > 1e-12:
