@@ -145,7 +145,13 @@ def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any
         if "=" not in item:
             raise ConfigError(f"override {item!r} must look like section.key=value")
         key, raw = item.split("=", 1)
-        value = yaml.safe_load(raw) if raw != "" else ""
+        try:
+            value = yaml.safe_load(raw) if raw != "" else ""
+        except yaml.YAMLError as e:
+            problem = str(getattr(e, "problem", None) or e).splitlines()[0]
+            raise ConfigError(
+                f"override {item!r}: the value is not valid YAML ({problem}); quote it or fix the brackets"
+            ) from None
         node = data
         parts = key.strip().split(".")
         for p in parts[:-1]:
@@ -161,9 +167,14 @@ def load_yaml(path: str | Path) -> dict[str, Any]:
     if not path.is_file():
         raise ConfigError(f"recipe {path} does not exist; pass a YAML file (see examples/)")
     try:
-        data = yaml.safe_load(path.read_text()) or {}
+        data = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
+    except UnicodeDecodeError as e:
+        raise ConfigError(
+            f"{path}: byte {e.start} ({e.object[e.start : e.start + 1]!r}) is not UTF-8; save it as UTF-8"
+        ) from None
     except yaml.YAMLError as e:
-        raise ConfigError(f"recipe {path} is not valid YAML: {e}") from e
+        one_line = " ".join(str(e).split())
+        raise ConfigError(f"recipe {path} is not valid YAML: {one_line}") from None
     if not isinstance(data, dict):
         raise ConfigError(f"recipe {path} must be a mapping at the top level, got {type(data).__name__}")
     return data
