@@ -250,13 +250,15 @@ class LaunchResult:
     script: str = ""  # dry run on Slurm: the sbatch script that would be submitted
 
 
-def submit(cluster: ClusterConfig, request: LaunchRequest, dryrun: bool = False) -> LaunchResult:
+def submit(
+    cluster: ClusterConfig, request: LaunchRequest, dryrun: bool = False, redact: bool | None = None
+) -> LaunchResult:
     """Submit ``request`` (Slurm: returns once sbatch accepted it; local: returns when it finished).
 
     With ``dryrun`` nothing runs: the sbatch script nemo-run would submit is returned (Slurm), and the
-    experiment directory is removed again.
+    experiment directory is removed again. ``redact`` (default: ``dryrun``) hides the cluster's secrets.
     """
-    exp, task = build_experiment(cluster, request, redact=dryrun)
+    exp, task = build_experiment(cluster, request, redact=dryrun if redact is None else redact)
     # nemo-run's git packager archives the repository around the working directory: make that this one.
     where = contextlib.chdir(REPO_ROOT) if cluster.code == "git" else contextlib.nullcontext()
     # The sbatch script and nemo-run's _CONFIG hold the job's secrets: only the user may read them.
