@@ -8,7 +8,9 @@ and what would be valid. Components validate their own semantics in ``__post_ini
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import math
 import types
 import typing
 from pathlib import Path
@@ -90,14 +92,17 @@ def _coerce(value: Any, tp: Any, path: str) -> Any:
     if tp is float:
         if isinstance(value, bool):
             raise ConfigError(f"{path}: expected a number, got {value!r}")
+        number = None
         if isinstance(value, int | float):
-            return float(value)
-        if isinstance(value, str):
-            try:
-                return float(value)
-            except ValueError:
-                pass
-        raise ConfigError(f"{path}: expected a number, got {value!r}")
+            number = float(value)
+        elif isinstance(value, str):
+            with contextlib.suppress(ValueError):
+                number = float(value)
+        if number is None:
+            raise ConfigError(f"{path}: expected a number, got {value!r}")
+        if not math.isfinite(number):  # NaN/inf never mean anything in a recipe and fail far later
+            raise ConfigError(f"{path}: {value!r} is not a finite number; give a finite value")
+        return number
     if tp is str:
         if isinstance(value, str):
             return value
