@@ -46,9 +46,7 @@ def train(cfg: TrainConfig) -> dict:
     train_set, eval_set = build_datasets(cfg.data, tokenizer)
     log(data_summary(train_set, eval_set))
     kinds = {p.row.kind for ds in (train_set, eval_set) for p in ds}
-    check_rewards(
-        sorted({reward_target(k) for k in kinds}), cfg.rollout.reward_workers, cfg.rollout.reward_timeout_s
-    )
+    check_rewards(sorted({reward_target(k) for k in kinds}), cfg.rollout)
     sampler = EpochSampler(len(train_set), cfg.data.seed, cfg.data.shuffle)
     ckpt = resume_point(cfg, log)  # latest is a hint; refuses changed recipes and silent restarts
     runtime = PolicyRuntime(cfg, groups)

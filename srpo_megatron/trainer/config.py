@@ -104,6 +104,7 @@ class RolloutConfig:
     reward_fns: dict[str, str] = field(default_factory=dict)  # extra verifiers: kind -> "module:function"
     reward_workers: int = 2  # processes scoring rewards (0 = threads in the trainer process)
     reward_timeout_s: float = 10.0  # per-sample reward timeout; a timeout gives reward 0 (counted)
+    reward_import_timeout_s: float = 120.0  # a reward module whose import takes longer fails the start
 
     def __post_init__(self) -> None:
         if self.prompts_per_step < 1 or self.group_size < 2:
@@ -121,10 +122,11 @@ class RolloutConfig:
                 f"rollout.top_k={self.top_k} must be -1 (off) or >= 1, rollout.max_batch_size="
                 f"{self.max_batch_size} >= 1"
             )
-        if self.reward_workers < 0 or self.reward_timeout_s <= 0:
+        if self.reward_workers < 0 or self.reward_timeout_s <= 0 or self.reward_import_timeout_s <= 0:
             raise ConfigError(
-                f"rollout.reward_workers={self.reward_workers} must be >= 0 (0 = threads) and "
-                f"rollout.reward_timeout_s={self.reward_timeout_s} > 0 (seconds per sample)"
+                f"rollout.reward_workers={self.reward_workers} must be >= 0 (0 = threads), "
+                f"rollout.reward_timeout_s={self.reward_timeout_s} and rollout.reward_import_timeout_s="
+                f"{self.reward_import_timeout_s} > 0 (seconds)"
             )
         for kind, target in self.reward_fns.items():
             module, sep, name = target.partition(":")

@@ -52,13 +52,14 @@ def check_layout(cfg: Any, world_size: int, hf_config: dict) -> None:
         )
 
 
-def check_rewards(targets: list[str], workers: int, timeout_s: float) -> None:
+def check_rewards(targets: list[str], rollout: Any) -> None:
     """Collective: rank 0 probes ``targets`` in the pool's kind of process; every rank raises on failure."""
     from srpo_megatron.rewards import RewardPool
 
     problem = None
     if not dist.is_initialized() or dist.get_rank() == 0:
-        with RewardPool(min(workers, 1), timeout_s) as pool:
+        workers, timeout_s = min(rollout.reward_workers, 1), rollout.reward_timeout_s
+        with RewardPool(workers, timeout_s, import_timeout_s=rollout.reward_import_timeout_s) as pool:
             problem = pool.check_targets(targets)
     if dist.is_initialized() and dist.get_world_size() > 1:
         box = [problem]

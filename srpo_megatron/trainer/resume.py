@@ -95,8 +95,8 @@ def check_resume_recipe(cfg: Any, ckpt: Path, log: Callable[[str], None] = print
         sections = sorted({line.split(".", 1)[0] for line in refused})
         why = "; ".join(f"{s}: {_FIXED_BECAUSE.get(s, 'fixed by the checkpoint')}" for s in sections)
         raise ConfigError(
-            f"resuming from {ckpt} with a changed recipe: {', '.join(refused)} cannot change on resume ({why}); "
-            "set them back (see the checkpoint's recipe.yaml), or start a new run.dir"
+            f"resuming from {ckpt} with a changed recipe: {', '.join(refused)} cannot change on resume "
+            f"({why}); set them back (see the checkpoint's recipe.yaml), or start a new run.dir"
         )
     for line in applied:
         log(f"resume: applying recipe change {line}")
