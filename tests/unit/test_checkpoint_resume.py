@@ -199,3 +199,18 @@ def test_changed_lr_on_resume_is_refused_with_one_line(tmp_path):
     msg = str(err.value)
     assert "optim.lr: 0.001 -> 0.5 cannot change on resume" in msg and "\n" not in msg
     assert check_resume_recipe(Cfg(Optim(lr=1e-3)), tmp_path) == []
+
+
+def test_conversion_removes_temporaries_of_dead_conversions_only(tmp_path):
+    from srpo_megatron.conversion.checkpoint import atomic_output_dir
+
+    out = tmp_path / "model-mcore"
+    dead = tmp_path / ".model-mcore.tmp-999999999"  # above pid_max: that process cannot exist
+    live = tmp_path / f".model-mcore.tmp-{os.getppid()}"  # a running process (another conversion)
+    other = tmp_path / ".other.tmp-999999999"  # another output's: not ours to judge
+    for d in (dead, live, other):
+        d.mkdir()
+    with atomic_output_dir(out, force=False) as tmp:
+        (tmp / "x").write_text("1")
+    assert (out / "x").read_text() == "1"
+    assert not dead.exists() and live.exists() and other.exists()
