@@ -8,7 +8,7 @@ tunnel, pyxis/enroot container flags) or a ``LocalExecutor`` (this workstation).
 :mod:`srpo_megatron.launch.probe` as well as with the trainer.
 
 Preemption: nemo-run always submits with ``sbatch --requeue``, so a preempted job is requeued by Slurm
-and restarts the same command; the trainer resumes from ``<run.dir>/checkpoints/latest`` by itself.
+and restarts the same command; the trainer resumes from the newest complete checkpoint by itself.
 ``max_retries`` in the cluster file additionally requeues a job whose command exited non-zero.
 
 Rollout placement is read from the recipe as plain data (``rollout.placement``: "colocated" |
