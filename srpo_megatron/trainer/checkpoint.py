@@ -45,7 +45,6 @@ from srpo_megatron.trainer.checkpoint_files import (
     digest_files,
     fsync_dir,
     fsync_tree,
-    list_files,
     step_dirs,
     write_manifest,
     write_text_durably,
@@ -162,7 +161,7 @@ def save_checkpoint(
         (tmp / STATE_FILE).write_text(json.dumps(trainer_state, indent=2, default=float) + "\n")
         (tmp / RECIPE_FILE).write_text(yaml.safe_dump(to_dict(runtime.cfg), sort_keys=False))
     _barrier()
-    digests = digest_files(tmp, list_files(tmp))  # every rank fsyncs and hashes its share
+    digests = digest_files(tmp)  # every rank fsyncs and hashes its share
     if _rank() == 0:
         write_manifest(tmp, digests)
         fsync_tree(tmp)

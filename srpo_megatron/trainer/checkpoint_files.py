@@ -105,9 +105,12 @@ def file_digest(path: Path, chunk: int = 1 << 22) -> dict:
     return {"size": path.stat().st_size, "sha256": h.hexdigest()}
 
 
-def digest_files(ckpt: Path, names: Iterable[str]) -> dict[str, dict]:
-    """Collective: fsync and hash ``names`` under ``ckpt``, each rank every world-th file."""
+def digest_files(ckpt: Path, names: Iterable[str] | None = None) -> dict[str, dict]:
+    """Collective: fsync and hash ``names`` (default: rank 0's listing of ``ckpt``), each rank every
+    world-th file. Rank 0 lists once for all, so ranks whose filesystem view lags still split alike."""
     rank, world = _rank_world()
+    if names is None:
+        names = _gather(list_files(ckpt) if rank == 0 else None)[0]
     mine = {}
     for name in sorted(names)[rank::world]:
         fsync_file(ckpt / name)
@@ -148,11 +151,12 @@ def verify_checkpoint(ckpt: Path) -> str | None:
         return _gather(problem)[0]
     except (ValueError, KeyError, TypeError, UnicodeDecodeError):
         return _gather(f"{ckpt / MANIFEST} is not a valid manifest")[0]
-    extra = sorted(set(list_files(ckpt)) - set(files))
     mine = _problems(ckpt, files, sorted(files)[rank::world])
+    if rank == 0:  # one rank lists the directory, so every rank reaches the same verdict
+        extra = sorted(set(list_files(ckpt)) - set(files))
+        if extra:  # a file the manifest does not know (e.g. a shard of another save): not the saved set
+            mine.append(f"{ckpt / extra[0]} is not listed in {MANIFEST}")
     found = [p for part in _gather(mine) for p in part]
-    if extra:  # a file the manifest does not know (e.g. a shard of another save): not the saved set
-        found.append(f"{ckpt / extra[0]} is not listed in {MANIFEST}")
     return found[0] if found else None
 
 
