@@ -30,6 +30,7 @@ class RunConfig:
     tensorboard: bool = True  # also write TensorBoard scalars under <dir>/tensorboard
     wandb_project: str | None = None  # log to Weights & Biases too (needs the `wandb` extra)
     progress_bar: bool = True  # a tqdm bar with the key figures on rank 0
+    restart: bool = False  # start from step 0 even over existing checkpoints (they are moved aside)
 
     def __post_init__(self) -> None:
         if self.save_every < 0 or self.keep_last < 1:
@@ -49,6 +50,8 @@ class ModelConfig:
     max_sequence_length: int = 4096  # longest prompt + response the policy will see (RoPE table size)
 
     def __post_init__(self) -> None:
+        if self.max_sequence_length < 1:
+            raise ConfigError(f"model.max_sequence_length={self.max_sequence_length} must be >= 1 (tokens)")
         if not self.hf_dir:
             raise ConfigError(
                 "model.hf_dir is empty: point it at an HF model folder (config.json + tokenizer + "
@@ -74,6 +77,14 @@ class OptimConfig:
                 f"optim: lr={self.lr} must be > 0, warmup_steps={self.warmup_steps} >= 0, "
                 f"clip_grad={self.clip_grad} >= 0"
             )
+        for name in ("adam_beta1", "adam_beta2"):
+            if not 0.0 <= getattr(self, name) < 1.0:
+                raise ConfigError(f"optim.{name}={getattr(self, name)} must be in [0, 1) (0.9 / 0.999)")
+        if self.adam_eps <= 0 or self.weight_decay < 0:
+            raise ConfigError(
+                f"optim.adam_eps={self.adam_eps} must be > 0 (1e-8) and optim.weight_decay="
+                f"{self.weight_decay} >= 0"
+            )
 
 
 @dataclass
@@ -94,6 +105,7 @@ class RolloutConfig:
     reward_fns: dict[str, str] = field(default_factory=dict)  # extra verifiers: kind -> "module:function"
     reward_workers: int = 2  # processes scoring rewards (0 = threads in the trainer process)
     reward_timeout_s: float = 10.0  # per-sample reward timeout; a timeout gives reward 0 (counted)
+    reward_import_timeout_s: float = 120.0  # a reward module whose import takes longer fails the start
 
     def __post_init__(self) -> None:
         if self.prompts_per_step < 1 or self.group_size < 2:
@@ -106,6 +118,23 @@ class RolloutConfig:
                 f"rollout: temperature={self.temperature} must be > 0, top_p={self.top_p} in (0, 1], "
                 f"max_new_tokens={self.max_new_tokens} >= 1"
             )
+        if (self.top_k != -1 and self.top_k < 1) or self.max_batch_size < 1:
+            raise ConfigError(
+                f"rollout.top_k={self.top_k} must be -1 (off) or >= 1, rollout.max_batch_size="
+                f"{self.max_batch_size} >= 1"
+            )
+        if self.reward_workers < 0 or self.reward_timeout_s <= 0 or self.reward_import_timeout_s <= 0:
+            raise ConfigError(
+                f"rollout.reward_workers={self.reward_workers} must be >= 0 (0 = threads), "
+                f"rollout.reward_timeout_s={self.reward_timeout_s} and rollout.reward_import_timeout_s="
+                f"{self.reward_import_timeout_s} > 0 (seconds)"
+            )
+        for kind, target in self.reward_fns.items():
+            module, sep, name = target.partition(":")
+            if not (sep and module and name):
+                raise ConfigError(
+                    f"rollout.reward_fns.{kind}: {target!r} must look like 'package.module:function'"
+                )
         if self.engine == "sglang" and self.sglang is None:
             raise ConfigError(
                 "rollout.engine=sglang needs a rollout.sglang section (at least model_path, the HF folder "
@@ -134,6 +163,8 @@ class TeacherConfig:
     def __post_init__(self) -> None:
         if not 0.0 <= self.ema_alpha <= 1.0:
             raise ConfigError(f"teacher.ema_alpha={self.ema_alpha} must be in [0, 1] (paper: 0.05)")
+        if self.max_prompt_tokens < 1:
+            raise ConfigError(f"teacher.max_prompt_tokens={self.max_prompt_tokens} must be >= 1")
         for key in ("{user_prompt}", "{sibling_response}"):
             if key not in self.solution_template:
                 raise ConfigError(f"teacher.solution_template must contain {key}")

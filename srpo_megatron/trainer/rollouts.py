@@ -156,8 +156,11 @@ class RolloutService:
         self.rank0 = not dist.is_initialized() or dist.get_rank() == 0
         self._build = lambda: build_engine(cfg.rollout, cfg.model)
         self.engine = self._build() if self.rank0 else None
+        r = cfg.rollout
         self.rewards = (
-            RewardPool(cfg.rollout.reward_workers, cfg.rollout.reward_timeout_s) if self.rank0 else None
+            RewardPool(r.reward_workers, r.reward_timeout_s, import_timeout_s=r.reward_import_timeout_s)
+            if self.rank0
+            else None
         )
         self.version = 0
         self.restarts = 0
