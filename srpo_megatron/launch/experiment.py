@@ -199,13 +199,13 @@ def build_executor(cluster: ClusterConfig, request: LaunchRequest, redact: bool 
         container_image=image,
         container_mounts=mounts,
         env_vars=env,
-        setup_lines=secret_setup_lines(secrets) or None,
+        # secrets are exported (untraced) first, so the per-node doctor step already sees them
+        setup_lines="\n".join(x for x in (secret_setup_lines(secrets), request.setup_lines) if x) or None,
         tunnel=tunnel,
         packager=run.GitArchivePackager() if cluster.code == "git" else run.Packager(),
         launcher=launcher,
         retries=cluster.max_retries,
         poll_estimated_start_time=False,
-        setup_lines=request.setup_lines or None,
     )
     if not cluster.account:
         executor.account = None  # no --account flag: the user's default account (CPU/test clusters)
