@@ -30,11 +30,13 @@ ARGS = [
     "2",
 ]
 MODES = ["sdpo", "sdpo_correct_only"]
+# About 2 × 40 s of CPU; the wall-clock limit only has to survive a heavily shared machine.
+pytestmark = pytest.mark.timeout(2400)
 
 
 def _study(out: Path, *extra: str) -> subprocess.CompletedProcess:
     cmd = [sys.executable, str(STUDY), "--out", str(out), *ARGS, "--modes", *MODES, *extra]
-    return subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=1800)
+    return subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=2400)
 
 
 @pytest.fixture(scope="module")
