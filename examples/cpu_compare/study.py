@@ -56,6 +56,10 @@ PAIRS = (
     ("sdpo_correct_only", "sdpo"),
     ("sdpo_incorrect_only", "sdpo_correct_only"),
 )
+# Seconds on 2 idle cores, projected from the short measured run in the README (placeholders until measured).
+STEP_S = 60.0
+EVAL_SEQ_S = 0.3
+RUN_OVERHEAD_S = 60.0
 CURVES = (  # metrics.jsonl key(s), axis label; the first key present is used
     (("reward/accuracy",), "training reward accuracy"),
     (("teacher/entropy_mean",), "teacher token entropy (SDPO tokens)"),
@@ -154,6 +158,29 @@ def smoke_setup(args: argparse.Namespace) -> None:
         "teacher.max_prompt_tokens=160",
         "loss.top_k=4",
     ]
+
+
+def plan(args: argparse.Namespace) -> dict:
+    """The study's workload and its projected wall time on 2 idle cores (rates from a measured short run)."""
+    runs = len(args.modes) * len(args.seeds) * len(args.lr_scales)
+    evals_per_run = (args.steps - 1) // args.eval_every + 1  # every N steps before the last, then the last
+    evals = runs * evals_per_run + len(args.seeds) * len(args.lr_scales)  # + one shared step 0 per seed
+    eval_seqs = evals * args.eval_problems * args.eval_k
+    step_s = {m: args.step_seconds * (args.grpo_step_factor if m == "grpo" else 1.0) for m in args.modes}
+    train_s = sum(step_s[m] for m in args.modes) * len(args.seeds) * len(args.lr_scales) * args.steps
+    eval_s = eval_seqs * args.eval_seq_seconds
+    return {
+        "runs": runs,
+        "train_steps": runs * args.steps,
+        "evaluations": evals,
+        "eval_sequences": eval_seqs,
+        "projected_hours": round((train_s + eval_s + runs * args.run_overhead_seconds) / 3600, 2),
+        "rates": {
+            "step_s": args.step_seconds,
+            "eval_seq_s": args.eval_seq_seconds,
+            "run_overhead_s": args.run_overhead_seconds,
+        },
+    }
 
 
 # ------------------------------------------------------------------------------------------ analysis
@@ -497,8 +524,18 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--analyze-only", action="store_true", help="only rebuild the table and plots")
     p.add_argument("--keep-checkpoints", action="store_true")
     p.add_argument("--smoke", action="store_true", help="tiny random model, for CI (says nothing about SRPO)")
+    # Rates on 2 idle cores for the projection (README "A fair CPU study": how they were measured).
+    p.add_argument("--step-seconds", type=float, default=STEP_S, help="one SRPO training step")
+    p.add_argument("--grpo-step-factor", type=float, default=0.8, help="GRPO step / SRPO step (no teacher)")
+    p.add_argument("--eval-seq-seconds", type=float, default=EVAL_SEQ_S, help="one evaluation sequence")
+    p.add_argument("--run-overhead-seconds", type=float, default=RUN_OVERHEAD_S, help="start-up + checkpoint")
+    p.add_argument("--plan", action="store_true", help="print the workload and projected hours, then exit")
     args = p.parse_args(argv)
     args.smoke_overrides = []
+    work = plan(args)
+    print("[study] plan: " + json.dumps(work), flush=True)
+    if args.plan:
+        return 0
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     if args.smoke:
@@ -527,6 +564,7 @@ def main(argv: list[str] | None = None) -> int:
         "lr_ratios": {m: LR_RATIO.get(m, 1.0) for m in args.modes},
         "mini_batches": {m: MINI_BATCHES.get(m, 1) for m in args.modes},
         "smoke": args.smoke,
+        "plan": work,
         "train_s_total": sum(r["train_s"] for r in runs.values()),
         "this_invocation_s": round(time.monotonic() - t0, 1),
     }
