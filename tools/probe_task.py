@@ -83,22 +83,33 @@ def probe(model, tok, level: int, reasoning: bool, args) -> dict:
     rows = generate_arithmetic_rows("test", args.problems, level, args.seed, reasoning)
     prompts = [encode_text(tok, template_text(tok, r["prompt"], None)) for r in rows]
     dec = lambda ids: tok.decode(ids, skip_special_tokens=True)  # noqa: E731
+    if args.samples:  # reuse an evaluation's samples (samples.jsonl) as the groups; no student sampling
+        by_prompt: dict[str, list[str]] = {}
+        for line in Path(args.samples).read_text().splitlines():
+            rec = json.loads(line)
+            by_prompt.setdefault(rec["prompt"], []).append(rec["response"])
+        rows = [r for r in rows if r["prompt"] in by_prompt]
+        prompts = [encode_text(tok, template_text(tok, r["prompt"], None)) for r in rows]
+        groups = [[encode_text(tok, t) for t in by_prompt[r["prompt"]]] for r in rows]
     greedy = _generate(model, tok, prompts, args.max_new_tokens, False, 1.0, 1, args.seed)
     g_ok = [arithmetic_reward(dec(g[0]), r["answer"]) for g, r in zip(greedy, rows, strict=True)]
-    groups = _generate(
-        model, tok, prompts, args.max_new_tokens, True, args.temperature, args.group_size, args.seed
-    )
+    if not args.samples:
+        groups = _generate(
+            model, tok, prompts, args.max_new_tokens, True, args.temperature, args.group_size, args.seed
+        )
     ok = [[arithmetic_reward(dec(y), r["answer"]) for y in grp] for grp, r in zip(groups, rows, strict=True)]
     mixed = [i for i, o in enumerate(ok) if 0 < sum(o) < len(o)]
 
     tcfg = TeacherConfig()
     logq = {"wrong": [], "correct": []}  # mean per-token teacher log-prob per scored response
     signal = {"wrong": [], "correct": []}  # mean per-token log q − log π per scored response
-    wrong_lower, comparable, t_ok, s_ok = 0, 0, [], []
+    wrong_lower, comparable = 0, 0
+    t_prompts = []
     for i in mixed:
         sib = ok[i].index(1.0)  # the first correct sample is the solution shown (route()'s sibling rule)
         row = Row(rows[i]["prompt"], None, rows[i]["answer"], "arithmetic", "probe", str(i))
         t_prompt = teacher_prompt_ids(tok, SimpleNamespace(row=row), dec(groups[i][sib]), tcfg)
+        t_prompts.append(t_prompt)
         per = {"wrong": [], "correct": []}
         for j, y in enumerate(groups[i]):
             if j == sib or not y:
@@ -112,9 +123,9 @@ def probe(model, tok, level: int, reasoning: bool, args) -> dict:
         if per["wrong"] and per["correct"]:
             comparable += 1
             wrong_lower += max(per["wrong"]) < min(per["correct"])
-        t_ans = _generate(model, tok, [t_prompt], args.max_new_tokens, False, 1.0, 1, args.seed)[0][0]
-        t_ok.append(arithmetic_reward(dec(t_ans), rows[i]["answer"]))
-        s_ok.append(g_ok[i])
+    t_ans = _generate(model, tok, t_prompts, args.max_new_tokens, False, 1.0, 1, args.seed) if mixed else []
+    t_ok = [arithmetic_reward(dec(a[0]), rows[i]["answer"]) for a, i in zip(t_ans, mixed, strict=True)]
+    s_ok = [g_ok[i] for i in mixed]
     mean = lambda v: round(sum(v) / len(v), 4) if v else None  # noqa: E731
     return {
         "level": level,
@@ -125,6 +136,7 @@ def probe(model, tok, level: int, reasoning: bool, args) -> dict:
         "sampled_acc": mean([x for o in ok for x in o]),
         "temperature": args.temperature,
         "group_size": args.group_size,
+        "groups_from": args.samples or "sampled here",  # with --samples: the file's own k and temperature
         "mixed_group_share": round(len(mixed) / len(rows), 4),
         "mean_response_tokens": mean([len(y) for grp in groups for y in grp]),
         "retrospection": {
@@ -157,6 +169,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--out", default="", help="also write the results here (JSON list)")
+    p.add_argument(
+        "--samples",
+        default="",
+        help="an evaluation's samples.jsonl (k samples per problem) to use as the groups instead of sampling",
+    )
     args = p.parse_args(argv)
 
     import torch
