@@ -56,9 +56,11 @@ PAIRS = (
     ("sdpo_correct_only", "sdpo"),
     ("sdpo_incorrect_only", "sdpo_correct_only"),
 )
-# Seconds on 2 idle cores, projected from the short measured run in the README (placeholders until measured).
-STEP_S = 60.0
-EVAL_SEQ_S = 0.3
+# Seconds on 2 idle cores, projected from a short run measured on the shared machine (README "A fair CPU
+# study"): CPU seconds ÷ 2 threads. One SRPO step of 8 × 4 rollouts ≤ 64 tokens: ~105 CPU s; one evaluation
+# sequence (≤ 64 tokens): ~1.6 CPU s. Likely upper bounds (OpenMP spin-waits inflate CPU time under load).
+STEP_S = 55.0
+EVAL_SEQ_S = 0.8
 RUN_OVERHEAD_S = 60.0
 CURVES = (  # metrics.jsonl key(s), axis label; the first key present is used
     (("reward/accuracy",), "training reward accuracy"),
