@@ -71,7 +71,7 @@ def train(cfg: TrainConfig) -> dict:
     evaluate = lambda: history["evals"].append(  # noqa: E731
         evaluate_policy(cfg, rollouts.engine, tokenizer, run_dir, step, clock)
     )
-    if cfg.train.eval_at_ends and step == 0:
+    if cfg.train.eval_at_ends and cfg.train.eval_at_start and step == 0:
         evaluate()
     while step < cfg.train.steps:
         t0 = time.monotonic()

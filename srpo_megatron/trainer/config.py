@@ -182,6 +182,8 @@ class TrainLoopConfig:
         False  # evaluate before the first and after the last step (eval.every_n_steps between)
     )
     eval_greedy: bool = True  # with each evaluation also report greedy accuracy (temperature 0, k = 1)
+    # with eval_at_ends: also evaluate the starting weights (False: a study shares one step-0 evaluation)
+    eval_at_start: bool = True
 
     def __post_init__(self) -> None:
         if self.steps < 0 or self.mini_batches < 1 or self.micro_batch_size < 1:

@@ -120,6 +120,8 @@ def collect_rollouts(
         "route/sdpo_frac": routing.to_sdpo.double().mean().item(),
         "route/fallback_frac": fallback,
         "route/has_teacher_frac": routing.has_teacher.double().mean().item(),
+        # samples that take the SDPO loss under the mode (= sdpo_frac in srpo; differs in the SDPO modes)
+        "route/sdpo_loss_frac": sdpo.double().mean().item(),
         "samples/routed_to_teacher": float(sum(s.needs_teacher for s in samples)),
         "response/length_mean": lengths.mean().item(),
         "response/length_max": lengths.max().item(),
