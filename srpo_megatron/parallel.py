@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 from srpo_megatron.compat.cpu import cuda_emulated, enable_cpu_compat
+from srpo_megatron.compat.mcore import warn_if_untested
 
 
 @dataclass(frozen=True)
@@ -94,6 +95,7 @@ def initialize_model_parallel(tp: int = 1, pp: int = 1, seed: int = 1234) -> Par
     from megatron.core import tensor_parallel
 
     init_distributed()
+    warn_if_untested()
     world = dist.get_world_size()
     if world % (tp * pp) != 0:
         raise ValueError(

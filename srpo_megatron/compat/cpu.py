@@ -11,7 +11,10 @@ absent, ``enable_cpu_compat()`` covers exactly those places and nothing else:
    ``tensor.type()`` with ``'torch.cuda.FloatTensor'``-style names; the same mode answers a bare
    ``tensor.type()`` with the ``torch.cuda.`` name of the tensor's dtype.
 3. Synchronisation. ``torch.cuda.synchronize`` is a no-op (CPU ops are synchronous).
-4. RNG. ``torch.cuda.manual_seed``/``get_rng_state``/``set_rng_state`` (also under ``torch.cuda.random``)
+4. Streams (megatron-core >= 0.19). DDP's ``start_grad_sync`` asks ``torch.cuda.current_stream()`` to
+   wait on CUDA-graph events before reducing a bucket; on the CPU it answers a stream whose
+   ``wait_event``/``wait_stream``/``synchronize`` do nothing (CPU ops run in program order).
+5. RNG. ``torch.cuda.manual_seed``/``get_rng_state``/``set_rng_state`` (also under ``torch.cuda.random``)
    and megatron's ``tensor_parallel.random._set_cuda_rng_state`` act on one private CPU
    ``torch.Generator`` that stands in for "the GPU generator", so ``model_parallel_cuda_manual_seed``
    and the RNG tracker's ``add``/``fork`` work. Nothing on the CPU draws from that generator, so the
@@ -83,6 +86,21 @@ def _set_rng_state(new_state: torch.Tensor, device: Any = "cuda", *args: Any, **
     _fake_generator().set_state(new_state.clone())
 
 
+class _CpuCurrentStream:
+    """``torch.cuda.current_stream()`` on the CPU: every op already ran, in program order."""
+
+    def wait_event(self, event: Any) -> None:
+        pass
+
+    def wait_stream(self, stream: Any) -> None:
+        pass
+
+    def synchronize(self) -> None:
+        pass
+
+
+_CPU_CURRENT_STREAM = _CpuCurrentStream()
+
 _PATCHES = [
     # (module path, attribute, replacement factory)
     ("torch.cuda", "current_device", lambda: lambda: 0),
@@ -96,6 +114,8 @@ _PATCHES = [
     ("torch.cuda.random", "get_rng_state", lambda: _get_rng_state),
     ("torch.cuda.random", "set_rng_state", lambda: _set_rng_state),
     ("megatron.core.tensor_parallel.random", "_set_cuda_rng_state", lambda: _set_rng_state),
+    # megatron-core 0.19 DDP (param_and_grad_buffer.start_grad_sync); unused by 0.16.
+    ("torch.cuda", "current_stream", lambda: lambda device=None: _CPU_CURRENT_STREAM),
 ]
 
 
