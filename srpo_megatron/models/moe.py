@@ -18,11 +18,14 @@
 
 Expert parallel (EP) and expert-tensor parallel (ETP) sizes come from ``parallel_state`` (see
 ``srpo_megatron.parallel``); TP > 1 with MoE needs sequence parallelism in training (megatron refuses
-otherwise), which ``build_policy`` switches on.
+otherwise), which ``build_policy`` switches on. megatron's local spec norm (``WrappedTorchNorm``) refuses
+sequence parallelism, so MoE models on the local spec use :class:`SequenceParallelTorchNorm` for every norm
+(``local_moe_block_spec``); on GPU, TE's norms support it natively.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Literal
 
@@ -96,3 +99,47 @@ def apply_router_controls(model: torch.nn.Module, moe: MoEConfig) -> None:
 def router_params(model: torch.nn.Module) -> dict[str, torch.nn.Parameter]:
     """The router parameters of a policy stage by local name (for tests and metrics)."""
     return {n: p for n, p in model.named_parameters() if ".mlp.router." in n}
+
+
+class SequenceParallelTorchNorm:
+    """torch ``RMSNorm`` for megatron's local spec that also runs under sequence parallelism.
+
+    Under SP each TP rank normalises only its slice of the sequence, so the weight's gradient is a partial
+    sum; megatron's ``finalize_model_grads`` all-reduces it over TP for weights marked ``sequence_parallel``
+    (as TE's and apex's norms mark theirs). Otherwise identical to megatron's ``WrappedTorchNorm``.
+    """
+
+    def __new__(cls, config, hidden_size: int, eps: float = 1e-5, **unused):
+        if config.normalization != "RMSNorm":
+            raise ValueError(f"SequenceParallelTorchNorm is RMSNorm only, got {config.normalization!r}")
+        norm = torch.nn.RMSNorm(normalized_shape=hidden_size, eps=eps)
+        norm.weight.sequence_parallel = config.sequence_parallel
+        return norm
+
+
+def local_moe_block_spec(layer, config, vp_stage: int | None = None):
+    """Block spec of this pipeline stage for a local-spec MoE ``layer``: every norm (input, pre-MLP, QK,
+    final) is :class:`SequenceParallelTorchNorm`."""
+    from megatron.core.transformer.transformer_block import (
+        TransformerBlockSubmodules,
+        get_num_layers_to_build,
+    )
+
+    sub = layer.submodules
+    attention = sub.self_attention
+    attention_sub = attention.submodules
+    if attention_sub.q_layernorm is not None:
+        attention_sub = dataclasses.replace(
+            attention_sub, q_layernorm=SequenceParallelTorchNorm, k_layernorm=SequenceParallelTorchNorm
+        )
+    layer = dataclasses.replace(
+        layer,
+        submodules=dataclasses.replace(
+            sub,
+            input_layernorm=SequenceParallelTorchNorm,
+            pre_mlp_layernorm=SequenceParallelTorchNorm,
+            self_attention=dataclasses.replace(attention, submodules=attention_sub),
+        ),
+    )
+    count = get_num_layers_to_build(config, vp_stage=vp_stage)
+    return TransformerBlockSubmodules(layer_specs=[layer] * count, layer_norm=SequenceParallelTorchNorm)

@@ -33,7 +33,12 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 
 from srpo_megatron.models.architecture import Architecture, padded_vocab_size
 from srpo_megatron.models.attention import SDPACoreAttention
-from srpo_megatron.models.moe import MoEConfig, apply_router_controls, moe_config_overrides
+from srpo_megatron.models.moe import (
+    MoEConfig,
+    apply_router_controls,
+    local_moe_block_spec,
+    moe_config_overrides,
+)
 
 
 def transformer_engine_available() -> bool:
@@ -181,9 +186,12 @@ def build_policy(
         rope["seq_len_interpolation_factor"] = arch.rope_factor
     elif arch.rope_type == "llama3":
         rope.update(rope_scaling=True, rope_scaling_factor=arch.rope_factor)
+    spec = layer_spec(arch, use_te=use_te, moe_grouped_gemm=moe.grouped_gemm)
+    if arch.is_moe and not use_te:
+        spec = local_moe_block_spec(spec, config, vp_stage)
     model = GPTModel(
         config=config,
-        transformer_layer_spec=layer_spec(arch, use_te=use_te, moe_grouped_gemm=moe.grouped_gemm),
+        transformer_layer_spec=spec,
         vocab_size=padded_vocab_size(arch.vocab_size, tp),
         max_sequence_length=max_sequence_length or arch.max_position_embeddings,
         pre_process=pre_process,
