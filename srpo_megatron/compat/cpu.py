@@ -75,7 +75,7 @@ class _CudaAsCpu(TorchFunctionMode):
 # ``torch.empty(..., device=torch.cuda.current_device())`` (e.g. the EP all-to-all's and the sequence-parallel
 # all-gather's backward) asks for CUDA device 0 and fails "Cannot access accelerator device". While a
 # backward runs, ``torch.cuda.current_device()`` answers "cpu" instead of 0, which every factory accepts.
-# ``tests/dist/test_megatron_cpu.py::test_backward_runs_outside_the_mode`` fails if torch stops popping it.
+# ``tests/unit/test_cpu_compat_moe.py`` fails if torch stops popping the mode there.
 _BACKWARD_FUNCS = (torch.autograd.backward, torch.Tensor.backward, torch.autograd.grad)
 _backward_depth = [0]
 
@@ -184,7 +184,7 @@ def _split_sizes_to_host():
 
 
 # Streams, events and host copies of megatron's MoE alltoall dispatcher (``MoEAlltoAllTokenDispatcher``):
-# ``tests/unit/test_cpu_compat.py`` checks the dispatcher still creates a CUDA stream and that
+# ``tests/unit/test_cpu_compat_moe.py`` checks the dispatcher still creates a CUDA stream and that
 # ``maybe_move_tensor_to_cpu`` still leaves CPU tensors as tensors.
 _STREAM_PATCHES = [
     ("torch.cuda", "Stream", lambda: lambda *a, **k: _CpuStream()),
@@ -245,8 +245,7 @@ def bind_missing_te_names() -> bool:
     ``te_general_gemm is not None`` in ``RouterGatingLinearFunction`` (``router_gating_linear``, used when
     ``moe_router_dtype`` is set), so without TE the router raises ``NameError``. ``None`` selects the
     plain-torch GEMM that megatron intends for that case. Not CPU-specific: any TE-less process needs it.
-    ``tests/unit/test_cpu_compat.py::test_te_general_gemm_still_unbound_upstream`` fails once megatron binds
-    the name itself.
+    ``tests/unit/test_cpu_compat_moe.py`` fails once megatron binds the name itself.
     """
     from megatron.core.transformer.moe import moe_utils
 

@@ -30,7 +30,9 @@ def test_round_trip_is_bit_exact_and_loads_in_transformers(moe_folder, tmp_path)
     mg, back = tmp_path / "mg", tmp_path / "back"
     run_distributed(round_trip_worker, 1, [(str(moe_folder), str(mg), str(back))], 20_000, timeout=300)
     names = read_hf_tensors(moe_folder)
-    assert "model.layers.1.mlp.experts.3.down_proj.weight" in names and "model.layers.0.mlp.gate.weight" in names
+    assert (
+        "model.layers.1.mlp.experts.3.down_proj.weight" in names and "model.layers.0.mlp.gate.weight" in names
+    )
     assert_bit_exact(moe_folder, back)
     assert len(list(back.glob("*.safetensors"))) > 1  # the small shard bound splits the export
     ids = batches_for(5)[0]
