@@ -29,7 +29,9 @@ from srpo_megatron.trainer.step_metrics import step_metrics
 
 def train(cfg: TrainConfig) -> dict:
     wall0 = time.monotonic()
-    groups = initialize_model_parallel(cfg.parallel.tp, cfg.parallel.pp, seed=cfg.run.seed)
+    groups = initialize_model_parallel(
+        cfg.parallel.tp, cfg.parallel.pp, seed=cfg.run.seed, ep=cfg.parallel.ep, etp=cfg.parallel.etp
+    )
     rank0 = dist.get_rank() == 0
     for kind, target in cfg.rollout.reward_fns.items():
         register_reward(kind, target)

@@ -14,6 +14,7 @@ from srpo_megatron.configs import ConfigError
 from srpo_megatron.data.config import DataConfig
 from srpo_megatron.evaluation.config import EvalConfig
 from srpo_megatron.losses.config import LossConfig
+from srpo_megatron.models.moe import MoEConfig
 from srpo_megatron.parallel import ParallelConfig
 from srpo_megatron.rollout.sglang_engine import SGLangEngineConfig
 
@@ -173,6 +174,7 @@ class TrainConfig:
     teacher: TeacherConfig = field(default_factory=TeacherConfig)
     train: TrainLoopConfig = field(default_factory=TrainLoopConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
+    moe: MoEConfig = field(default_factory=MoEConfig)  # router/expert controls (MoE policies only)
 
     def __post_init__(self) -> None:
         if abs(self.loss.temperature - self.rollout.temperature) > 1e-12:
