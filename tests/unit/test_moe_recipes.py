@@ -3,6 +3,9 @@ accepts them; the ``moe:`` keys validate with a named error."""
 
 from __future__ import annotations
 
+import os
+import re
+import sys
 from pathlib import Path
 
 import pytest
@@ -19,6 +22,14 @@ RECIPES = [
     ("examples/qwen3_30b_a3b_srpo.yaml", 2, 48, 128, 4, 768),
     ("examples/qwen3_235b_a22b_srpo.yaml", 32, 94, 128, 4, 1536),
 ]
+
+
+@pytest.fixture(autouse=True)
+def _stdin_devnull(monkeypatch):
+    # nemo-run's `invoke` steps mirror stdin, which pytest's capture refuses (as in test_launch.py).
+    with open(os.devnull) as f:
+        monkeypatch.setattr(sys, "stdin", f)
+        yield
 
 
 @pytest.mark.parametrize("recipe, nodes, layers, experts, kv_heads, moe_width", RECIPES)
@@ -60,7 +71,7 @@ def test_moe_keys_are_checked(tmp_path):
     recipe["moe"]["aux_loss_coeff"] = -0.1
     path = tmp_path / "bad.yaml"
     path.write_text(yaml.safe_dump(recipe))
-    with pytest.raises(ConfigError, match="moe.aux_loss_coeff=-0.1"):
+    with pytest.raises(ConfigError, match=re.escape("moe.aux_loss_coeff=-0.1")):
         load_config(TrainConfig, path)
     recipe["moe"] = {"router_dtype": "bf16"}
     path.write_text(yaml.safe_dump(recipe))
