@@ -79,3 +79,20 @@ def test_expert_round_trip_and_etp_shards():
     assert torch.equal(shards[0][:16], gate[:16]) and torch.equal(shards[0][16:], up[:16])
     back = dict(table.to_hf(name, merge_tp_shards(shards, part)))
     assert all(torch.equal(back[k], v) for k, v in hf.items())
+
+
+def test_routing_metric_functions():
+    import math
+
+    from srpo_megatron.models.moe_metrics import expert_load_imbalance, router_entropy, topk_mismatch_share
+
+    assert expert_load_imbalance(torch.tensor([2.0, 2.0, 2.0, 2.0])) == 1.0
+    assert expert_load_imbalance(torch.tensor([8.0, 0.0, 0.0, 0.0])) == 4.0
+    assert torch.allclose(
+        router_entropy(torch.zeros(3, 4)), torch.full((3,), math.log(4), dtype=torch.float64)
+    )
+    trainer = torch.tensor([[0, 1], [2, 3], [1, 3]])
+    assert (
+        topk_mismatch_share(trainer, torch.tensor([[1, 0], [2, 3], [1, 3]])) == 0.0
+    )  # order within k ignored
+    assert topk_mismatch_share(trainer, torch.tensor([[0, 1], [2, 0], [1, 3]])) == pytest.approx(1 / 3)
