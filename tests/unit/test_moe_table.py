@@ -96,3 +96,26 @@ def test_routing_metric_functions():
         topk_mismatch_share(trainer, torch.tensor([[1, 0], [2, 3], [1, 3]])) == 0.0
     )  # order within k ignored
     assert topk_mismatch_share(trainer, torch.tensor([[0, 1], [2, 0], [1, 3]])) == pytest.approx(1 / 3)
+
+
+def test_routed_experts_from_sglang_payload_and_from_hf_router_logits():
+    import base64
+
+    import numpy as np
+
+    from srpo_megatron.rollout.routed_experts import decode_sglang_routed_experts, hf_routed_experts
+    from tests.dist.test_moe import tiny_moe_model
+
+    ids = np.arange(3 * 2 * 2, dtype=np.int32)
+    payload = base64.b64encode(ids.tobytes()).decode()
+    assert decode_sglang_routed_experts(payload, 2, 2).tolist() == ids.reshape(3, 2, 2).tolist()
+    with pytest.raises(ValueError, match="layers\\*top_k"):
+        decode_sglang_routed_experts(payload, 5, 2)
+    model = tiny_moe_model(seed=1)
+    experts = hf_routed_experts(model, torch.arange(6)[None], top_k=2)
+    assert experts.shape == (6, 2, 2)
+    # The HF model's own choice: its layer-0 router applied to the layer-0 MLP input.
+    captured = {}
+    model.model.layers[0].mlp.gate.register_forward_hook(lambda m, i, o: captured.update(idx=o[2]))
+    model(torch.arange(6)[None])
+    assert torch.equal(captured["idx"].sort(-1).values, experts[:, 0])
