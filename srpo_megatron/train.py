@@ -41,7 +41,8 @@ def train(cfg: TrainConfig) -> dict:
     wall0 = time.monotonic()
     world = dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", "1"))
     check_layout(cfg, world, load_hf_config_dict(cfg.model.hf_dir))  # before megatron or the model
-    groups = initialize_model_parallel(cfg.parallel.tp, cfg.parallel.pp, seed=cfg.run.seed)
+    p = cfg.parallel
+    groups = initialize_model_parallel(p.tp, p.pp, seed=cfg.run.seed, ep=p.ep, etp=p.etp)
     rank0 = dist.get_rank() == 0
     log = print if rank0 else (lambda _: None)
     for kind, target in cfg.rollout.reward_fns.items():

@@ -14,6 +14,7 @@ from srpo_megatron.configs import ConfigError
 from srpo_megatron.data.config import DataConfig
 from srpo_megatron.evaluation.config import EvalConfig
 from srpo_megatron.losses.config import LossConfig
+from srpo_megatron.models.moe import MoEConfig
 from srpo_megatron.models.performance import PerformanceConfig
 from srpo_megatron.parallel import ParallelConfig
 from srpo_megatron.rollout.sglang_engine import SGLangEngineConfig
@@ -208,6 +209,7 @@ class TrainConfig:
     train: TrainLoopConfig = field(default_factory=TrainLoopConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
     performance: PerformanceConfig = field(default_factory=PerformanceConfig)  # GPU kernels, recompute
+    moe: MoEConfig = field(default_factory=MoEConfig)  # router/expert controls (MoE policies only)
 
     def __post_init__(self) -> None:
         if abs(self.loss.temperature - self.rollout.temperature) > 1e-12:
