@@ -5,6 +5,7 @@
     srpo plot RUN_DIR [--out DIR]                       PNG plots of a run's metrics
     srpo launch RECIPE --cluster cluster/NAME.yaml ...  submit with nemo-run (Slurm or local)
     srpo jobs status|logs|cancel [EXPERIMENT]           follow launched experiments
+    srpo plan RECIPE --cluster FILE --nodes N [--json]  per-GPU memory; exit 0 fits, 3 does not
 
 Errors in recipes and inputs are printed as one message naming the key/file, value and fix.
 """
@@ -40,6 +41,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", default=None)
     add_launch_args(sub.add_parser("launch", help="submit a recipe with nemo-run (Slurm or local)"))
     add_jobs_args(sub.add_parser("jobs", help="status, logs or cancel of launched experiments"))
+    from srpo_megatron.planner.command import add_plan_args
+
+    add_plan_args(sub.add_parser("plan", help="per-GPU memory of a recipe on a cluster; layouts that fit"))
     return parser
 
 
@@ -69,6 +73,10 @@ def main(argv: list[str] | None = None) -> int:
             from srpo_megatron.launch.commands import jobs_main
 
             return jobs_main(args)
+        if args.command == "plan":
+            from srpo_megatron.planner.command import plan_main
+
+            return plan_main(args)
     except (ConfigError, FileNotFoundError) as e:
         print(f"srpo {args.command}: error: {e}", file=sys.stderr)
         return 2

@@ -212,9 +212,11 @@ def total_params(shape: ModelShape) -> int:
     """Unsharded parameter count of the model (HF vocabulary, tied embeddings counted once)."""
     tensors = param_tensors(shape, Layout(), 0)
     count = sum(t.numel for t in tensors)
-    return count - padded_vocab_size(shape.vocab_size, 1) * shape.hidden_size * (
-        1 if shape.tie_embeddings else 2
-    ) + shape.vocab_size * shape.hidden_size * (1 if shape.tie_embeddings else 2)
+    return (
+        count
+        - padded_vocab_size(shape.vocab_size, 1) * shape.hidden_size * (1 if shape.tie_embeddings else 2)
+        + shape.vocab_size * shape.hidden_size * (1 if shape.tie_embeddings else 2)
+    )
 
 
 def buffer_numel(tensors: list[ParamTensor], shard_group: int, distributed_optimizer: bool) -> int:
