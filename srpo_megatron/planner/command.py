@@ -48,8 +48,8 @@ def resolve_hf_config(hf_dir: str) -> tuple[dict, str]:
                 packaged.read_text()
             ), f"packaged {stem} config ({hf_dir} is not on this machine)"
     raise ConfigError(
-        f"model.hf_dir={hf_dir!r}: no config.json there and no packaged config named {name!r}; run the planner "
-        f"where the model folder is readable, or name the folder like one of {packaged_configs()}"
+        f"model.hf_dir={hf_dir!r}: no config.json there and no packaged config named {name!r}; run the "
+        f"planner where the model folder is readable, or name the folder like one of {packaged_configs()}"
     )
 
 
@@ -62,7 +62,7 @@ def _section(raw: dict, key: str) -> dict:
 
 def _pick(section: dict, name: str, key: str, default: Any, kind: type) -> Any:
     value = section.get(key, default)
-    if kind is bool and isinstance(value, bool) or kind is not bool and isinstance(value, kind):
+    if isinstance(value, bool) if kind is bool else isinstance(value, kind) and not isinstance(value, bool):
         return value
     if kind is float and isinstance(value, int) and not isinstance(value, bool):
         return float(value)

@@ -218,7 +218,8 @@ def plan_layout(shape: ModelShape, s: PlanSettings) -> Plan:
     if s.engine == "colocated" and worst.kv_tokens < s.rollout_seq_len:
         problems.append(
             f"the engine's KV cache holds {worst.kv_tokens} tokens, less than one sequence of "
-            f"{s.rollout_seq_len}: raise mem_fraction_static or the engine's tp_size, or offload during rollouts"
+            f"{s.rollout_seq_len}: raise mem_fraction_static or the engine's tp_size, or offload during "
+            "rollouts"
         )
     return Plan(shape.name, layout, s, total_params(shape), worst, s.gpu_bytes, problems)
 
@@ -307,7 +308,7 @@ def candidate_layouts(shape: ModelShape, world: int, gpus_per_node: int, seq_len
 
 
 def rank_key(plan: Plan) -> tuple:
-    """Fewest PP stages, then least CP, least TP and least EP (i.e. most data parallelism), then lowest peak."""
+    """Fewest PP stages, then least CP, TP and EP (i.e. most data parallelism), then the lowest peak."""
     lay = plan.layout
     return (lay.pp, lay.cp, lay.tp, lay.ep, plan.peak_bytes)
 

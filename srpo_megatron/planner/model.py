@@ -1,4 +1,4 @@
-"""What one rank of a megatron GPTModel holds: the model's shape, the parallel layout, and its parameter tensors.
+"""What one rank of a megatron GPTModel holds: model shape, parallel layout and parameter tensors.
 
 ``ModelShape.from_hf`` reads a dense Qwen3/Qwen2/Llama config (validated by :class:`Architecture`) or a
 Qwen3-MoE config (``num_experts``, ``moe_intermediate_size``, ``num_experts_per_tok``,
@@ -52,7 +52,7 @@ class ModelShape:
 
     @classmethod
     def from_hf(cls, config: object) -> ModelShape:
-        """From an HF config (folder, config.json, dict); Qwen3-MoE is read here, the rest via Architecture."""
+        """From an HF config (folder, config.json, dict); Qwen3-MoE here, the rest via Architecture."""
         cfg = load_hf_config_dict(config)
         moe = cfg.get("model_type") == "qwen3_moe"
         dense_cfg = {**cfg, "model_type": "qwen3"} if moe else cfg
@@ -124,7 +124,7 @@ class Layout:
         parts = [f"TP{self.tp}", f"PP{self.pp}", f"CP{self.cp}"]
         if self.ep > 1 or self.etp > 1:
             parts += [f"EP{self.ep}"] + ([f"ETP{self.etp}"] if self.etp > 1 else [])
-        return " ".join(parts + [f"DP{self.dp}"])
+        return " ".join([*parts, f"DP{self.dp}"])
 
     def check(self, shape: ModelShape) -> None:
         """Raise PlanError when megatron cannot build ``shape`` at this layout."""
