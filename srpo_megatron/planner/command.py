@@ -7,9 +7,11 @@ across phases, and the layouts that fit on the same GPUs ranked by :func:`memory
 
 Recipe keys read (defaults in brackets), besides the model, rollout and batch sizes:
 ``parallel.tp/pp/cp/ep/etp`` [1], ``parallel.distributed_optimizer`` [false],
-``parallel.sequence_parallel`` [false], ``parallel.recompute`` [none], ``parallel.optimizer_offload``,
-``parallel.offload_during_rollout``, ``parallel.teacher_offload`` [false], ``parallel.teacher_fp32``
-[full] (see memory.py for which of these the trainer implements today). The model's HF config is read
+``parallel.sequence_parallel`` [on when TP > 1], ``performance.recompute`` [none],
+``performance.overlap_comm`` [auto: on with the distributed optimizer], ``model.params_dtype`` [auto:
+bf16], ``parallel.optimizer_offload``, ``parallel.offload_during_rollout``, ``parallel.teacher_offload``
+[false], ``parallel.teacher_fp32`` [full] (see memory.py for which of these the trainer implements
+today). "auto" resolves as on a GPU machine, which is what is planned. The model's HF config is read
 from ``model.hf_dir``; when that folder is not on this machine (a cluster path) and its name is one of
 the packaged Qwen3 configs (``planner/hf_configs/``), the packaged config is used and named in the output.
 """
@@ -89,13 +91,19 @@ def settings_from_recipe(
             "change --nodes or the parallel sizes"
         )
     layout = Layout(dp=gpus // per_replica, **sizes)
-    recompute = _pick(par, "parallel", "recompute", "none", str)
+    perf = _section(raw, "performance")
+    recompute = _pick(perf, "performance", "recompute", "none", str)
     if recompute not in ("none", "selective", "full"):
-        raise ConfigError(f"parallel.recompute={recompute!r}: choose none, selective or full")
+        raise ConfigError(f"performance.recompute={recompute!r}: choose none, selective or full")
+    dist_opt = _pick(par, "parallel", "distributed_optimizer", False, bool)
+    overlap = _pick(perf, "performance", "overlap_comm", "auto", str)
+    # The plan is for GPUs: "auto" choices resolve as on CUDA (models/performance.py of the trainer).
+    sp = par.get("sequence_parallel")
+    sp = sizes["tp"] > 1 if sp is None else _pick(par, "parallel", "sequence_parallel", False, bool)
     teacher_fp32 = _pick(par, "parallel", "teacher_fp32", "full", str)
     if teacher_fp32 not in ("none", "full", "sharded"):
         raise ConfigError(f"parallel.teacher_fp32={teacher_fp32!r}: choose none, full or sharded")
-    dtype = _pick(model, "model", "params_dtype", "fp32", str)
+    dtype = _pick(model, "model", "params_dtype", "auto", str)
     mode = _pick(loss, "loss", "mode", "srpo", str)
     kind = _pick(teacher, "teacher", "kind", "ema", str)
     engine, placement = (
@@ -109,9 +117,10 @@ def settings_from_recipe(
         layout=layout,
         gpu_bytes=gpu_bytes,
         gpus_per_node=gpus_per_node,
-        params_bytes=2 if dtype == "bf16" else 4,
-        distributed_optimizer=_pick(par, "parallel", "distributed_optimizer", False, bool),
-        sequence_parallel=_pick(par, "parallel", "sequence_parallel", False, bool),
+        params_bytes=4 if dtype == "fp32" else 2,
+        distributed_optimizer=dist_opt,
+        overlap_grad_reduce=dist_opt and overlap in ("auto", "on"),
+        sequence_parallel=sp,
         recompute=recompute,  # type: ignore[arg-type]
         micro_batch_size=_pick(train, "train", "micro_batch_size", 4, int),
         seq_len=_pick(model, "model", "max_sequence_length", 4096, int),

@@ -44,6 +44,7 @@ from srpo_megatron.planner.model import (
     ModelShape,
     PlanError,
     buffer_numel,
+    ddp_bucket_size,
     param_tensors,
     stage_layers,
     total_params,
@@ -74,6 +75,7 @@ class PlanSettings:
     gpus_per_node: int = 8  # for "cross-node TP" in the ranking
     params_bytes: int = 2  # 2 = bf16 mixed precision (fp32 main params in the optimizer), 4 = fp32
     distributed_optimizer: bool = True  # shard main params and Adam state over DP (ZeRO-1)
+    overlap_grad_reduce: bool = False  # megatron DDP buckets (with overlap) instead of one bucket per buffer
     sequence_parallel: bool = False  # megatron SP: norm/residual activations ÷ TP
     recompute: Recompute = "none"  # activation recompute
     micro_batch_size: int = 1  # sequences per micro-batch
@@ -232,8 +234,9 @@ def _stage_memory(
     dense = [t for t in tensors if not t.expert]
     expert = [t for t in tensors if t.expert]
     dist_opt = s.distributed_optimizer
-    buf_dense = buffer_numel(dense, layout.dense_shard_group, dist_opt)
-    buf_expert = buffer_numel(expert, layout.expert_dp, dist_opt) if expert else 0
+    bucket = ddp_bucket_size(layout.dense_shard_group, s.overlap_grad_reduce)
+    buf_dense = buffer_numel(dense, layout.dense_shard_group, dist_opt, bucket)
+    buf_expert = buffer_numel(expert, layout.expert_dp, dist_opt, bucket) if expert else 0
     numel = buf_dense + buf_expert
     opt_per_param = 12 if s.params_bytes == 2 else 8  # fp32 main + exp_avg + exp_avg_sq (fp32: moments)
     if dist_opt:

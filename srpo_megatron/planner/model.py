@@ -177,7 +177,8 @@ class ParamTensor:
 
 
 def param_tensors(shape: ModelShape, layout: Layout, stage: int) -> list[ParamTensor]:
-    """Every parameter tensor pipeline stage ``stage`` holds on one rank (TP/EP/ETP-sharded sizes)."""
+    """Every parameter tensor pipeline stage ``stage`` holds on one rank (TP/EP/ETP-sharded sizes), in the
+    order of megatron's ``named_parameters()`` (which decides DDP bucket boundaries)."""
     tp, h, hd = layout.tp, shape.hidden_size, shape.head_dim
     q, kv = shape.num_heads * hd, shape.num_kv_heads * hd
     layers = stage_layers(shape.num_layers, layout.pp)
@@ -187,12 +188,13 @@ def param_tensors(shape: ModelShape, layout: Layout, stage: int) -> list[ParamTe
     if stage == 0:
         out.append(ParamTensor(v_pad // tp * h, shared=shape.tie_embeddings))
     for i in range(first_layer, first_layer + layers[stage]):
-        out += [ParamTensor(h), ParamTensor((q + 2 * kv) // tp * h)]  # input norm, fused QKV
+        # megatron's parameter order: input norm, attention output, fused QKV (+ bias), q/k norms, MLP norm
+        out += [ParamTensor(h), ParamTensor(h * (q // tp)), ParamTensor((q + 2 * kv) // tp * h)]
         if shape.qkv_bias:
             out.append(ParamTensor((q + 2 * kv) // tp))
         if shape.qk_norm:
             out += [ParamTensor(hd), ParamTensor(hd)]
-        out += [ParamTensor(h * (q // tp)), ParamTensor(h)]  # attention output, pre-MLP norm
+        out.append(ParamTensor(h))
         if shape.is_moe_layer(i):
             fe = shape.moe_ffn_hidden_size // layout.etp
             out.append(ParamTensor(shape.num_experts * h))  # router (dense: replicated over TP)
@@ -219,21 +221,36 @@ def total_params(shape: ModelShape) -> int:
     )
 
 
-def buffer_numel(tensors: list[ParamTensor], shard_group: int, distributed_optimizer: bool) -> int:
-    """Elements of megatron DDP's contiguous param/grad buffer holding ``tensors``.
+def ddp_bucket_size(shard_group: int, overlap_grad_reduce: bool) -> int | None:
+    """megatron DDP's default bucket size in elements (None: one bucket, without overlapped reduction)."""
+    return max(40_000_000, 1_000_000 * shard_group) if overlap_grad_reduce else None
 
+
+def buffer_numel(
+    tensors: list[ParamTensor], shard_group: int, distributed_optimizer: bool, bucket_size: int | None = None
+) -> int:
+    """Elements of megatron DDP's contiguous param/grad buffer holding ``tensors`` (in model order).
+
+    Mirrors megatron-core 0.16 ``_ParamAndGradBuffer``: params are laid out in reverse order; a bucket
+    closes once it holds ``bucket_size`` elements, and a tied embedding weight gets a bucket of its own.
     With the distributed optimizer each param starts at a multiple of 64 elements and each bucket ends at
-    a multiple of lcm(shard_group, 128) (megatron ``_ParamAndGradBuffer``); without it, no padding. The
-    trainer runs without overlapped grad reduction, so a buffer is one bucket, except that a tied
-    embedding weight gets a bucket of its own.
+    a multiple of lcm(shard_group, 128); without it nothing is padded.
     """
     if not distributed_optimizer:
         return sum(t.numel for t in tensors)
     divisor = math.lcm(shard_group, 128)
-
-    def bucket(ts: list[ParamTensor]) -> int:
-        total = sum(-(-t.numel // 64) * 64 for t in ts)
-        return -(-total // divisor) * divisor
-
-    rest = [t for t in tensors if not t.shared]
-    return (bucket(rest) if rest else 0) + sum(bucket([t]) for t in tensors if t.shared)
+    pad = lambda n, d: -(-n // d) * d  # noqa: E731
+    start = bucket_start = 0
+    open_bucket = False
+    for t in reversed(tensors):
+        start = pad(start, 64)
+        if t.shared and open_bucket:
+            start = bucket_start = pad(start, divisor)
+        end = start + t.numel
+        open_bucket = True
+        if (bucket_size is not None and end - bucket_start >= bucket_size) or t.shared:
+            start = bucket_start = pad(end, divisor)
+            open_bucket = False
+        else:
+            start = end
+    return pad(start, divisor) if open_bucket else start
