@@ -47,6 +47,7 @@ from srpo_megatron.planner.model import (
     ddp_bucket_size,
     param_tensors,
     stage_layers,
+    stage_param_counts,
     total_params,
 )
 
@@ -176,9 +177,19 @@ def layer_activation_elements(shape: ModelShape, layout: Layout, sp: bool, moe: 
 
 
 def activation_bytes(
-    shape: ModelShape, layout: Layout, stage: int, tokens: int, settings: PlanSettings, in_flight: int
+    shape: ModelShape,
+    layout: Layout,
+    stage: int,
+    tokens: int,
+    settings: PlanSettings,
+    in_flight: int,
+    backward_working_set: bool = True,
 ) -> int:
-    """Activations stage ``stage`` holds at its peak: ``in_flight`` micro-batches of ``tokens`` tokens."""
+    """Activations stage ``stage`` holds at its peak: ``in_flight`` micro-batches of ``tokens`` tokens.
+
+    ``backward_working_set``: with full recompute, add the one layer recomputed during its backward (off:
+    only what the forward saves, which is what saved-tensor hooks see).
+    """
     layers = stage_layers(shape.num_layers, layout.pp)
     first = sum(layers[:stage])
     b, sp = settings.params_bytes, settings.sequence_parallel
@@ -189,7 +200,7 @@ def activation_bytes(
         per_layer.append(tokens * (main * b + fp32 * 4))
     if settings.recompute == "full":
         saved = layers[stage] * tokens * h_shard * b
-        working = max(per_layer)  # one layer recomputed during its backward
+        working = max(per_layer) if backward_working_set else 0.0  # one layer recomputed in backward
     else:
         saved, working = sum(per_layer), 0.0
     extra = 0.0
@@ -200,8 +211,12 @@ def activation_bytes(
     return int(in_flight * (saved + extra) + working)
 
 
-def plan_layout(shape: ModelShape, s: PlanSettings) -> Plan:
-    """Memory of every pipeline stage of ``s.layout``; the worst stage decides."""
+def plan_layout(shape: ModelShape, s: PlanSettings, exact: bool = True) -> Plan:
+    """Memory of every pipeline stage of ``s.layout``; the worst stage decides.
+
+    ``exact=False`` leaves out megatron's buffer padding: a lower bound on every component (and an upper
+    bound on the KV cache), cheap enough to rule layouts out during the search.
+    """
     layout = s.layout
     layout.check(shape)
     problems: list[str] = []
@@ -210,7 +225,8 @@ def plan_layout(shape: ModelShape, s: PlanSettings) -> Plan:
     tokens = math.ceil(s.micro_batch_size * s.seq_len / layout.cp)
     per_dp = math.ceil(s.sequences_per_step / layout.dp)
     micro_batches = max(1, math.ceil(per_dp / s.micro_batch_size))
-    stages = [_stage_memory(shape, s, st, tokens, micro_batches) for st in range(layout.pp)]
+    cache: dict = {"exact": exact}
+    stages = [_stage_memory(shape, s, st, tokens, micro_batches, cache) for st in range(layout.pp)]
     worst = max(stages, key=lambda m: m.peak)
     if worst.peak > s.gpu_bytes:
         problems.append(
@@ -226,17 +242,40 @@ def plan_layout(shape: ModelShape, s: PlanSettings) -> Plan:
     return Plan(shape.name, layout, s, total_params(shape), worst, s.gpu_bytes, problems)
 
 
-def _stage_memory(
-    shape: ModelShape, s: PlanSettings, stage: int, tokens: int, micro_batches: int
-) -> StageMemory:
+def _buffers(shape: ModelShape, s: PlanSettings, stage: int, exact: bool = True) -> tuple[int, int]:
+    """(dense, expert) DDP buffer elements of pipeline stage ``stage`` (not exact: without padding)."""
     layout = s.layout
+    if not exact:
+        return stage_param_counts(shape, layout, stage)
     tensors = param_tensors(shape, layout, stage)
     dense = [t for t in tensors if not t.expert]
     expert = [t for t in tensors if t.expert]
-    dist_opt = s.distributed_optimizer
     bucket = ddp_bucket_size(layout.dense_shard_group, s.overlap_grad_reduce)
+    dist_opt = s.distributed_optimizer
     buf_dense = buffer_numel(dense, layout.dense_shard_group, dist_opt, bucket)
     buf_expert = buffer_numel(expert, layout.expert_dp, dist_opt, bucket) if expert else 0
+    return buf_dense, buf_expert
+
+
+def _stage_memory(
+    shape: ModelShape,
+    s: PlanSettings,
+    stage: int,
+    tokens: int,
+    micro_batches: int,
+    cache: dict | None = None,
+) -> StageMemory:
+    layout = s.layout
+    dist_opt = s.distributed_optimizer
+    # Stages with the same layers and the same ends hold the same tensors: count them once.
+    layers = stage_layers(shape.num_layers, layout.pp)
+    first = sum(layers[:stage])
+    moe = tuple(shape.is_moe_layer(i) for i in range(first, first + layers[stage]))
+    key = (stage == 0, stage == layout.pp - 1, moe)
+    cache = {} if cache is None else cache
+    if key not in cache:
+        cache[key] = _buffers(shape, s, stage, cache.get("exact", True))
+    buf_dense, buf_expert = cache[key]
     numel = buf_dense + buf_expert
     opt_per_param = 12 if s.params_bytes == 2 else 8  # fp32 main + exp_avg + exp_avg_sq (fp32: moments)
     if dist_opt:
@@ -317,13 +356,21 @@ def rank_key(plan: Plan) -> tuple:
 
 
 def fitting_layouts(shape: ModelShape, settings: PlanSettings, world: int, limit: int = 5) -> list[Plan]:
-    """The layouts that fit on ``world`` GPUs, best first by ``rank_key``."""
+    """The first ``limit`` layouts that fit on ``world`` GPUs, best first by ``rank_key``.
+
+    Candidates are tried in ranking order (the layout alone decides it), so the search stops early.
+    """
     plans = []
-    for layout in candidate_layouts(shape, world, settings.gpus_per_node, settings.seq_len):
+    candidates = candidate_layouts(shape, world, settings.gpus_per_node, settings.seq_len)
+    for layout in sorted(candidates, key=lambda lay: (lay.pp, lay.cp, lay.tp, lay.ep)):
+        if not plan_layout(shape, replace(settings, layout=layout), exact=False).fits:
+            continue  # even without padding it does not fit
         plan = plan_layout(shape, replace(settings, layout=layout))
         if plan.fits:
             plans.append(plan)
-    return sorted(plans, key=rank_key)[:limit]
+            if len(plans) == limit:
+                break
+    return sorted(plans, key=rank_key)
 
 
 __all__ = ["GiB", "Plan", "PlanError", "PlanSettings", "StageMemory", "fitting_layouts", "plan_layout"]

@@ -20,6 +20,7 @@ middle stages and the rest shared between the first and last (megatron's
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -210,15 +211,37 @@ def param_tensors(shape: ModelShape, layout: Layout, stage: int) -> list[ParamTe
     return out
 
 
+def stage_param_counts(shape: ModelShape, layout: Layout, stage: int) -> tuple[int, int]:
+    """(dense, expert) parameter elements of a stage, by arithmetic (equals summing ``param_tensors``)."""
+    tp, h, hd = layout.tp, shape.hidden_size, shape.head_dim
+    q, kv = shape.num_heads * hd, shape.num_kv_heads * hd
+    layers = stage_layers(shape.num_layers, layout.pp)
+    first = sum(layers[:stage])
+    v_rows = padded_vocab_size(shape.vocab_size, tp) // tp
+    attn = 2 * h + h * (q // tp) + (q + 2 * kv) // tp * h
+    attn += (q + 2 * kv) // tp if shape.qkv_bias else 0
+    attn += 2 * hd if shape.qk_norm else 0
+    dense = expert = 0
+    for i in range(first, first + layers[stage]):
+        dense += attn
+        if shape.is_moe_layer(i):
+            dense += shape.num_experts * h
+            expert += shape.num_experts // layout.ep * 3 * (shape.moe_ffn_hidden_size // layout.etp) * h
+        else:
+            dense += 3 * (shape.ffn_hidden_size // tp) * h
+    if stage == 0:
+        dense += v_rows * h
+    if stage == layout.pp - 1:
+        dense += h + (0 if shape.tie_embeddings and layout.pp == 1 else v_rows * h)
+    return dense, expert
+
+
+@functools.lru_cache(maxsize=64)
 def total_params(shape: ModelShape) -> int:
     """Unsharded parameter count of the model (HF vocabulary, tied embeddings counted once)."""
-    tensors = param_tensors(shape, Layout(), 0)
-    count = sum(t.numel for t in tensors)
-    return (
-        count
-        - padded_vocab_size(shape.vocab_size, 1) * shape.hidden_size * (1 if shape.tie_embeddings else 2)
-        + shape.vocab_size * shape.hidden_size * (1 if shape.tie_embeddings else 2)
-    )
+    dense, expert = stage_param_counts(shape, Layout(), 0)
+    padding_rows = padded_vocab_size(shape.vocab_size, 1) - shape.vocab_size
+    return dense + expert - padding_rows * shape.hidden_size * (1 if shape.tie_embeddings else 2)
 
 
 def ddp_bucket_size(shard_group: int, overlap_grad_reduce: bool) -> int | None:

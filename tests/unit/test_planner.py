@@ -48,7 +48,7 @@ LAYOUTS = [
     ("Qwen3-32B", Layout(tp=2, pp=3, dp=4)),  # uneven: 21 / 22 / 21 layers
     ("Qwen3-30B-A3B", Layout(tp=4, pp=1, dp=2, ep=8)),
     ("Qwen3-30B-A3B", Layout(tp=2, pp=4, dp=4, ep=4, etp=2)),
-    ("Qwen3-235B-A22B", Layout(tp=2, pp=8, cp=2, dp=8, ep=16)),  # uneven: 11 / 12 x 6 / 11 layers
+    ("Qwen3-235B-A22B", Layout(tp=2, pp=8, cp=2, dp=4, ep=16)),  # uneven: 11 / 12 x 6 / 11 layers
 ]
 
 
@@ -96,6 +96,17 @@ def test_policy_params_are_the_published_sizes():
         assert plan_layout(ModelShape.from_hf(hf(name)), s).policy_params == count, name
 
 
+@pytest.mark.parametrize(("name", "layout"), LAYOUTS, ids=[f"{n}-{lay.label()}" for n, lay in LAYOUTS])
+def test_fast_stage_counts_equal_the_tensor_lists(name, layout):
+    from srpo_megatron.planner.model import stage_param_counts
+
+    shape = ModelShape.from_hf(hf(name))
+    for stage in range(layout.pp):
+        tensors = param_tensors(shape, layout, stage)
+        dense = sum(t.numel for t in tensors if not t.expert)
+        assert stage_param_counts(shape, layout, stage) == (dense, sum(t.numel for t in tensors) - dense)
+
+
 def test_stage_split_and_bad_layouts():
     assert stage_layers(94, 8) == [11, 12, 12, 12, 12, 12, 12, 11]
     assert stage_layers(36, 4) == [9] * 4
@@ -135,7 +146,7 @@ TINY_MOE = dict(TINY, model_type="qwen3_moe", moe_intermediate_size=48, num_expe
 
 
 def _saved_bytes(cfg: dict, recompute: str, b: int, s: int) -> int:
-    """Bytes of the distinct storages autograd saves in one forward of the megatron policy (params excluded)."""
+    """Bytes of the distinct storages autograd saves in one forward of the megatron policy (not params)."""
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
@@ -153,10 +164,15 @@ def _saved_bytes(cfg: dict, recompute: str, b: int, s: int) -> int:
         extra = dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
     config = transformer_config_from_hf(arch, **moe_config_overrides(shape, Layout()), **extra)
     spec = get_gpt_layer_local_spec(
-        num_experts=shape.num_experts or None, moe_grouped_gemm=False, qk_layernorm=True, normalization="RMSNorm"
+        num_experts=shape.num_experts or None,
+        moe_grouped_gemm=False,
+        qk_layernorm=True,
+        normalization="RMSNorm",
     )
     att = spec.submodules.self_attention
-    att = dataclasses.replace(att, submodules=dataclasses.replace(att.submodules, core_attention=SDPACoreAttention))
+    att = dataclasses.replace(
+        att, submodules=dataclasses.replace(att.submodules, core_attention=SDPACoreAttention)
+    )
     spec = dataclasses.replace(spec, submodules=dataclasses.replace(spec.submodules, self_attention=att))
     torch.manual_seed(0)
     model = GPTModel(config, spec, vocab_size=512, max_sequence_length=1024, position_embedding_type="rope")
@@ -230,9 +246,9 @@ def test_anchor_qwen3_235b_tp2_pp8_cp2_ep16_on_16_nodes_fits(tmp_path):
         performance=dict(recompute="full"),
         rollout=dict(sglang=dict(engine_kwargs=dict(tp_size=16, mem_fraction_static=0.7))),
     )
-    plan, ranked, source = plan_recipe(recipe, [], 128, 8, H100)
+    plan, _, source = plan_recipe(recipe, [], 128, 8, H100)
     assert "packaged Qwen3-235B-A22B" in source
-    assert plan.layout == Layout(tp=2, pp=8, cp=2, dp=8, ep=16)
+    assert plan.layout == Layout(tp=2, pp=8, cp=2, dp=4, ep=16)
     assert plan.fits, plan.problems
     assert plan.stage.kv_tokens >= 10240
     # Without offloading during rollouts the KV cache is squeezed out: refused, naming why.
@@ -255,7 +271,10 @@ def test_anchor_qwen3_30b_a3b_tp4_ep8_one_node_with_optimizer_offload_fits(tmp_p
 
 def test_anchor_qwen3_8b_tp1_without_distributed_optimizer_is_refused(tmp_path, capsys):
     recipe = _recipe(
-        tmp_path, "Qwen3-8B", parallel=dict(tp=1, distributed_optimizer=False), rollout=dict(prompts_per_step=1)
+        tmp_path,
+        "Qwen3-8B",
+        parallel=dict(tp=1, distributed_optimizer=False),
+        rollout=dict(prompts_per_step=1),
     )
     recipe_text = yaml.safe_load(recipe.read_text())
     recipe_text["rollout"]["sglang"]["engine_kwargs"]["tp_size"] = 1
@@ -266,7 +285,8 @@ def test_anchor_qwen3_8b_tp1_without_distributed_optimizer_is_refused(tmp_path, 
     assert ranked == []  # no layout of one GPU holds an 8B SRPO run
     cluster = tmp_path / "one.yaml"
     cluster.write_text(
-        "name: one\nexecutor: slurm\naccount: a\ncontainer_image: i.sqsh\ngpus_per_node: 1\ngpu_memory_gib: 79.6\n"
+        "name: one\nexecutor: slurm\naccount: a\ncontainer_image: i.sqsh\n"
+        "gpus_per_node: 1\ngpu_memory_gib: 79.6\n"
     )
     assert main(["plan", str(recipe), "--cluster", str(cluster), "--nodes", "1"]) == 3
     out = capsys.readouterr().out
@@ -288,7 +308,9 @@ def test_plan_json_for_the_8b_recipe(capsys):
 
 
 def test_plan_rejects_a_layout_that_does_not_divide_the_gpus(capsys):
-    rc = main(["plan", "examples/qwen3_8b_srpo.yaml", "--cluster", "h100", "--nodes", "1", "-o", "parallel.tp=3"])
+    rc = main(
+        ["plan", "examples/qwen3_8b_srpo.yaml", "--cluster", "h100", "--nodes", "1", "-o", "parallel.tp=3"]
+    )
     assert rc == 2 and "does not divide" in capsys.readouterr().err
 
 
@@ -320,8 +342,6 @@ def test_big_recipes_fit_pass_dryrun_and_state_the_planned_peak(name, tmp_path, 
     tracked = subprocess.run(["git", "-C", str(REPO), "cat-file", "-e", f"HEAD:examples/{name}.yaml"])
     if tracked.returncode != 0:
         pytest.skip("recipe not committed yet (the h100 cluster ships `git archive HEAD`)")
-    rc = commands.main(
-        ["launch", f"examples/{name}.yaml", "--cluster", "h100", "--nodes", str(nodes), "--dryrun"]
-        + ["--home", str(tmp_path)]
-    )
+    args = ["launch", f"examples/{name}.yaml", "--cluster", "h100", "--nodes", str(nodes), "--dryrun"]
+    rc = commands.main([*args, "--home", str(tmp_path)])
     assert rc == 0, capsys.readouterr().err
