@@ -82,6 +82,7 @@ def meta_stage_params(hf_config: Any, layout: Layout, stage: int) -> list[tuple[
             params_dtype=torch.bfloat16,
             pipeline_model_parallel_size=built.pp,
             use_cpu_initialization=True,
+            perform_initialization=False,  # shapes only: no init kernels on meta tensors
             **uneven,
             **moe_config_overrides(shape, built),
         )

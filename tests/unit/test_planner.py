@@ -314,7 +314,18 @@ def test_plan_rejects_a_layout_that_does_not_divide_the_gpus(capsys):
     assert rc == 2 and "does not divide" in capsys.readouterr().err
 
 
-def test_launch_refuses_what_does_not_fit_unless_forced(tmp_path, capsys):
+@pytest.fixture
+def stdin_devnull(monkeypatch):
+    # nemo-run's git packager runs through `invoke`, which mirrors stdin; pytest's captured stdin raises.
+    import os
+    import sys
+
+    with open(os.devnull) as f:
+        monkeypatch.setattr(sys, "stdin", f)
+        yield
+
+
+def test_launch_refuses_what_does_not_fit_unless_forced(tmp_path, capsys, stdin_devnull):
     from srpo_megatron.launch import commands
 
     base = ["launch", "examples/qwen3_8b_srpo.yaml", "--cluster", "h100", "--nodes", "1", "--dryrun"]
@@ -328,7 +339,7 @@ def test_launch_refuses_what_does_not_fit_unless_forced(tmp_path, capsys):
 
 
 @pytest.mark.parametrize("name", ["qwen3_14b_srpo", "qwen3_32b_srpo"])
-def test_big_recipes_fit_pass_dryrun_and_state_the_planned_peak(name, tmp_path, capsys):
+def test_big_recipes_fit_pass_dryrun_and_state_the_planned_peak(name, tmp_path, capsys, stdin_devnull):
     from srpo_megatron.launch import commands
 
     path = REPO / "examples" / f"{name}.yaml"
