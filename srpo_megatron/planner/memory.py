@@ -45,6 +45,7 @@ from srpo_megatron.planner.model import (
     PlanError,
     buffer_numel,
     ddp_bucket_size,
+    optimizer_shard_numel,
     param_tensors,
     stage_layers,
     stage_param_counts,
@@ -245,16 +246,21 @@ def plan_layout(shape: ModelShape, s: PlanSettings, exact: bool = True) -> Plan:
 def _buffers(shape: ModelShape, s: PlanSettings, stage: int, exact: bool = True) -> tuple[int, int]:
     """(dense, expert) DDP buffer elements of pipeline stage ``stage`` (not exact: without padding)."""
     layout = s.layout
-    if not exact:
-        return stage_param_counts(shape, layout, stage)
+    if not exact:  # unpadded: a lower bound on both
+        dense, expert = stage_param_counts(shape, layout, stage)
+        if not s.distributed_optimizer:
+            return dense + expert, dense + expert
+        return dense + expert, dense // layout.dense_shard_group + expert // max(1, layout.expert_dp)
     tensors = param_tensors(shape, layout, stage)
     dense = [t for t in tensors if not t.expert]
     expert = [t for t in tensors if t.expert]
     bucket = ddp_bucket_size(layout.dense_shard_group, s.overlap_grad_reduce)
     dist_opt = s.distributed_optimizer
-    buf_dense = buffer_numel(dense, layout.dense_shard_group, dist_opt, bucket)
-    buf_expert = buffer_numel(expert, layout.expert_dp, dist_opt, bucket) if expert else 0
-    return buf_dense, buf_expert
+    buf = buffer_numel(dense, layout.dense_shard_group, dist_opt, bucket)
+    buf += buffer_numel(expert, layout.expert_dp, dist_opt, bucket) if expert else 0
+    opt = optimizer_shard_numel(dense, layout.dense_shard_group, dist_opt, bucket)
+    opt += optimizer_shard_numel(expert, layout.expert_dp, dist_opt, bucket) if expert else 0
+    return buf, opt
 
 
 def _stage_memory(
@@ -266,7 +272,6 @@ def _stage_memory(
     cache: dict | None = None,
 ) -> StageMemory:
     layout = s.layout
-    dist_opt = s.distributed_optimizer
     # Stages with the same layers and the same ends hold the same tensors: count them once.
     layers = stage_layers(shape.num_layers, layout.pp)
     first = sum(layers[:stage])
@@ -275,13 +280,8 @@ def _stage_memory(
     cache = {} if cache is None else cache
     if key not in cache:
         cache[key] = _buffers(shape, s, stage, cache.get("exact", True))
-    buf_dense, buf_expert = cache[key]
-    numel = buf_dense + buf_expert
+    numel, opt_elems = cache[key]
     opt_per_param = 12 if s.params_bytes == 2 else 8  # fp32 main + exp_avg + exp_avg_sq (fp32: moments)
-    if dist_opt:
-        opt_elems = buf_dense // layout.dense_shard_group + buf_expert // max(1, layout.expert_dp)
-    else:
-        opt_elems = numel
     fp32_copy = {"none": 0, "full": 4 * numel, "sharded": 4 * opt_elems}[s.teacher_fp32] if s.teacher else 0
     m = StageMemory(stage)
     t = m.train

@@ -249,31 +249,67 @@ def ddp_bucket_size(shard_group: int, overlap_grad_reduce: bool) -> int | None:
     return max(40_000_000, 1_000_000 * shard_group) if overlap_grad_reduce else None
 
 
-def buffer_numel(
+def buffer_buckets(
     tensors: list[ParamTensor], shard_group: int, distributed_optimizer: bool, bucket_size: int | None = None
-) -> int:
-    """Elements of megatron DDP's contiguous param/grad buffer holding ``tensors`` (in model order).
+) -> list[tuple[int, int, list[tuple[int, int]]]]:
+    """megatron DDP's buckets for ``tensors`` (in model order): ``(start, end, [(param start, end), ...])``.
 
     Mirrors megatron-core 0.16 ``_ParamAndGradBuffer``: params are laid out in reverse order; a bucket
     closes once it holds ``bucket_size`` elements, and a tied embedding weight gets a bucket of its own.
     With the distributed optimizer each param starts at a multiple of 64 elements and each bucket ends at
     a multiple of lcm(shard_group, 128); without it nothing is padded.
     """
-    if not distributed_optimizer:
-        return sum(t.numel for t in tensors)
-    divisor = math.lcm(shard_group, 128)
+    align, divisor = (64, math.lcm(shard_group, 128)) if distributed_optimizer else (1, 1)
     pad = lambda n, d: -(-n // d) * d  # noqa: E731
+    buckets: list[tuple[int, int, list[tuple[int, int]]]] = []
     start = bucket_start = 0
-    open_bucket = False
+    params: list[tuple[int, int]] = []
     for t in reversed(tensors):
-        start = pad(start, 64)
-        if t.shared and open_bucket:
-            start = bucket_start = pad(start, divisor)
+        start = pad(start, align)
+        if t.shared and params:
+            closed_end = pad(start, divisor)
+            buckets.append((bucket_start, closed_end, params))
+            start = bucket_start = closed_end
+            params = []
         end = start + t.numel
-        open_bucket = True
+        params.append((start, end))
         if (bucket_size is not None and end - bucket_start >= bucket_size) or t.shared:
+            buckets.append((bucket_start, pad(end, divisor), params))
             start = bucket_start = pad(end, divisor)
-            open_bucket = False
+            params = []
         else:
             start = end
-    return pad(start, divisor) if open_bucket else start
+    if params:
+        buckets.append((bucket_start, pad(start, divisor), params))
+    return buckets
+
+
+def buffer_numel(
+    tensors: list[ParamTensor], shard_group: int, distributed_optimizer: bool, bucket_size: int | None = None
+) -> int:
+    """Elements of megatron DDP's contiguous param/grad buffer holding ``tensors`` (see buffer_buckets)."""
+    buckets = buffer_buckets(tensors, shard_group, distributed_optimizer, bucket_size)
+    return buckets[-1][1] if buckets else 0
+
+
+def optimizer_shard_numel(
+    tensors: list[ParamTensor], shard_group: int, distributed_optimizer: bool, bucket_size: int | None = None
+) -> int:
+    """Parameter elements whose fp32 main copy and Adam moments the busiest rank holds.
+
+    Without the distributed optimizer every rank holds all of them. With it, megatron's
+    ``DistributedOptimizer`` gives rank r the r-th of ``shard_group`` equal slices of every bucket, and
+    keeps optimizer state only for the parameter elements inside its slice (padding has none).
+    """
+    if not distributed_optimizer:
+        return sum(t.numel for t in tensors)
+    per_rank = [0] * shard_group
+    for b_start, b_end, params in buffer_buckets(tensors, shard_group, True, bucket_size):
+        size = (b_end - b_start) // shard_group
+        for p_start, p_end in params:
+            first = (p_start - b_start) // size
+            last = min(shard_group - 1, (p_end - 1 - b_start) // size)
+            for r in range(first, last + 1):
+                lo, hi = b_start + r * size, b_start + (r + 1) * size
+                per_rank[r] += min(hi, p_end) - max(lo, p_start)
+    return max(per_rank)

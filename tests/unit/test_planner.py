@@ -26,6 +26,7 @@ from srpo_megatron.planner.model import (
     ModelShape,
     PlanError,
     buffer_numel,
+    optimizer_shard_numel,
     param_tensors,
     stage_layers,
 )
@@ -68,7 +69,8 @@ def test_param_and_optimizer_bytes_equal_megatron_meta_model(name, layout):
         expert = [t for t in ref if t.expert]
         buf = buffer_numel(dense, layout.dp * layout.cp, True)
         ebuf = buffer_numel(expert, layout.expert_dp, True) if expert else 0
-        opt = 12 * (buf // (layout.dp * layout.cp) + ebuf // layout.expert_dp)
+        opt = optimizer_shard_numel(dense, layout.dp * layout.cp, True)
+        opt = 12 * (opt + (optimizer_shard_numel(expert, layout.expert_dp, True) if expert else 0))
         train = plan_stages[stage].train
         assert train["policy params"] == 2 * (buf + ebuf)
         assert train["gradient buffers"] == 4 * (buf + ebuf)
