@@ -6,6 +6,7 @@
     srpo launch RECIPE --cluster cluster/NAME.yaml ...  submit with nemo-run (Slurm or local)
     srpo jobs status|logs|cancel [EXPERIMENT]           follow launched experiments
     srpo doctor [RECIPE] [--cluster FILE] [--json]      check this node (and a recipe's paths) first
+    srpo plan RECIPE --cluster FILE --nodes N [--json]  per-GPU memory; exit 0 fits, 3 does not
 
 Errors in recipes and inputs are printed as one line naming the key/file, value and fix (exit status 2).
 """
@@ -69,8 +70,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add_jobs_args(sub.add_parser("jobs", help="status, logs or cancel of launched experiments"))
     from srpo_megatron.doctor.command import add_doctor_args
+    from srpo_megatron.planner.command import add_plan_args
 
     add_doctor_args(sub.add_parser("doctor", help="check this node (and a recipe's paths) before a job"))
+    add_plan_args(sub.add_parser("plan", help="per-GPU memory of a recipe on a cluster; layouts that fit"))
     return parser
 
 
@@ -104,6 +107,10 @@ def main(argv: list[str] | None = None) -> int:
             from srpo_megatron.doctor.command import doctor_main
 
             return doctor_main(args)
+        if args.command == "plan":
+            from srpo_megatron.planner.command import plan_main
+
+            return plan_main(args)
     except (ConfigError, DataError, CheckpointError, FileNotFoundError) as e:
         return _user_error(args.command, e)
     return 2

@@ -51,6 +51,7 @@ class ClusterConfig:
     time: str = "04:00:00"  # wall-clock limit per job, HH:MM:SS (a requeued job gets it afresh)
     max_nodes: int = 1  # nodes a job may use in this partition; larger requests are refused
     gpus_per_node: int = 0  # GPUs each node has (0: CPU nodes)
+    gpu_memory_gib: float = 0.0  # memory of one GPU in GiB (H100 80GB: 79.6); `srpo plan` checks against it
     tasks_per_node: int = 1  # torchrun processes per node on CPU nodes (GPU nodes: one per GPU)
     cpus_per_task: int = 0  # --cpus-per-task (0: leave to Slurm)
     mem: str = ""  # --mem per node, e.g. "0" for all of it (empty: partition default)

@@ -44,6 +44,7 @@ def add_launch_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--timeout", type=float, default=24 * 3600.0, help="--wait limit in seconds")
     parser.add_argument("--name", default=None, help="experiment title (default: srpo-<recipe name>)")
     parser.add_argument("--home", default=None, help="nemo-run home for experiment files ($NEMORUN_HOME)")
+    parser.add_argument("--force", action="store_true", help="launch even if `srpo plan` says it won't fit")
     parser.add_argument(
         "--skip-doctor",
         action="store_true",
@@ -118,6 +119,9 @@ def launch_main(args: argparse.Namespace) -> int:
             placement=placement,
             gpus_per_node=args.gpus_per_node,
         )
+        from srpo_megatron.planner.command import refuse_unless_fits
+
+        refuse_unless_fits(args, cluster)  # memory plan: refuse a recipe that won't fit unless --force
         if not args.skip_doctor:
             from srpo_megatron.doctor.first_step import doctor_first
 
