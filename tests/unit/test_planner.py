@@ -332,7 +332,7 @@ def test_launch_refuses_what_does_not_fit_unless_forced(tmp_path, capsys, stdin_
 
     base = ["launch", "examples/qwen3_8b_srpo.yaml", "--cluster", "h100", "--nodes", "1", "--dryrun"]
     base += ["--home", str(tmp_path), "-o", "parallel.tp=1", "-o", "parallel.distributed_optimizer=false"]
-    assert commands.main(base) == 1
+    assert commands.main(base) == 2
     err = capsys.readouterr().err
     assert "DOES NOT FIT" in err and "--force" in err and "optimizer (fp32 main + Adam)" in err
     assert commands.main([*base, "--force"]) == 0
