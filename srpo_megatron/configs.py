@@ -8,7 +8,9 @@ and what would be valid. Components validate their own semantics in ``__post_ini
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import math
 import types
 import typing
 from pathlib import Path
@@ -90,14 +92,17 @@ def _coerce(value: Any, tp: Any, path: str) -> Any:
     if tp is float:
         if isinstance(value, bool):
             raise ConfigError(f"{path}: expected a number, got {value!r}")
+        number = None
         if isinstance(value, int | float):
-            return float(value)
-        if isinstance(value, str):
-            try:
-                return float(value)
-            except ValueError:
-                pass
-        raise ConfigError(f"{path}: expected a number, got {value!r}")
+            number = float(value)
+        elif isinstance(value, str):
+            with contextlib.suppress(ValueError):
+                number = float(value)
+        if number is None:
+            raise ConfigError(f"{path}: expected a number, got {value!r}")
+        if not math.isfinite(number):  # NaN/inf never mean anything in a recipe and fail far later
+            raise ConfigError(f"{path}: {value!r} is not a finite number; give a finite value")
+        return number
     if tp is str:
         if isinstance(value, str):
             return value
@@ -145,7 +150,13 @@ def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any
         if "=" not in item:
             raise ConfigError(f"override {item!r} must look like section.key=value")
         key, raw = item.split("=", 1)
-        value = yaml.safe_load(raw) if raw != "" else ""
+        try:
+            value = yaml.safe_load(raw) if raw != "" else ""
+        except yaml.YAMLError as e:
+            problem = str(getattr(e, "problem", None) or e).splitlines()[0]
+            raise ConfigError(
+                f"override {item!r}: the value is not valid YAML ({problem}); quote it or fix the brackets"
+            ) from None
         node = data
         parts = key.strip().split(".")
         for p in parts[:-1]:
@@ -161,9 +172,14 @@ def load_yaml(path: str | Path) -> dict[str, Any]:
     if not path.is_file():
         raise ConfigError(f"recipe {path} does not exist; pass a YAML file (see examples/)")
     try:
-        data = yaml.safe_load(path.read_text()) or {}
+        data = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
+    except UnicodeDecodeError as e:
+        raise ConfigError(
+            f"{path}: byte {e.start} ({e.object[e.start : e.start + 1]!r}) is not UTF-8; save it as UTF-8"
+        ) from None
     except yaml.YAMLError as e:
-        raise ConfigError(f"recipe {path} is not valid YAML: {e}") from e
+        one_line = " ".join(str(e).split())
+        raise ConfigError(f"recipe {path} is not valid YAML: {one_line}") from None
     if not isinstance(data, dict):
         raise ConfigError(f"recipe {path} must be a mapping at the top level, got {type(data).__name__}")
     return data

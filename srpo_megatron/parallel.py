@@ -20,19 +20,22 @@ import torch
 import torch.distributed as dist
 
 from srpo_megatron.compat.cpu import cuda_emulated, enable_cpu_compat
+from srpo_megatron.compat.mcore import warn_if_untested
 
 
 @dataclass(frozen=True)
 class ParallelConfig:
-    """How the policy is split across ranks. world_size = tp * pp * dp."""
+    """How the policy is split across ranks. world_size = tp * pp * dp = etp * ep * pp * expert-dp."""
 
     tp: int = 1  # tensor-parallel size (Megatron TP; shards attention heads, MLP and the vocabulary)
     pp: int = 1  # pipeline-parallel size (layers split into pp stages)
+    ep: int = 1  # expert-parallel size (MoE: each EP rank holds num_experts / ep whole experts)
+    etp: int = 1  # expert-tensor-parallel size (MoE: TP inside each expert; 1 = experts unsharded)
     distributed_optimizer: bool = False  # shard optimizer state across data-parallel ranks (ZeRO-1)
-    sequence_parallel: bool = False  # Megatron sequence parallelism (needs tp > 1; GPU runs)
+    sequence_parallel: bool | None = None  # Megatron sequence parallelism; None = on when tp > 1 on CUDA
 
     def __post_init__(self) -> None:
-        for name in ("tp", "pp"):
+        for name in ("tp", "pp", "ep", "etp"):
             value = getattr(self, name)
             if value < 1:
                 raise ValueError(f"parallel.{name}={value} must be >= 1")
@@ -58,6 +61,13 @@ class ParallelGroups:
     dp_size: int
     host: dist.ProcessGroup | None = None  # gloo group over all ranks, for host objects (None = default)
     device: torch.device = _CPU  # the runtime's device: model, micro-batches, NCCL tensors
+    ep: dist.ProcessGroup | None = None  # expert-parallel group (MoE experts are split over it)
+    etp: dist.ProcessGroup | None = None  # expert-tensor-parallel group (each expert's TP shards)
+    ep_rank: int = 0
+    ep_size: int = 1
+    etp_rank: int = 0
+    etp_size: int = 1
+    edp_rank: int = 0  # rank in the expert-data-parallel group (replicas of the same experts)
 
     @property
     def is_first_stage(self) -> bool:
@@ -88,22 +98,36 @@ def init_distributed(timeout_minutes: int = 30) -> None:
     dist.init_process_group(backend, timeout=timeout)
 
 
-def initialize_model_parallel(tp: int = 1, pp: int = 1, seed: int = 1234, cp: int = 1) -> ParallelGroups:
-    """Set up megatron's TP/PP/CP/DP groups (torch.distributed must be initialised) and seed the RNGs."""
+def initialize_model_parallel(
+    tp: int = 1, pp: int = 1, seed: int = 1234, *, ep: int = 1, etp: int = 1, cp: int = 1
+) -> ParallelGroups:
+    """Set up megatron's TP/PP/CP/DP and expert EP/ETP groups (torch.distributed must be initialised) and
+    seed the RNGs. Attention layers see world = tp * pp * cp * dp, MoE experts world = etp * ep * pp *
+    expert-dp."""
     from megatron.core import parallel_state as ps
     from megatron.core import tensor_parallel
 
     init_distributed()
+    warn_if_untested()
     world = dist.get_world_size()
     if world % (tp * pp * cp) != 0:
         raise ValueError(
             f"world size {world} is not divisible by tp*pp*cp = {tp}*{pp}*{cp}; "
             f"launch a multiple of {tp * pp * cp} ranks"
         )
+    if world % (etp * ep * pp) != 0:
+        raise ValueError(
+            f"world size {world} is not divisible by etp*ep*pp = {etp}*{ep}*{pp}; launch a multiple of "
+            f"{etp * ep * pp} ranks or lower parallel.ep / parallel.etp"
+        )
     if ps.model_parallel_is_initialized():
         ps.destroy_model_parallel()
     ps.initialize_model_parallel(
-        tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, context_parallel_size=cp
+        tensor_model_parallel_size=tp,
+        pipeline_model_parallel_size=pp,
+        context_parallel_size=cp,
+        expert_model_parallel_size=ep,
+        expert_tensor_parallel_size=etp,
     )
     tensor_parallel.model_parallel_cuda_manual_seed(seed)
     return current_groups()
@@ -147,6 +171,13 @@ def current_groups() -> ParallelGroups:
         dp_size=ps.get_data_parallel_world_size(),
         host=host_group(),
         device=runtime_device(),
+        ep=ps.get_expert_model_parallel_group(),
+        etp=ps.get_expert_tensor_parallel_group(),
+        ep_rank=ps.get_expert_model_parallel_rank(),
+        ep_size=ps.get_expert_model_parallel_world_size(),
+        etp_rank=ps.get_expert_tensor_parallel_rank(),
+        etp_size=ps.get_expert_tensor_parallel_world_size(),
+        edp_rank=ps.get_expert_data_parallel_rank(),
     )
 
 

@@ -3,11 +3,14 @@
 The torchrun (SPMD) job is the controller: global rank 0 hosts the rollout engine (the CPU transformers
 engine, or a client of SGLang engines) and the reward pool, and broadcasts the routed batch; every rank
 then scores its data-parallel share once (π_old, teacher) and takes ``train.mini_batches`` optimizer
-steps on it. A run resumes from ``<run.dir>/checkpoints/latest`` automatically.
+steps on it. A run resumes from the newest checkpoint of ``<run.dir>/checkpoints`` that verifies
+(``latest`` is a hint), refusing recipe changes the checkpoint fixes (trainer/resume.py). Checkpoints
+must come from a trusted source.
 """
 
 from __future__ import annotations
 
+import os
 import time
 from pathlib import Path
 
@@ -15,16 +18,19 @@ import torch.distributed as dist
 
 from srpo_megatron.configs import load_config, to_dict
 from srpo_megatron.data.dataset import EpochSampler, build_datasets
+from srpo_megatron.models.architecture import load_hf_config_dict
 from srpo_megatron.parallel import destroy_model_parallel, initialize_model_parallel
-from srpo_megatron.rewards import register_reward
+from srpo_megatron.rewards import register_reward, reward_target
 from srpo_megatron.rollout.factory import load_tokenizer
 from srpo_megatron.trainer.batches import rank_share
-from srpo_megatron.trainer.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from srpo_megatron.trainer.checkpoint import load_checkpoint, save_checkpoint
 from srpo_megatron.trainer.config import TrainConfig
 from srpo_megatron.trainer.evaluation import BudgetClock, evaluate_policy
 from srpo_megatron.trainer.learning import learn
 from srpo_megatron.trainer.metrics import MetricsLogger
 from srpo_megatron.trainer.policy import Policy
+from srpo_megatron.trainer.preflight import check_layout, check_rewards, data_summary
+from srpo_megatron.trainer.resume import resume_point
 from srpo_megatron.trainer.rollouts import RolloutService
 from srpo_megatron.trainer.scoring import score_rollouts
 from srpo_megatron.trainer.stats import reduce_stats
@@ -33,20 +39,29 @@ from srpo_megatron.trainer.step_metrics import gather_stats, step_metrics
 
 def train(cfg: TrainConfig) -> dict:
     wall0 = time.monotonic()
-    groups = initialize_model_parallel(cfg.parallel.tp, cfg.parallel.pp, seed=cfg.run.seed)
+    world = dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", "1"))
+    check_layout(cfg, world, load_hf_config_dict(cfg.model.hf_dir))  # before megatron or the model
+    p = cfg.parallel
+    groups = initialize_model_parallel(p.tp, p.pp, seed=cfg.run.seed, ep=p.ep, etp=p.etp)
     rank0 = dist.get_rank() == 0
+    log = print if rank0 else (lambda _: None)
     for kind, target in cfg.rollout.reward_fns.items():
         register_reward(kind, target)
     run_dir = Path(cfg.run.dir)
     tokenizer = load_tokenizer(cfg.model.hf_dir)
-    train_set, _ = build_datasets(cfg.data, tokenizer)
+    train_set, eval_set = build_datasets(cfg.data, tokenizer)
+    log(data_summary(train_set, eval_set))
+    kinds = {p.row.kind for ds in (train_set, eval_set) for p in ds}
+    check_rewards(sorted({reward_target(k) for k in kinds}), cfg.rollout)
     sampler = EpochSampler(len(train_set), cfg.data.seed, cfg.data.shuffle)
+    ckpt = resume_point(cfg, log)  # latest is a hint; refuses changed recipes and silent restarts
     policy = Policy(cfg, groups)
     rollouts = RolloutService(cfg, tokenizer, policy, groups)
     # Version 1 = the starting weights; each training step's sync carries the next version.
     step, version, history, clock = 0, 1, {"evals": [], "sdpo_fracs": []}, BudgetClock()
-    if (ckpt := latest_checkpoint(run_dir)) is not None:
-        state = load_checkpoint(policy, ckpt)
+    if ckpt is not None:
+        log(f"resuming from {ckpt}")
+        state = load_checkpoint(policy, ckpt, log)
         step, version, history = state["step"], state["weight_version"], state["history"]
         sampler.load_state_dict(state["sampler"])
         clock = BudgetClock(state.get("budget_clock_s", 0.0))
@@ -57,7 +72,7 @@ def train(cfg: TrainConfig) -> dict:
     evaluate = lambda: history["evals"].append(  # noqa: E731
         evaluate_policy(cfg, rollouts.engine, tokenizer, run_dir, step, clock)
     )
-    if cfg.train.eval_at_ends and step == 0:
+    if cfg.train.eval_at_ends and cfg.train.eval_at_start and step == 0:
         evaluate()
     while step < cfg.train.steps:
         t0 = time.monotonic()

@@ -20,7 +20,9 @@ time would be on an idle core.
 Last line printed: one JSON object. ``extra_mem_vs_shard``, ``naive_mem_over_ours`` and ``time_vs_naive``
 are for TP1; ``tp2_*`` the same at TP2 (per rank, the worst rank).
 
-    .venv/bin/python tools/bench_losses.py [--tokens 4096 --vocab 151936 --k 100]
+    .venv/bin/python tools/bench_losses.py [--tokens 4096 --vocab 151936 --k 100] [--device cuda]
+
+With ``--device cuda`` (one GPU): naive and TP1 only, GPU allocator peak and synchronised wall time.
 """
 
 from __future__ import annotations
@@ -139,30 +141,41 @@ def _naive(logits: torch.Tensor, f: dict, k: int) -> float:
     return float(loss.detach())
 
 
-def _worker(rank, world, variant, t, vocab, k, threads):
+def _worker(rank, world, variant, t, vocab, k, threads, device="cpu"):
     torch.set_num_threads(threads)
     group = dist.group.WORLD if world > 1 else None
     shard = vocab // world
+    cuda = device == "cuda"
     # Warm-up on a tiny problem so kernels, thread pools and allocator arenas exist before the baseline.
-    small = _token_fields(16, 64 * world, 4, seed=1)
-    small_logits = torch.randn(16, 64)
+    small = {n: v.to(device) for n, v in _token_fields(16, 64 * world, 4, seed=1).items()}
+    small_logits = torch.randn(16, 64, device=device)
     if variant == "naive":
         _naive(small_logits, small, 4)
     else:
         _ours(small_logits, small, 4, group)
     del small, small_logits
-    f = _token_fields(t, vocab, k, seed=0)
+    f = {n: v.to(device) for n, v in _token_fields(t, vocab, k, seed=0).items()}
     gen = torch.Generator().manual_seed(100 + rank)
-    logits = torch.randn(t, shard, generator=gen).mul_(2.0)  # written, so its pages are resident
+    logits = torch.randn(t, shard, generator=gen).mul_(2.0).to(device)  # written: its pages are resident
     if group is not None:
         dist.barrier(group=group)
-    base = _rss()
+    if cuda:  # on the GPU: allocator high-water mark and synchronised wall time
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+    else:
+        base = _rss()
     cpu0, start = _cpu_seconds(), time.perf_counter()
     loss = _naive(logits, f, k) if variant == "naive" else _ours(logits, f, k, group)
+    if cuda:
+        torch.cuda.synchronize()
     wall, cpu = time.perf_counter() - start, _cpu_seconds() - cpu0
     shard_bytes = logits.numel() * logits.element_size()
-    extra = _peak_rss() - base - logits.grad.numel() * logits.grad.element_size()
-    return dict(seconds=cpu, wall=wall, extra_bytes=extra, shard_bytes=shard_bytes, loss=loss)
+    peak = torch.cuda.max_memory_allocated() if cuda else _peak_rss()
+    extra = peak - base - logits.grad.numel() * logits.grad.element_size()
+    return dict(
+        seconds=wall if cuda else cpu, wall=wall, extra_bytes=extra, shard_bytes=shard_bytes, loss=loss
+    )
 
 
 def main() -> None:
@@ -171,13 +184,23 @@ def main() -> None:
     ap.add_argument("--vocab", type=int, default=151936)
     ap.add_argument("--k", type=int, default=100)
     ap.add_argument("--threads", type=int, default=1, help="torch threads per rank process")
+    ap.add_argument(
+        "--device",
+        choices=("cpu", "cuda"),
+        default="cpu",
+        help="cuda: one GPU, naive and TP1 only (NCCL cannot put two ranks on one GPU); time = synchronised "
+        "wall seconds, memory = CUDA allocator peak",
+    )
     args = ap.parse_args()
     # Return freed large blocks to the OS at once, so RSS follows live tensors (children inherit it).
     os.environ["MALLOC_MMAP_THRESHOLD_"] = str(1 << 20)
     res = {}
-    for variant, world in (("naive", 1), ("tp1", 1), ("tp2", 2)):
+    layouts = (("naive", 1), ("tp1", 1)) if args.device == "cuda" else (("naive", 1), ("tp1", 1), ("tp2", 2))
+    for variant, world in layouts:
         threads = args.threads
-        out = run_distributed(_worker, world, variant, args.tokens, args.vocab, args.k, threads, timeout=1800)
+        out = run_distributed(
+            _worker, world, variant, args.tokens, args.vocab, args.k, threads, args.device, timeout=1800
+        )
         worst = max(out, key=lambda r: r["extra_bytes"] / r["shard_bytes"])
         res[variant] = dict(
             seconds=max(r["seconds"] for r in out),
@@ -195,6 +218,26 @@ def main() -> None:
             f"({r['shard_bytes'] / 2**20:.0f} MiB), loss {r['loss']:.5f}",
             flush=True,
         )
+    if args.device == "cuda":
+        naive, tp1 = res["naive"], res["tp1"]
+        print(
+            json.dumps(
+                {
+                    "device": torch.cuda.get_device_name(),
+                    "tokens": args.tokens,
+                    "vocab": args.vocab,
+                    "k": args.k,
+                    "extra_mem_vs_shard": round(tp1["extra_vs_shard"], 4),
+                    "naive_extra_mem_vs_shard": round(naive["extra_vs_shard"], 4),
+                    "time_vs_naive": round(tp1["seconds"] / naive["seconds"], 4),
+                    "naive_seconds": round(naive["seconds"], 4),
+                    "tp1_seconds": round(tp1["seconds"], 4),
+                    "loss_gap": abs(tp1["loss"] - naive["loss"]),
+                    "time_basis": "synchronised wall seconds on the GPU (one rank)",
+                }
+            )
+        )
+        return
     naive, tp1, tp2 = res["naive"], res["tp1"], res["tp2"]
     summary = {
         "tokens": args.tokens,

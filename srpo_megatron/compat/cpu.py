@@ -11,7 +11,10 @@ absent, ``enable_cpu_compat()`` covers exactly those places and nothing else:
    ``tensor.type()`` with ``'torch.cuda.FloatTensor'``-style names; the same mode answers a bare
    ``tensor.type()`` with the ``torch.cuda.`` name of the tensor's dtype.
 3. Synchronisation. ``torch.cuda.synchronize`` is a no-op (CPU ops are synchronous).
-4. RNG. ``torch.cuda.manual_seed``/``get_rng_state``/``set_rng_state`` (also under ``torch.cuda.random``)
+4. Streams (megatron-core >= 0.19). DDP's ``start_grad_sync`` asks ``torch.cuda.current_stream()`` to
+   wait on CUDA-graph events before reducing a bucket; on the CPU it answers a stream whose
+   ``wait_event``/``wait_stream``/``synchronize`` do nothing (CPU ops run in program order).
+5. RNG. ``torch.cuda.manual_seed``/``get_rng_state``/``set_rng_state`` (also under ``torch.cuda.random``)
    and megatron's ``tensor_parallel.random._set_cuda_rng_state`` act on one private CPU
    ``torch.Generator`` that stands in for "the GPU generator", so ``model_parallel_cuda_manual_seed``
    and the RNG tracker's ``add``/``fork`` work. Nothing on the CPU draws from that generator, so the
@@ -26,6 +29,7 @@ megatron-core stops needing it differently (for example a new CUDA call on the t
 
 from __future__ import annotations
 
+import contextlib
 import threading
 from typing import Any
 
@@ -64,7 +68,32 @@ class _CudaAsCpu(TorchFunctionMode):
             kwargs["device"] = "cpu"
         if func is torch.Tensor.to and len(args) > 1 and _is_cuda_device(args[1]):
             args = (args[0], "cpu", *args[2:])
+        if func in _BACKWARD_FUNCS:
+            return _run_backward(func, args, kwargs)
         return func(*args, **kwargs)
+
+
+# A TorchFunctionMode is popped while its handler runs, so a backward entered through the mode (megatron's
+# schedules call torch.autograd.backward) runs every autograd Function's backward WITHOUT the mode: there a
+# ``torch.empty(..., device=torch.cuda.current_device())`` (e.g. the EP all-to-all's and the sequence-parallel
+# all-gather's backward) asks for CUDA device 0 and fails "Cannot access accelerator device". While a
+# backward runs, ``torch.cuda.current_device()`` answers "cpu" instead of 0, which every factory accepts.
+# ``tests/unit/test_cpu_compat_moe.py`` fails if torch stops popping the mode there.
+_BACKWARD_FUNCS = (torch.autograd.backward, torch.Tensor.backward, torch.autograd.grad)
+_backward_depth = [0]
+
+
+def _run_backward(func, args, kwargs):
+    _backward_depth[0] += 1
+    try:
+        return func(*args, **kwargs)
+    finally:
+        _backward_depth[0] -= 1
+
+
+def _current_device() -> int | str:
+    """0 (megatron's device ordinal), or "cpu" inside a backward, which runs outside the mode."""
+    return "cpu" if _backward_depth[0] else 0
 
 
 def _fake_generator() -> torch.Generator:
@@ -85,7 +114,7 @@ def _set_rng_state(new_state: torch.Tensor, device: Any = "cuda", *args: Any, **
 
 _PATCHES = [
     # (module path, attribute, replacement factory)
-    ("torch.cuda", "current_device", lambda: lambda: 0),
+    ("torch.cuda", "current_device", lambda: _current_device),
     ("torch.cuda", "synchronize", lambda: lambda device=None: None),
     ("torch.cuda", "manual_seed", lambda: _manual_seed),
     ("torch.cuda", "manual_seed_all", lambda: _manual_seed),
@@ -111,6 +140,77 @@ def set_cuda_emulated(on: bool) -> None:
     _state["emulate_cuda"] = on
 
 
+class _CpuEvent:
+    """A CUDA event on the CPU: work is synchronous, so it has always completed."""
+
+    def synchronize(self) -> None:
+        pass
+
+    def wait(self, stream: Any = None) -> None:
+        pass
+
+    def query(self) -> bool:
+        return True
+
+
+class _CpuStream:
+    """A CUDA stream on the CPU. megatron's alltoall MoE dispatcher creates a side stream for its
+    device-to-host copies of the token splits and records/waits events on it; on the CPU every op is
+    synchronous and in program order, so each of those calls has nothing to do."""
+
+    def wait_stream(self, stream: Any) -> None:
+        pass
+
+    def wait_event(self, event: Any) -> None:
+        pass
+
+    def record_event(self, event: Any = None) -> _CpuEvent:
+        return event or _CpuEvent()
+
+    def synchronize(self) -> None:
+        pass
+
+    def query(self) -> bool:
+        return True
+
+
+_CURRENT_STREAM = _CpuStream()
+
+
+@contextlib.contextmanager
+def _stream_context(stream: Any = None):
+    yield
+
+
+def _split_sizes_to_host():
+    """megatron's ``maybe_move_tensor_to_cpu`` for the alltoall dispatcher, also on CPU tensors.
+
+    The dispatcher turns its all-to-all split sizes into numpy arrays through
+    ``maybe_move_tensor_to_cpu(t, as_numpy=True)``, which converts only CUDA tensors; on the CPU the sizes
+    stay tensors and ``all_to_all_single`` rejects them. This version converts CPU tensors too.
+    """
+    from megatron.core.transformer.moe.moe_utils import maybe_move_tensor_to_cpu
+
+    def to_host(tensor: Any, as_numpy: bool = False, record_stream: bool = False) -> Any:
+        out = maybe_move_tensor_to_cpu(tensor, as_numpy=as_numpy, record_stream=record_stream)
+        return out.numpy() if as_numpy and torch.is_tensor(out) else out
+
+    return to_host
+
+
+# Streams, events and host copies of megatron's MoE alltoall dispatcher (``MoEAlltoAllTokenDispatcher``):
+# ``tests/unit/test_cpu_compat_moe.py`` checks the dispatcher still creates a CUDA stream and that
+# ``maybe_move_tensor_to_cpu`` still leaves CPU tensors as tensors.
+_STREAM_PATCHES = [
+    ("torch.cuda", "Stream", lambda: lambda *a, **k: _CpuStream()),
+    ("torch.cuda", "Event", lambda: lambda *a, **k: _CpuEvent()),
+    # also megatron-core 0.19's DDP grad sync (param_and_grad_buffer.start_grad_sync), on dense models
+    ("torch.cuda", "current_stream", lambda: lambda device=None: _CURRENT_STREAM),
+    ("torch.cuda", "stream", lambda: _stream_context),
+    ("megatron.core.transformer.moe.token_dispatcher", "maybe_move_tensor_to_cpu", _split_sizes_to_host),
+]
+
+
 def cpu_compat_active() -> bool:
     return bool(_state.get("active"))
 
@@ -127,7 +227,7 @@ def enable_cpu_compat() -> bool:
         _state["generator"] = torch.Generator(device="cpu")
         _state["generator"].manual_seed(0)
         saved = []
-        for mod_name, attr, factory in _PATCHES:
+        for mod_name, attr, factory in _PATCHES + _STREAM_PATCHES:
             mod = importlib.import_module(mod_name)
             saved.append((mod, attr, getattr(mod, attr)))
             setattr(mod, attr, factory())
@@ -148,3 +248,24 @@ def disable_cpu_compat() -> None:
         for mod, attr, original in reversed(_state["saved"]):
             setattr(mod, attr, original)
         _state.clear()
+
+
+# ------------------------------------------------------------------------------------- MoE (EP) on CPU
+# Kept apart from the device layer above: these shims exist only for megatron's MoE layer.
+
+
+def bind_missing_te_names() -> bool:
+    """Bind ``moe_utils.te_general_gemm`` to ``None`` when Transformer Engine is absent; True if bound.
+
+    megatron-core 0.16.1 imports ``te_general_gemm`` inside a try-block and later tests
+    ``te_general_gemm is not None`` in ``RouterGatingLinearFunction`` (``router_gating_linear``, used when
+    ``moe_router_dtype`` is set), so without TE the router raises ``NameError``. ``None`` selects the
+    plain-torch GEMM that megatron intends for that case. Not CPU-specific: any TE-less process needs it.
+    ``tests/unit/test_cpu_compat_moe.py`` fails once megatron binds the name itself.
+    """
+    from megatron.core.transformer.moe import moe_utils
+
+    if hasattr(moe_utils, "te_general_gemm"):
+        return False
+    moe_utils.te_general_gemm = None
+    return True

@@ -40,6 +40,7 @@ import torch
 from srpo_megatron.conversion.safetensors_io import HFCheckpointReader, ShardedSafetensorsWriter
 from srpo_megatron.conversion.table import ConversionError, ConversionTable, canonical_name
 from srpo_megatron.models.architecture import Architecture, load_hf_config_dict
+from srpo_megatron.trainer.checkpoint_files import fsync_dir, fsync_tree
 
 POLICY_PREFIX = "model."
 HF_CONFIG_NAME = "hf_config.json"
@@ -76,6 +77,7 @@ def atomic_output_dir(out_dir: str | Path, force: bool) -> Iterator[Path]:
     if out.exists() and (not out.is_dir() or any(out.iterdir())) and not force:
         raise OutputExistsError(f"output {out} exists and is not empty; pass --force to overwrite it")
     out.parent.mkdir(parents=True, exist_ok=True)
+    _remove_dead_temporaries(out)
     tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()
@@ -84,6 +86,7 @@ def atomic_output_dir(out_dir: str | Path, force: bool) -> Iterator[Path]:
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+    fsync_tree(tmp)  # the data is on disk before the rename makes it the output
     if out.exists():
         trash = out.parent / f".{out.name}.old-{os.getpid()}"
         out.rename(trash)
@@ -91,6 +94,24 @@ def atomic_output_dir(out_dir: str | Path, force: bool) -> Iterator[Path]:
         shutil.rmtree(trash, ignore_errors=True) if trash.is_dir() else trash.unlink()
     else:
         tmp.rename(out)
+    fsync_dir(out.parent)
+
+
+def _remove_dead_temporaries(out: Path) -> None:
+    """Remove ``.<out>.tmp-PID`` / ``.old-PID`` dirs of conversions killed earlier (their PID is gone)."""
+    for leftover in out.parent.glob(f".{out.name}.*-*"):
+        kind, _, pid = leftover.name.rpartition("-")
+        if not kind.endswith((".tmp", ".old")) or not pid.isdigit():
+            continue
+        try:
+            os.kill(int(pid), 0)
+            continue  # a live conversion (possibly another one writing the same output)
+        except ProcessLookupError:
+            pass
+        except PermissionError:
+            continue
+        log(f"removing {leftover}, left by an interrupted conversion")
+        shutil.rmtree(leftover, ignore_errors=True) if leftover.is_dir() else leftover.unlink()
 
 
 @contextlib.contextmanager
@@ -235,7 +256,12 @@ def load_policy_checkpoint(model: torch.nn.Module, ckpt_dir: str | Path) -> None
     """Load the ``model.`` tensors of a checkpoint into this rank's policy stage (any TP/PP)."""
     from megatron.core import dist_checkpointing
 
+    from srpo_megatron.models.performance import drop_absent_extra_state, stored_sharded_keys
+
     sharded = model.sharded_state_dict(prefix=POLICY_PREFIX)
+    # A checkpoint converted without Transformer Engine lacks some TE `_extra_state` objects (FP8 metadata,
+    # empty in bf16): those modules keep their fresh state; any other absent key is an error.
+    drop_absent_extra_state(sharded, stored_sharded_keys(str(ckpt_dir)), str(ckpt_dir))
     loaded = dist_checkpointing.load(sharded, str(ckpt_dir))
     # dist_checkpointing.load merges the checkpoint's common (non-tensor) state into the result; a trainer
     # checkpoint has such entries (e.g. optimizer param groups), so keep only the policy's own keys.

@@ -12,7 +12,10 @@ directory from a *preprocessed* sharded state dict (``save_preprocess`` output: 
                     global shape, dtype and chunks (``(1,) * prepend_axis_num + local_shape`` at
                     ``global_offset``, as megatron's ``sharded_tensor_to_torch_sharded_tensor``), and
                     per chunk the file/offset/length
-    common.pt       the common (non-sharded) state, through megatron's common save strategy
+    common state    the common (non-sharded) state where the installed megatron-core's ``save`` puts
+                    it: ``common.pt`` through its common save strategy (<= 0.16), or one more
+                    ``ShardedObject`` ``common_state`` in ``__0_0.distcp`` (0.19; see
+                    ``compat.mcore.save_writes_common_pt``)
     metadata.json   megatron's ``CheckpointingConfig('torch_dist')``, through ``save_config``
 
 Only main replicas are written (what megatron keeps). Flattened (``flattened_range``) tensors, which a
@@ -29,7 +32,6 @@ import torch
 from megatron.core.dist_checkpointing.core import CheckpointingConfig, save_config
 from megatron.core.dist_checkpointing.dict_utils import nested_values
 from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor, is_main_replica
-from megatron.core.dist_checkpointing.serialization import get_default_save_common_strategy
 from torch.distributed.checkpoint.filesystem import CURRENT_DCP_VERSION, _StorageInfo
 from torch.distributed.checkpoint.metadata import (
     BytesStorageMetadata,
@@ -40,6 +42,8 @@ from torch.distributed.checkpoint.metadata import (
     TensorProperties,
     TensorStorageMetadata,
 )
+
+from srpo_megatron.compat.mcore import save_writes_common_pt
 
 DATA_FILE = "__0_0.distcp"
 DCP_METADATA_FILE = ".metadata"
@@ -78,6 +82,10 @@ def write_streamed_checkpoint(
     """
     out = Path(out_dir)
     tensors, objects = _main_replicas(sharded_part)
+    common_pt = save_writes_common_pt()
+    if not common_pt:
+        # What megatron-core 0.19's save() does with the common state (replica 0 is the main one).
+        objects.append(ShardedObject("common_state", common_state, (1,), (0,), replica_id=0))
     groups = [[t] for t in tensors] if groups is None else groups
     if sorted(id(t) for g in groups for t in g) != sorted(id(t) for t in tensors):
         raise ValueError("groups must hold every main-replica ShardedTensor exactly once")
@@ -118,7 +126,10 @@ def write_streamed_checkpoint(
     # Same serialisation as torch.distributed.checkpoint.FileSystemWriter.finish.
     with open(out / DCP_METADATA_FILE, "wb") as f:
         pickle.dump(metadata, f)
-    get_default_save_common_strategy().save_common(common_state, out)
+    if common_pt:
+        from megatron.core.dist_checkpointing.serialization import get_default_save_common_strategy
+
+        get_default_save_common_strategy().save_common(common_state, out)
     save_config(CheckpointingConfig("torch_dist"), str(out))
 
 

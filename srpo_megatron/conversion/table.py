@@ -1,8 +1,8 @@
 """One declarative two-way HF <-> megatron-core parameter table per architecture.
 
-The tables (``LLAMA``, ``QWEN2``, ``QWEN3`` below) list, per megatron ``GPTModel`` parameter, the HF
-tensors it is made of and the *named transform* between them. Every direction of every consumer (the
-``tools/convert_*`` CLIs, checkpoint import/export, rollout weight sync) goes through
+The tables (``LLAMA``, ``QWEN2``, ``QWEN3``, ``QWEN3_MOE`` below) list, per megatron ``GPTModel``
+parameter, the HF tensors it is made of and the *named transform* between them. Every direction of
+every consumer (the ``tools/convert_*`` CLIs, checkpoint import/export, rollout weight sync) goes through
 :class:`ConversionTable` built from these rows; there is no second mapping.
 
 Names. Megatron names are *global* local-spec parameter names of a TP1/PP1 model, e.g.
@@ -25,6 +25,15 @@ TP partitions (``partition(name)`` -> :class:`TPPartition`):
 - ``dim=1`` row-parallel (``linear_proj``, ``linear_fc2``): full = ``cat(shards, 1)``.
 - ``dim=0, gated=True`` (``linear_fc1``): each rank holds ``[gate_r; up_r]``; the full tensor is
   ``[gate; up]`` (``[2F, H]``), so merging concatenates the gate halves and the up halves separately.
+
+MoE (``QWEN3_MOE``): the HF router ``mlp.gate.weight`` is megatron's ``mlp.router.weight`` (replicated
+over TP). Expert ``e``'s ``gate_proj``/``up_proj``/``down_proj`` (the hub FILE format, which transformers 5
+also writes; in memory it fuses them, see ``rollout.hf_engine``) are
+``mlp.experts.local_experts.{e}.linear_fc1/linear_fc2.weight`` with ``e`` the GLOBAL expert index.
+``canonical_name(name, layer_offset, expert_offset)`` adds the EP rank's first expert to a rank's local index
+and maps Transformer Engine's grouped-GEMM names (``mlp.experts.linear_fc1.weight{e}``) to the same rows.
+Expert weights are split over the expert-tensor-parallel group (ETP), not TP: their partitions carry
+``expert=True`` and consumers use the ETP size/rank for them.
 
 Gradients (for trainers, not weight sync): the replicated QK-norm weights see only the local heads on
 each TP rank, so their gradients are partial sums; megatron's ``finalize_model_grads`` (with megatron
@@ -113,17 +122,20 @@ class TPPartition:
 
     dim: int | None  # None: replicated
     gated: bool = False  # linear_fc1: each shard is [gate_r; up_r]
+    expert: bool = False  # an MoE expert weight: split over the expert-tensor-parallel group, not TP
 
 
 REPLICATED = TPPartition(None)
 COLUMN = TPPartition(0)
 ROW = TPPartition(1)
 GATED_COLUMN = TPPartition(0, gated=True)
+EXPERT_GATED_COLUMN = TPPartition(0, gated=True, expert=True)
+EXPERT_ROW = TPPartition(1, expert=True)
 
 
 @dataclasses.dataclass(frozen=True)
 class Row:
-    """One table row; ``{i}`` in names stands for the global layer index."""
+    """One table row; ``{i}`` in names stands for the global layer index, ``{e}`` for the global expert."""
 
     megatron: str
     hf: tuple[str, ...]
@@ -165,12 +177,28 @@ QK_NORM = (
     Row(_L + "self_attention.k_layernorm.weight", (_H + "self_attn.k_norm.weight",), IDENTITY, REPLICATED),
 )
 
+ATTENTION = LAYER[:4]  # input norm, QKV, output projection, pre-MLP norm
+ROUTER = Row(_L + "mlp.router.weight", (_H + "mlp.gate.weight",), IDENTITY, REPLICATED)
+EXPERT_FC1 = Row(
+    _L + "mlp.experts.local_experts.{e}.linear_fc1.weight",
+    (_H + "mlp.experts.{e}.gate_proj.weight", _H + "mlp.experts.{e}.up_proj.weight"),
+    FUSE_GATE_UP,
+    EXPERT_GATED_COLUMN,
+)
+EXPERT_FC2 = Row(
+    _L + "mlp.experts.local_experts.{e}.linear_fc2.weight",
+    (_H + "mlp.experts.{e}.down_proj.weight",),
+    IDENTITY,
+    EXPERT_ROW,
+)
+
 # The per-architecture tables. Optional rows (QKV bias on Llama with attention_bias, the untied output
 # layer) are switched by the Architecture in ConversionTable.
 LLAMA = (EMBEDDING, *LAYER, FINAL_NORM, OUTPUT)
 QWEN2 = (EMBEDDING, *LAYER, QKV_BIAS, FINAL_NORM, OUTPUT)
 QWEN3 = (EMBEDDING, *LAYER, *QK_NORM, FINAL_NORM, OUTPUT)
-TABLES = {"llama": LLAMA, "qwen2": QWEN2, "qwen3": QWEN3}
+QWEN3_MOE = (EMBEDDING, *ATTENTION, *QK_NORM, ROUTER, EXPERT_FC1, EXPERT_FC2, FINAL_NORM, OUTPUT)
+TABLES = {"llama": LLAMA, "qwen2": QWEN2, "qwen3": QWEN3, "qwen3_moe": QWEN3_MOE}
 
 # Transformer Engine / dist_checkpointing aliases of local-spec names.
 _ALIASES = (
@@ -178,15 +206,19 @@ _ALIASES = (
     (re.compile(r"mlp\.linear_fc1\.layer_norm_weight$"), "pre_mlp_layernorm.weight"),
 )
 _LAYER_RE = re.compile(r"^(decoder\.layers\.)(\d+)(\..*)$")
+# A rank's local expert parameter: SequentialMLP ``local_experts.{e}.linear_fcN.weight`` or TE grouped GEMM
+# ``linear_fcN.weight{e}``.
+_SEQUENTIAL_EXPERT_RE = re.compile(r"^\.mlp\.experts\.local_experts\.(\d+)\.(linear_fc[12]\.weight)$")
+_GROUPED_EXPERT_RE = re.compile(r"^\.mlp\.experts\.(linear_fc[12]\.weight)(\d+)$")
 
 
 class ConversionError(ValueError):
     """Tensors do not match the table (missing, unexpected or mis-shaped); the message lists them."""
 
 
-def canonical_name(name: str, layer_offset: int = 0) -> str:
+def canonical_name(name: str, layer_offset: int = 0, expert_offset: int = 0) -> str:
     """Global local-spec name of a rank's parameter / checkpoint key (``module.`` and ``model.`` prefixes,
-    TE aliases and the PP layer offset are handled)."""
+    TE aliases, the PP layer offset and, for MoE experts, the EP rank's first global expert are handled)."""
     for prefix in ("module.", "model."):
         while name.startswith(prefix):
             name = name[len(prefix) :]
@@ -196,8 +228,18 @@ def canonical_name(name: str, layer_offset: int = 0) -> str:
         for pattern, local in _ALIASES:
             if pattern.search(rest):
                 rest = "." + local
+        rest = _global_expert(rest, expert_offset)
         name = f"{m.group(1)}{int(m.group(2)) + layer_offset}{rest}"
     return name
+
+
+def _global_expert(rest: str, expert_offset: int) -> str:
+    """``.mlp.experts.local_experts.{global}.linear_fcN.weight`` for a rank's local expert parameter."""
+    if m := _SEQUENTIAL_EXPERT_RE.match(rest):
+        return f".mlp.experts.local_experts.{int(m.group(1)) + expert_offset}.{m.group(2)}"
+    if m := _GROUPED_EXPERT_RE.match(rest):
+        return f".mlp.experts.local_experts.{int(m.group(2)) + expert_offset}.{m.group(1)}"
+    return rest
 
 
 def merge_tp_shards(shards: list[torch.Tensor], partition: TPPartition) -> torch.Tensor:
@@ -237,14 +279,16 @@ class ConversionTable:
         self._rows: dict[str, Row] = {}
         for row in rows:
             layers = range(arch.num_layers) if "{i}" in row.megatron else [None]
+            experts = range(arch.num_experts) if "{e}" in row.megatron else [None]
             for i in layers:
-                concrete = Row(
-                    row.megatron.format(i=i),
-                    tuple(h.format(i=i) for h in row.hf),
-                    row.transform,
-                    row.partition,
-                )
-                self._rows[concrete.megatron] = concrete
+                for e in experts:
+                    concrete = Row(
+                        row.megatron.format(i=i, e=e),
+                        tuple(h.format(i=i, e=e) for h in row.hf),
+                        row.transform,
+                        row.partition,
+                    )
+                    self._rows[concrete.megatron] = concrete
 
     # -------------------------------------------------------------------------------------- lookup
     def megatron_names(self) -> list[str]:
@@ -276,7 +320,15 @@ class ConversionTable:
         name = self.row(megatron_name).megatron
         qkv = (a.num_heads + 2 * a.num_kv_heads) * a.head_dim
         vocab = padded_vocab_size(a.vocab_size, tp)
+        if ".mlp.experts." in name:
+            fc1 = name.endswith("linear_fc1.weight")
+            return (
+                (2 * a.moe_intermediate_size, a.hidden_size)
+                if fc1
+                else (a.hidden_size, a.moe_intermediate_size)
+            )
         for suffix, shape in (
+            ("mlp.router.weight", (a.num_experts, a.hidden_size)),
             ("word_embeddings.weight", (vocab, a.hidden_size)),
             ("output_layer.weight", (vocab, a.hidden_size)),
             ("linear_qkv.weight", (qkv, a.hidden_size)),

@@ -23,9 +23,20 @@ def stage_layer_offset(model: torch.nn.Module) -> int:
     return get_transformer_layer_offset(decoder.config, getattr(model, "vp_stage", None))
 
 
-def rank_param_name(table: ConversionTable, local_name: str, layer_offset: int) -> str:
-    """Table name of a rank's local parameter; a tied ``output_layer`` (PP>1 last stage) is the embedding."""
-    name = canonical_name(local_name, layer_offset)
+def stage_expert_offset(table: ConversionTable) -> int:
+    """Global index of this rank's first local MoE expert (EP rank * experts per EP rank); 0 when dense."""
+    if not table.arch.is_moe:
+        return 0
+    ep = parallel_state.get_expert_model_parallel_world_size()
+    return parallel_state.get_expert_model_parallel_rank() * (table.arch.num_experts // ep)
+
+
+def rank_param_name(
+    table: ConversionTable, local_name: str, layer_offset: int, expert_offset: int = 0
+) -> str:
+    """Table name of a rank's local parameter; a tied ``output_layer`` (PP>1 last stage) is the embedding.
+    ``expert_offset``: :func:`stage_expert_offset` (MoE experts are numbered globally in the table)."""
+    name = canonical_name(local_name, layer_offset, expert_offset)
     if name == "output_layer.weight" and table.arch.tie_embeddings:
         return "embedding.word_embeddings.weight"
     return name
@@ -43,11 +54,20 @@ def load_hf_weights(
     """Fill every parameter of this rank's ``model`` stage from HF tensors fetched by ``get_hf(name)``."""
     tp = parallel_state.get_tensor_model_parallel_world_size() if tp is None else tp
     tp_rank = parallel_state.get_tensor_model_parallel_rank() if tp_rank is None else tp_rank
-    offset = stage_layer_offset(model)
+    offset, expert_offset = stage_layer_offset(model), stage_expert_offset(table)
     for local_name, param in model.named_parameters():
-        name = rank_param_name(table, local_name, offset)
+        name = rank_param_name(table, local_name, offset, expert_offset)
         full = table.to_megatron(name, {h: get_hf(h) for h in table.hf_names_for(name)}, tp)
-        shard = split_tp_shard(full, table.partition(name), tp, tp_rank)
+        part = table.partition(name)
+        if part.expert:  # experts are split over the expert-tensor-parallel group
+            shard = split_tp_shard(
+                full,
+                part,
+                parallel_state.get_expert_tensor_parallel_world_size(),
+                parallel_state.get_expert_tensor_parallel_rank(),
+            )
+        else:
+            shard = split_tp_shard(full, part, tp, tp_rank)
         if shard.shape != param.shape:
             raise ConversionError(
                 f"shape mismatch for {local_name}: expected {tuple(param.shape)}, got {tuple(shard.shape)}"

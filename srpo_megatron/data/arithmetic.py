@@ -8,6 +8,13 @@ Difficulty levels (``difficulty``):
 - 1: one operation on two-digit numbers (``+``/``-``).
 - 2: two operations with precedence, ``a * b + c``, ``a * b - c`` or ``(a + b) * c``.
 - 3: two-step word problems (``Tom has 14 apples. He buys 9 more and gives away 5 ...``).
+- 4: level 0's one operation on numbers 1..50 (``What is 37 + 18?``): between levels 0 and 1, and with
+  about 380 held-out problems (level 0 has only ~60), enough for a ≥256-problem evaluation.
+  Numbered 4 so the existing levels keep their numbers.
+
+``reasoning=True`` replaces the suffix "Answer with just the number." by "Think step by step, then give
+the final number." so the model writes a short derivation before the answer (room for credit
+assignment: a teacher can disagree with single steps). The reward is the same (last number == answer).
 
 Train and held-out problems never overlap: each problem has a canonical key (its expression, not its
 wording, so a rephrased train problem cannot leak into held-out) and a stable hash of the key puts it in
@@ -26,6 +33,7 @@ Split = Literal["train", "test"]
 HELD_OUT_PER_MILLE = 100  # share of the problem space reserved for held-out evaluation
 
 _SUFFIX = " Answer with just the number."
+REASONING_SUFFIX = " Think step by step, then give the final number."
 _ONE_OP_WORDINGS = ("What is {a} {op} {b}?", "Compute {a} {op} {b}.", "Calculate {a} {op} {b}.")
 _WORD_PROBLEMS = (
     (
@@ -89,11 +97,16 @@ _LEVELS: dict[int, Callable[[random.Random], tuple[str, str, int]]] = {
     1: lambda rng: _one_op(rng, 10, 99),
     2: _two_ops,
     3: _word,
+    4: lambda rng: _one_op(rng, 1, 50, _ONE_OP_WORDINGS[:1]),
 }
 
 
-def generate_arithmetic_rows(split: Split, n: int, difficulty: int = 0, seed: int = 0) -> list[dict]:
+def generate_arithmetic_rows(
+    split: Split, n: int, difficulty: int = 0, seed: int = 0, reasoning: bool = False
+) -> list[dict]:
     """``n`` rows (prompt, system=None, answer, kind="arithmetic") of ``split`` at ``difficulty``.
+
+    ``reasoning`` asks for step-by-step work before the final number instead of the number alone.
 
     Prompts are distinct while the split's problem space allows it (level 0 has a few hundred wordings
     per split); beyond that, problems repeat — they never cross into the other split.
@@ -110,6 +123,8 @@ def generate_arithmetic_rows(split: Split, n: int, difficulty: int = 0, seed: in
         key, text, value = _LEVELS[difficulty](rng)
         if problem_split(f"{difficulty}/{key}") != split:
             continue
+        if reasoning:
+            text = text.removesuffix(_SUFFIX) + REASONING_SUFFIX
         if text in seen and attempts < 200 * (n + 10):
             continue
         seen.add(text)

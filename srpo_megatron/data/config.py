@@ -10,14 +10,16 @@ from typing import Literal
 class ArithmeticTaskConfig:
     """The synthetic arithmetic task (``srpo_megatron.data.arithmetic``), generated instead of read."""
 
-    difficulty: int = 0  # 0 = single-step "What is 7 + 5?"; 1 two-digit +/-; 2 mixed ops; 3 word problems
+    # 0 = single-step "What is 7 + 5?"; 1 two-digit +/-; 2 mixed ops; 3 word problems; 4 = level 0 on 1..50
+    difficulty: int = 0
     num_train: int = 2000  # training prompts to generate
     num_eval: int = 100  # held-out prompts (never overlapping the training problems)
     seed: int = 0  # generator seed; the train/held-out partition does not depend on it
+    reasoning: bool = False  # "Think step by step, then give the final number." instead of the number only
 
     def __post_init__(self) -> None:
-        if not 0 <= self.difficulty <= 3:
-            raise ValueError(f"arithmetic.difficulty={self.difficulty} is not valid; choose 0, 1, 2 or 3")
+        if not 0 <= self.difficulty <= 4:
+            raise ValueError(f"arithmetic.difficulty={self.difficulty} is not valid; choose 0, 1, 2, 3 or 4")
         if self.num_train < 0 or self.num_eval < 0:
             raise ValueError("arithmetic.num_train and num_eval must be >= 0 (they count prompts)")
 

@@ -119,7 +119,7 @@ def _root(cfg: DataConfig) -> Path:
 
 def arithmetic_rows(task: ArithmeticTaskConfig, split: str) -> list[Row]:
     n = task.num_train if split == "train" else task.num_eval
-    raw = generate_arithmetic_rows(split, n, task.difficulty, task.seed)  # type: ignore[arg-type]
+    raw = generate_arithmetic_rows(split, n, task.difficulty, task.seed, task.reasoning)  # type: ignore[arg-type]
     return [
         Row(
             r["prompt"],

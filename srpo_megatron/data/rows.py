@@ -75,8 +75,18 @@ def _raw_records(path: Path) -> Iterator[tuple[int, Any, str | None]]:
         return
     if not (path.suffix.lower() in (".jsonl", ".json") or suffixes.endswith(".jsonl")):
         raise DataError(f"{path}: unknown data format {path.suffix!r}; use .jsonl (JSON lines) or .parquet")
-    with path.open(encoding="utf-8") as f:
-        for lineno, line in enumerate(f, start=1):
+    # Bytes, decoded line by line: a non-UTF-8 line is one bad row (file:line), not a failed file.
+    with path.open("rb") as f:
+        for lineno, raw in enumerate(f, start=1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                yield (
+                    lineno,
+                    None,
+                    f"not UTF-8 text (byte {raw[e.start : e.start + 1]!r} at column {e.start + 1})",
+                )
+                continue
             if not line.strip():
                 continue
             try:

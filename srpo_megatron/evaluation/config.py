@@ -32,5 +32,10 @@ class EvalConfig:
             raise ValueError("eval.max_new_tokens and eval.prompts_per_call must be >= 1")
         if self.max_prompts_per_benchmark is not None and self.max_prompts_per_benchmark < 1:
             raise ValueError("eval.max_prompts_per_benchmark must be >= 1, or null for every prompt")
+        if self.every_n_steps < 0 or self.reward_workers < 0 or self.reward_timeout_s <= 0:
+            raise ValueError(
+                f"eval.every_n_steps={self.every_n_steps} and eval.reward_workers={self.reward_workers} "
+                f"must be >= 0, eval.reward_timeout_s={self.reward_timeout_s} > 0"
+            )
         if any(b <= 0 for b in self.budgets_hours):
             raise ValueError(f"eval.budgets_hours={self.budgets_hours} must be positive hours")

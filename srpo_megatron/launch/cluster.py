@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Literal
 
 from srpo_megatron.configs import ConfigError, from_dict, load_yaml
+from srpo_megatron.launch.shell_safety import check_env_keys, check_name, check_no_control_chars
 
 # cluster/ at the repository root: `--cluster h100` is looked up here as cluster/h100.yaml.
 CLUSTER_DIR = Path(__file__).resolve().parents[2] / "cluster"
@@ -50,6 +51,7 @@ class ClusterConfig:
     time: str = "04:00:00"  # wall-clock limit per job, HH:MM:SS (a requeued job gets it afresh)
     max_nodes: int = 1  # nodes a job may use in this partition; larger requests are refused
     gpus_per_node: int = 0  # GPUs each node has (0: CPU nodes)
+    gpu_memory_gib: float = 0.0  # memory of one GPU in GiB (H100 80GB: 79.6); `srpo plan` checks against it
     tasks_per_node: int = 1  # torchrun processes per node on CPU nodes (GPU nodes: one per GPU)
     cpus_per_task: int = 0  # --cpus-per-task (0: leave to Slurm)
     mem: str = ""  # --mem per node, e.g. "0" for all of it (empty: partition default)
@@ -57,6 +59,7 @@ class ClusterConfig:
     container_image: str = ""  # pyxis/enroot image (squashfs path or registry URI); required with GPUs
     container_mounts: list[str] = field(default_factory=list)  # "src:dst" mounts for pyxis
     env: dict[str, str] = field(default_factory=dict)  # job environment (NCCL settings, HF_HOME, ...)
+    secrets: list[str] = field(default_factory=list)  # env keys never printed (besides *TOKEN*, *KEY*, ...)
     venv: str = ""  # virtualenv whose bin/ goes first on PATH in the job; "auto": the one launching
     code: Literal["in_place", "git"] = "in_place"  # in_place: run this checkout (shared FS); git: ship HEAD
     max_retries: int = 0  # requeues after a failed run (preemption requeues regardless: sbatch --requeue)
@@ -64,6 +67,13 @@ class ClusterConfig:
     tunnel: TunnelConfig = field(default_factory=TunnelConfig)  # how to reach sbatch
 
     def __post_init__(self) -> None:
+        # Everything here ends up in a shell script: refuse what would break or escape it at load.
+        check_no_control_chars(self)
+        check_name(self.name, "cluster name")
+        check_env_keys(self.env)
+        unknown = sorted(set(self.secrets) - set(self.env))
+        if unknown:
+            raise ConfigError(f"secrets: {unknown} are not keys of env; list env keys that hold credentials")
         if self.max_nodes < 1:
             raise ConfigError(f"max_nodes: {self.max_nodes} must be >= 1 (nodes in the partition)")
         if self.gpus_per_node < 0 or self.tasks_per_node < 1:
@@ -124,6 +134,8 @@ def load_cluster(path_or_name: str | Path) -> ClusterConfig:
     path = Path(path_or_name)
     if not path.is_file() and not path.suffix and (CLUSTER_DIR / f"{path}.yaml").is_file():
         path = CLUSTER_DIR / f"{path}.yaml"
+    if not path.is_file() and not path.is_absolute() and (CLUSTER_DIR.parent / path).is_file():
+        path = CLUSTER_DIR.parent / path  # "cluster/ci.yaml" from outside the checkout
     if not path.is_file():
         raise ConfigError(
             f"cluster file {str(path_or_name)!r} does not exist; valid ones: {cluster_files()} "

@@ -26,6 +26,7 @@ from srpo_megatron.launch.experiment import (
     submit,
 )
 from srpo_megatron.launch.jobs import JobError, check_completed, job_infos, load_experiment, read_logs, wait
+from srpo_megatron.launch.shell_safety import check_name, name_from_file
 
 
 def add_launch_args(parser: argparse.ArgumentParser) -> None:
@@ -43,6 +44,7 @@ def add_launch_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--timeout", type=float, default=24 * 3600.0, help="--wait limit in seconds")
     parser.add_argument("--name", default=None, help="experiment title (default: srpo-<recipe name>)")
     parser.add_argument("--home", default=None, help="nemo-run home for experiment files ($NEMORUN_HOME)")
+    parser.add_argument("--force", action="store_true", help="launch even if `srpo plan` says it won't fit")
     parser.add_argument(
         "--skip-doctor",
         action="store_true",
@@ -106,16 +108,20 @@ def launch_main(args: argparse.Namespace) -> int:
         set_home(args.home)
         cluster = load_cluster(args.cluster)
         recipe_path = Path(args.recipe)
+        name = check_name(args.name, "--name") if args.name else f"srpo-{name_from_file(recipe_path.stem)}"
         recipe = apply_overrides(load_yaml(recipe_path), list(args.override))
         placement = RolloutPlacement.from_recipe(recipe)
         cluster.check_request(args.nodes + placement.engine_nodes, args.gpus_per_node)
         request = LaunchRequest(
-            name=args.name or f"srpo-{recipe_path.stem}",
+            name=name,
             command=_job_command(args, recipe_path, recipe, cluster.code),
             nodes=args.nodes,
             placement=placement,
             gpus_per_node=args.gpus_per_node,
         )
+        from srpo_megatron.planner.command import refuse_unless_fits
+
+        refuse_unless_fits(args, cluster)  # memory plan: refuse a recipe that won't fit unless --force
         if not args.skip_doctor:
             from srpo_megatron.doctor.first_step import doctor_first
 
@@ -133,7 +139,10 @@ def launch_main(args: argparse.Namespace) -> int:
             check_completed(exp, wait(exp, timeout=args.timeout))
             print(f"experiment {result.experiment_id} COMPLETED")
         return 0
-    except (ConfigError, JobError, TimeoutError) as e:
+    except ConfigError as e:  # bad input: one line, exit status 2 (like argparse)
+        print(f"srpo launch: error: {e}", file=sys.stderr)
+        return 2
+    except (JobError, TimeoutError) as e:
         print(f"srpo launch: error: {e}", file=sys.stderr)
         return 1
 
@@ -154,7 +163,7 @@ def jobs_main(args: argparse.Namespace) -> int:
         return 0
     except ConfigError as e:
         print(f"srpo jobs: error: {e}", file=sys.stderr)
-        return 1
+        return 2
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -8,7 +8,7 @@ tunnel, pyxis/enroot container flags) or a ``LocalExecutor`` (this workstation).
 :mod:`srpo_megatron.launch.probe` as well as with the trainer.
 
 Preemption: nemo-run always submits with ``sbatch --requeue``, so a preempted job is requeued by Slurm
-and restarts the same command; the trainer resumes from ``<run.dir>/checkpoints/latest`` by itself.
+and restarts the same command; the trainer resumes from the newest complete checkpoint by itself.
 ``max_retries`` in the cluster file additionally requeues a job whose command exited non-zero.
 
 Rollout placement is read from the recipe as plain data (``rollout.placement``: "colocated" |
@@ -29,6 +29,14 @@ from typing import Any
 
 from srpo_megatron.configs import ConfigError
 from srpo_megatron.launch.cluster import ClusterConfig
+from srpo_megatron.launch.shell_safety import (
+    REDACTED,
+    check_name,
+    check_path,
+    is_secret,
+    secret_setup_lines,
+    shell_word,
+)
 
 # The repository root: jobs that run the code in place put it on PYTHONPATH.
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -102,51 +110,68 @@ class LaunchRequest:
         return self.nodes + self.placement.engine_nodes
 
 
-def _job_env(cluster: ClusterConfig, request: LaunchRequest) -> dict[str, str]:
-    """The job's environment. Slurm values are `export`ed in the sbatch script, so `$PATH` expands there."""
+def _job_env(cluster: ClusterConfig, request: LaunchRequest, redact: bool = False) -> tuple[dict, dict]:
+    """The job's environment as ``(env, secrets)``; secrets are the cluster env's credentials.
+
+    Local jobs get literal values (a process environment). Slurm values are shell words for nemo-run's
+    unquoted ``export KEY=VALUE`` lines: the cluster's values are quoted, and only the launcher's own
+    ``$PATH`` / ``$PYTHONPATH`` expand in the job. ``redact`` replaces secret values (dry runs).
+    """
     local = cluster.executor == "local"
+    word = (lambda v: v) if local else shell_word
     env = {
         # megatron-core needs one CUDA work queue so that TP/SP communication overlaps in issue order.
         "CUDA_DEVICE_MAX_CONNECTIONS": "1",
-        "SRPO_ROLLOUT_PLACEMENT": request.placement.placement,
+        "SRPO_ROLLOUT_PLACEMENT": word(request.placement.placement),
         "SRPO_TRAIN_NODES": str(request.nodes),
         "SRPO_ENGINE_NODES": str(request.placement.engine_nodes),
     }
     code = str(REPO_ROOT) if cluster.code == "in_place" else _SHIPPED_CODE
     inherited = os.environ.get("PYTHONPATH", "") if local else "${PYTHONPATH:-}"
-    env["PYTHONPATH"] = code + (os.pathsep + inherited if inherited else "")
+    env["PYTHONPATH"] = word(code) + (os.pathsep + inherited if inherited else "")
     if cluster.venv:
         # nemo-run's job and torchrun are found on PATH, so the environment's bin/ must come first.
         venv_bin = Path(sys.executable).parent if cluster.venv == "auto" else Path(cluster.venv) / "bin"
-        env["PATH"] = f"{venv_bin}{os.pathsep}{os.environ['PATH'] if local else '$PATH'}"
-    env.update(cluster.env)
-    env.update(request.env)
-    return env
+        env["PATH"] = f"{word(str(venv_bin))}{os.pathsep}{os.environ['PATH'] if local else '$PATH'}"
+    secrets = {}
+    for key, value in {**cluster.env, **request.env}.items():
+        if is_secret(key, cluster.secrets):
+            secrets[key] = REDACTED if redact else value
+        else:
+            env[key] = word(value)
+    if local:  # a process environment: nothing is echoed, so secrets join the rest
+        env.update(secrets)
+        secrets = {}
+    return env, secrets
 
 
-def build_executor(cluster: ClusterConfig, request: LaunchRequest):
-    """A nemo-run ``SlurmExecutor`` / ``LocalExecutor`` for ``request`` on ``cluster`` (checked first)."""
+def build_executor(cluster: ClusterConfig, request: LaunchRequest, redact: bool = False):
+    """A nemo-run ``SlurmExecutor`` / ``LocalExecutor`` for ``request`` on ``cluster`` (checked first).
+
+    ``redact``: secret values are replaced by ``<redacted>`` (dry runs print the script).
+    """
     import nemo_run as run
 
     cluster.check_request(request.total_nodes, request.gpus_per_node)
+    check_name(request.name, "experiment name (--name)")
     gpus = request.gpus_per_node if request.gpus_per_node is not None else cluster.gpus_per_node
     procs = gpus if gpus > 0 else cluster.tasks_per_node
-    env = _job_env(cluster, request)
+    env, secrets = _job_env(cluster, request, redact)
     launcher = run.Torchrun(rdzv_port=cluster.rdzv_port)
     if cluster.executor == "local":
         return run.LocalExecutor(ntasks_per_node=procs, launcher=launcher, env_vars=env)
 
-    if not cluster.container_image:
-        # Without a container nemo-run rewrites every "/nemo_run" in the sbatch script to the job's
-        # directory, so a directory path that itself contains "/nemo_run" would be mangled.
-        from nemo_run.config import get_nemorun_home
+    from nemo_run.config import get_nemorun_home
 
-        base = cluster.tunnel.job_dir if cluster.tunnel.kind == "ssh" else get_nemorun_home()
-        if "/nemo_run" in base:
-            raise ConfigError(
-                f"experiment directory {base} contains '/nemo_run', which nemo-run rewrites in scripts "
-                "run without a container; use another directory (e.g. .../nemorun or ~/.nemo_run)"
-            )
+    base = cluster.tunnel.job_dir if cluster.tunnel.kind == "ssh" else get_nemorun_home()
+    check_path(base, "experiment directory (nemo-run home or tunnel.job_dir)")
+    # Without a container nemo-run rewrites every "/nemo_run" in the sbatch script to the job's
+    # directory, so a directory path that itself contains "/nemo_run" would be mangled.
+    if not cluster.container_image and "/nemo_run" in base:
+        raise ConfigError(
+            f"experiment directory {base} contains '/nemo_run', which nemo-run rewrites in scripts "
+            "run without a container; use another directory (e.g. .../nemorun or ~/.nemo_run)"
+        )
     if cluster.tunnel.kind == "ssh":
         t = cluster.tunnel
         tunnel = run.SSHTunnel(host=t.host, user=t.user, job_dir=t.job_dir, identity=t.identity or None)
@@ -156,6 +181,10 @@ def build_executor(cluster: ClusterConfig, request: LaunchRequest):
     mounts = list(cluster.container_mounts)
     if cluster.container_image and cluster.code == "in_place" and f"{REPO_ROOT}:{REPO_ROOT}" not in mounts:
         mounts.append(f"{REPO_ROOT}:{REPO_ROOT}")  # the in-place code must be visible in the container
+    # nemo-run 0.11 pastes srun arguments into the script unquoted (its `noquote` is `str`): quote them
+    # here. Each mount is one quoted word; nemo-run joins them (and its own job-dir mount) with ",".
+    image = shell_word(cluster.container_image) if cluster.container_image else None
+    mounts = [shell_word(m) for m in mounts]
     executor = run.SlurmExecutor(
         account=cluster.account,
         partition=cluster.partition or None,
@@ -167,26 +196,27 @@ def build_executor(cluster: ClusterConfig, request: LaunchRequest):
         cpus_per_task=cluster.cpus_per_task or None,
         mem=cluster.mem or None,
         exclusive=cluster.exclusive or None,
-        container_image=cluster.container_image or None,
+        container_image=image,
         container_mounts=mounts,
         env_vars=env,
+        # secrets are exported (untraced) first, so the per-node doctor step already sees them
+        setup_lines="\n".join(x for x in (secret_setup_lines(secrets), request.setup_lines) if x) or None,
         tunnel=tunnel,
         packager=run.GitArchivePackager() if cluster.code == "git" else run.Packager(),
         launcher=launcher,
         retries=cluster.max_retries,
         poll_estimated_start_time=False,
-        setup_lines=request.setup_lines or None,
     )
     if not cluster.account:
         executor.account = None  # no --account flag: the user's default account (CPU/test clusters)
     return executor
 
 
-def build_experiment(cluster: ClusterConfig, request: LaunchRequest):
+def build_experiment(cluster: ClusterConfig, request: LaunchRequest, redact: bool = False):
     """An un-launched nemo-run Experiment holding the single torchrun task; use it as a context manager."""
     import nemo_run as run
 
-    executor = build_executor(cluster, request)
+    executor = build_executor(cluster, request, redact)
     # LOGLEVEL: torchrun logs every rendezvous detail at INFO, which buries the job's own output.
     task = run.Script(
         path=request.command.module,
@@ -205,6 +235,15 @@ def build_experiment(cluster: ClusterConfig, request: LaunchRequest):
     return exp, task
 
 
+@contextlib.contextmanager
+def _private_files():
+    old = os.umask(0o077)
+    try:
+        yield
+    finally:
+        os.umask(old)
+
+
 @dataclass
 class LaunchResult:
     """What `srpo launch` did: the experiment id (for `srpo jobs`) or, for a dry run, the script."""
@@ -213,16 +252,19 @@ class LaunchResult:
     script: str = ""  # dry run on Slurm: the sbatch script that would be submitted
 
 
-def submit(cluster: ClusterConfig, request: LaunchRequest, dryrun: bool = False) -> LaunchResult:
+def submit(
+    cluster: ClusterConfig, request: LaunchRequest, dryrun: bool = False, redact: bool | None = None
+) -> LaunchResult:
     """Submit ``request`` (Slurm: returns once sbatch accepted it; local: returns when it finished).
 
     With ``dryrun`` nothing runs: the sbatch script nemo-run would submit is returned (Slurm), and the
-    experiment directory is removed again.
+    experiment directory is removed again. ``redact`` (default: ``dryrun``) hides the cluster's secrets.
     """
-    exp, task = build_experiment(cluster, request)
+    exp, task = build_experiment(cluster, request, redact=dryrun if redact is None else redact)
     # nemo-run's git packager archives the repository around the working directory: make that this one.
     where = contextlib.chdir(REPO_ROOT) if cluster.code == "git" else contextlib.nullcontext()
-    with where, exp:
+    # The sbatch script and nemo-run's _CONFIG hold the job's secrets: only the user may read them.
+    with where, _private_files(), exp:
         exp.add(task, name=request.name)
         if dryrun:
             exp.dryrun(log=cluster.executor == "local", delete_exp_dir=False)

@@ -12,6 +12,7 @@ requeued by Slurm after preemption) continues after the step ``latest`` names.
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import socket
@@ -31,7 +32,19 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--step-seconds", type=float, default=0.0, help="sleep per step (to cancel mid-run)")
     p.add_argument("--fail-at-step", type=int, default=0, help="raise at this step (0: never)")
+    p.add_argument(
+        "--require-env",
+        action="append",
+        default=[],
+        metavar="NAME",
+        help="fail unless NAME is set in the job; prints a digest of its value, never the value",
+    )
     args = p.parse_args(argv)
+    for name in args.require_env:  # e.g. a token from the cluster file's env reached the job intact
+        if name not in os.environ:
+            raise RuntimeError(f"probe: {name} is not set in the job's environment")
+        digest = hashlib.sha256(os.environ[name].encode()).hexdigest()[:16]
+        print(f"probe: {name} is set (sha256 {digest})", flush=True)
 
     rank = int(os.environ.get("RANK", "0"))
     world = int(os.environ.get("WORLD_SIZE", "1"))

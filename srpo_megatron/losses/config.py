@@ -7,9 +7,19 @@ from typing import Literal
 
 from srpo_megatron.configs import ConfigError
 
-Mode = Literal["srpo", "grpo", "sdpo", "srpo_no_dw", "advantage_mix"]
+Mode = Literal[
+    "srpo", "grpo", "sdpo", "srpo_no_dw", "sdpo_incorrect_only", "sdpo_correct_only", "advantage_mix"
+]
 WeightScope = Literal["batch", "micro_batch"]
-MODES: tuple[str, ...] = ("srpo", "grpo", "sdpo", "srpo_no_dw", "advantage_mix")
+MODES: tuple[str, ...] = (
+    "srpo",
+    "grpo",
+    "sdpo",
+    "srpo_no_dw",
+    "sdpo_incorrect_only",
+    "sdpo_correct_only",
+    "advantage_mix",
+)
 
 
 @dataclass
@@ -17,6 +27,7 @@ class LossConfig:
     """Every knob of the routed GRPO + SDPO loss."""
 
     # srpo | grpo (all samples GRPO) | sdpo (paper's pure SDPO) | srpo_no_dw | advantage_mix (no routing)
+    # | sdpo_incorrect_only / sdpo_correct_only (Fig. 1(b): pure SDPO on wrong / correct samples only)
     mode: Mode = "srpo"
     # reward at or above which a rollout counts as correct (c_i = 1[r_i >= threshold])
     success_threshold: float = 0.5

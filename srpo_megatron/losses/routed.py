@@ -20,8 +20,8 @@ the GRPO advantage by λ·A_GRPO + (1 − λ)·A_SDPO.
 Deviation / interpretation: The paper names the ``advantage_mix`` ablation without defining A_SDPO. Here it is
 SDPO's per-token self-distillation advantage A_SDPO = log q(y_t) − log π_old(y_t) (teacher vs. student
 log-prob of the sampled token; 0 for samples without a teacher), applied through the same clipped GRPO
-surrogate. In ``sdpo`` mode, samples without a teacher contribute no loss but their tokens still count
-in N_tokens (same denominator for every mode).
+surrogate. In ``sdpo`` mode (and ``sdpo_incorrect_only`` / ``sdpo_correct_only``), samples without an
+SDPO route contribute no loss but their tokens still count in N_tokens (same denominator for every mode).
 """
 
 from __future__ import annotations
@@ -211,7 +211,9 @@ def routed_loss(
             w = dynamic_weights(ent, all_rows, cfg.beta, mean).to(loss_s.dtype)
             loss_s = loss_s * w
             metrics["raw_weight_sum"] = raw_weights(ent, cfg.beta).double().sum()
-            metrics["teacher_entropy_sum"] = ent.double().sum()
+        if batch.teacher_entropy is not None:
+            # Logged in every SDPO mode (not only where it weights the loss): Fig. 1(c)'s entropy curve.
+            metrics["teacher_entropy_sum"] = batch.teacher_entropy[sdpo_rows].double().sum()
         per_token = per_token.index_add(0, sdpo_rows, loss_s)
         metrics["sdpo_tokens"] = torch.full(
             (), float(sdpo_rows.numel()), dtype=torch.float64, device=logp.device

@@ -2,6 +2,26 @@
 
 Per-sample tensors are ``[B, G]`` (B prompts, G rollouts each). The trainer broadcasts them to the
 response tokens of each sample (``values[sample_of_token]``) to build a ``TokenBatch``.
+
+Loss modes (``routing_masks``), per sample i with c_i = correct, m_i = has a correct sibling j ≠ i:
+
+====================  =========================================  ================================
+mode                  loss of sample i                           teacher context (sibling j ≠ i)
+====================  =========================================  ================================
+srpo, srpo_no_dw      SDPO if (1 − c_i)·m_i, else GRPO           first correct j ≠ i
+grpo                  GRPO                                       none
+sdpo                  SDPO if m_i, else none                     first correct j ≠ i
+sdpo_incorrect_only   SDPO if (1 − c_i)·m_i, else none           first correct j ≠ i
+sdpo_correct_only     SDPO if c_i·m_i, else none                 first correct j ≠ i (never i)
+advantage_mix         GRPO (mixed advantage); teacher if m_i     first correct j ≠ i
+====================  =========================================  ================================
+
+The two ``sdpo_*_only`` modes are the paper's Fig. 1(b) restrictions of pure SDPO: the same
+self-distillation loss on a subset of the samples SDPO would train on. As in pure SDPO, a sample
+outside the subset (including every sample without a teacher) takes no loss at all — no GRPO fallback —
+but its tokens still count in the loss denominator (``routed_loss``). ``sdpo_correct_only`` needs at
+least two correct samples in a group: a correct sample's teacher sees another correct sibling's
+solution, never its own. Neither uses the dynamic weights (only ``srpo`` does).
 """
 
 from __future__ import annotations
@@ -59,6 +79,8 @@ def routing_masks(routing: Routing, mode: str) -> tuple[torch.Tensor, torch.Tens
     srpo / srpo_no_dw: GRPO for ~to_sdpo, SDPO for to_sdpo; the teacher runs on to_sdpo samples only.
     grpo:              GRPO for all; no teacher.
     sdpo:              SDPO for every sample with a correct sibling (correct or not), nothing for the rest.
+    sdpo_incorrect_only: SDPO for wrong samples with a correct sibling (= to_sdpo), nothing for the rest.
+    sdpo_correct_only:   SDPO for correct samples with another correct sibling, nothing for the rest.
     advantage_mix:     GRPO loss for all with a mixed advantage; the teacher runs on samples with a sibling.
     """
     every = torch.ones_like(routing.correct)
@@ -69,6 +91,14 @@ def routing_masks(routing: Routing, mode: str) -> tuple[torch.Tensor, torch.Tens
         return every, none, none
     if mode == "sdpo":
         return none, routing.has_teacher, routing.has_teacher
+    if mode == "sdpo_incorrect_only":
+        return none, routing.to_sdpo, routing.to_sdpo
+    if mode == "sdpo_correct_only":
+        correct_with_teacher = routing.correct & routing.has_teacher
+        return none, correct_with_teacher, correct_with_teacher
     if mode == "advantage_mix":
         return every, none, routing.has_teacher
-    raise ValueError(f"unknown loss mode {mode!r}; choose srpo, grpo, sdpo, srpo_no_dw or advantage_mix")
+    raise ValueError(
+        f"unknown loss mode {mode!r}; choose srpo, grpo, sdpo, srpo_no_dw, sdpo_incorrect_only, "
+        "sdpo_correct_only or advantage_mix"
+    )

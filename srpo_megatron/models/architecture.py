@@ -11,6 +11,9 @@ Per-family differences captured here (and nowhere else):
 - llama: optional QKV bias via ``attention_bias``; ``head_dim`` may be explicit.
 - qwen2: QKV bias always on (the HF module hard-codes ``bias=True`` for q/k/v), no ``head_dim`` field.
 - qwen3: per-head RMSNorm on queries and keys (QK-norm), explicit ``head_dim``, bias via ``attention_bias``.
+- qwen3_moe: Qwen3 attention; every layer's MLP is a softmax top-k router (``mlp.gate``) over ``num_experts``
+  SwiGLU experts of width ``moe_intermediate_size``, top-k weights renormalised when ``norm_topk_prob``
+  (see ``_parse_moe``).
 
 The padded vocabulary (``padded_vocab_size``) is the megatron convention: a multiple of ``128 * tp`` so
 each TP rank's embedding shard is a multiple of 128 rows. Padded rows are zero and are removed on export.
@@ -23,7 +26,8 @@ import json
 from pathlib import Path
 from typing import Any
 
-SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3")
+SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "qwen3_moe")
+MOE_MODEL_TYPES = ("qwen3_moe",)
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 # megatron-core's RotaryEmbedding._apply_scaling fixes these llama3 band parameters; only ``factor`` is
 # configurable, so other values cannot be reproduced without patching megatron.
@@ -61,6 +65,14 @@ class Architecture:
     qk_norm: bool  # per-head RMSNorm on q and k (Qwen3)
     tie_embeddings: bool  # lm_head shares the input embedding
     max_position_embeddings: int  # longest sequence the RoPE table is built for
+    num_experts: int = 0  # routed experts per MoE layer E (0: dense model)
+    moe_top_k: int = 0  # experts per token k
+    moe_intermediate_size: int = 0  # SwiGLU inner width of one expert
+    norm_topk_prob: bool = True  # renormalise the k selected router probabilities to sum to 1
+
+    @property
+    def is_moe(self) -> bool:
+        return self.num_experts > 0
 
     @classmethod
     def from_hf(cls, config: Any) -> Architecture:
@@ -109,6 +121,7 @@ class Architecture:
         if model_type == "qwen2" or head_dim is None:
             head_dim = hidden // heads
         theta, rope_type, factor = _parse_rope(cfg)
+        moe = _parse_moe(cfg) if model_type in MOE_MODEL_TYPES else {}
         return cls(
             model_type=model_type,
             vocab_size=int(need("vocab_size")),
@@ -123,9 +136,10 @@ class Architecture:
             rope_type=rope_type,
             rope_factor=factor,
             qkv_bias=True if model_type == "qwen2" else bool(cfg.get("attention_bias", False)),
-            qk_norm=model_type == "qwen3",
+            qk_norm=model_type in ("qwen3", "qwen3_moe"),
             tie_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             max_position_embeddings=int(cfg.get("max_position_embeddings", 4096)),
+            **moe,
         )
 
 
@@ -172,3 +186,34 @@ def _parse_rope(cfg: dict[str, Any]) -> tuple[float, str, float | None]:
                     f"to {fixed}; only 'factor' may vary"
                 )
     return float(merged["rope_theta"]), rope_type, factor
+
+
+def _parse_moe(cfg: dict[str, Any]) -> dict[str, Any]:
+    """MoE fields of a Qwen3-MoE config; every layer must be sparse (megatron builds one MoE layer spec).
+
+    transformers 5 spells the expert count ``num_local_experts`` in ``to_dict()``; hub files say
+    ``num_experts``. Both are read.
+    """
+    experts = cfg.get("num_experts", cfg.get("num_local_experts"))
+    for key, value in (("num_experts", experts), ("num_experts_per_tok", cfg.get("num_experts_per_tok"))):
+        if not value:
+            raise UnsupportedModelError(
+                f"qwen3_moe config has no {key!r}; a complete HF config.json is needed"
+            )
+    if cfg.get("mlp_only_layers") or int(cfg.get("decoder_sparse_step", 1)) != 1:
+        raise UnsupportedModelError(
+            f"qwen3_moe with dense layers (mlp_only_layers={cfg.get('mlp_only_layers')}, "
+            f"decoder_sparse_step={cfg.get('decoder_sparse_step')}) is not supported; every layer must be "
+            "an MoE layer (mlp_only_layers=[] and decoder_sparse_step=1, as Qwen3-MoE checkpoints ship)"
+        )
+    if cfg.get("moe_intermediate_size") is None:
+        raise UnsupportedModelError("qwen3_moe config has no 'moe_intermediate_size'")
+    top_k = int(cfg["num_experts_per_tok"])
+    if top_k > int(experts):
+        raise UnsupportedModelError(f"num_experts_per_tok={top_k} exceeds num_experts={experts}")
+    return dict(
+        num_experts=int(experts),
+        moe_top_k=top_k,
+        moe_intermediate_size=int(cfg["moe_intermediate_size"]),
+        norm_topk_prob=bool(cfg.get("norm_topk_prob", False)),
+    )

@@ -2,10 +2,11 @@
 
 ``transformer_config_from_hf`` maps an :class:`Architecture` onto megatron's ``TransformerConfig``
 (RMSNorm, SwiGLU, GQA via ``num_query_groups``, explicit ``head_dim`` as ``kv_channels``, QKV bias,
-QK-norm, norm epsilon, no dropout, no fused kernels that need apex/TE). ``build_policy`` builds the
-``GPTModel`` for the calling rank's pipeline stage from layer specs: Transformer Engine's spec when TE
-imports (GPU clusters), otherwise megatron's local spec with :class:`SDPACoreAttention` swapped into the
-``core_attention`` slot. RoPE uses the model's theta; "linear" scaling maps to megatron's
+QK-norm, norm epsilon, no dropout, fused kernels off: ``models/performance.py`` chooses the GPU overrides).
+``build_policy`` builds the ``GPTModel`` for the calling rank's pipeline stage from layer specs: Transformer
+Engine's spec when TE imports (GPU clusters), otherwise megatron's local spec with :class:`SDPACoreAttention`
+swapped into the ``core_attention`` slot (and SP-aware norms under sequence parallelism, ``models/norms.py``).
+RoPE uses the model's theta; "linear" scaling maps to megatron's
 ``seq_len_interpolation_factor`` and "llama3" to ``rope_scaling``/``rope_scaling_factor``.
 
 TP and PP sizes and the stage come from ``megatron.core.parallel_state`` (initialise it first). The
@@ -29,10 +30,13 @@ from megatron.core import parallel_state
 from megatron.core.models.gpt import GPTModel
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.transformer.spec_utils import ModuleSpec
+from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from srpo_megatron.models.architecture import Architecture, padded_vocab_size
 from srpo_megatron.models.attention import SDPACoreAttention
+from srpo_megatron.models.moe import MoEConfig, apply_router_controls, moe_config_overrides
+from srpo_megatron.models.norms import SequenceParallelRMSNorm
 
 
 def transformer_engine_available() -> bool:
@@ -50,6 +54,10 @@ def transformer_config_from_hf(
     tp: int = 1,
     pp: int = 1,
     params_dtype: torch.dtype = torch.float32,
+    ep: int = 1,
+    etp: int = 1,
+    moe: MoEConfig | None = None,
+    use_te: bool = False,
     **overrides: Any,
 ) -> TransformerConfig:
     """megatron ``TransformerConfig`` reproducing ``arch``; ``overrides`` set further TransformerConfig fields
@@ -93,24 +101,48 @@ def transformer_config_from_hf(
         gradient_accumulation_fusion=False,
         attention_softmax_in_fp32=True,
     )
+    if arch.is_moe:
+        kwargs.update(moe_config_overrides(arch, moe or MoEConfig(), ep=ep, etp=etp, use_te=use_te))
+        # megatron's MoE layer refuses TP > 1 in training without sequence parallelism.
+        kwargs["sequence_parallel"] = tp > 1
     kwargs.update(overrides)
     return TransformerConfig(**kwargs)
 
 
-def layer_spec(arch: Architecture, *, use_te: bool | None = None) -> ModuleSpec:
-    """Layer spec: TE's when available (or ``use_te=True``), else local with SDPA core attention."""
+def layer_spec(
+    arch: Architecture,
+    *,
+    use_te: bool | None = None,
+    sequence_parallel: bool = False,
+    moe_grouped_gemm: bool | None = None,
+) -> ModuleSpec:
+    """Layer spec: TE's when available (or ``use_te=True``), else local with SDPA core attention (and, under
+    sequence parallelism, :class:`SequenceParallelRMSNorm` norms: the local torch norm refuses SP). MoE
+    architectures get megatron's MoE layer: TE grouped GEMM experts with TE (``moe_grouped_gemm`` None or
+    True), ``SequentialMLP`` experts on the local spec (MoE with TP > 1 trains under SP)."""
     if use_te is None:
         use_te = transformer_engine_available()
+    experts = arch.num_experts or None
     if use_te:
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
 
-        return get_gpt_layer_with_transformer_engine_spec(qk_layernorm=arch.qk_norm)
-    spec = get_gpt_layer_local_spec(qk_layernorm=arch.qk_norm, normalization="RMSNorm")
+        grouped = experts is not None and moe_grouped_gemm is not False
+        return get_gpt_layer_with_transformer_engine_spec(
+            num_experts=experts, moe_grouped_gemm=grouped, qk_layernorm=arch.qk_norm
+        )
+    spec = get_gpt_layer_local_spec(num_experts=experts, qk_layernorm=arch.qk_norm, normalization="RMSNorm")
     attention = spec.submodules.self_attention
     attention_submodules = dataclasses.replace(attention.submodules, core_attention=SDPACoreAttention)
+    norms: dict[str, Any] = {}
+    if sequence_parallel:
+        norms = dict(input_layernorm=SequenceParallelRMSNorm, pre_mlp_layernorm=SequenceParallelRMSNorm)
+        if arch.qk_norm:
+            attention_submodules = dataclasses.replace(
+                attention_submodules, q_layernorm=SequenceParallelRMSNorm, k_layernorm=SequenceParallelRMSNorm
+            )
     self_attention = dataclasses.replace(attention, submodules=attention_submodules)
     return dataclasses.replace(
-        spec, submodules=dataclasses.replace(spec.submodules, self_attention=self_attention)
+        spec, submodules=dataclasses.replace(spec.submodules, self_attention=self_attention, **norms)
     )
 
 
@@ -124,6 +156,7 @@ def build_policy(
     use_te: bool | None = None,
     max_sequence_length: int | None = None,
     parallel_output: bool = True,
+    moe: MoEConfig | None = None,
     **config_overrides: Any,
 ) -> GPTModel:
     """The calling rank's pipeline stage of the policy described by ``hf_config``.
@@ -131,12 +164,25 @@ def build_policy(
     ``hf_config``: model folder, config.json path, dict, ``PretrainedConfig`` or :class:`Architecture`.
     TP/PP sizes and the stage come from ``parallel_state``. The model lives on CUDA when available
     (caller moves it), otherwise on CPU with CPU initialisation. Output logits ``[b, s, V_pad/TP]``
-    (vocab-parallel when ``parallel_output``).
+    (vocab-parallel when ``parallel_output``). ``moe``: router/expert controls of an MoE architecture
+    (EP/ETP sizes also come from ``parallel_state``).
     """
     arch = hf_config if isinstance(hf_config, Architecture) else Architecture.from_hf(hf_config)
     tp = parallel_state.get_tensor_model_parallel_world_size()
     pp = parallel_state.get_pipeline_model_parallel_world_size()
-    config = transformer_config_from_hf(arch, tp=tp, pp=pp, params_dtype=params_dtype, **config_overrides)
+    if use_te is None:
+        use_te = transformer_engine_available()
+    moe = moe or MoEConfig()
+    config = transformer_config_from_hf(
+        arch,
+        tp=tp,
+        pp=pp,
+        params_dtype=params_dtype,
+        use_te=use_te,
+        moe=moe,
+        **_expert_parallel_sizes(arch),
+        **config_overrides,
+    )
     if pre_process is None:
         pre_process = parallel_state.is_pipeline_first_stage(
             ignore_virtual=vp_stage is None, vp_stage=vp_stage
@@ -150,9 +196,17 @@ def build_policy(
         rope["seq_len_interpolation_factor"] = arch.rope_factor
     elif arch.rope_type == "llama3":
         rope.update(rope_scaling=True, rope_scaling_factor=arch.rope_factor)
+    spec: ModuleSpec | TransformerBlockSubmodules = layer_spec(
+        arch, use_te=use_te, sequence_parallel=config.sequence_parallel, moe_grouped_gemm=moe.grouped_gemm
+    )
+    if config.sequence_parallel and not use_te:  # the block's final norm must be SP-aware too
+        spec = TransformerBlockSubmodules(
+            layer_specs=[spec] * get_num_layers_to_build(config, vp_stage=vp_stage),
+            layer_norm=SequenceParallelRMSNorm,
+        )
     model = GPTModel(
         config=config,
-        transformer_layer_spec=layer_spec(arch, use_te=use_te),
+        transformer_layer_spec=spec,
         vocab_size=padded_vocab_size(arch.vocab_size, tp),
         max_sequence_length=max_sequence_length or arch.max_position_embeddings,
         pre_process=pre_process,
@@ -164,4 +218,19 @@ def build_policy(
         vp_stage=vp_stage,
         **rope,
     )
+    if arch.is_moe:
+        apply_router_controls(model, moe)
     return model
+
+
+def _expert_parallel_sizes(arch: Architecture) -> dict[str, int]:
+    """EP/ETP sizes of the parallel state for an MoE architecture (none for dense models)."""
+    if not arch.is_moe:
+        return {}
+    from srpo_megatron.compat.cpu import bind_missing_te_names
+
+    bind_missing_te_names()
+    return dict(
+        ep=parallel_state.get_expert_model_parallel_world_size(),
+        etp=parallel_state.get_expert_tensor_parallel_world_size(),
+    )

@@ -31,7 +31,9 @@ def register_reward(kind: str, target: str | RewardFn) -> None:
     if not isinstance(target, str):
         target = f"{target.__module__}:{target.__qualname__}"
     if ":" not in target:
-        raise ValueError(f"reward target {target!r} must look like 'package.module:function'")
+        from srpo_megatron.configs import ConfigError
+
+        raise ConfigError(f"reward target {target!r} must look like 'package.module:function'")
     _REGISTRY[kind] = target
 
 

@@ -64,6 +64,8 @@ def _worker_main(conn: mpc.Connection) -> None:
         task_id, target, response, answer = msg
         try:
             fn = cache.get(target) or cache.setdefault(target, resolve_target(target))
+            if not callable(fn):
+                raise TypeError(f"{target} is a {type(fn).__name__}, not a function")
         except BaseException as e:
             conn.send((task_id, "error", f"cannot import reward {target}: {type(e).__name__}: {e}"))
             continue
@@ -81,6 +83,7 @@ class _Worker:
         self.proc.start()
         child.close()
         self.task: int | None = None
+        self.sent = 0.0  # when the current task was sent (bounds the reward module's import)
         self.started: float | None = None  # when the reward function began (after its import)
 
     def stop(self, kill: bool = False) -> None:
@@ -97,11 +100,18 @@ class _Worker:
 class RewardPool:
     """Reward scoring with per-sample timeouts. Use as a context manager or call ``close()``."""
 
-    def __init__(self, num_workers: int = 2, timeout_s: float = 10.0, start_method: str = "spawn") -> None:
-        if num_workers < 0 or timeout_s <= 0:
-            raise ValueError("RewardPool needs num_workers >= 0 and timeout_s > 0")
+    def __init__(
+        self,
+        num_workers: int = 2,
+        timeout_s: float = 10.0,
+        start_method: str = "spawn",
+        import_timeout_s: float = 120.0,
+    ) -> None:
+        if num_workers < 0 or timeout_s <= 0 or import_timeout_s <= 0:
+            raise ValueError("RewardPool needs num_workers >= 0, timeout_s > 0 and import_timeout_s > 0")
         self.num_workers = num_workers
         self.timeout_s = timeout_s
+        self.import_timeout_s = import_timeout_s  # a reward module whose import hangs fails, not the run
         self._ctx = mp.get_context(start_method)
         self._workers: list[_Worker] = []
 
@@ -138,6 +148,77 @@ class RewardPool:
         result.seconds = time.monotonic() - t0
         return result
 
+    def check_targets(self, targets: Sequence[str], answer: str = "0") -> str | None:
+        """Import each target and call it once on a dummy input where scoring will run; None if all work.
+
+        Returns a one-line problem for a target that cannot be imported, is not a function, or does not
+        return within the timeouts (import: ``import_timeout_s``, call: ``timeout_s``). An exception
+        from the dummy call itself is fine: only the wiring is checked, not the verdict on ``""``.
+        """
+        for target in targets:
+            if self.num_workers == 0:
+                problem = self._check_in_thread(target, answer)
+            else:
+                problem = self._check_in_worker(target, answer)
+            if problem:
+                return (
+                    f"reward target {target!r}: {problem}; fix rollout.reward_fns (or the module) so that "
+                    "'package.module:function' imports quickly and names a function (response, answer)"
+                )
+        return None
+
+    def _check_in_thread(self, target: str, answer: str) -> str | None:
+        from srpo_megatron.rewards import resolve_target
+
+        box: dict = {}
+
+        def run() -> None:
+            try:
+                fn = resolve_target(target)
+            except BaseException as e:
+                box["import"] = f"{type(e).__name__}: {e}"
+                return
+            if not callable(fn):
+                box["import"] = f"it is a {type(fn).__name__}, not a function"
+                return
+            box["imported"] = True
+            with contextlib.suppress(BaseException):  # only the wiring is checked, not the verdict
+                fn("", answer)
+            box["done"] = True
+
+        th = threading.Thread(target=run, daemon=True)
+        th.start()
+        th.join(self.import_timeout_s + self.timeout_s)
+        if "import" in box:
+            return f"cannot import it ({box['import']})"
+        if "done" not in box:
+            stage = "a call on a dummy input" if "imported" in box else "its import"
+            return f"{stage} did not finish within the timeout"
+        return None
+
+    def _check_in_worker(self, target: str, answer: str) -> str | None:
+        worker = _Worker(self._ctx)
+        try:
+            worker.conn.send((0, target, "", answer))
+            deadline, began = time.monotonic() + self.import_timeout_s, False
+            while True:
+                if not worker.conn.poll(max(0.0, deadline - time.monotonic())):
+                    stage = "a call on a dummy input" if began else "its import"
+                    limit = self.timeout_s if began else self.import_timeout_s
+                    return f"{stage} did not finish within {limit:.0f}s in a reward worker"
+                try:
+                    _, status, payload = worker.conn.recv()
+                except (EOFError, OSError):
+                    return f"the reward worker died (exit code {worker.proc.exitcode})"
+                if status == "begin":
+                    began, deadline = True, time.monotonic() + self.timeout_s
+                    continue
+                if status == "error" and not began:
+                    return payload.removeprefix(f"cannot import reward {target}: ")
+                return None
+        finally:
+            worker.stop(kill=True)
+
     # -- in-process ------------------------------------------------------------------------------
     def _score_threads(self, targets, responses, answers, result: RewardResult) -> None:
         from srpo_megatron.rewards import resolve_target
@@ -172,11 +253,15 @@ class RewardPool:
             for w in self._workers:
                 if w.task is None and pending:
                     i = pending.popleft()
-                    w.task, w.started = i, None
+                    w.task, w.started, w.sent = i, None, time.monotonic()
                     w.conn.send((i, targets[i], responses[i], answers[i]))
                     busy[i] = w
             now = time.monotonic()
-            waits = [w.started + self.timeout_s - now for w in busy.values() if w.started is not None]
+            waits = [
+                (w.started + self.timeout_s if w.started is not None else w.sent + self.import_timeout_s)
+                - now
+                for w in busy.values()
+            ]
             ready = mpc.wait([w.conn for w in busy.values()], timeout=max(0.0, min(waits, default=1.0)))
             for conn in ready:
                 w = next(w for w in busy.values() if w.conn is conn)
@@ -199,6 +284,9 @@ class RewardPool:
             for w in list(busy.values()):
                 if w.started is not None and now - w.started > self.timeout_s:
                     msg = f"{targets[w.task]}: timed out after {self.timeout_s:.1f}s"
+                    self._replace(w, busy, result, msg, True)
+                elif w.started is None and now - w.sent > self.import_timeout_s:
+                    msg = f"{targets[w.task]}: import did not finish in {self.import_timeout_s:.0f}s"
                     self._replace(w, busy, result, msg, True)
 
     def _replace(self, w: _Worker, busy: dict, result: RewardResult, msg: str, timeout: bool) -> None:

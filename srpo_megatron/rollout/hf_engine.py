@@ -39,6 +39,7 @@ import torch
 
 from srpo_megatron.configs import ConfigError
 from srpo_megatron.rollout.base import Completion, EngineError, EngineHealth, SamplingParams, sample_seed
+from srpo_megatron.rollout.hf_moe_layout import file_format_params
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -124,9 +125,12 @@ class HFEngine:
         self._cache_kwarg = "cache" if "cache" in forward_params else "past_key_values"
         # Names the engine accepts: every state_dict entry; required: one name per distinct parameter
         # (tied weights are listed once by named_parameters, the alias is optional).
-        self._params = dict(self._model.state_dict(keep_vars=True))
-        self._required = {name for name, _ in self._model.named_parameters()}
-        self._required |= {name for name, _ in self._model.named_buffers() if name in self._params}
+        # Fused MoE experts are addressed by their per-expert file names (views into the fused tensors).
+        state = dict(self._model.state_dict(keep_vars=True))
+        self._params = file_format_params(state)
+        required = {name for name, _ in self._model.named_parameters()}
+        required |= {name for name, _ in self._model.named_buffers() if name in state}
+        self._required = set(file_format_params({name: state[name] for name in required}))
 
     @classmethod
     def from_config(cls, cfg: HFEngineConfig) -> HFEngine:

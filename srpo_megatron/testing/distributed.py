@@ -73,7 +73,16 @@ def run_distributed(
     env: dict[str, str] | None = None,
     **kwargs: Any,
 ) -> list[Any]:
-    """Run ``fn(rank, world_size, *args, **kwargs)`` on ``world_size`` gloo ranks; return per-rank results."""
+    """Run ``fn(rank, world_size, *args, **kwargs)`` on ``world_size`` gloo ranks; return per-rank results.
+
+    Under pytest with ``SRPO_TEST_MAX_WORLD_SIZE`` set (the one-GPU smoke check: NCCL cannot put two ranks
+    on one GPU), a call for more ranks skips the calling test.
+    """
+    limit = int(os.environ.get("SRPO_TEST_MAX_WORLD_SIZE") or 0)
+    if limit and world_size > limit:
+        import pytest
+
+        pytest.skip(f"needs {world_size} ranks; SRPO_TEST_MAX_WORLD_SIZE={limit}")
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     port = free_port()

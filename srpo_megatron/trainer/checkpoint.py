@@ -8,18 +8,27 @@ Layout of ``<run>/checkpoints/``::
         optimizer.* tensors      optimizer state (megatron's sharded optimizer state dict)
         hf_config.json           the policy's HF config (tools/convert_megatron_to_hf.py reads it)
         trainer_state.json       step, LR scheduler, data cursor, engine weight version, metrics tail
-        rng/rank_XXXXX.pt        RNG states of every rank
-    latest                       text file naming the newest complete checkpoint, written last
+        recipe.yaml              the recipe in force when it was saved (resume checks changes against it)
+        rng/rank_XXXXX.pt        RNG states of every rank, as plain tensors
+        manifest.json            every other file with size and SHA-256, written last
+    latest                       text file naming the newest complete checkpoint (a hint)
 
-A checkpoint is written to ``step_N.tmp`` and renamed when complete; ``latest`` is replaced atomically
-afterwards, so a crash at any point leaves the previous ``latest`` valid. The oldest checkpoints beyond
-``keep_last`` are deleted only after the new one is complete.
+A checkpoint is written to ``step_N.tmp``, fsynced, and renamed when complete; ``latest`` is replaced
+atomically afterwards, so a crash at any point leaves the previous checkpoint valid. The oldest
+checkpoints beyond ``keep_last`` are deleted only after the new one is complete. Which checkpoint a run
+resumes from is decided by :func:`~srpo_megatron.trainer.checkpoint_files.find_resume_checkpoint`.
+
+Trust: the project's own files load without unpickling (RNG states with ``torch.load(weights_only=True)``,
+the trainer state as JSON), but torch DCP's ``.metadata`` (and ``common.pt``, read by megatron) are
+pickles: load only checkpoints from a source you trust, as torch says for ``torch.load``.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import os
+import pickle
 import random
 import shutil
 from pathlib import Path
@@ -30,9 +39,26 @@ import torch.distributed as dist
 
 from srpo_megatron.conversion.checkpoint import HF_CONFIG_NAME, POLICY_PREFIX
 from srpo_megatron.models.architecture import load_hf_config_dict
+from srpo_megatron.models.performance import (
+    drop_absent_extra_state,
+    rng_device_kind,
+    rng_states_compatible,
+    stored_sharded_keys,
+)
+from srpo_megatron.trainer.checkpoint_files import (
+    LATEST,
+    CheckpointError,
+    digest_files,
+    fsync_dir,
+    fsync_tree,
+    step_dirs,
+    write_manifest,
+    write_text_durably,
+)
 
 TEACHER_PREFIX = "teacher."
 STATE_FILE = "trainer_state.json"
+RECIPE_FILE = "recipe.yaml"
 
 
 def _rank() -> int:
@@ -45,17 +71,12 @@ def _barrier() -> None:
 
 
 def latest_checkpoint(run_dir: str | Path) -> Path | None:
-    """The complete checkpoint named by ``<run>/checkpoints/latest``, or None."""
-    pointer = Path(run_dir) / "checkpoints" / "latest"
+    """The checkpoint ``<run>/checkpoints/latest`` names if it exists (a hint: see find_resume_checkpoint)."""
+    pointer = Path(run_dir) / "checkpoints" / LATEST
     if not pointer.is_file():
         return None
     path = pointer.parent / pointer.read_text().strip()
-    if not (path / STATE_FILE).is_file():
-        raise FileNotFoundError(
-            f"{pointer} names {path.name}, which is incomplete or missing; delete {pointer} to start over "
-            "or point it at an existing step_* directory"
-        )
-    return path
+    return path if path.is_dir() else None
 
 
 def _sharded_state(runtime: Any, loading: bool) -> dict[str, Any]:
@@ -68,32 +89,68 @@ def _sharded_state(runtime: Any, loading: bool) -> dict[str, Any]:
 
 
 def _rng_state() -> dict[str, Any]:
+    """Every RNG this rank draws from, as tensors and numbers (loadable with ``weights_only=True``)."""
     import numpy as np
     from megatron.core import tensor_parallel
 
-    return {
-        "python": random.getstate(),
-        "numpy": np.random.get_state(),
+    version, keys, gauss = random.getstate()
+    _, np_keys, np_pos, np_has_gauss, np_gauss = np.random.get_state()
+    state = {
+        "python_keys": torch.tensor(keys, dtype=torch.int64, device="cpu"),  # [625]
+        "python_version": int(version),
+        "python_gauss": math.nan if gauss is None else float(gauss),
+        "numpy_keys": torch.from_numpy(np_keys.astype(np.int64)),  # [624]
+        "numpy_pos": int(np_pos),
+        "numpy_has_gauss": int(np_has_gauss),
+        "numpy_gauss": float(np_gauss),
         "torch": torch.get_rng_state(),
-        "tracker": tensor_parallel.get_cuda_rng_tracker().get_states(),
+        "tracker": {k: v.cpu() for k, v in tensor_parallel.get_cuda_rng_tracker().get_states().items()},
+        "tracker_device": rng_device_kind(),  # CUDA and CPU-layer generator states differ in size
     }
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state()  # the current device's default generator
+    return state
 
 
-def _set_rng_state(state: dict[str, Any]) -> None:
+def _set_rng_state(state: dict[str, Any], path: str = "") -> None:
     import numpy as np
     from megatron.core import tensor_parallel
 
-    random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
+    gauss = state["python_gauss"]
+    keys = tuple(int(k) for k in state["python_keys"].tolist())
+    random.setstate((state["python_version"], keys, None if math.isnan(gauss) else gauss))
+    np_keys = state["numpy_keys"].numpy().astype(np.uint32)
+    np.random.set_state(
+        ("MT19937", np_keys, state["numpy_pos"], state["numpy_has_gauss"], state["numpy_gauss"])
+    )
     torch.set_rng_state(state["torch"])
-    tensor_parallel.get_cuda_rng_tracker().set_states(state["tracker"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
+    # Saved on the other device kind (CPU <-> GPU resume): the tracker keeps its seeding (warned).
+    if rng_states_compatible(state.get("tracker_device"), path):
+        tensor_parallel.get_cuda_rng_tracker().set_states(state["tracker"])
+
+
+def load_rng_file(path: Path) -> dict[str, Any]:
+    """An RNG file, read without running any code: anything but tensors and numbers is refused."""
+    try:
+        return torch.load(path, weights_only=True, map_location="cpu")
+    except pickle.UnpicklingError as e:
+        first = str(e).strip().splitlines()[0]
+        raise CheckpointError(
+            f"{path} holds more than tensors and numbers ({first}); refusing to unpickle it. Checkpoints "
+            "must come from a trusted source; if you wrote this one with an older srpo_megatron, resume "
+            "with the same version or pass --override run.restart=true"
+        ) from None
 
 
 def save_checkpoint(
     runtime: Any, run_dir: str | Path, step: int, trainer_state: dict, keep_last: int
 ) -> Path:
-    """Collective: write checkpoint ``step`` atomically, then move ``latest`` to it, then prune."""
+    """Collective: write checkpoint ``step`` (manifest last, fsynced), rename it, move ``latest``, prune."""
     from megatron.core import dist_checkpointing
+
+    from srpo_megatron.configs import to_dict
 
     root = Path(run_dir) / "checkpoints"
     final = root / f"step_{step:06d}"
@@ -104,31 +161,51 @@ def save_checkpoint(
     _barrier()
     dist_checkpointing.save(_sharded_state(runtime, loading=False), str(tmp))
     torch.save(_rng_state(), tmp / "rng" / f"rank_{_rank():05d}.pt")
-    _barrier()
     if _rank() == 0:
+        import yaml
+
         config = load_hf_config_dict(runtime.cfg.model.hf_dir)
         (tmp / HF_CONFIG_NAME).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
         trainer_state = {**trainer_state, "scheduler": runtime.scheduler.state_dict(), "step": step}
         (tmp / STATE_FILE).write_text(json.dumps(trainer_state, indent=2, default=float) + "\n")
+        (tmp / RECIPE_FILE).write_text(yaml.safe_dump(to_dict(runtime.cfg), sort_keys=False))
+    _barrier()
+    digests = digest_files(tmp)  # every rank fsyncs and hashes its share
+    if _rank() == 0:
+        write_manifest(tmp, digests)
+        fsync_tree(tmp)
         if final.exists():
             shutil.rmtree(final)
         os.replace(tmp, final)
-        pointer_tmp = root / "latest.tmp"
-        pointer_tmp.write_text(final.name + "\n")
-        os.replace(pointer_tmp, root / "latest")
-        complete = sorted(p for p in root.glob("step_*") if p.is_dir() and not p.name.endswith(".tmp"))
-        for old in complete[:-keep_last]:
+        fsync_dir(root)
+        write_text_durably(root / LATEST, final.name + "\n")
+        for old in step_dirs(root)[keep_last:]:
             shutil.rmtree(old, ignore_errors=True)
     _barrier()
     return final
 
 
-def load_checkpoint(runtime: Any, path: str | Path) -> dict:
-    """Collective: restore policy, teacher, optimizer, scheduler and RNG; return the trainer state."""
+def load_checkpoint(runtime: Any, path: str | Path, log=print) -> dict:
+    """Collective: restore policy, teacher, optimizer, scheduler and RNG; return the trainer state.
+
+    ``path`` must have passed :func:`~srpo_megatron.trainer.checkpoint_files.verify_checkpoint`.
+    """
     from megatron.core import dist_checkpointing
 
     path = Path(path)
-    loaded = dist_checkpointing.load(_sharded_state(runtime, loading=True), str(path))
+    sharded = _sharded_state(runtime, loading=True)
+    stored = stored_sharded_keys(str(path))
+    for part in ("model", "teacher"):  # saved without TE, resumed with TE: see drop_absent_extra_state
+        if part in sharded:
+            drop_absent_extra_state(sharded[part], stored, str(path))
+    try:
+        loaded = dist_checkpointing.load(sharded, str(path))
+    except Exception as e:  # megatron/torch name neither the directory nor what to do
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0][:300]
+        raise CheckpointError(
+            f"{path}: loading the model/optimizer shards failed ({type(e).__name__}: {first}); the recipe's "
+            "model must match the checkpoint's (see its recipe.yaml)"
+        ) from e
     strip = lambda sd, p: {k[len(p) :] if k.startswith(p) else k: v for k, v in sd.items()}  # noqa: E731
     runtime.model.load_state_dict(strip(loaded["model"], POLICY_PREFIX), strict=False)
     if runtime.teacher is not None:
@@ -138,6 +215,13 @@ def load_checkpoint(runtime: Any, path: str | Path) -> dict:
     state = json.loads((path / STATE_FILE).read_text())
     runtime.scheduler.load_state_dict(state["scheduler"])
     rng = path / "rng" / f"rank_{_rank():05d}.pt"
-    if rng.is_file():  # absent when resuming at a different world size: RNG then restarts from the seed
-        _set_rng_state(torch.load(rng, weights_only=False))
+    saved_ranks = len(list((path / "rng").glob("rank_*.pt")))
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    if rng.is_file():
+        _set_rng_state(load_rng_file(rng), str(rng))
+    if saved_ranks != world and _rank() == 0:
+        log(
+            f"{path} holds RNG states of {saved_ranks} ranks, this run has {world}: ranks without a saved "
+            "state draw from run.seed, so sampling is not the uninterrupted run's"
+        )
     return state

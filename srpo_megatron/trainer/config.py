@@ -14,6 +14,8 @@ from srpo_megatron.configs import ConfigError
 from srpo_megatron.data.config import DataConfig
 from srpo_megatron.evaluation.config import EvalConfig
 from srpo_megatron.losses.config import LossConfig
+from srpo_megatron.models.moe import MoEConfig
+from srpo_megatron.models.performance import PerformanceConfig
 from srpo_megatron.parallel import ParallelConfig
 from srpo_megatron.rollout.sglang_engine import SGLangEngineConfig
 
@@ -29,6 +31,7 @@ class RunConfig:
     tensorboard: bool = True  # also write TensorBoard scalars under <dir>/tensorboard
     wandb_project: str | None = None  # log to Weights & Biases too (needs the `wandb` extra)
     progress_bar: bool = True  # a tqdm bar with the key figures on rank 0
+    restart: bool = False  # start from step 0 even over existing checkpoints (they are moved aside)
 
     def __post_init__(self) -> None:
         if self.save_every < 0 or self.keep_last < 1:
@@ -44,10 +47,12 @@ class ModelConfig:
 
     hf_dir: str = ""  # HF model folder (config.json, tokenizer, safetensors); the rollout engine loads it
     megatron_checkpoint: str | None = None  # tools/convert_hf_to_megatron.py output; None = read hf_dir
-    params_dtype: Literal["fp32", "bf16"] = "fp32"  # training dtype (bf16 mixed precision on GPU)
+    params_dtype: Literal["auto", "fp32", "bf16"] = "auto"  # auto: bf16 (fp32 main params) on CUDA, else fp32
     max_sequence_length: int = 4096  # longest prompt + response the policy will see (RoPE table size)
 
     def __post_init__(self) -> None:
+        if self.max_sequence_length < 1:
+            raise ConfigError(f"model.max_sequence_length={self.max_sequence_length} must be >= 1 (tokens)")
         if not self.hf_dir:
             raise ConfigError(
                 "model.hf_dir is empty: point it at an HF model folder (config.json + tokenizer + "
@@ -73,6 +78,14 @@ class OptimConfig:
                 f"optim: lr={self.lr} must be > 0, warmup_steps={self.warmup_steps} >= 0, "
                 f"clip_grad={self.clip_grad} >= 0"
             )
+        for name in ("adam_beta1", "adam_beta2"):
+            if not 0.0 <= getattr(self, name) < 1.0:
+                raise ConfigError(f"optim.{name}={getattr(self, name)} must be in [0, 1) (0.9 / 0.999)")
+        if self.adam_eps <= 0 or self.weight_decay < 0:
+            raise ConfigError(
+                f"optim.adam_eps={self.adam_eps} must be > 0 (1e-8) and optim.weight_decay="
+                f"{self.weight_decay} >= 0"
+            )
 
 
 @dataclass
@@ -93,6 +106,7 @@ class RolloutConfig:
     reward_fns: dict[str, str] = field(default_factory=dict)  # extra verifiers: kind -> "module:function"
     reward_workers: int = 2  # processes scoring rewards (0 = threads in the trainer process)
     reward_timeout_s: float = 10.0  # per-sample reward timeout; a timeout gives reward 0 (counted)
+    reward_import_timeout_s: float = 120.0  # a reward module whose import takes longer fails the start
 
     def __post_init__(self) -> None:
         if self.prompts_per_step < 1 or self.group_size < 2:
@@ -105,6 +119,23 @@ class RolloutConfig:
                 f"rollout: temperature={self.temperature} must be > 0, top_p={self.top_p} in (0, 1], "
                 f"max_new_tokens={self.max_new_tokens} >= 1"
             )
+        if (self.top_k != -1 and self.top_k < 1) or self.max_batch_size < 1:
+            raise ConfigError(
+                f"rollout.top_k={self.top_k} must be -1 (off) or >= 1, rollout.max_batch_size="
+                f"{self.max_batch_size} >= 1"
+            )
+        if self.reward_workers < 0 or self.reward_timeout_s <= 0 or self.reward_import_timeout_s <= 0:
+            raise ConfigError(
+                f"rollout.reward_workers={self.reward_workers} must be >= 0 (0 = threads), "
+                f"rollout.reward_timeout_s={self.reward_timeout_s} and rollout.reward_import_timeout_s="
+                f"{self.reward_import_timeout_s} > 0 (seconds)"
+            )
+        for kind, target in self.reward_fns.items():
+            module, sep, name = target.partition(":")
+            if not (sep and module and name):
+                raise ConfigError(
+                    f"rollout.reward_fns.{kind}: {target!r} must look like 'package.module:function'"
+                )
         if self.engine == "sglang" and self.sglang is None:
             raise ConfigError(
                 "rollout.engine=sglang needs a rollout.sglang section (at least model_path, the HF folder "
@@ -133,6 +164,8 @@ class TeacherConfig:
     def __post_init__(self) -> None:
         if not 0.0 <= self.ema_alpha <= 1.0:
             raise ConfigError(f"teacher.ema_alpha={self.ema_alpha} must be in [0, 1] (paper: 0.05)")
+        if self.max_prompt_tokens < 1:
+            raise ConfigError(f"teacher.max_prompt_tokens={self.max_prompt_tokens} must be >= 1")
         for key in ("{user_prompt}", "{sibling_response}"):
             if key not in self.solution_template:
                 raise ConfigError(f"teacher.solution_template must contain {key}")
@@ -153,6 +186,8 @@ class TrainLoopConfig:
         False  # evaluate before the first and after the last step (eval.every_n_steps between)
     )
     eval_greedy: bool = True  # with each evaluation also report greedy accuracy (temperature 0, k = 1)
+    # with eval_at_ends: also evaluate the starting weights (False: a study shares one step-0 evaluation)
+    eval_at_start: bool = True
 
     def __post_init__(self) -> None:
         if self.max_tokens_per_micro_batch < 0:
@@ -181,6 +216,8 @@ class TrainConfig:
     teacher: TeacherConfig = field(default_factory=TeacherConfig)
     train: TrainLoopConfig = field(default_factory=TrainLoopConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
+    performance: PerformanceConfig = field(default_factory=PerformanceConfig)  # GPU kernels, recompute
+    moe: MoEConfig = field(default_factory=MoEConfig)  # router/expert controls (MoE policies only)
 
     def __post_init__(self) -> None:
         if abs(self.loss.temperature - self.rollout.temperature) > 1e-12:

@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 
 from srpo_megatron.losses import Normalizers, global_normalizers, routed_loss
+from srpo_megatron.models import performance as perf_choice
 from srpo_megatron.trainer.batches import ScoredBatch, micro_batches_for, student_sequences
 from srpo_megatron.trainer.policy import Policy
 from srpo_megatron.trainer.schedule import run_schedule
@@ -64,6 +65,7 @@ def train_mini_batch(policy: Policy, scored: ScoredBatch) -> StepStats:
     skipped, grad_norm = 0.0, float("nan")
     if finite or not cfg.train.skip_nonfinite:
         ok, norm, _ = policy.optimizer.step()
+        perf_choice.finish_param_gather(policy.ddp)  # full weights before EMA / sync / save read them
         grad_norm = float(norm) if norm is not None else float("nan")
         skipped = 0.0 if ok and math.isfinite(grad_norm) else 1.0
     else:

@@ -13,47 +13,19 @@ the warm-up still lasts 10 rollout batches (not 2.5). All mini-batches of a roll
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 
 from srpo_megatron.conversion.checkpoint import load_policy_checkpoint
 from srpo_megatron.conversion.safetensors_io import HFCheckpointReader
 from srpo_megatron.conversion.table import ConversionTable
 from srpo_megatron.conversion.weights import load_hf_weights
+from srpo_megatron.models import performance as perf_choice
 from srpo_megatron.models.architecture import Architecture, padded_vocab_size
+from srpo_megatron.models.performance import Accelerators
 from srpo_megatron.models.policy import build_policy
 from srpo_megatron.parallel import ParallelGroups
 from srpo_megatron.trainer.config import TrainConfig
 from srpo_megatron.trainer.teacher import EmaTeacher, fp32_main_params
-
-_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
-
-
-def ddp_and_optimizer_configs(cfg: TrainConfig, dtype: torch.dtype) -> tuple[Any, Any]:
-    """megatron's ``DistributedDataParallelConfig`` and ``OptimizerConfig`` for this run (the one place
-    precision and overlap settings enter the DDP wrapper and the optimizer)."""
-    from megatron.core.distributed import DistributedDataParallelConfig
-    from megatron.core.optimizer import OptimizerConfig
-
-    o, bf16 = cfg.optim, dtype == torch.bfloat16
-    ddp = DistributedDataParallelConfig(
-        grad_reduce_in_fp32=True, use_distributed_optimizer=cfg.parallel.distributed_optimizer
-    )
-    opt = OptimizerConfig(
-        optimizer="adam",
-        lr=o.lr,
-        min_lr=o.lr,
-        weight_decay=o.weight_decay,
-        adam_beta1=o.adam_beta1,
-        adam_beta2=o.adam_beta2,
-        adam_eps=o.adam_eps,
-        clip_grad=o.clip_grad,
-        bf16=bf16,
-        params_dtype=dtype,
-        use_distributed_optimizer=cfg.parallel.distributed_optimizer,
-    )
-    return ddp, opt
 
 
 class Policy:
@@ -66,21 +38,35 @@ class Policy:
         self.cfg, self.groups, self.device = cfg, groups, groups.device
         self.arch = Architecture.from_hf(cfg.model.hf_dir)
         self.table = ConversionTable(self.arch)
-        dtype = _DTYPES[cfg.model.params_dtype]
-        overrides: dict[str, Any] = {"bf16": True} if dtype == torch.bfloat16 else {}
+        # GPU defaults (bf16 + fp32 main params, TE spec, SP, fusions, overlap, recompute): performance.py
+        acc, perf = Accelerators.detect(), cfg.performance
+        dtype = perf_choice.params_dtype(cfg.model.params_dtype, acc)
+        sp = perf_choice.sequence_parallel(cfg.parallel.sequence_parallel, groups.tp_size, acc)
+        overrides = perf_choice.transformer_overrides(perf, sequence_parallel=sp, acc=acc)
+        use_te = perf_choice.use_transformer_engine(perf, acc)
         build = lambda: build_policy(  # noqa: E731
-            self.arch, params_dtype=dtype, max_sequence_length=cfg.model.max_sequence_length, **overrides
+            self.arch,
+            params_dtype=dtype,
+            max_sequence_length=cfg.model.max_sequence_length,
+            use_te=use_te,
+            **overrides,
         )
         torch.manual_seed(cfg.run.seed)
         self.model = build()
         self._load_initial(self.model)
         self.model.to(self.device)
         self.tconfig = self.model.config
-        ddp_config, optimizer_config = ddp_and_optimizer_configs(cfg, dtype)
+        # The one place precision and overlap settings enter the DDP wrapper and the optimizer.
+        ddp_config = perf_choice.ddp_config(
+            perf, distributed_optimizer=cfg.parallel.distributed_optimizer, acc=acc
+        )
         self.ddp = DistributedDataParallel(self.tconfig, ddp_config, self.model)
         # Megatron's schedules reduce grads over DP (and tied embeddings over PP) only via this hook.
         self.tconfig.finalize_model_grads_func = finalize_model_grads
-        self.optimizer = get_megatron_optimizer(optimizer_config, [self.ddp])
+        perf_choice.wire_overlap(self.tconfig, self.ddp)
+        self.optimizer = get_megatron_optimizer(
+            perf_choice.optimizer_config(cfg.optim, dtype=dtype, ddp=ddp_config), [self.ddp]
+        )
         self.scheduler = self._build_scheduler()
         self.teacher: EmaTeacher | None = None
         if cfg.loss.mode != "grpo":

@@ -120,6 +120,8 @@ def collect_rollouts(
         "route/sdpo_frac": routing.to_sdpo.double().mean().item(),
         "route/fallback_frac": fallback,
         "route/has_teacher_frac": routing.has_teacher.double().mean().item(),
+        # samples that take the SDPO loss under the mode (= sdpo_frac in srpo; differs in the SDPO modes)
+        "route/sdpo_loss_frac": sdpo.double().mean().item(),
         "samples/routed_to_teacher": float(sum(s.needs_teacher for s in samples)),
         "response/length_mean": lengths.mean().item(),
         "response/length_max": lengths.max().item(),
@@ -156,8 +158,11 @@ class RolloutService:
         self.rank0 = not dist.is_initialized() or dist.get_rank() == 0
         self._build = lambda: build_engine(cfg.rollout, cfg.model)
         self.engine = self._build() if self.rank0 else None
+        r = cfg.rollout
         self.rewards = (
-            RewardPool(cfg.rollout.reward_workers, cfg.rollout.reward_timeout_s) if self.rank0 else None
+            RewardPool(r.reward_workers, r.reward_timeout_s, import_timeout_s=r.reward_import_timeout_s)
+            if self.rank0
+            else None
         )
         self.version = 0
         self.restarts = 0

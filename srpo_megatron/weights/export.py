@@ -15,6 +15,14 @@ The one place that turns the trainer's sharded parameters into what a rollout en
   model copy.
 
 The tied ``output_layer`` of the last stage is skipped: the embedding (first stage) carries it.
+
+MoE experts live elsewhere: each EP rank holds ``E / ep`` whole experts, each split over the ETP group,
+replicated over the expert-data-parallel group (not the DP group). An expert parameter (local index ``j``) is
+gathered first over ETP onto ETP rank 0 (merged like any TP shard), then over EP onto the stage sender,
+which thereby receives global experts ``j, j + E/ep, ...`` (one tensor per EP rank): the sender holds at
+most ``bucket_bytes`` plus ``ep`` experts' tensors. The stage sender is the lowest rank of its stage,
+hence rank 0 of its ETP, EP and expert-DP groups. Only expert-DP replica 0 takes part in expert gathers,
+only DP replica 0 in the others.
 """
 
 from __future__ import annotations
@@ -27,7 +35,7 @@ import torch
 import torch.distributed as dist
 
 from srpo_megatron.conversion.table import ConversionTable, merge_tp_shards
-from srpo_megatron.conversion.weights import rank_param_name, stage_layer_offset
+from srpo_megatron.conversion.weights import rank_param_name, stage_expert_offset, stage_layer_offset
 from srpo_megatron.parallel import ParallelGroups
 from srpo_megatron.weights.buckets import PendingParam
 
@@ -46,12 +54,12 @@ def _unwrap(model: torch.nn.Module) -> torch.nn.Module:
 def stage_param_names(model: torch.nn.Module, table: ConversionTable) -> list[tuple[str, str]]:
     """``(local name, global table name)`` of the parameters this stage exports, in model order."""
     model = _unwrap(model)
-    offset = stage_layer_offset(model)
+    offset, expert_offset = stage_layer_offset(model), stage_expert_offset(table)
     out = []
     for local_name, _ in model.named_parameters():
         if local_name == "output_layer.weight" and table.arch.tie_embeddings:
             continue
-        out.append((local_name, rank_param_name(table, local_name, offset)))
+        out.append((local_name, rank_param_name(table, local_name, offset, expert_offset)))
     return out
 
 
@@ -66,15 +74,20 @@ def iter_stage_params(
     """
     model = _unwrap(model)
     params = dict(model.named_parameters())
-    if groups.dp_rank != 0:  # whole TP groups share a DP rank: replicas simply do not take part
-        return
     for local_name, name in stage_param_names(model, table):
+        expert = table.partition(name).expert
+        # Replicas simply do not take part: whole TP groups share a DP rank, whole EP x ETP groups an
+        # expert-DP rank.
+        if (groups.edp_rank if expert else groups.dp_rank) != 0:
+            continue
         param = params[local_name].detach()
         nbytes = 0
         if is_stage_sender(groups):
             size = (dtype or param.dtype).itemsize
             nbytes = sum(math.prod(table.hf_shape(h)) * size for h in table.hf_names_for(name))
-        yield PendingParam(name, nbytes, functools.partial(_fetch, table, groups, name, param, dtype))
+            nbytes *= groups.ep_size if expert else 1
+        fetch = _fetch_expert if expert else _fetch
+        yield PendingParam(name, nbytes, functools.partial(fetch, table, groups, name, param, dtype))
 
 
 @torch.no_grad()
@@ -106,6 +119,41 @@ def _fetch(
     converted = table.to_hf(name, full)
     del full  # fused tensors were split into copies: keep alive only what is returned
     return [(h, (t if dtype is None else t.to(dtype)).contiguous()) for h, t in converted]
+
+
+@torch.no_grad()
+def _fetch_expert(
+    table: ConversionTable, groups: ParallelGroups, name: str, param: torch.Tensor, dtype: torch.dtype | None
+) -> list[tuple[str, torch.Tensor]]:
+    """Gather one local expert parameter over ETP, then that expert index of every EP rank onto the sender."""
+    part = table.partition(name)
+    full = param
+    if groups.etp_size > 1:
+        shards = [torch.empty_like(param) for _ in range(groups.etp_size)] if groups.etp_rank == 0 else None
+        dist.gather(param.contiguous(), shards, dst=dist.get_global_rank(groups.etp, 0), group=groups.etp)
+        if groups.etp_rank != 0:
+            return []
+        full = merge_tp_shards(shards, part)
+        del shards
+    experts = [full]
+    if groups.ep_size > 1:
+        experts = [torch.empty_like(full) for _ in range(groups.ep_size)] if groups.ep_rank == 0 else None
+        dist.gather(full.contiguous(), experts, dst=dist.get_global_rank(groups.ep, 0), group=groups.ep)
+        if groups.ep_rank != 0:
+            return []
+    del full
+    # This rank's name carries its own (EP rank 0's) global expert index j; EP rank r sent expert j + r*E/ep.
+    per_rank = table.arch.num_experts // groups.ep_size
+    first = int(name.split(".local_experts.")[1].split(".")[0])
+    prefix, suffix = name.split(".local_experts.")[0], name.split(".local_experts.")[1].split(".", 1)[1]
+    out = []
+    for r, tensor in enumerate(experts):
+        global_name = f"{prefix}.local_experts.{first + r * per_rank}.{suffix}"
+        out.extend(
+            (h, (t if dtype is None else t.to(dtype)).contiguous())
+            for h, t in table.to_hf(global_name, tensor)
+        )
+    return out
 
 
 def iter_stage_hf_tensors(

@@ -93,6 +93,7 @@ def run_policy(
     hf_state: dict[str, torch.Tensor] | None = None,
     ckpt_dir: str | None = None,
     backward: bool = True,
+    config_overrides: dict | None = None,
 ) -> tuple[list[torch.Tensor] | None, dict[str, torch.Tensor]]:
     """On this rank: build the policy, load weights, run the schedule. Returns (logits per micro-batch on the
     last stage's TP rank 0 else None, this stage's full gradients in HF names on TP rank 0 else {})."""
@@ -114,7 +115,7 @@ def run_policy(
     initialize_model_parallel(tp, pp)
     arch = Architecture.from_hf(hf_config)
     table = ConversionTable(arch)
-    model = build_policy(arch, parallel_output=False)
+    model = build_policy(arch, parallel_output=False, **(config_overrides or {}))
     if ckpt_dir is not None:
         load_policy_checkpoint(model, ckpt_dir)
     else:

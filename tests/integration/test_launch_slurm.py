@@ -11,6 +11,8 @@ so launching, failure reporting, cancel + resubmit and preemption requeue are ch
 
 from __future__ import annotations
 
+import dataclasses
+import hashlib
 import json
 import os
 import re
@@ -163,6 +165,32 @@ def test_preempted_job_is_requeued_and_resumes(tmp_path):
     resumed_after = int(re.search(r"resuming after step (\d+)", restart_log).group(1))
     assert resumed_after >= preempted_at >= 2  # continued from its checkpoint, not from step 1
     assert steps[-(15 - resumed_after) :] == list(range(resumed_after + 1, 16))  # the restarted run's steps
+
+
+def test_cluster_secret_reaches_the_job_but_no_log(tmp_path, capsys):
+    """A token in the cluster file's env is exported in the job, yet neither the dry run, the batch
+    script's own log (nemo-run traces it with set -x) nor the job's output shows it."""
+    secret, listed = "hf_ci_s3cr3t_4f9a2b7c", "listed-ci-credential-81d3"
+    env = {"HF_TOKEN": secret, "MY_CRED": listed, "PLAIN_SETTING": "visible-value"}
+    cluster = dataclasses.replace(load_cluster("ci"), env=env, secrets=["MY_CRED"])
+    request = _probe(
+        tmp_path / "run", "--steps", "1", "--require-env", "HF_TOKEN", "--require-env", "MY_CRED"
+    )
+    dry = submit(cluster, request, dryrun=True).script
+    assert secret not in dry and listed not in dry and "export HF_TOKEN='<redacted>'" in dry
+
+    exp = jobs.load_experiment(submit(cluster, request).experiment_id)
+    infos = jobs.wait(exp, timeout=120)
+    jobs.check_completed(exp, infos)
+    job_log = jobs.read_logs(exp, infos[0])
+    batch_logs = sorted(Path(infos[0].job_dir).glob(f"sbatch_*_{infos[0].job_id}.out"))
+    assert batch_logs, f"no batch log in {infos[0].job_dir}"
+    batch_log = "".join(p.read_text() for p in batch_logs)
+    assert "PLAIN_SETTING=visible-value" in batch_log, "the batch log is expected to trace the exports"
+    for digest_of, value in (("HF_TOKEN", secret), ("MY_CRED", listed)):
+        digest = hashlib.sha256(value.encode()).hexdigest()[:16]
+        assert f"probe: {digest_of} is set (sha256 {digest})" in job_log  # delivered intact ...
+        assert value not in job_log and value not in batch_log  # ... and never echoed
 
 
 # ---- the real trainer (`srpo train`, examples/tiny_cpu_test.yaml) -------------------------------------

@@ -149,7 +149,12 @@ def ref_routed_loss(
             return (not to_sdpo), to_sdpo
         if cfg.mode in ("grpo", "advantage_mix"):
             return True, False
-        return False, has_teacher  # sdpo
+        if cfg.mode == "sdpo_incorrect_only":
+            return False, (not _correct) and has_teacher
+        if cfg.mode == "sdpo_correct_only":
+            return False, _correct and has_teacher
+        assert cfg.mode == "sdpo", cfg.mode
+        return False, has_teacher
 
     sdpo_tokens = [t for t in range(t_rows) if mask[t] and routes_of(sample_of_token[t])[1]]
     w_raw = {t: math.exp(-cfg.beta * float(h_t[t])) for t in sdpo_tokens}

@@ -8,7 +8,7 @@ from srpo_megatron.cli import build_parser, main
 def test_subcommands_are_exactly_these():
     parser = build_parser()
     sub = next(a for a in parser._actions if a.dest == "command")
-    assert sorted(sub.choices) == ["doctor", "eval", "jobs", "launch", "plot", "train"]
+    assert sorted(sub.choices) == ["doctor", "eval", "jobs", "launch", "plan", "plot", "train"]
     args = parser.parse_args(["train", "r.yaml", "-o", "train.steps=3", "--override", "loss.mode=grpo"])
     assert args.override == ["train.steps=3", "loss.mode=grpo"]
 
@@ -34,7 +34,24 @@ def test_bad_override_syntax(tmp_path, capsys):
     assert "must look like section.key=value" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("cmd", [["plot"], ["eval", "r.yaml"]])
+def test_plan_and_launch_flags():
+    parser = build_parser()
+    args = parser.parse_args(
+        ["plan", "r.yaml", "--cluster", "h100", "--nodes", "2", "--json", "-o", "parallel.tp=8"]
+    )
+    assert (args.recipe, args.cluster, args.nodes, args.json, args.override) == (
+        "r.yaml",
+        "h100",
+        2,
+        True,
+        ["parallel.tp=8"],
+    )
+    assert args.gpu_memory_gib is None
+    assert parser.parse_args(["launch", "r.yaml", "--cluster", "h100", "--force"]).force is True
+    assert parser.parse_args(["launch", "r.yaml", "--cluster", "h100"]).force is False
+
+
+@pytest.mark.parametrize("cmd", [["plot"], ["eval", "r.yaml"], ["plan", "r.yaml"]])
 def test_required_arguments(cmd):
     with pytest.raises(SystemExit):
         build_parser().parse_args(cmd)

@@ -111,3 +111,21 @@ def test_disable_restores_everything():
     assert torch.ones(1).type() == "torch.FloatTensor"
     if was_active:
         compat.enable_cpu_compat()
+
+
+def test_current_stream_waits_are_noops_and_restored():
+    """megatron-core 0.19's DDP grad sync calls ``torch.cuda.current_stream().wait_event(...)``
+    (tests/unit/test_mcore_versions.py pins that call per version)."""
+    was_active = compat.cpu_compat_active()
+    original = torch.cuda.current_stream
+    compat.enable_cpu_compat()
+    try:
+        stream = torch.cuda.current_stream()
+        stream.wait_event(object())
+        stream.wait_stream(torch.cuda.current_stream())
+        stream.synchronize()
+    finally:
+        if not was_active:
+            compat.disable_cpu_compat()
+    if not was_active:
+        assert torch.cuda.current_stream is original

@@ -12,7 +12,7 @@ from srpo_megatron.rewards import get_reward_fn
 
 def reference_answer(prompt: str) -> int:
     """Worked out independently from the prompt text (not from the generator's key)."""
-    m = re.search(r"(?:What is|Compute|Calculate) (.+?)[?.] Answer", prompt)
+    m = re.search(r"(?:What is|Compute|Calculate) (.+?)[?.] (?:Answer|Think)", prompt)
     if m:
         expr = m.group(1)
         assert re.fullmatch(r"[\d\s+\-*()]+", expr)
@@ -27,7 +27,7 @@ def reference_answer(prompt: str) -> int:
     raise AssertionError(f"unrecognised prompt {prompt!r}")
 
 
-@pytest.mark.parametrize("difficulty", [0, 1, 2, 3])
+@pytest.mark.parametrize("difficulty", [0, 1, 2, 3, 4])
 def test_answers_are_exact_and_verifiable(difficulty):
     rows = generate_arithmetic_rows("train", 200, difficulty, seed=5)
     assert len(rows) == 200
@@ -38,7 +38,7 @@ def test_answers_are_exact_and_verifiable(difficulty):
         assert get_reward_fn("arithmetic")(r["answer"], r["answer"]) == 1.0
 
 
-@pytest.mark.parametrize("difficulty", [0, 1, 2, 3])
+@pytest.mark.parametrize("difficulty", [0, 1, 2, 3, 4])
 def test_train_and_held_out_never_overlap(difficulty):
     train_keys, test_keys = set(), set()
     for seed in range(4):
@@ -61,3 +61,22 @@ def test_seeded_and_distinct_and_difficulty_changes_the_problems():
     assert max(int(r["answer"]) for r in easy) <= 40 < max(int(r["answer"]) for r in hard)
     with pytest.raises(ValueError, match="difficulty=9"):
         generate_arithmetic_rows("train", 1, 9)
+
+
+def test_reasoning_prompt_same_problems_other_instruction():
+    plain = generate_arithmetic_rows("test", 40, 4, seed=3)
+    think = generate_arithmetic_rows("test", 40, 4, seed=3, reasoning=True)
+    assert [r["key"] for r in plain] == [r["key"] for r in think]
+    assert [r["answer"] for r in plain] == [r["answer"] for r in think]
+    for r in think:
+        assert r["prompt"].endswith("? Think step by step, then give the final number.")
+        assert "Answer with just" not in r["prompt"]
+        assert int(r["answer"]) == reference_answer(r["prompt"])
+
+
+def test_level4_holds_enough_distinct_held_out_problems_for_the_study():
+    # The study evaluates on >= 256 distinct held-out problems; level 0 has only ~60 of them.
+    rows = generate_arithmetic_rows("test", 300, 4, seed=0)
+    assert len({r["key"] for r in rows}) == 300
+    assert max(int(r["answer"]) for r in rows) <= 100
+    assert len({r["key"] for r in generate_arithmetic_rows("test", 300, 0, seed=0)}) < 100

@@ -113,7 +113,7 @@ def test_git_shipped_recipe_must_be_committed(tmp_path, capsys):
     recipe.write_text("train: {steps: 1}\n")
     try:
         args = ["launch", str(recipe.relative_to(REPO)), "--cluster", "h100", "--dryrun"]
-        assert commands.main([*args, "--home", str(tmp_path)]) == 1
+        assert commands.main([*args, "--home", str(tmp_path)]) == 2
     finally:
         recipe.unlink()
     assert "is not committed" in capsys.readouterr().err
@@ -134,7 +134,7 @@ def test_cli_reports_oversized_request(tmp_path, capsys):
             str(tmp_path),
         ]
     )
-    assert rc == 1
+    assert rc == 2
     assert "needs 65 nodes" in capsys.readouterr().err
 
 

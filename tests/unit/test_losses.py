@@ -32,7 +32,7 @@ from tests.unit.losses_reference import (
 )
 from tests.unit.losses_scenario import build_batch, make_problem, ref_cfg
 
-MODES = ["srpo", "grpo", "sdpo", "srpo_no_dw", "advantage_mix"]
+MODES = ["srpo", "grpo", "sdpo", "srpo_no_dw", "sdpo_incorrect_only", "sdpo_correct_only", "advantage_mix"]
 
 
 def digest(t: torch.Tensor) -> str:
@@ -331,3 +331,26 @@ def test_routed_loss_metrics_are_consistent_sums():
     assert totals["sdpo_tokens"] == norm.num_sdpo_tokens
     assert abs(totals["raw_weight_sum"] - norm.sum_raw_weights) < 1e-9
     assert abs((totals["grpo_loss_sum"] + totals["sdpo_loss_sum"]) / valid - loss_sum) < 1e-12
+
+
+def test_fig1b_modes_add_up_to_pure_sdpo():
+    # Same denominator, no dynamic weights: L_sdpo = L_incorrect_only + L_correct_only, value and gradient.
+    prob = make_problem(seed=10)
+    parts = [
+        _ours(prob, LossConfig(mode=m, top_k=4), 2) for m in ("sdpo_incorrect_only", "sdpo_correct_only")
+    ]
+    whole, g_whole = _ours(prob, LossConfig(mode="sdpo", top_k=4), 2)
+    assert parts[0][0] > 0 and parts[1][0] > 0
+    assert abs(parts[0][0] + parts[1][0] - whole) <= 1e-12 * abs(whole)
+    assert rel_err(parts[0][1] + parts[1][1], g_whole) < 1e-12
+
+
+@pytest.mark.parametrize("mode", ["sdpo", "sdpo_incorrect_only", "sdpo_correct_only"])
+def test_teacher_entropy_is_logged_in_every_sdpo_mode(mode):
+    cfg = LossConfig(mode=mode, top_k=4)
+    prob = make_problem(seed=11)
+    batch = build_batch(prob, cfg, prob.student, prob.teacher)
+    _, m = routed_loss(prob.student, batch, global_normalizers([batch], cfg.beta), cfg)
+    rows = batch.sdpo & batch.mask
+    assert abs(float(m["teacher_entropy_sum"]) - float(batch.teacher_entropy[rows].sum())) < 1e-9
+    assert float(m["teacher_entropy_sum"]) > 0 and "raw_weight_sum" not in m

@@ -67,3 +67,31 @@ def test_routing_masks_per_mode():
     assert bool(grpo.all()) and not bool(sdpo.any()) and not bool(teacher.any())
     grpo, sdpo, teacher = routing_masks(r, "advantage_mix")
     assert bool(grpo.all()) and not bool(sdpo.any()) and teacher.tolist() == r.has_teacher.tolist()
+
+
+def test_fig1b_modes_split_pure_sdpo_into_wrong_and_correct_samples():
+    # Group 0: two correct (0, 2) -> both have a teacher (each other); wrong 1 has teacher 0.
+    # Group 1: one correct (1) -> it has no other correct sibling; wrong 0 and 2 have teacher 1.
+    # Group 2: all wrong -> nobody has a teacher. Group 3: all correct -> every sample has a teacher.
+    r = route(torch.tensor([[1.0, 0.0, 1.0], [0.0, 1.0, 0.0], [0.0, 0.0, 0.0], [1.0, 1.0, 1.0]]))
+    grpo, sdpo, teacher = routing_masks(r, "sdpo_incorrect_only")
+    assert sdpo.tolist() == [[F, T, F], [T, F, T], [F, F, F], [F, F, F]]
+    assert teacher.tolist() == sdpo.tolist() and not bool(grpo.any())  # no GRPO fallback
+    grpo, sdpo, teacher = routing_masks(r, "sdpo_correct_only")
+    assert sdpo.tolist() == [[T, F, T], [F, F, F], [F, F, F], [T, T, T]]
+    assert teacher.tolist() == sdpo.tolist() and not bool(grpo.any())
+    # The correct samples' teacher context is another correct sibling, never the sample itself.
+    assert r.sibling.tolist()[0] == [2, 0, 0] and r.sibling.tolist()[3] == [1, 0, 0]
+    sib, rows = r.sibling[sdpo], sdpo.nonzero()
+    assert bool((sib != rows[:, 1]).all()) and bool(r.correct[rows[:, 0], sib].all())
+    # Together the two restrictions are exactly pure SDPO, and they never overlap.
+    inc = routing_masks(r, "sdpo_incorrect_only")[1]
+    cor = routing_masks(r, "sdpo_correct_only")[1]
+    assert not bool((inc & cor).any()) and (inc | cor).tolist() == routing_masks(r, "sdpo")[1].tolist()
+
+
+def test_unknown_mode_names_the_choices():
+    import pytest
+
+    with pytest.raises(ValueError, match="sdpo_correct_only"):
+        routing_masks(route(torch.tensor([[1.0, 0.0]])), "sdpo_only_correct")

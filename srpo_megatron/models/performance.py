@@ -1,0 +1,328 @@
+"""How the policy runs fast on GPUs: precision, layer spec, fusions, sequence parallel, recompute, overlap.
+
+The choices are pure functions of the typed recipe and of what this process can use
+(:class:`Accelerators`: CUDA, Transformer Engine, apex's fused weight-gradient kernel, a ``torch.compile``
+backend). ``Accelerators.detect()`` looks once; tests pass a simulated one, so every GPU branch is chosen
+and checked on CPU. Each function returns exactly what megatron-core takes (``TransformerConfig`` keyword
+overrides, ``DistributedDataParallelConfig``, ``OptimizerConfig``), field names as in megatron-core 0.16.1.
+
+What is chosen when CUDA is present (``auto`` everywhere):
+
+- **Precision.** bf16 parameters and activations; megatron's mixed-precision optimizer keeps fp32 main
+  parameters and fp32 main gradients (``OptimizerConfig(bf16=True)``; ``main_params_dtype`` and
+  ``main_grads_dtype`` stay fp32, which megatron requires without the precision-aware optimizer), and the
+  DDP gradient buffers reduce in fp32 (``grad_reduce_in_fp32``). On CPU the default stays fp32.
+- **Layer spec.** Transformer Engine's (fused LayerNorm-linear, TE attention that dispatches to flash or
+  cuDNN fused attention) when TE imports; otherwise the local spec with SDPA core attention.
+- **Sequence parallel** when TP > 1 (activations outside the TP regions are split along the sequence;
+  norms and dropout work on ``S/TP`` rows). The local spec gets SP-aware norms (``models/norms.py``), so
+  it runs without TE too; on CPU gloo it matches the HF model at TP2 (tests/dist), but the trainer refuses
+  it on CPU (one backward allocation escapes the CPU layer; see :func:`sequence_parallel`).
+- **Fusions**, each only where its kernel exists: gradient-accumulation fusion needs apex's
+  ``fused_weight_gradient_mlp_cuda`` (megatron's own linears, e.g. the output layer, raise without it
+  even under the TE spec); RoPE fusion needs TE's ``fused_apply_rotary_pos_emb``; the SwiGLU
+  bias-activation and bias-dropout-add fusions are megatron's ``jit_fuser`` (``torch.compile``) kernels,
+  used on CUDA only (on CPU they would compile C++ for no gain and change the reference numerics).
+- **Overlap** of the gradient reduce-scatter with backward and of the parameter all-gather with forward,
+  with the distributed optimizer. With ``overlap_param_gather`` the all-gather after an optimizer step is
+  deferred to the next forward's pre-hooks, so anything that reads full parameters between a step and the
+  next forward (EMA teacher update, weight sync to the rollout engine, checkpoint) must call
+  :func:`finish_param_gather` first.
+- **Activation recompute** is a recipe choice (``performance.recompute``): ``selective`` recomputes the
+  listed submodules (default core attention), ``full`` whole layers by ``uniform``/``block`` method.
+
+Optimizer state across devices (CPU <-> GPU resume): ``dist_checkpointing`` (torch_dist) stores tensors
+as bytes and reads them into the *loading* model's sharded state dict, whose tensors live on the loading
+rank's device, and the common state is read with ``map_location='cpu'``; so policy, teacher and optimizer
+state move between CPU and GPU. What does not move is the RNG tracker state: a CUDA generator state and
+the CPU layer's stand-in generator have different sizes. ``trainer/checkpoint.py`` records the device
+kind with the RNG states and, on a mismatch, reseeds the tracker from the recipe seed with a warning
+naming the cause (see :func:`rng_states_compatible`).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import warnings
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Literal
+
+from srpo_megatron.configs import ConfigError
+
+if TYPE_CHECKING:  # torch is imported lazily: recipes load (trainer/config.py) without it
+    import torch
+
+RECOMPUTE_MODULES = ("core_attn", "layernorm", "mlp")  # dense-model submodules megatron can recompute
+
+
+@dataclass
+class PerformanceConfig:
+    """Speed choices (recipe section ``performance``); ``auto`` = on when this machine can (module doc)."""
+
+    layer_spec: Literal["auto", "te", "local"] = "auto"  # auto = Transformer Engine's when it imports
+    fusions: Literal["auto", "off"] = "auto"  # auto = grad-accum / RoPE / bias-activation where available
+    overlap_comm: Literal["auto", "on", "off"] = "auto"  # overlap grad reduce / param gather (dist. optim.)
+    recompute: Literal["none", "selective", "full"] = "none"  # activation recompute granularity
+    recompute_method: Literal["uniform", "block"] = "uniform"  # full: layers per chunk / first N per stage
+    recompute_num_layers: int = 1  # full: layers per recompute chunk (uniform) or recomputed layers (block)
+    recompute_modules: list[str] = field(default_factory=lambda: ["core_attn"])  # selective: submodules
+
+    def __post_init__(self) -> None:
+        if self.recompute_num_layers < 1:
+            raise ConfigError(
+                f"performance.recompute_num_layers={self.recompute_num_layers} must be >= 1 (layers per "
+                "recompute chunk for method uniform, layers recomputed per stage for method block)"
+            )
+        bad = sorted(set(self.recompute_modules) - set(RECOMPUTE_MODULES))
+        if bad or (self.recompute == "selective" and not self.recompute_modules):
+            raise ConfigError(
+                f"performance.recompute_modules={self.recompute_modules}: choose a non-empty subset of "
+                f"{list(RECOMPUTE_MODULES)} (core_attn is the usual choice)"
+            )
+
+
+@dataclass(frozen=True)
+class Accelerators:
+    """What this process can use. ``detect()`` looks; tests construct one to simulate a GPU machine."""
+
+    cuda: bool  # torch sees a CUDA device
+    transformer_engine: bool  # transformer_engine imports (needs a CUDA driver)
+    apex_grad_accum: bool  # apex's fused_weight_gradient_mlp_cuda imports (gradient-accumulation fusion)
+    te_rope: bool  # megatron bound TE's fused_apply_rotary_pos_emb (RoPE fusion)
+    torch_compile: bool  # torch.compile can build GPU kernels (triton present): megatron's jit fusions
+
+    @classmethod
+    def detect(cls) -> Accelerators:
+        import torch
+
+        from srpo_megatron.models.policy import transformer_engine_available
+
+        cuda = torch.cuda.is_available()
+        te = cuda and transformer_engine_available()
+        te_rope = False
+        if te:
+            from megatron.core.models.common.embeddings import rope_utils
+
+            te_rope = rope_utils.fused_apply_rotary_pos_emb is not None
+        return cls(
+            cuda=cuda,
+            transformer_engine=te,
+            apex_grad_accum=cuda and importlib.util.find_spec("fused_weight_gradient_mlp_cuda") is not None,
+            te_rope=te_rope,
+            torch_compile=cuda and importlib.util.find_spec("triton") is not None,
+        )
+
+    @classmethod
+    def none(cls) -> Accelerators:
+        """A CPU-only process."""
+        return cls(
+            cuda=False, transformer_engine=False, apex_grad_accum=False, te_rope=False, torch_compile=False
+        )
+
+
+def params_dtype(choice: str, acc: Accelerators) -> torch.dtype:
+    """``model.params_dtype``: ``auto`` = bf16 on CUDA (fp32 main params in the optimizer), fp32 on CPU."""
+    import torch
+
+    if choice == "auto":
+        return torch.bfloat16 if acc.cuda else torch.float32
+    return {"fp32": torch.float32, "bf16": torch.bfloat16}[choice]
+
+
+def use_transformer_engine(perf: PerformanceConfig, acc: Accelerators) -> bool:
+    """TE layer spec: ``auto`` when TE imports; ``te`` without TE is an error naming the fix."""
+    if perf.layer_spec == "te" and not acc.transformer_engine:
+        raise ConfigError(
+            "performance.layer_spec=te but transformer_engine does not import here (it needs CUDA and a "
+            "TE install, e.g. an NGC PyTorch container); use layer_spec=auto or local"
+        )
+    return perf.layer_spec == "te" or (perf.layer_spec == "auto" and acc.transformer_engine)
+
+
+def sequence_parallel(requested: bool | None, tp: int, acc: Accelerators) -> bool:
+    """``parallel.sequence_parallel``: ``None`` (auto) = on when TP > 1 on CUDA; it needs TP > 1."""
+    if requested is None:
+        return tp > 1 and acc.cuda
+    if requested and tp == 1:
+        raise ConfigError("parallel.sequence_parallel=true needs parallel.tp > 1; set it to false or omit it")
+    if requested and not acc.cuda:
+        raise ConfigError(
+            "parallel.sequence_parallel=true trains only on CUDA: megatron's sequence-parallel linear "
+            "backward allocates on torch.cuda.current_device() inside autograd, where the CPU layer cannot "
+            "redirect it; omit the key (auto: on for TP > 1 on GPUs) or set it to false for CPU runs"
+        )
+    return requested
+
+
+def transformer_overrides(
+    perf: PerformanceConfig, *, sequence_parallel: bool, acc: Accelerators
+) -> dict[str, Any]:
+    """``TransformerConfig`` fields for :func:`srpo_megatron.models.policy.build_policy` (beyond the
+    architecture and dtype): sequence parallel, fusions and recompute."""
+    fuse = perf.fusions == "auto"
+    jit = fuse and acc.cuda and acc.torch_compile
+    out: dict[str, Any] = dict(
+        sequence_parallel=sequence_parallel,
+        gradient_accumulation_fusion=fuse and acc.apex_grad_accum,
+        apply_rope_fusion=fuse and acc.te_rope,
+        bias_activation_fusion=jit,
+        bias_dropout_fusion=jit,
+    )
+    if perf.recompute == "selective":
+        out.update(recompute_granularity="selective", recompute_modules=list(perf.recompute_modules))
+    elif perf.recompute == "full":
+        out.update(
+            recompute_granularity="full",
+            recompute_method=perf.recompute_method,
+            recompute_num_layers=perf.recompute_num_layers,
+        )
+    return out
+
+
+def overlap_enabled(perf: PerformanceConfig, *, distributed_optimizer: bool, acc: Accelerators) -> bool:
+    """Overlap needs the distributed optimizer (megatron overlaps reduce-scatter / all-gather only then)."""
+    if perf.overlap_comm == "on" and not distributed_optimizer:
+        raise ConfigError(
+            "performance.overlap_comm=on needs parallel.distributed_optimizer=true (megatron overlaps the "
+            "reduce-scatter and the parameter all-gather of the distributed optimizer); set one of them"
+        )
+    if perf.overlap_comm == "auto":
+        return distributed_optimizer and acc.cuda
+    return perf.overlap_comm == "on"
+
+
+def ddp_config(perf: PerformanceConfig, *, distributed_optimizer: bool, acc: Accelerators):
+    """megatron ``DistributedDataParallelConfig``: fp32 gradient reduction, overlap when enabled."""
+    from megatron.core.distributed import DistributedDataParallelConfig
+
+    overlap = overlap_enabled(perf, distributed_optimizer=distributed_optimizer, acc=acc)
+    return DistributedDataParallelConfig(
+        grad_reduce_in_fp32=True,
+        use_distributed_optimizer=distributed_optimizer,
+        overlap_grad_reduce=overlap,
+        overlap_param_gather=overlap,
+    )
+
+
+def optimizer_config(optim: Any, *, dtype: torch.dtype, ddp: Any):
+    """megatron ``OptimizerConfig`` for AdamW (``optim``: the recipe's ``OptimConfig``): the mixed-precision
+    path for bf16 params (fp32 main params and grads) and the DDP config's overlap setting."""
+    import torch
+    from megatron.core.optimizer import OptimizerConfig
+
+    return OptimizerConfig(
+        optimizer="adam",
+        lr=optim.lr,
+        min_lr=optim.lr,
+        weight_decay=optim.weight_decay,
+        adam_beta1=optim.adam_beta1,
+        adam_beta2=optim.adam_beta2,
+        adam_eps=optim.adam_eps,
+        clip_grad=optim.clip_grad,
+        bf16=dtype == torch.bfloat16,
+        params_dtype=dtype,
+        main_params_dtype=torch.float32,
+        main_grads_dtype=torch.float32,
+        use_distributed_optimizer=ddp.use_distributed_optimizer,
+        overlap_param_gather=ddp.overlap_param_gather,
+    )
+
+
+def wire_overlap(tconfig: Any, ddp_module: Any) -> None:
+    """Give megatron's schedules the DDP hooks overlap needs (as Megatron-LM's training loop does):
+    without ``no_sync_func`` every micro-batch's backward would launch the bucket reduce-scatter."""
+    if ddp_module.ddp_config.overlap_grad_reduce:
+        tconfig.no_sync_func = ddp_module.no_sync
+        tconfig.grad_sync_func = ddp_module.start_grad_sync
+
+
+def finish_param_gather(ddp_module: Any) -> None:
+    """Complete the parameter all-gather deferred by ``overlap_param_gather`` (no-op otherwise).
+
+    Call after ``optimizer.step()`` and before full parameters are read outside a forward (EMA teacher,
+    weight sync, checkpoint); the next forward's pre-hooks then find the buckets already gathered.
+    """
+    if getattr(ddp_module, "use_forward_hook", False):
+        ddp_module.start_param_sync(force_sync=True)
+
+
+# ---------------------------------------------------------------- checkpoints across specs and devices
+
+TE_EXTRA_STATE = "_extra_state"
+
+
+def drop_absent_extra_state(sharded: dict[str, Any], stored_keys: set[str], where: str) -> list[str]:
+    """Remove from ``sharded`` (a model's ``sharded_state_dict``, modified in place) the ``_extra_state``
+    objects ``stored_keys`` (the checkpoint's sharded keys) does not hold; return their keys.
+
+    Transformer Engine modules carry ``_extra_state`` (FP8 scaling metadata; empty for bf16) that the local
+    spec lacks for some modules (e.g. TE's core attention), so a checkpoint converted on a machine without
+    TE does not have them. Those modules keep their freshly initialised extra state, which is exactly what
+    a bf16 run starts from. Any other absent key is an error naming the keys (layouts disagree).
+    """
+    dropped = []
+    missing = []
+    for name, item in list(sharded.items()):
+        key = getattr(item, "key", None)
+        if key is None or key in stored_keys:
+            continue
+        if key.endswith(TE_EXTRA_STATE):
+            dropped.append(key)
+            del sharded[name]
+        else:
+            missing.append(key)
+    if missing:
+        raise ValueError(
+            f"checkpoint {where} lacks {len(missing)} tensor(s) the model needs, e.g. {sorted(missing)[:4]}; "
+            "it was written for a different architecture or layer layout"
+        )
+    return dropped
+
+
+def stored_sharded_keys(ckpt_dir: str) -> set[str]:
+    """Keys of every ShardedTensor and ShardedObject in a torch_dist checkpoint (metadata only)."""
+    from megatron.core.dist_checkpointing.serialization import load_sharded_metadata
+
+    meta = load_sharded_metadata(str(ckpt_dir))
+    return {getattr(v, "key", k) for k, v in meta.items()}
+
+
+def rng_device_kind() -> str:
+    """``cuda`` when the RNG tracker holds CUDA generator states, ``cpu`` under the CPU layer."""
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def rng_states_compatible(saved_kind: str | None, path: str) -> bool:
+    """Whether RNG tracker states saved on ``saved_kind`` can be restored here; warns with the cause if not.
+
+    A CUDA generator state (16 bytes: seed and offset) and the CPU layer's stand-in generator state
+    (5056 bytes) cannot be exchanged: the first ``fork()`` would raise "Expected a ... of size 5056".
+    """
+    here = rng_device_kind()
+    if (saved_kind or "cpu") == here:
+        return True
+    warnings.warn(
+        f"{path}: RNG tracker states were saved on {saved_kind or 'cpu'} and this run is on {here}; "
+        "generator states do not move between devices, so the tracker is reseeded from run.seed "
+        "(weights, optimizer state and data cursor resume exactly; only dropout/init streams restart)",
+        stacklevel=2,
+    )
+    return False
+
+
+__all__ = [
+    "Accelerators",
+    "PerformanceConfig",
+    "ddp_config",
+    "drop_absent_extra_state",
+    "finish_param_gather",
+    "optimizer_config",
+    "overlap_enabled",
+    "params_dtype",
+    "sequence_parallel",
+    "transformer_overrides",
+    "use_transformer_engine",
+    "wire_overlap",
+]

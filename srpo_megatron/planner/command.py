@@ -1,0 +1,258 @@
+"""`srpo plan RECIPE --cluster FILE --nodes N [--override KEY=VALUE ...] [--json]`: will the recipe fit?
+
+Reads the recipe (with overrides) and the cluster file, prints per GPU the memory of the train and
+rollout phases of the worst pipeline stage, the peak against the GPU's memory, what stays resident
+across phases, and the layouts that fit on the same GPUs ranked by :func:`memory.rank_key`. Exit status
+0 when the recipe fits, 3 when it does not (2 for bad input).
+
+Recipe keys read (defaults in brackets), besides the model, rollout and batch sizes:
+``parallel.tp/pp/cp/ep/etp`` [1], ``parallel.distributed_optimizer`` [false],
+``parallel.sequence_parallel`` [on when TP > 1], ``performance.recompute`` [none],
+``performance.overlap_comm`` [auto: on with the distributed optimizer], ``model.params_dtype`` [auto:
+bf16], ``parallel.optimizer_offload``, ``parallel.offload_during_rollout``, ``parallel.teacher_offload``
+[false], ``parallel.teacher_fp32`` [full] (see memory.py for which of these the trainer implements
+today). "auto" resolves as on a GPU machine, which is what is planned. The model's HF config is read
+from ``model.hf_dir``; when that folder is not on this machine (a cluster path) and its name is one of
+the packaged Qwen3 configs (``planner/hf_configs/``), the packaged config is used and named in the output.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+from srpo_megatron.configs import ConfigError, apply_overrides, load_yaml
+from srpo_megatron.planner.memory import GiB, Plan, PlanSettings, fitting_layouts, plan_layout
+from srpo_megatron.planner.model import Layout, ModelShape, PlanError
+
+HF_CONFIG_DIR = Path(__file__).with_name("hf_configs")
+EXIT_DOES_NOT_FIT = 3
+
+
+def packaged_configs() -> list[str]:
+    return sorted(p.stem for p in HF_CONFIG_DIR.glob("*.json"))
+
+
+def resolve_hf_config(hf_dir: str) -> tuple[dict, str]:
+    """The HF config of ``model.hf_dir`` (or the packaged one of the same name) and where it came from."""
+    path = Path(hf_dir) / "config.json"
+    if path.is_file():
+        return json.loads(path.read_text()), str(path)
+    name = Path(hf_dir.rstrip("/")).name.lower()
+    for stem in packaged_configs():
+        if stem.lower() == name:
+            packaged = HF_CONFIG_DIR / f"{stem}.json"
+            return json.loads(
+                packaged.read_text()
+            ), f"packaged {stem} config ({hf_dir} is not on this machine)"
+    raise ConfigError(
+        f"model.hf_dir={hf_dir!r}: no config.json there and no packaged config named {name!r}; run the "
+        f"planner where the model folder is readable, or name the folder like one of {packaged_configs()}"
+    )
+
+
+def _section(raw: dict, key: str) -> dict:
+    value = raw.get(key) or {}
+    if not isinstance(value, dict):
+        raise ConfigError(f"recipe section {key!r} must be a mapping, got {value!r}")
+    return value
+
+
+def _pick(section: dict, name: str, key: str, default: Any, kind: type) -> Any:
+    value = section.get(key, default)
+    if isinstance(value, bool) if kind is bool else isinstance(value, kind) and not isinstance(value, bool):
+        return value
+    if kind is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    raise ConfigError(f"{name}.{key}={value!r}: expected {kind.__name__}")
+
+
+def settings_from_recipe(
+    raw: dict, gpus: int, gpus_per_node: int, gpu_bytes: int
+) -> tuple[ModelShape, PlanSettings, str]:
+    """(model shape, plan settings, config source) of a recipe mapping (overrides already applied)."""
+    model, par = _section(raw, "model"), _section(raw, "parallel")
+    roll, train, loss = _section(raw, "rollout"), _section(raw, "train"), _section(raw, "loss")
+    teacher, data = _section(raw, "teacher"), _section(raw, "data")
+    hf_dir = _pick(model, "model", "hf_dir", "", str)
+    if not hf_dir:
+        raise ConfigError("model.hf_dir is empty: the planner needs the model's HF config")
+    hf_config, source = resolve_hf_config(hf_dir)
+    shape = ModelShape.from_hf(hf_config)
+    sizes = {k: _pick(par, "parallel", k, 1, int) for k in ("tp", "pp", "cp", "ep", "etp")}
+    per_replica = sizes["tp"] * sizes["pp"] * sizes["cp"]
+    if gpus % per_replica:
+        raise ConfigError(
+            f"parallel tp*pp*cp = {per_replica} does not divide the {gpus} GPUs of the request; "
+            "change --nodes or the parallel sizes"
+        )
+    layout = Layout(dp=gpus // per_replica, **sizes)
+    perf = _section(raw, "performance")
+    recompute = _pick(perf, "performance", "recompute", "none", str)
+    if recompute not in ("none", "selective", "full"):
+        raise ConfigError(f"performance.recompute={recompute!r}: choose none, selective or full")
+    dist_opt = _pick(par, "parallel", "distributed_optimizer", False, bool)
+    overlap = _pick(perf, "performance", "overlap_comm", "auto", str)
+    # The plan is for GPUs: "auto" choices resolve as on CUDA (models/performance.py of the trainer).
+    sp = par.get("sequence_parallel")
+    sp = sizes["tp"] > 1 if sp is None else _pick(par, "parallel", "sequence_parallel", False, bool)
+    teacher_fp32 = _pick(par, "parallel", "teacher_fp32", "full", str)
+    if teacher_fp32 not in ("none", "full", "sharded"):
+        raise ConfigError(f"parallel.teacher_fp32={teacher_fp32!r}: choose none, full or sharded")
+    dtype = _pick(model, "model", "params_dtype", "auto", str)
+    mode = _pick(loss, "loss", "mode", "srpo", str)
+    kind = _pick(teacher, "teacher", "kind", "ema", str)
+    engine, placement = (
+        _pick(roll, "rollout", "engine", "hf", str),
+        _pick(roll, "rollout", "placement", "colocated", str),
+    )
+    kwargs = _section(_section(roll, "sglang"), "engine_kwargs")
+    prompt = _pick(data, "data", "max_prompt_tokens", 2048, int)
+    new = _pick(roll, "rollout", "max_new_tokens", 8192, int)
+    settings = PlanSettings(
+        layout=layout,
+        gpu_bytes=gpu_bytes,
+        gpus_per_node=gpus_per_node,
+        params_bytes=4 if dtype == "fp32" else 2,
+        distributed_optimizer=dist_opt,
+        overlap_grad_reduce=dist_opt and overlap in ("auto", "on"),
+        sequence_parallel=sp,
+        recompute=recompute,  # type: ignore[arg-type]
+        micro_batch_size=_pick(train, "train", "micro_batch_size", 4, int),
+        seq_len=_pick(model, "model", "max_sequence_length", 4096, int),
+        sequences_per_step=_pick(roll, "rollout", "prompts_per_step", 32, int)
+        * _pick(roll, "rollout", "group_size", 8, int)
+        // _pick(train, "train", "mini_batches", 1, int),
+        teacher=mode != "grpo",
+        teacher_fp32=teacher_fp32 if (mode != "grpo" and kind == "ema") else "none",  # type: ignore[arg-type]
+        teacher_offload=_pick(par, "parallel", "teacher_offload", False, bool),
+        optimizer_offload=_pick(par, "parallel", "optimizer_offload", False, bool),
+        offload_during_rollout=_pick(par, "parallel", "offload_during_rollout", False, bool),
+        engine="none" if engine != "sglang" else ("separate" if placement == "separate" else "colocated"),
+        engine_tp=int(kwargs.get("tp_size", 1)),
+        engine_mem_fraction=float(kwargs.get("mem_fraction_static", 0.6)),
+        rollout_seq_len=prompt + new,
+    )
+    return shape, settings, source
+
+
+def plan_recipe(
+    recipe: str | Path, overrides: list[str], gpus: int, gpus_per_node: int, gpu_bytes: int
+) -> tuple[Plan, list[Plan], str]:
+    """(the recipe's plan, the fitting layouts ranked, the config source)."""
+    raw = apply_overrides(load_yaml(recipe), list(overrides))
+    shape, settings, source = settings_from_recipe(raw, gpus, gpus_per_node, gpu_bytes)
+    try:
+        plan = plan_layout(shape, settings)
+    except PlanError as e:
+        raise ConfigError(f"{recipe}: {e}") from None
+    return plan, fitting_layouts(shape, replace(settings), gpus), source
+
+
+def format_plan(plan: Plan, ranked: list[Plan], source: str) -> str:
+    """The human-readable table."""
+    m = plan.stage
+    gib = lambda b: f"{b / GiB:8.2f}"  # noqa: E731
+    lines = [
+        f"model {plan.model}: {plan.policy_params / 1e9:.2f} B params ({source})",
+        f"layout {plan.layout.label()}; worst pipeline stage {m.stage}; GiB per GPU:",
+        f"  {'component':32s}{'train':>8s}{'rollout':>9s}",
+    ]
+    for name in dict.fromkeys([*m.train, *m.rollout]):
+        train, rollout = m.train.get(name), m.rollout.get(name)
+        lines.append(
+            f"  {name:32s}{gib(train) if train is not None else '       -'} "
+            f"{gib(rollout) if rollout is not None else '       -'}"
+        )
+    lines.append(f"  {'total':32s}{gib(sum(m.train.values()))} {gib(sum(m.rollout.values()))}")
+    lines.append(f"resident across phases: {', '.join(m.resident) or 'nothing'}")
+    if plan.settings.engine == "colocated":
+        lines.append(f"engine KV cache: {m.kv_tokens} tokens per engine GPU")
+    verdict = "FITS" if plan.fits else "DOES NOT FIT"
+    lines.append(
+        f"peak {plan.peak_bytes / GiB:.2f} GiB ({m.peak_phase}) of {plan.gpu_bytes / GiB:.2f} GiB: {verdict}"
+    )
+    for p in plan.problems:
+        lines.append(f"  - {p}")
+    if plan.overflow:
+        lines.append(f"  overflows at: {plan.overflow}")
+    lines.append("layouts that fit (fewest PP stages, then least CP, TP, EP; TP stays within a node):")
+    for p in ranked:
+        lines.append(f"  {p.layout.label():32s} peak {p.peak_bytes / GiB:6.2f} GiB ({p.stage.peak_phase})")
+    if not ranked:
+        lines.append("  none: add nodes, recompute, offload or a smaller token budget")
+    return "\n".join(lines)
+
+
+def add_plan_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("recipe", help="training recipe YAML (examples/*.yaml)")
+    parser.add_argument("--cluster", required=True, help="cluster definition YAML or a name in cluster/")
+    parser.add_argument("--nodes", type=int, default=1, help="training nodes")
+    parser.add_argument(
+        "--gpu-memory-gib", type=float, default=None, help="default: the cluster's gpu_memory_gib"
+    )
+    parser.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
+    parser.add_argument(
+        "--override", "-o", action="append", default=[], metavar="KEY=VALUE", help="e.g. parallel.tp=8"
+    )
+
+
+def cluster_plan(args: argparse.Namespace) -> tuple[Plan, list[Plan], str]:
+    """Plan ``args.recipe`` on ``args.nodes`` nodes of ``args.cluster`` (shared by plan and launch)."""
+    from srpo_megatron.launch.cluster import load_cluster
+
+    cluster = load_cluster(args.cluster)
+    gib = getattr(args, "gpu_memory_gib", None) or cluster.gpu_memory_gib
+    if cluster.gpus_per_node < 1 or gib <= 0:
+        raise ConfigError(
+            f"cluster {cluster.name!r} has gpus_per_node={cluster.gpus_per_node}, gpu_memory_gib={gib}: "
+            "the planner needs GPU nodes; set both in the cluster file (or pass --gpu-memory-gib)"
+        )
+    gpus = args.nodes * cluster.gpus_per_node
+    return plan_recipe(args.recipe, args.override, gpus, cluster.gpus_per_node, int(gib * GiB))
+
+
+def plan_main(args: argparse.Namespace) -> int:
+    """`srpo plan`: 0 when the recipe fits, 3 when it does not."""
+    try:
+        plan, ranked, source = cluster_plan(args)
+    except (ConfigError, PlanError) as e:
+        print(f"srpo plan: error: {e}", file=sys.stderr)
+        return 2
+    if args.json:
+        out = plan.to_json()
+        out["config_source"] = source
+        out["fitting_layouts"] = [{"layout": p.layout.label(), "peak_bytes": p.peak_bytes} for p in ranked]
+        print(json.dumps(out, indent=2))
+    else:
+        print(format_plan(plan, ranked, source))
+    return 0 if plan.fits else EXIT_DOES_NOT_FIT
+
+
+def refuse_unless_fits(args: argparse.Namespace, cluster: Any) -> None:
+    """`srpo launch`'s hook: print the plan and raise ConfigError when it does not fit (unless --force).
+
+    Clusters without GPUs or without ``gpu_memory_gib`` (CPU runs) and ``--probe`` jobs are not planned.
+    """
+    if getattr(args, "probe", False) or cluster.gpus_per_node < 1 or cluster.gpu_memory_gib <= 0:
+        return
+    plan, ranked, source = cluster_plan(args)
+    if plan.fits:
+        print(
+            f"srpo plan: fits, peak {plan.peak_bytes / GiB:.2f} of {plan.gpu_bytes / GiB:.2f} GiB per GPU",
+            file=sys.stderr,
+        )
+        return
+    print(format_plan(plan, ranked, source), file=sys.stderr)
+    if getattr(args, "force", False):
+        print("srpo launch: --force: launching although the planner says it does not fit", file=sys.stderr)
+        return
+    raise ConfigError(
+        f"the planner says {args.recipe} does not fit on {args.nodes} node(s) of {cluster.name!r} "
+        f"(overflows at: {plan.overflow or plan.problems[0]}); change the layout (see the table above) "
+        "or pass --force to launch anyway"
+    )

@@ -1,0 +1,376 @@
+"""Per-GPU memory of an SRPO run, phase by phase, and the layouts that fit.
+
+Two phases share each GPU when the SGLang engine is colocated (``rollout.placement: colocated``):
+
+- **train** (scoring + training passes): the policy's bf16 params in megatron DDP's buffer, fp32 gradient
+  buffers (``grad_reduce_in_fp32``), the optimizer's fp32 main params and two Adam moments (sharded over
+  DP×CP by the distributed optimizer; expert params over the expert-DP group), the EMA teacher (a bf16
+  forward copy, same layout as the policy, plus its fp32 copy), the activations that 1F1B keeps in flight
+  for the recipe's token budget, and the loss's logits working set on the last stage. The engine has
+  released its weights and KV cache (``release_memory``) and keeps only its context.
+- **rollout**: what the trainer keeps resident, plus the engine's weights and KV cache. SGLang sizes its
+  KV pool as ``mem_fraction_static × GPU − (memory already taken)``, so whatever the trainer leaves on
+  the GPU comes out of the KV cache; the plan refuses a KV cache smaller than one longest sequence.
+
+Options (``PlanSettings``), and which the trainer implements today:
+
+- implemented: ``tp``, ``pp``, ``distributed_optimizer``, bf16/fp32 params, the EMA teacher with a full
+  (unsharded) fp32 copy (``teacher_fp32: full``), colocated SGLang that releases its memory for training,
+  no activation recompute (``recompute: none``), micro-batches padded to ``model.max_sequence_length``;
+- modelled ahead of the trainer (other work in progress): ``cp``, ``ep``/``etp`` (MoE), ``recompute:
+  selective|full``, ``sequence_parallel``, ``teacher_fp32: sharded`` (the fp32 copy sharded over DP like
+  the main params), ``teacher_offload`` (the bf16 teacher in host memory between its forwards),
+  ``offload_during_rollout`` (grads, optimizer state and teacher leave the GPU while the engine runs),
+  and ``optimizer_offload`` (megatron's CPU optimizer: the optimizer state lives in host memory).
+
+Activations per layer and token follow what megatron's local layer spec saves for backward (measured
+with saved-tensor hooks in tests/unit/test_planner.py): 6·H for the norms and residual branch (÷TP with
+sequence parallelism), 5·q + 4·kv for attention (fused QKV output, q/k norms and RoPE, flash-style
+attention output, output-projection input), 5·F for SwiGLU, all ÷TP; MoE layers replace 5·F with the
+router's input and fp32 scores and, for each of the top-k routes, the permuted input, 5·Fe and the expert
+output. Full recompute keeps each layer's input plus one layer's working set during its backward.
+Transformer Engine fuses norms into the linears and saves a little less: the estimate is an upper bound.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field, replace
+from typing import Literal
+
+from srpo_megatron.models.architecture import padded_vocab_size
+from srpo_megatron.planner.model import (
+    Layout,
+    ModelShape,
+    PlanError,
+    buffer_numel,
+    ddp_bucket_size,
+    optimizer_shard_numel,
+    param_tensors,
+    stage_layers,
+    stage_param_counts,
+    total_params,
+)
+
+GiB = 1024**3
+# One CUDA context + NCCL communicators per process (trainer, engine); measured ~0.5-1 GiB on H100.
+CONTEXT_BYTES = 1 * GiB
+# SGLang's CUDA graphs, sampler and decode activations, which live outside mem_fraction_static.
+ENGINE_WORKSPACE_BYTES = 4 * GiB
+# What a released SGLang engine still holds during training (torch_memory_saver pauses weights and KV).
+ENGINE_RELEASED_BYTES = 1 * GiB
+# Work buffers of the vocab-parallel kernels on accelerators (ops/vocab_parallel.py: three of 128 MiB).
+LOSS_CHUNK_BYTES = 3 * 128 * 1024**2
+# [T, V/TP] tensors alive at the loss: the logits, their gathered rows, the masked rows and the gradient.
+LOGITS_COPIES = 4
+
+Recompute = Literal["none", "selective", "full"]
+TeacherFp32 = Literal["none", "full", "sharded"]
+
+
+@dataclass(frozen=True)
+class PlanSettings:
+    """Everything of a recipe that decides memory (read by ``settings_from_recipe``)."""
+
+    layout: Layout  # parallel layout of the trainer
+    gpu_bytes: int  # memory of one GPU
+    gpus_per_node: int = 8  # for "cross-node TP" in the ranking
+    params_bytes: int = 2  # 2 = bf16 mixed precision (fp32 main params in the optimizer), 4 = fp32
+    distributed_optimizer: bool = True  # shard main params and Adam state over DP (ZeRO-1)
+    overlap_grad_reduce: bool = False  # megatron DDP buckets (with overlap) instead of one bucket per buffer
+    sequence_parallel: bool = False  # megatron SP: norm/residual activations ÷ TP
+    recompute: Recompute = "none"  # activation recompute
+    micro_batch_size: int = 1  # sequences per micro-batch
+    seq_len: int = 4096  # padded sequence length of a micro-batch (prompt + response)
+    sequences_per_step: int = 256  # prompts × group size per optimizer step (all DP ranks)
+    teacher: bool = True  # an EMA/frozen/trust-region teacher model exists (not for GRPO)
+    teacher_fp32: TeacherFp32 = "full"  # the EMA teacher's fp32 copy: none, full, or sharded over DP
+    teacher_offload: bool = False  # the bf16 teacher lives in host memory between its forwards
+    optimizer_offload: bool = False  # optimizer state (fp32 main + Adam) in host memory
+    offload_during_rollout: bool = False  # grads, optimizer and teacher leave the GPU during rollouts
+    engine: Literal["none", "colocated", "separate"] = "colocated"  # where rollouts run
+    engine_tp: int = 1  # SGLang tp_size (GPUs one engine spans)
+    engine_mem_fraction: float = 0.6  # SGLang mem_fraction_static
+    rollout_seq_len: int = 4096  # longest prompt + response the engine must hold in its KV cache
+
+
+@dataclass
+class StageMemory:
+    """Bytes per component of one pipeline stage, per phase."""
+
+    stage: int
+    train: dict[str, int] = field(default_factory=dict)
+    rollout: dict[str, int] = field(default_factory=dict)
+    resident: list[str] = field(default_factory=list)  # components on the GPU in both phases
+    kv_tokens: int = 0  # tokens the engine's KV cache holds on this GPU's engine
+
+    @property
+    def peak(self) -> int:
+        return max(sum(self.train.values()), sum(self.rollout.values()))
+
+    @property
+    def peak_phase(self) -> str:
+        return "train" if sum(self.train.values()) >= sum(self.rollout.values()) else "rollout"
+
+
+@dataclass
+class Plan:
+    """The planner's verdict for one layout."""
+
+    model: str
+    layout: Layout
+    settings: PlanSettings
+    policy_params: int  # unsharded parameter count of the policy
+    stage: StageMemory  # the worst pipeline stage
+    gpu_bytes: int
+    problems: list[str]  # why it does not fit (empty when it fits)
+
+    @property
+    def fits(self) -> bool:
+        return not self.problems
+
+    @property
+    def peak_bytes(self) -> int:
+        return self.stage.peak
+
+    @property
+    def overflow(self) -> str | None:
+        """The component at which the peak phase's running total (in table order) passes the GPU's memory."""
+        comps = self.stage.train if self.stage.peak_phase == "train" else self.stage.rollout
+        running = 0
+        for name, b in comps.items():
+            running += b
+            if running > self.gpu_bytes:
+                return name
+        return None
+
+    def to_json(self) -> dict:
+        return {
+            "fits": self.fits,
+            "model": self.model,
+            "layout": self.layout.label(),
+            "peak_bytes": self.peak_bytes,
+            "gpu_bytes": self.gpu_bytes,
+            "policy_params": self.policy_params,
+            "worst_stage": self.stage.stage,
+            "peak_phase": self.stage.peak_phase,
+            "components": {"train": self.stage.train, "rollout": self.stage.rollout},
+            "resident": self.stage.resident,
+            "kv_cache_tokens": self.stage.kv_tokens,
+            "overflow": self.overflow,
+            "problems": self.problems,
+        }
+
+
+def layer_activation_elements(shape: ModelShape, layout: Layout, sp: bool, moe: bool) -> tuple[float, float]:
+    """(elements in the params dtype, fp32 elements) one layer saves per token of a micro-batch."""
+    tp, h = layout.tp, shape.hidden_size
+    q, kv = shape.num_heads * shape.head_dim, shape.num_kv_heads * shape.head_dim
+    main = 6 * h / (tp if sp else 1) + (5 * q + 4 * kv) / tp
+    fp32 = 2 + (2 * shape.num_heads + shape.num_kv_heads) / tp  # norm rstd's, attention log-sum-exp
+    if moe:
+        fe = shape.moe_ffn_hidden_size / layout.etp
+        main += h / (tp if sp else 1) + shape.moe_topk * (2 * h + 5 * fe)
+        fp32 += 2 * shape.num_experts  # router logits and probabilities
+    else:
+        main += 5 * shape.ffn_hidden_size / tp
+    return main, fp32
+
+
+def activation_bytes(
+    shape: ModelShape,
+    layout: Layout,
+    stage: int,
+    tokens: int,
+    settings: PlanSettings,
+    in_flight: int,
+    backward_working_set: bool = True,
+) -> int:
+    """Activations stage ``stage`` holds at its peak: ``in_flight`` micro-batches of ``tokens`` tokens.
+
+    ``backward_working_set``: with full recompute, add the one layer recomputed during its backward (off:
+    only what the forward saves, which is what saved-tensor hooks see).
+    """
+    layers = stage_layers(shape.num_layers, layout.pp)
+    first = sum(layers[:stage])
+    b, sp = settings.params_bytes, settings.sequence_parallel
+    h_shard = shape.hidden_size / (layout.tp if sp else 1)
+    per_layer = []
+    for i in range(first, first + layers[stage]):
+        main, fp32 = layer_activation_elements(shape, layout, sp, shape.is_moe_layer(i))
+        per_layer.append(tokens * (main * b + fp32 * 4))
+    if settings.recompute == "full":
+        saved = layers[stage] * tokens * h_shard * b
+        working = max(per_layer) if backward_working_set else 0.0  # one layer recomputed in backward
+    else:
+        saved, working = sum(per_layer), 0.0
+    extra = 0.0
+    if stage == 0:
+        extra += tokens * (h_shard * b + 8)  # embedding output, token ids
+    if stage == layout.pp - 1:
+        extra += tokens * (2 * h_shard * b + 4)  # final norm input/output, rstd
+    return int(in_flight * (saved + extra) + working)
+
+
+def plan_layout(shape: ModelShape, s: PlanSettings, exact: bool = True) -> Plan:
+    """Memory of every pipeline stage of ``s.layout``; the worst stage decides.
+
+    ``exact=False`` leaves out megatron's buffer padding: a lower bound on every component (and an upper
+    bound on the KV cache), cheap enough to rule layouts out during the search.
+    """
+    layout = s.layout
+    layout.check(shape)
+    problems: list[str] = []
+    if s.seq_len % (2 * layout.cp) and layout.cp > 1:
+        problems.append(f"seq_len {s.seq_len} is not divisible by 2·CP = {2 * layout.cp}")
+    tokens = math.ceil(s.micro_batch_size * s.seq_len / layout.cp)
+    per_dp = math.ceil(s.sequences_per_step / layout.dp)
+    micro_batches = max(1, math.ceil(per_dp / s.micro_batch_size))
+    cache: dict = {"exact": exact}
+    stages = [_stage_memory(shape, s, st, tokens, micro_batches, cache) for st in range(layout.pp)]
+    worst = max(stages, key=lambda m: m.peak)
+    if worst.peak > s.gpu_bytes:
+        problems.append(
+            f"{worst.peak_phase} phase needs {worst.peak / GiB:.1f} GiB on stage {worst.stage}, the GPU has "
+            f"{s.gpu_bytes / GiB:.1f} GiB"
+        )
+    if s.engine == "colocated" and worst.kv_tokens < s.rollout_seq_len:
+        problems.append(
+            f"the engine's KV cache holds {worst.kv_tokens} tokens, less than one sequence of "
+            f"{s.rollout_seq_len}: raise mem_fraction_static or the engine's tp_size, or offload during "
+            "rollouts"
+        )
+    return Plan(shape.name, layout, s, total_params(shape), worst, s.gpu_bytes, problems)
+
+
+def _buffers(shape: ModelShape, s: PlanSettings, stage: int, exact: bool = True) -> tuple[int, int]:
+    """(dense, expert) DDP buffer elements of pipeline stage ``stage`` (not exact: without padding)."""
+    layout = s.layout
+    if not exact:  # unpadded: a lower bound on both
+        dense, expert = stage_param_counts(shape, layout, stage)
+        if not s.distributed_optimizer:
+            return dense + expert, dense + expert
+        return dense + expert, dense // layout.dense_shard_group + expert // max(1, layout.expert_dp)
+    tensors = param_tensors(shape, layout, stage)
+    dense = [t for t in tensors if not t.expert]
+    expert = [t for t in tensors if t.expert]
+    bucket = ddp_bucket_size(layout.dense_shard_group, s.overlap_grad_reduce)
+    dist_opt = s.distributed_optimizer
+    buf = buffer_numel(dense, layout.dense_shard_group, dist_opt, bucket)
+    buf += buffer_numel(expert, layout.expert_dp, dist_opt, bucket) if expert else 0
+    opt = optimizer_shard_numel(dense, layout.dense_shard_group, dist_opt, bucket)
+    opt += optimizer_shard_numel(expert, layout.expert_dp, dist_opt, bucket) if expert else 0
+    return buf, opt
+
+
+def _stage_memory(
+    shape: ModelShape,
+    s: PlanSettings,
+    stage: int,
+    tokens: int,
+    micro_batches: int,
+    cache: dict | None = None,
+) -> StageMemory:
+    layout = s.layout
+    # Stages with the same layers and the same ends hold the same tensors: count them once.
+    layers = stage_layers(shape.num_layers, layout.pp)
+    first = sum(layers[:stage])
+    moe = tuple(shape.is_moe_layer(i) for i in range(first, first + layers[stage]))
+    key = (stage == 0, stage == layout.pp - 1, moe)
+    cache = {} if cache is None else cache
+    if key not in cache:
+        cache[key] = _buffers(shape, s, stage, cache.get("exact", True))
+    numel, opt_elems = cache[key]
+    opt_per_param = 12 if s.params_bytes == 2 else 8  # fp32 main + exp_avg + exp_avg_sq (fp32: moments)
+    fp32_copy = {"none": 0, "full": 4 * numel, "sharded": 4 * opt_elems}[s.teacher_fp32] if s.teacher else 0
+    m = StageMemory(stage)
+    t = m.train
+    t["policy params"] = s.params_bytes * numel
+    t["gradient buffers"] = 4 * numel
+    t["optimizer (fp32 main + Adam)"] = 0 if s.optimizer_offload else opt_per_param * opt_elems
+    t["teacher bf16 copy"] = s.params_bytes * numel if s.teacher else 0
+    t["teacher fp32 copy"] = fp32_copy
+    in_flight = min(layout.pp - stage, micro_batches)
+    t["activations"] = activation_bytes(shape, layout, stage, tokens, s, in_flight)
+    logits = 0
+    if stage == layout.pp - 1:
+        v_shard = padded_vocab_size(shape.vocab_size, layout.tp) // layout.tp
+        logits = LOGITS_COPIES * tokens * v_shard * s.params_bytes + LOSS_CHUNK_BYTES
+    t["loss logits + chunks"] = logits
+    t["engine (released)"] = ENGINE_RELEASED_BYTES if s.engine == "colocated" else 0
+    t["CUDA contexts"] = CONTEXT_BYTES * (2 if s.engine == "colocated" else 1)
+
+    # Rollout phase: what the trainer keeps, then the engine.
+    offloaded = {"gradient buffers", "optimizer (fp32 main + Adam)", "teacher bf16 copy", "teacher fp32 copy"}
+    if not s.offload_during_rollout:
+        offloaded = {"teacher bf16 copy"} if s.teacher_offload else set()
+    keep = ["policy params", "gradient buffers", "optimizer (fp32 main + Adam)", "teacher bf16 copy"]
+    keep.append("teacher fp32 copy")
+    r = m.rollout
+    for name in keep:
+        r[name] = 0 if name in offloaded else t[name]
+    m.resident = [n for n in keep if r[n] > 0]
+    r["CUDA contexts"] = t["CUDA contexts"]
+    if s.engine == "colocated":
+        weights = 2 * total_params(shape) // s.engine_tp
+        taken = sum(r.values())
+        kv = max(0, int(s.engine_mem_fraction * s.gpu_bytes) - taken - weights)
+        r["engine weights"] = weights
+        r["engine KV cache"] = kv
+        r["engine workspace"] = ENGINE_WORKSPACE_BYTES
+        m.kv_tokens = kv // kv_bytes_per_token(shape, s.engine_tp)
+    return m
+
+
+def kv_bytes_per_token(shape: ModelShape, engine_tp: int) -> int:
+    """bf16 K and V of all layers for one token on one engine GPU (KV heads replicated when TP > heads)."""
+    heads = max(1, shape.num_kv_heads // engine_tp)
+    return 2 * shape.num_layers * heads * shape.head_dim * 2
+
+
+def candidate_layouts(shape: ModelShape, world: int, gpus_per_node: int, seq_len: int) -> list[Layout]:
+    """Every layout megatron can build on ``world`` GPUs (TP within a node)."""
+    out = []
+    divisors = [d for d in range(1, world + 1) if world % d == 0]
+    for tp in [d for d in divisors if d <= gpus_per_node and shape.num_kv_heads % d == 0]:
+        for pp in [d for d in divisors if d <= shape.num_layers and (world // tp) % d == 0]:
+            for cp in [c for c in (1, 2, 4, 8) if (world // (tp * pp)) % c == 0 and seq_len % (2 * c) == 0]:
+                dp = world // (tp * pp * cp)
+                eps = [1]
+                if shape.is_moe:
+                    eps = [e for e in divisors if shape.num_experts % e == 0 and (world // pp) % e == 0]
+                for ep in eps:
+                    layout = Layout(tp=tp, pp=pp, cp=cp, dp=dp, ep=ep)
+                    try:
+                        layout.check(shape)
+                    except PlanError:
+                        continue
+                    out.append(layout)
+    return out
+
+
+def rank_key(plan: Plan) -> tuple:
+    """Fewest PP stages, then least CP, TP and EP (i.e. most data parallelism), then the lowest peak."""
+    lay = plan.layout
+    return (lay.pp, lay.cp, lay.tp, lay.ep, plan.peak_bytes)
+
+
+def fitting_layouts(shape: ModelShape, settings: PlanSettings, world: int, limit: int = 5) -> list[Plan]:
+    """The first ``limit`` layouts that fit on ``world`` GPUs, best first by ``rank_key``.
+
+    Candidates are tried in ranking order (the layout alone decides it), so the search stops early.
+    """
+    plans = []
+    candidates = candidate_layouts(shape, world, settings.gpus_per_node, settings.seq_len)
+    for layout in sorted(candidates, key=lambda lay: (lay.pp, lay.cp, lay.tp, lay.ep)):
+        if not plan_layout(shape, replace(settings, layout=layout), exact=False).fits:
+            continue  # even without padding it does not fit
+        plan = plan_layout(shape, replace(settings, layout=layout))
+        if plan.fits:
+            plans.append(plan)
+            if len(plans) == limit:
+                break
+    return sorted(plans, key=rank_key)
+
+
+__all__ = ["GiB", "Plan", "PlanError", "PlanSettings", "StageMemory", "fitting_layouts", "plan_layout"]

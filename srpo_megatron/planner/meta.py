@@ -1,0 +1,122 @@
+"""Build one rank's pipeline stage of a real megatron-core GPTModel on the ``meta`` device (no memory).
+
+This is the reference the planner's counts are tested against: megatron-core itself decides every
+tensor's shape. Any world size works on one CPU process: torch's ``fake`` process-group backend stands
+in for NCCL (no collective runs during construction), and megatron's ``parallel_state`` is initialised
+for the layout with the calling rank placed on the wanted pipeline stage.
+
+Dense models use the project's builder (``srpo_megatron.models.policy``: TransformerConfig and layer
+spec); MoE layers use megatron-core's own MoE support (``num_moe_experts``, ``moe_ffn_hidden_size``,
+``moe_router_topk``, ``moe_layer_freq``) through :func:`moe_config_overrides`, the one place to point at
+the project's MoE model builder once it exists. Context parallelism does not change weights, so the model
+is built at CP = 1 (megatron's local attention refuses CP without Transformer Engine). The token
+dispatcher is ``allgather`` because ``alltoall`` creates CUDA streams; dispatchers own no parameters.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from srpo_megatron.models.architecture import load_hf_config_dict, padded_vocab_size
+from srpo_megatron.planner.model import Layout, ModelShape, ParamTensor, stage_layers
+
+
+def moe_config_overrides(shape: ModelShape, layout: Layout) -> dict[str, Any]:
+    """TransformerConfig fields of the MoE layers of ``shape`` (empty for dense models)."""
+    if not shape.is_moe:
+        return {}
+    return dict(
+        num_moe_experts=shape.num_experts,
+        moe_ffn_hidden_size=shape.moe_ffn_hidden_size,
+        moe_router_topk=shape.moe_topk,
+        moe_layer_freq=[1 if m else 0 for m in shape.moe_layers],
+        expert_model_parallel_size=layout.ep,
+        expert_tensor_parallel_size=layout.etp,
+        moe_token_dispatcher_type="allgather",
+        moe_grouped_gemm=False,
+    )
+
+
+def meta_stage_params(hf_config: Any, layout: Layout, stage: int) -> list[tuple[str, ParamTensor]]:
+    """(name, ParamTensor) of every parameter of pipeline stage ``stage`` on one rank at ``layout``."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from srpo_megatron.models.architecture import Architecture
+    from srpo_megatron.models.policy import layer_spec, transformer_config_from_hf
+
+    cfg = load_hf_config_dict(hf_config)
+    shape = ModelShape.from_hf(cfg)
+    arch = Architecture.from_hf({**cfg, "model_type": "qwen3"} if shape.is_moe else cfg)
+    built = Layout(tp=layout.tp, pp=layout.pp, cp=1, dp=layout.dp * layout.cp, ep=layout.ep, etp=layout.etp)
+    if dist.is_initialized():
+        ps.destroy_model_parallel()
+        dist.destroy_process_group()
+    # Rank order tp-cp-ep-dp-pp: the first rank of stage s is s * (world / pp).
+    rank = stage * (built.world // built.pp)
+    dist.init_process_group("fake", rank=rank, world_size=built.world, store=FakeStore())
+    try:
+        ps.initialize_model_parallel(
+            tensor_model_parallel_size=built.tp,
+            pipeline_model_parallel_size=built.pp,
+            expert_model_parallel_size=built.ep,
+            expert_tensor_parallel_size=built.etp,
+            create_gloo_process_groups=False,
+        )
+        layers = stage_layers(shape.num_layers, built.pp)
+        uneven: dict[str, Any] = {}
+        if len(set(layers)) > 1:
+            uneven = dict(
+                num_layers_in_first_pipeline_stage=layers[0], num_layers_in_last_pipeline_stage=layers[-1]
+            )
+        # transformer_config_from_hf checks PP | L; uneven stages are passed explicitly instead.
+        config = transformer_config_from_hf(
+            arch,
+            tp=built.tp,
+            pp=1,
+            params_dtype=torch.bfloat16,
+            pipeline_model_parallel_size=built.pp,
+            use_cpu_initialization=True,
+            perform_initialization=False,  # shapes only: no init kernels on meta tensors
+            **uneven,
+            **moe_config_overrides(shape, built),
+        )
+        if shape.is_moe:
+            spec = get_gpt_layer_local_spec(
+                num_experts=shape.num_experts,
+                moe_grouped_gemm=False,
+                qk_layernorm=arch.qk_norm,
+                normalization="RMSNorm",
+            )
+        else:
+            spec = layer_spec(arch, use_te=False)
+        with torch.device("meta"):
+            model = GPTModel(
+                config=config,
+                transformer_layer_spec=spec,
+                vocab_size=padded_vocab_size(arch.vocab_size, built.tp),
+                max_sequence_length=4096,
+                pre_process=stage == 0,
+                post_process=stage == built.pp - 1,
+                share_embeddings_and_output_weights=arch.tie_embeddings,
+                position_embedding_type="rope",
+            )
+        return [
+            (
+                name,
+                ParamTensor(
+                    p.numel(),
+                    expert=not getattr(p, "allreduce", True),
+                    shared=bool(getattr(p, "shared_embedding", False)),
+                ),
+            )
+            for name, p in model.named_parameters()
+        ]
+    finally:
+        ps.destroy_model_parallel()
+        dist.destroy_process_group()

@@ -1,0 +1,218 @@
+"""The file side of training checkpoints: manifest, fsync, verification and which checkpoint to resume.
+
+A checkpoint directory is complete when its ``manifest.json`` — every other file with its size and
+SHA-256, written last — matches the files on disk. ``latest`` is only a hint: without it, or when it
+names a checkpoint that does not verify, the run resumes from the newest checkpoint that verifies, and
+says so. When checkpoints exist but none verifies, resuming is refused with every path and its problem
+named (``--override run.restart=true`` moves them aside and starts over).
+
+Everything here is independent of what the trainer state holds: only files, sizes and digests.
+
+Hashing and verifying are spread over the ranks (each takes every world-th file), so on 32 GPUs a
+checkpoint is read once in total, not once per rank; the per-rank results travel as Python objects.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import shutil
+import time
+from collections.abc import Callable, Iterable
+from pathlib import Path
+
+MANIFEST = "manifest.json"
+LATEST = "latest"
+_STEP_DIR = re.compile(r"step_(\d+)")
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint cannot be used; the message names the path, the problem and the fix."""
+
+
+# ---- fsync -------------------------------------------------------------------------------------------
+
+
+def fsync_file(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def fsync_dir(path: Path) -> None:
+    """Make a directory's entries (new files, renames) durable."""
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def fsync_tree(root: Path) -> None:
+    """fsync every file and directory under ``root`` (before it is renamed into place)."""
+    for dirpath, _, filenames in os.walk(root):
+        for name in filenames:
+            fsync_file(Path(dirpath) / name)
+        fsync_dir(Path(dirpath))
+
+
+def write_text_durably(path: Path, text: str) -> None:
+    """Write ``path`` through a temp file: fsync, rename, fsync the directory."""
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    fsync_dir(path.parent)
+
+
+# ---- manifest ----------------------------------------------------------------------------------------
+
+
+def _gather(obj):
+    """Every rank's ``obj`` in rank order (just ``[obj]`` without a process group)."""
+    import torch.distributed as dist
+
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return [obj]
+    out = [None] * dist.get_world_size()
+    dist.all_gather_object(out, obj)
+    return out
+
+
+def _rank_world() -> tuple[int, int]:
+    import torch.distributed as dist  # here, so that `srpo --help` does not import torch
+
+    return (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+
+
+def list_files(ckpt: Path) -> list[str]:
+    """Files under ``ckpt`` (relative, sorted), the manifest itself excluded."""
+    return sorted(str(p.relative_to(ckpt)) for p in ckpt.rglob("*") if p.is_file() and p.name != MANIFEST)
+
+
+def file_digest(path: Path, chunk: int = 1 << 22) -> dict:
+    """``{"size": bytes, "sha256": hex}`` of one file."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(chunk):
+            h.update(block)
+    return {"size": path.stat().st_size, "sha256": h.hexdigest()}
+
+
+def digest_files(ckpt: Path, names: Iterable[str] | None = None) -> dict[str, dict]:
+    """Collective: fsync and hash ``names`` (default: rank 0's listing of ``ckpt``), each rank every
+    world-th file. Rank 0 lists once for all, so ranks whose filesystem view lags still split alike."""
+    rank, world = _rank_world()
+    if names is None:
+        names = _gather(list_files(ckpt) if rank == 0 else None)[0]
+    mine = {}
+    for name in sorted(names)[rank::world]:
+        fsync_file(ckpt / name)
+        mine[name] = file_digest(ckpt / name)
+    merged: dict[str, dict] = {}
+    for part in _gather(mine):
+        merged.update(part)
+    return merged
+
+
+def write_manifest(ckpt: Path, digests: dict[str, dict]) -> None:
+    """Write ``manifest.json`` (last file of a checkpoint) durably."""
+    body = {"format": 1, "files": dict(sorted(digests.items()))}
+    write_text_durably(ckpt / MANIFEST, json.dumps(body, indent=1) + "\n")
+
+
+def _problems(ckpt: Path, files: dict[str, dict], names: list[str]) -> list[str]:
+    out = []
+    for name in names:
+        path, want = ckpt / name, files[name]
+        if not path.is_file():
+            out.append(f"{path} is missing")
+        elif path.stat().st_size != want["size"]:
+            out.append(f"{path} has {path.stat().st_size} bytes, the manifest says {want['size']}")
+        elif file_digest(path)["sha256"] != want["sha256"]:
+            out.append(f"{path} does not match its SHA-256 in {MANIFEST} (corrupted)")
+    return out
+
+
+def verify_checkpoint(ckpt: Path) -> str | None:
+    """Collective: None when every file of ``ckpt`` matches its manifest, else the first problem."""
+    rank, world = _rank_world()
+    try:
+        manifest = json.loads((ckpt / MANIFEST).read_text())
+        files = manifest["files"]
+    except FileNotFoundError:
+        problem = f"{ckpt / MANIFEST} is missing (the save did not complete)"
+        return _gather(problem)[0]
+    except (ValueError, KeyError, TypeError, UnicodeDecodeError):
+        return _gather(f"{ckpt / MANIFEST} is not a valid manifest")[0]
+    mine = _problems(ckpt, files, sorted(files)[rank::world])
+    if rank == 0:  # one rank lists the directory, so every rank reaches the same verdict
+        extra = sorted(set(list_files(ckpt)) - set(files))
+        if extra:  # a file the manifest does not know (e.g. a shard of another save): not the saved set
+            mine.append(f"{ckpt / extra[0]} is not listed in {MANIFEST}")
+    found = [p for part in _gather(mine) for p in part]
+    return found[0] if found else None
+
+
+# ---- which checkpoint to resume ----------------------------------------------------------------------
+
+
+def step_dirs(root: Path) -> list[Path]:
+    """``step_N`` directories under ``root`` (temporaries excluded), newest first."""
+    found = [p for p in root.glob("step_*") if p.is_dir() and _STEP_DIR.fullmatch(p.name)]
+    return sorted(found, key=lambda p: int(p.name[5:]), reverse=True)
+
+
+def clean_temporaries(root: Path, log: Callable[[str], None] = print) -> None:
+    """Remove what an interrupted save left (``step_N.tmp``, ``latest.tmp``); rank 0 only."""
+    for leftover in sorted(root.glob("*.tmp")):
+        log(f"removing {leftover}, left by an interrupted checkpoint save")
+        shutil.rmtree(leftover) if leftover.is_dir() else leftover.unlink()
+
+
+def find_resume_checkpoint(run_dir: str | Path, restart: bool = False, log: Callable[[str], None] = print):
+    """Collective: the newest checkpoint of ``run_dir`` that verifies, or None to start from step 0.
+
+    ``latest`` names the expected one; a missing or broken ``latest`` falls back to the newest complete
+    checkpoint (logged). Checkpoints that exist but do not verify refuse the start (CheckpointError)
+    unless ``restart``, which moves ``checkpoints/`` aside (rank 0) and starts over.
+    """
+    root = Path(run_dir) / "checkpoints"
+    if not root.is_dir():
+        return None
+    rank, _ = _rank_world()
+    pointer = root / LATEST
+    hint = pointer.read_text(errors="replace").strip() if pointer.is_file() else None
+    candidates = step_dirs(root)
+    _gather(None)  # every rank has looked before rank 0 may move anything
+    if restart and (candidates or hint):
+        if rank == 0:
+            aside = root.with_name(f"checkpoints.replaced-{time.strftime('%Y%m%d-%H%M%S')}")
+            root.rename(aside)
+            log(f"run.restart=true: moved the existing checkpoints to {aside}; starting from step 0")
+        _gather(None)  # everyone waits for the move
+        return None
+    problems = []
+    for ckpt in candidates:
+        problem = verify_checkpoint(ckpt)
+        if problem is None:
+            if hint != ckpt.name:
+                why = f"{pointer} is missing" if hint is None else f"{pointer} names {hint!r}"
+                log(f"{why}; resuming from {ckpt}, the newest checkpoint that verifies")
+            for p in problems:
+                log(f"skipped: {p}")
+            return ckpt
+        problems.append(problem)
+    if hint is not None or candidates:
+        listed = "; ".join(problems) or f"{pointer} names {hint!r}, which does not exist"
+        raise CheckpointError(
+            f"cannot resume {run_dir}: no complete checkpoint ({listed}); restore the files, or pass "
+            "--override run.restart=true to move checkpoints/ aside and train from step 0"
+        )
+    return None

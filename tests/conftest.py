@@ -1,0 +1,43 @@
+"""Every test names the megatron-core it ran on.
+
+CI runs the megatron tiers twice (megatron-core 0.16.1 from the venv, 0.19.2 put first on PYTHONPATH by
+``tools/dev test``): each test id carries ``mcore-<version>`` (e.g. ``test_x[mcore-0.19.2]``) and the
+run ends with one line ``megatron-core <version>: N passed, ...`` in the log.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+
+def _installed_mcore() -> str:
+    try:
+        from srpo_megatron.compat.mcore import mcore_version_str
+
+        return mcore_version_str()
+    except ImportError:  # megatron-core missing: the tests that need it fail on their own
+        return "none"
+
+
+MCORE = _installed_mcore()
+
+
+@pytest.fixture(autouse=True)
+def mcore_version() -> str:
+    """The installed megatron-core version; parametrized below so that it lands in every test id."""
+    return MCORE
+
+
+def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
+    if "mcore_version" in metafunc.fixturenames:
+        metafunc.parametrize("mcore_version", [MCORE], ids=[f"mcore-{MCORE}"])
+
+
+def pytest_report_header() -> str:
+    return f"megatron-core {MCORE}"
+
+
+def pytest_terminal_summary(terminalreporter) -> None:
+    counts = {k: len(terminalreporter.stats.get(k, [])) for k in ("passed", "failed", "error", "skipped")}
+    counts = {k: v for k, v in counts.items() if v or k == "passed"}
+    terminalreporter.write_line(f"megatron-core {MCORE}: " + ", ".join(f"{v} {k}" for k, v in counts.items()))

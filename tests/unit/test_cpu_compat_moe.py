@@ -1,0 +1,98 @@
+"""The MoE shims of the CPU layer (srpo_megatron/compat/cpu.py), each with the upstream fact it exists for:
+every ``*_upstream`` test fails once megatron-core / torch no longer need the shim, so it can be dropped.
+"""
+
+import inspect
+import subprocess
+import sys
+from typing import ClassVar
+
+import pytest
+import torch
+
+from srpo_megatron.compat import cpu as compat
+
+pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="the layer is a no-op with CUDA")
+
+
+@pytest.fixture
+def active():
+    was_active = compat.cpu_compat_active()
+    assert compat.enable_cpu_compat() is True
+    yield
+    if not was_active:
+        compat.disable_cpu_compat()
+
+
+def test_te_general_gemm_still_unbound_upstream_and_the_shim_routes_the_router_gemm():
+    """A fresh process: megatron's router GEMM raises NameError without TE; after the shim it is x @ W^T."""
+    code = """
+import torch
+from megatron.core.transformer.moe import moe_utils
+x, w = torch.randn(5, 8, dtype=torch.float64), torch.randn(3, 8, dtype=torch.float64)
+try:
+    moe_utils.router_gating_linear(x, w, None, torch.float32)
+    print("no-error")
+except NameError as e:
+    print("NameError", "te_general_gemm" in str(e))
+from srpo_megatron.compat.cpu import bind_missing_te_names
+assert bind_missing_te_names() is True and bind_missing_te_names() is False
+out = moe_utils.router_gating_linear(x.float(), w.float(), None, torch.float64)
+assert out.dtype == torch.float64 and torch.allclose(out, x @ w.T)
+print("shim-ok")
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split() == ["NameError", "True", "shim-ok"], out.stdout
+
+
+def test_alltoall_dispatcher_still_creates_a_cuda_stream_upstream(active):
+    from megatron.core.transformer.moe.token_dispatcher import MoEAlltoAllTokenDispatcher
+
+    assert "torch.cuda.Stream()" in inspect.getsource(MoEAlltoAllTokenDispatcher.__init__)
+    stream = torch.cuda.Stream()
+    event = stream.record_event()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        event.synchronize()
+
+
+def test_split_sizes_stay_tensors_upstream_and_become_numpy_under_the_shim(active):
+    from megatron.core.transformer.moe import moe_utils, token_dispatcher
+
+    sizes = torch.tensor([3, 5])
+    assert torch.is_tensor(moe_utils.maybe_move_tensor_to_cpu(sizes, as_numpy=True))  # the upstream fact
+    shimmed = token_dispatcher.maybe_move_tensor_to_cpu(sizes, as_numpy=True)
+    assert not torch.is_tensor(shimmed) and list(shimmed) == [3, 5]
+    assert torch.is_tensor(token_dispatcher.maybe_move_tensor_to_cpu(sizes))
+
+
+class _AllocatesOnCurrentDevice(torch.autograd.Function):
+    """Like megatron's all-to-all / reduce-scatter backward: allocates on ``torch.cuda.current_device()``."""
+
+    seen: ClassVar[dict] = {}
+
+    @staticmethod
+    def forward(ctx, x):
+        return x * 2
+
+    @staticmethod
+    def backward(ctx, grad):
+        _AllocatesOnCurrentDevice.seen["mode_active"] = torch._C._is_torch_function_mode_enabled()
+        out = torch.empty(grad.shape, dtype=grad.dtype, device=torch.cuda.current_device())
+        return out.copy_(grad * 2)
+
+
+@pytest.mark.parametrize("how", ["autograd.backward", "Tensor.backward", "autograd.grad"])
+def test_backward_runs_outside_the_mode_upstream_and_allocates_on_cpu(active, how):
+    x = torch.ones(3, requires_grad=True)
+    y = _AllocatesOnCurrentDevice.apply(x).sum()
+    if how == "autograd.backward":
+        torch.autograd.backward(y)
+    elif how == "Tensor.backward":
+        y.backward()
+    else:
+        (x.grad,) = torch.autograd.grad(y, x)
+    assert _AllocatesOnCurrentDevice.seen["mode_active"] is False  # the upstream fact: the mode is popped
+    assert torch.equal(x.grad, torch.full((3,), 2.0))
+    assert torch.cuda.current_device() == 0  # outside a backward megatron still gets its ordinal

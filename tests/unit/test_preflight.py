@@ -1,0 +1,106 @@
+"""Start-up checks of `srpo train`: layout divisibility, reward targets probed where they will run, and
+data files decoded line by line (a non-UTF-8 line is one bad row, named ``file:line``)."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+from srpo_megatron.configs import ConfigError
+from srpo_megatron.data.rows import DataError, load_rows
+from srpo_megatron.rewards import RewardPool
+from srpo_megatron.trainer.preflight import check_layout
+
+QWEN3_TINY = {"num_attention_heads": 4, "num_key_value_heads": 2, "num_hidden_layers": 2}
+
+
+def _cfg(tp=1, pp=1, prompts=4, group=4, mini=1) -> SimpleNamespace:
+    return SimpleNamespace(
+        parallel=SimpleNamespace(tp=tp, pp=pp),
+        model=SimpleNamespace(hf_dir="/models/tiny"),
+        rollout=SimpleNamespace(prompts_per_step=prompts, group_size=group),
+        train=SimpleNamespace(mini_batches=mini),
+    )
+
+
+@pytest.mark.parametrize(
+    ("cfg", "world", "message"),
+    [
+        (_cfg(tp=2), 3, "3 processes cannot be split into parallel.tp=2"),
+        (_cfg(tp=4), 4, "2 key/value heads (GQA groups) do not divide by parallel.tp=4"),
+        (_cfg(pp=4), 4, "2 layers do not divide by parallel.pp=4"),
+        (
+            _cfg(prompts=3, group=2, mini=2),
+            2,
+            "6 samples per step do not split into train.mini_batches=2 × data",
+        ),
+        (_cfg(tp=2, prompts=3, group=2), 8, "6 samples per step do not split"),  # DP = 4
+    ],
+)
+def test_layouts_that_do_not_divide_are_refused_before_the_model(cfg, world, message):
+    with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        check_layout(cfg, world, QWEN3_TINY)
+
+
+def test_layouts_that_divide_pass():
+    check_layout(_cfg(tp=2, pp=2, prompts=4, group=4, mini=2), 8, QWEN3_TINY)  # DP 2: 16 % 4 == 0
+
+
+@pytest.fixture
+def reward_modules(tmp_path, monkeypatch):
+    (tmp_path / "hanging_reward.py").write_text(
+        "import time\ntime.sleep(3600)\n\ndef reward(r, a):\n    return 1.0\n"
+    )
+    (tmp_path / "odd_reward.py").write_text(
+        "NOT_A_FUNCTION = 3\n\ndef picky(r, a):\n    raise ValueError(a)\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))  # spawned workers inherit sys.path
+    yield
+    for name in ("hanging_reward", "odd_reward"):
+        sys.modules.pop(name, None)
+
+
+@pytest.mark.parametrize("workers", [0, 1])
+def test_reward_targets_are_probed_with_timeouts(reward_modules, workers):
+    # The import clock includes starting the worker process: generous here, short for the hanging one.
+    with RewardPool(workers, timeout_s=30, import_timeout_s=120) as pool:
+        assert pool.check_targets(["srpo_megatron.testing.tiny:coin_reward", "odd_reward:picky"]) is None
+        typo = pool.check_targets(["srpo_megatron.testing.tiny:coin_rewrad"])
+        assert "reward target 'srpo_megatron.testing.tiny:coin_rewrad': " in typo and "AttributeError" in typo
+        assert "not a function" in pool.check_targets(["odd_reward:NOT_A_FUNCTION"])
+    with RewardPool(workers, timeout_s=30, import_timeout_s=3) as pool:
+        assert "its import did not finish" in pool.check_targets(["hanging_reward:reward"])
+
+
+def test_scoring_with_a_hanging_import_times_out_instead_of_hanging(reward_modules, monkeypatch):
+    from srpo_megatron import rewards
+
+    monkeypatch.setitem(rewards._REGISTRY, "hangs", "hanging_reward:reward")
+    with RewardPool(1, timeout_s=5, import_timeout_s=2) as pool:
+        result = pool.score(["hangs", "hangs"], ["a", "b"], ["x", "y"])
+    assert result.rewards == [0.0, 0.0] and result.num_timeouts == 2
+    assert "import did not finish in 2s" in result.errors[0]
+
+
+def _rows_file(path: Path) -> Path:
+    good = b'{"prompt": "p", "system": null, "answer": "1", "kind": "arithmetic"}\n'
+    path.write_bytes(good + b'{"prompt": "caf\xe9", "answer": "1", "kind": "arithmetic"}\n' + good)
+    return path
+
+
+def test_non_utf8_data_line_names_file_and_line(tmp_path):
+    path = _rows_file(tmp_path / "rows.jsonl")
+    with pytest.raises(DataError, match=rf"^{path}:2: not UTF-8 text \(byte b'\\xe9' at column 16\)$"):
+        load_rows(path)
+
+
+def test_non_utf8_data_line_is_skipped_and_counted(tmp_path):
+    rows, report = load_rows(_rows_file(tmp_path / "rows.jsonl"), skip_bad=True)
+    assert (
+        len(rows) == 2
+        and report.num_bad == 1
+        and report.first_errors[0].startswith(f"{tmp_path}/rows.jsonl:2:")
+    )
