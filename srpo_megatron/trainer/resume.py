@@ -43,6 +43,9 @@ MAY_CHANGE_ON_RESUME: dict[str, str] = {
     "parallel.tp": "dist_checkpointing reshards model and optimizer on load",
     "parallel.pp": "dist_checkpointing reshards model and optimizer on load",
     "parallel.sequence_parallel": "activation layout only",
+    "train.max_tokens_per_micro_batch": "memory only: packing leaves the objective unchanged",
+    "train.eval_at_start": "evaluation only",
+    "performance.*": "kernels, recompute and overlap: the same maths",
 }
 # Why the rest is refused, by section (for the error message).
 _FIXED_BECAUSE = {
@@ -55,6 +58,7 @@ _FIXED_BECAUSE = {
     "parallel": "the optimizer state layout",
     "run": "the run's identity",
     "train": "the update the optimizer state was built with",
+    "moe": "the router and experts the checkpoint was trained with",
 }
 
 
