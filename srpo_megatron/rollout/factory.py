@@ -28,6 +28,6 @@ def build_engine(rollout: Any, model: Any) -> RolloutEngine:
         return HFEngine.from_config(
             HFEngineConfig(model_path=model.hf_dir, max_batch_size=rollout.max_batch_size)
         )
-    from srpo_megatron.rollout.sglang_engine import SGLangEngine
+    from srpo_megatron.rollout.sglang.engine import SGLangEngine
 
     return SGLangEngine(rollout.sglang)

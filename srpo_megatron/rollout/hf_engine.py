@@ -39,6 +39,7 @@ import torch
 
 from srpo_megatron.configs import ConfigError
 from srpo_megatron.rollout.base import Completion, EngineError, EngineHealth, SamplingParams, sample_seed
+from srpo_megatron.rollout.gate import check_version, missing_names, tensor_problem
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -127,6 +128,7 @@ class HFEngine:
         self._params = dict(self._model.state_dict(keep_vars=True))
         self._required = {name for name, _ in self._model.named_parameters()}
         self._required |= {name for name, _ in self._model.named_buffers() if name in self._params}
+        self._manifest = {name: tuple(t.shape) for name, t in self._params.items()}
 
     @classmethod
     def from_config(cls, cfg: HFEngineConfig) -> HFEngine:
@@ -198,11 +200,7 @@ class HFEngine:
         """
         with self._lock:
             self._check_alive()
-            if version <= self._version and not self._inconsistent:
-                raise EngineError(
-                    f"weight version {version} is not newer than the served version {self._version}; "
-                    "each sync must carry a larger version (the trainer's step count)"
-                )
+            check_version(version, self._version, self._inconsistent)
             staged: dict[str, torch.Tensor] = {}
             duplicate, unexpected, misshaped, bad_dtype = [], [], [], []
             try:
@@ -212,22 +210,18 @@ class HFEngine:
                     f"weight stream for version {version} failed before it was complete ({e!r}); nothing "
                     f"was installed, still serving version {self._version}"
                 ) from e
+            kinds = {"sent twice": duplicate, "unexpected": unexpected, "mis-shaped": misshaped}
             for name, tensor in received:
-                if name in staged:
-                    duplicate.append(name)
+                problem = tensor_problem(name, tensor, self._manifest, set(staged))
+                if problem:
+                    kinds[problem[0]].append(problem[1])
                     continue
-                target = self._params.get(name)
-                if target is None:
-                    unexpected.append(name)
-                    continue
-                if tuple(tensor.shape) != tuple(target.shape):
-                    misshaped.append(f"{name}: got {tuple(tensor.shape)}, model has {tuple(target.shape)}")
-                    continue
+                target = self._params[name]
                 if tensor.is_floating_point() != target.is_floating_point():
                     bad_dtype.append(f"{name}: got {tensor.dtype}, model has {target.dtype}")
                     continue
                 staged[name] = tensor
-            missing = sorted(self._required - set(staged))
+            missing = missing_names(self._manifest, set(staged), self._required)
             problems = []
             if missing:
                 problems.append(f"missing {len(missing)}: {_head(missing)}")
