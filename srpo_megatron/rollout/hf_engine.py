@@ -251,6 +251,7 @@ class HFEngine:
                 )
                 raise EngineError(self._inconsistent) from e
             self._inconsistent = ""
+            self._released = False  # a complete update makes the weights resident (as SGLang's does)
             self._version = int(version)
 
     def _alias_conflicts(self, staged: dict[str, torch.Tensor]) -> list[str]:
@@ -311,7 +312,10 @@ class HFEngine:
             input_ids[r, width - lengths[r] :] = torch.tensor(list(prompts[i]), dtype=torch.long)
             mask[r, width - lengths[r] :] = 1
         positions = (mask.cumsum(-1) - 1).clamp(min=0)
-        gens = [torch.Generator(device="cpu").manual_seed(sample_seed(base_seed, i, j)) for i, j in rows]
+        gens = [
+            torch.Generator(device="cpu").manual_seed(sample_seed(base_seed, params.prompt_offset + i, j))
+            for i, j in rows
+        ]
         stop_ids = set(self._eos_ids) | {int(t) for t in params.stop_token_ids}
         greedy = params.temperature == 0.0
         temperature = 1.0 if greedy else params.temperature

@@ -56,22 +56,29 @@ def stage_param_names(model: torch.nn.Module, table: ConversionTable) -> list[tu
 
 
 def iter_stage_params(
-    model: torch.nn.Module, table: ConversionTable, groups: ParallelGroups, dtype: torch.dtype | None = None
+    model: torch.nn.Module,
+    table: ConversionTable,
+    groups: ParallelGroups,
+    dtype: torch.dtype | None = None,
+    *,
+    all_replicas: bool = False,
 ) -> Iterator[PendingParam]:
     """This stage's parameters as ``PendingParam``s, in model order. Every TP rank of the stage must call
     each ``fetch()`` (it joins the TP gather); only the stage sender gets tensors, the others ``[]``.
     ``nbytes`` (the HF bytes ``fetch`` will return) lets a bucketer flush *before* gathering.
 
     ``dtype``: cast each exported tensor (e.g. fp32 master -> bf16 engine), ``None`` keeps the param's.
+    ``all_replicas``: every data-parallel replica exports (onto its own TP rank 0), so each rollout
+    engine can be fed by the replica it is colocated with; default: replica 0 only.
     """
     model = _unwrap(model)
     params = dict(model.named_parameters())
-    if groups.dp_rank != 0:  # whole TP groups share a DP rank: replicas simply do not take part
+    if groups.dp_rank != 0 and not all_replicas:  # whole TP groups share a DP rank: replicas skip
         return
     for local_name, name in stage_param_names(model, table):
         param = params[local_name].detach()
         nbytes = 0
-        if is_stage_sender(groups):
+        if groups.tp_rank == 0:
             size = (dtype or param.dtype).itemsize
             nbytes = sum(math.prod(table.hf_shape(h)) * size for h in table.hf_names_for(name))
         yield PendingParam(name, nbytes, functools.partial(_fetch, table, groups, name, param, dtype))

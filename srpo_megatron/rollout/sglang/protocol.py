@@ -38,7 +38,7 @@ def build_sampling_params(params: SamplingParams, prompt_index: int, sample_inde
         "skip_special_tokens": False,
     }
     if params.seed is not None:
-        sp["sampling_seed"] = sample_seed(params.seed, prompt_index, sample_index)
+        sp["sampling_seed"] = sample_seed(params.seed, params.prompt_offset + prompt_index, sample_index)
     return sp
 
 
