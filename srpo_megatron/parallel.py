@@ -2,6 +2,12 @@
 
 This is the one place that touches global parallel state. Everything downstream receives explicit
 process groups (``ParallelGroups``) so the maths can be tested without megatron's globals.
+
+Device discipline: ``ParallelGroups.device`` is the runtime's one device (``cuda:<LOCAL_RANK>`` with
+CUDA, else the CPU). megatron's TP/PP/DP groups are NCCL on GPU and carry device tensors only; host
+objects (rollout batches, step stats, sync headers, object gathers) travel over ``ParallelGroups.host``,
+a gloo group over all ranks. On GPU the default group is ``cpu:gloo,cuda:nccl`` so that megatron's own
+host-object collectives (e.g. in ``dist_checkpointing``) keep working.
 """
 
 from __future__ import annotations
@@ -13,7 +19,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from srpo_megatron.compat.cpu import enable_cpu_compat
+from srpo_megatron.compat.cpu import cuda_emulated, enable_cpu_compat
 
 
 @dataclass(frozen=True)
@@ -34,6 +40,9 @@ class ParallelConfig:
             raise ValueError("parallel.sequence_parallel=true needs parallel.tp > 1; set it to false")
 
 
+_CPU = torch.device("cpu")
+
+
 @dataclass(frozen=True)
 class ParallelGroups:
     """Explicit process groups handed to losses, weight sync and checkpointing."""
@@ -47,6 +56,8 @@ class ParallelGroups:
     pp_size: int
     dp_rank: int
     dp_size: int
+    host: dist.ProcessGroup | None = None  # gloo group over all ranks, for host objects (None = default)
+    device: torch.device = _CPU  # the runtime's device: model, micro-batches, NCCL tensors
 
     @property
     def is_first_stage(self) -> bool:
@@ -65,7 +76,7 @@ def init_distributed(timeout_minutes: int = 30) -> None:
         enable_cpu_compat()
     if dist.is_initialized():
         return
-    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    backend = "cpu:gloo,cuda:nccl" if torch.cuda.is_available() else "gloo"
     timeout = datetime.timedelta(minutes=timeout_minutes)
     if "RANK" not in os.environ:
         # A plain `srpo train` without torchrun: one rank, rendezvous through a file (no port to race for).
@@ -95,6 +106,29 @@ def initialize_model_parallel(tp: int = 1, pp: int = 1, seed: int = 1234) -> Par
     return current_groups()
 
 
+def runtime_device() -> torch.device:
+    """``cuda:<LOCAL_RANK>`` when CUDA is present (or emulated by the strict-device test mode), else CPU."""
+    if torch.cuda.is_available() or cuda_emulated():
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+    return torch.device("cpu")
+
+
+_HOST: dict[str, dist.ProcessGroup] = {}
+
+
+def host_group() -> dist.ProcessGroup:
+    """The gloo group over all ranks (collective on first use after ``init_process_group``)."""
+    key = str(id(dist.distributed_c10d._get_default_group()))
+    if key not in _HOST:
+        _HOST.clear()
+        _HOST[key] = dist.new_group(backend="gloo")
+    return _HOST[key]
+
+
+def is_host_group(group: dist.ProcessGroup | None) -> bool:
+    return group is not None and any(group is g for g in _HOST.values())
+
+
 def current_groups() -> ParallelGroups:
     from megatron.core import parallel_state as ps
 
@@ -108,6 +142,8 @@ def current_groups() -> ParallelGroups:
         pp_size=ps.get_pipeline_model_parallel_world_size(),
         dp_rank=ps.get_data_parallel_rank(),
         dp_size=ps.get_data_parallel_world_size(),
+        host=host_group(),
+        device=runtime_device(),
     )
 
 

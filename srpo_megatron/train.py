@@ -1,9 +1,9 @@
-"""``srpo train``: the SRPO loop (method §1): generate → reward → route → score → train → EMA → sync.
+"""``srpo train``: the SRPO loop (method §1); a step = generate → reward → route → score → train → EMA → sync.
 
 The torchrun (SPMD) job is the controller: global rank 0 hosts the rollout engine (the CPU transformers
 engine, or a client of SGLang engines) and the reward pool, and broadcasts the routed batch; every rank
-then runs the Megatron scoring and training passes on its data-parallel share. A run resumes from
-``<run.dir>/checkpoints/latest`` automatically.
+then scores its data-parallel share once (π_old, teacher) and takes ``train.mini_batches`` optimizer
+steps on it. A run resumes from ``<run.dir>/checkpoints/latest`` automatically.
 """
 
 from __future__ import annotations
@@ -18,13 +18,17 @@ from srpo_megatron.data.dataset import EpochSampler, build_datasets
 from srpo_megatron.parallel import destroy_model_parallel, initialize_model_parallel
 from srpo_megatron.rewards import register_reward
 from srpo_megatron.rollout.factory import load_tokenizer
+from srpo_megatron.trainer.batches import rank_share
 from srpo_megatron.trainer.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from srpo_megatron.trainer.config import TrainConfig
-from srpo_megatron.trainer.evaluation import evaluate_policy
+from srpo_megatron.trainer.evaluation import BudgetClock, evaluate_policy
+from srpo_megatron.trainer.learning import learn
 from srpo_megatron.trainer.metrics import MetricsLogger
-from srpo_megatron.trainer.policy_runtime import PolicyRuntime
+from srpo_megatron.trainer.policy import Policy
 from srpo_megatron.trainer.rollouts import RolloutService
-from srpo_megatron.trainer.step_metrics import step_metrics
+from srpo_megatron.trainer.scoring import score_rollouts
+from srpo_megatron.trainer.stats import reduce_stats
+from srpo_megatron.trainer.step_metrics import gather_stats, step_metrics
 
 
 def train(cfg: TrainConfig) -> dict:
@@ -37,20 +41,21 @@ def train(cfg: TrainConfig) -> dict:
     tokenizer = load_tokenizer(cfg.model.hf_dir)
     train_set, _ = build_datasets(cfg.data, tokenizer)
     sampler = EpochSampler(len(train_set), cfg.data.seed, cfg.data.shuffle)
-    runtime = PolicyRuntime(cfg, groups)
-    rollouts = RolloutService(cfg, tokenizer, runtime, groups)
-    # Version 1 = the starting weights; each optimizer step's sync carries the next version.
-    step, version, history = 0, 1, {"evals": [], "sdpo_fracs": []}
+    policy = Policy(cfg, groups)
+    rollouts = RolloutService(cfg, tokenizer, policy, groups)
+    # Version 1 = the starting weights; each training step's sync carries the next version.
+    step, version, history, clock = 0, 1, {"evals": [], "sdpo_fracs": []}, BudgetClock()
     if (ckpt := latest_checkpoint(run_dir)) is not None:
-        state = load_checkpoint(runtime, ckpt)
+        state = load_checkpoint(policy, ckpt)
         step, version, history = state["step"], state["weight_version"], state["history"]
         sampler.load_state_dict(state["sampler"])
+        clock = BudgetClock(state.get("budget_clock_s", 0.0))
     rollouts.sync(version)  # the engine serves exactly the trainer's weights from here on
     logger = MetricsLogger(run_dir, cfg.run, total=cfg.train.steps, start=step) if rank0 else None
     if rank0:
         (run_dir / "config.yaml").write_text(_yaml(to_dict(cfg)))
     evaluate = lambda: history["evals"].append(  # noqa: E731
-        evaluate_policy(cfg, rollouts.eval_engine, tokenizer, run_dir, step)
+        evaluate_policy(cfg, rollouts.eval_engine, tokenizer, run_dir, step, clock)
     )
     if cfg.train.eval_at_ends and step == 0:
         evaluate()
@@ -59,19 +64,15 @@ def train(cfg: TrainConfig) -> dict:
         batch = rollouts.collect(
             [train_set[i] for i in sampler.next_indices(cfg.rollout.prompts_per_step)], step
         )
-        per_opt_step = []
-        for mini in _split(batch.samples, cfg.train.mini_batches):
-            mine = _split(mini, groups.dp_size)[groups.dp_rank]
-            stored, info = runtime.score(mine)  # π_old, top-K ids; the teacher on SDPO samples only
-            t1 = time.monotonic()
-            per_opt_step.append(
-                {**runtime.train_step(mine, stored), **info, "train_s": time.monotonic() - t1}
-            )
-        runtime.update_teacher()
+        mine = rank_share(batch.samples, cfg.train.mini_batches, groups.dp_size, groups.dp_rank)
+        scored = score_rollouts(policy, mine)  # π_old, top-K ids, teacher: once, before any optimizer step
+        learned = learn(policy, scored, cfg.train.mini_batches)
+        policy.update_teacher()
         version += 1
         sync_s = rollouts.sync(version)
         step += 1
-        metrics = step_metrics(batch, per_opt_step, sync_s, time.monotonic() - t0)
+        stats = gather_stats(reduce_stats([scored.stats, learned]), groups.host)
+        metrics = step_metrics(batch, stats, sync_s, time.monotonic() - t0)
         metrics["engine/restarts"] = float(rollouts.restarts)
         history["sdpo_fracs"].append(metrics["route/sdpo_frac"])
         if rank0:
@@ -80,7 +81,9 @@ def train(cfg: TrainConfig) -> dict:
             evaluate()
         if (cfg.run.save_every and step % cfg.run.save_every == 0) or step == cfg.train.steps:
             state = {"weight_version": version, "sampler": sampler.state_dict(), "history": history}
-            save_checkpoint(runtime, run_dir, step, state, cfg.run.keep_last)
+            save_checkpoint(
+                policy, run_dir, step, {**state, "budget_clock_s": clock.elapsed()}, cfg.run.keep_last
+            )
     if cfg.train.eval_at_ends:
         evaluate()
     if rank0:
@@ -103,16 +106,6 @@ def _summary(history: dict, step: int, wall0: float) -> dict:
         "after": evals[-1] if evals else None,
         "mean_sdpo_frac": sum(fracs) / len(fracs) if fracs else None,
     }
-
-
-def _split(items: list, n: int) -> list[list]:
-    if len(items) % n:
-        raise ValueError(
-            f"{len(items)} samples cannot be split evenly into {n} parts; make rollout.prompts_per_step × "
-            "rollout.group_size divisible by train.mini_batches × data-parallel size"
-        )
-    k = len(items) // n
-    return [items[i * k : (i + 1) * k] for i in range(n)]
 
 
 def _yaml(data: dict) -> str:

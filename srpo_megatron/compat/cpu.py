@@ -99,6 +99,18 @@ _PATCHES = [
 ]
 
 
+def cuda_emulated() -> bool:
+    """True while a test mode (``testing/strict_device.py``) asks the runtime to use "cuda" devices,
+    which this layer maps to the host."""
+    return bool(_state.get("emulate_cuda"))
+
+
+def set_cuda_emulated(on: bool) -> None:
+    if on and not _state.get("active"):
+        raise RuntimeError("emulating CUDA needs the CPU layer: call enable_cpu_compat() first")
+    _state["emulate_cuda"] = on
+
+
 def cpu_compat_active() -> bool:
     return bool(_state.get("active"))
 

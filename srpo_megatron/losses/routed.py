@@ -66,6 +66,12 @@ class TokenBatch:
             **{f.name: (None if (v := getattr(self, f.name)) is None else v[start:end]) for f in fields(self)}
         )
 
+    def to(self, device: torch.device | str) -> TokenBatch:
+        """Every tensor moved to ``device`` (one hand-off; a no-op for tensors already there)."""
+        return TokenBatch(
+            **{f.name: (None if (v := getattr(self, f.name)) is None else v.to(device)) for f in fields(self)}
+        )
+
     def split(self, n: int) -> list[TokenBatch]:
         """Split into ``n`` consecutive micro-batches of (nearly) equal rows."""
         t = len(self)

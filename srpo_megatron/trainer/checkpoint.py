@@ -62,7 +62,7 @@ def _sharded_state(runtime: Any, loading: bool) -> dict[str, Any]:
     model_sd = runtime.model.sharded_state_dict(prefix=POLICY_PREFIX)
     state: dict[str, Any] = {"model": model_sd}
     if runtime.teacher is not None:
-        state["teacher"] = runtime.teacher.sharded_state_dict(prefix=TEACHER_PREFIX)
+        state["teacher"] = runtime.teacher.module.sharded_state_dict(prefix=TEACHER_PREFIX)
     state["optimizer"] = runtime.optimizer.sharded_state_dict(model_sd, is_loading=loading)
     return state
 
@@ -132,7 +132,8 @@ def load_checkpoint(runtime: Any, path: str | Path) -> dict:
     strip = lambda sd, p: {k[len(p) :] if k.startswith(p) else k: v for k, v in sd.items()}  # noqa: E731
     runtime.model.load_state_dict(strip(loaded["model"], POLICY_PREFIX), strict=False)
     if runtime.teacher is not None:
-        runtime.teacher.load_state_dict(strip(loaded["teacher"], TEACHER_PREFIX), strict=False)
+        runtime.teacher.module.load_state_dict(strip(loaded["teacher"], TEACHER_PREFIX), strict=False)
+        runtime.teacher.reset_master()
     runtime.optimizer.load_state_dict(loaded["optimizer"])
     state = json.loads((path / STATE_FILE).read_text())
     runtime.scheduler.load_state_dict(state["scheduler"])

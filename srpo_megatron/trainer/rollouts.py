@@ -189,12 +189,12 @@ class RolloutService:
       and its prompts retried; a second failure stops the job naming the engine, its ranks and the version.
     """
 
-    def __init__(self, cfg: Any, tokenizer: Any, runtime: Any, groups: Any) -> None:
-        self.cfg, self.tokenizer, self.runtime, self.groups = cfg, tokenizer, runtime, groups
+    def __init__(self, cfg: Any, tokenizer: Any, policy: Any, groups: Any) -> None:
+        self.cfg, self.tokenizer, self.policy, self.groups = cfg, tokenizer, policy, groups
         dist_on = dist.is_initialized()
         self.rank = dist.get_rank() if dist_on else 0
         world = dist.get_world_size() if dist_on else 1
-        self.host_group = getattr(groups, "host", None)
+        self.host_group = groups.host  # gloo: engine shares and the batch are host objects
         size = cfg.rollout.engine_size() if cfg.rollout.placement == "colocated" else world
         self.layout = EngineLayout(world, min(size, world))
         self.rank0 = self.rank == 0
@@ -250,14 +250,13 @@ class RolloutService:
 
         t0 = time.monotonic()
         sync_engines(
-            self.runtime.model,
-            self.runtime.table,
+            self.policy.model,
+            self.policy.table,
             self.groups,
             self.engine,
             version,
             self.layout,
             targets=targets,
-            host_group=self.host_group,
         )
         self.version = version
         self._check_versions()

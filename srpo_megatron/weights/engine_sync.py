@@ -35,10 +35,10 @@ from srpo_megatron.weights.sync import (
 )
 
 
-def grid(groups: ParallelGroups, host_group: Any = None) -> list[tuple[int, int, int]]:
-    """``(dp, pp, tp)`` of every global rank (a collective over the host group)."""
+def grid(groups: ParallelGroups) -> list[tuple[int, int, int]]:
+    """``(dp, pp, tp)`` of every global rank (a collective over the gloo host group)."""
     everyone: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, (groups.dp_rank, groups.pp_rank, groups.tp_rank), group=host_group)
+    dist.all_gather_object(everyone, (groups.dp_rank, groups.pp_rank, groups.tp_rank), group=groups.host)
     return [tuple(x) for x in everyone]
 
 
@@ -72,13 +72,12 @@ def sync_engines(
     targets: Iterable[int] | None = None,
     bucket_bytes: int = DEFAULT_BUCKET_BYTES,
     dtype: torch.dtype | None = None,
-    host_group: Any = None,
 ) -> int:
     """Collective: install the policy as ``version`` into each target engine (``engine`` is this rank's
     engine on hosts, None elsewhere). Returns the bytes this rank sent to other ranks."""
     me = dist.get_rank()
     targets = sorted(range(layout.num_engines) if targets is None else targets)
-    coords = grid(groups, host_group)
+    coords = grid(groups)
     feeds = engine_feeds(layout, coords, targets)
     my_dp, _my_pp, my_tp = coords[me]
     # Hosts this replica feeds (this rank's stage goes to each of them), in engine order.
@@ -98,13 +97,13 @@ def sync_engines(
         nonlocal sent
         for bucket in bucketize_pending(pending, bucket_bytes):
             for h in remote:
-                _send_bucket(P2PChannel(h), bucket, version)
+                _send_bucket(P2PChannel(h, groups.host), bucket, version)
                 sent += sum(t.numel() * t.element_size() for _, t in bucket)
             if me in receivers:
                 yield from bucket
             del bucket  # release it before the next one is gathered
         for h in remote:
-            _send_done(P2PChannel(h))
+            _send_done(P2PChannel(h, groups.host))
 
     if my_engine is not None and my_engine in feeds:
         if engine is None:
@@ -115,7 +114,7 @@ def sync_engines(
                 if src == me:
                     yield from my_stage()
                 else:
-                    yield from receive_stream(P2PChannel(src), version)
+                    yield from receive_stream(P2PChannel(src, groups.host), version, groups.device)
 
         engine.update_weights(stream(), version)
     else:

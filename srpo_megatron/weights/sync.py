@@ -15,8 +15,10 @@ validates every name and shape before copying; SGLang refuses to serve after a p
   reader never sees a half-written version.
 
 Wire format for the p2p / broadcast transports, per bucket: an int64 ``[2]`` header (JSON length, done
-flag), the JSON ``{"version", "names", "dtypes", "shapes"}`` as uint8, then each tensor. A final header
-with ``done = 1`` ends a stage's stream. The bucket bound (default 512 MiB) caps what a sender holds
+flag), the JSON ``{"version", "names", "dtypes", "shapes"}`` as uint8, then each tensor. Headers and JSON
+are host tensors and travel over gloo (``send_meta``); the weight tensors are on the runtime's device
+and travel over the data group (NCCL on GPU) into receive buffers on the receiver's device. A final
+header with ``done = 1`` ends a stage's stream. The bucket bound (default 512 MiB) caps what a sender holds
 beyond one full parameter.
 """
 
@@ -47,10 +49,11 @@ class WeightSyncError(RuntimeError):
 
 
 class P2PChannel:
-    """Point-to-point on the default group: ``send`` to ``peer`` / ``recv`` from ``peer``."""
+    """Point-to-point with ``peer``: metadata over the gloo ``host`` group, tensors over the default group
+    (NCCL on GPU: the tensors are on the runtime's device)."""
 
-    def __init__(self, peer: int) -> None:
-        self.peer = peer
+    def __init__(self, peer: int, host: dist.ProcessGroup | None = None) -> None:
+        self.peer, self.host = peer, host
 
     def send(self, t: torch.Tensor) -> None:
         dist.send(t, dst=self.peer)
@@ -58,42 +61,56 @@ class P2PChannel:
     def recv(self, t: torch.Tensor) -> None:
         dist.recv(t, src=self.peer)
 
+    def send_meta(self, t: torch.Tensor) -> None:
+        dist.send(t, dst=self.peer, group=self.host)
+
+    def recv_meta(self, t: torch.Tensor) -> None:
+        dist.recv(t, src=self.peer, group=self.host)
+
 
 class StageChannel:
     """A two-member process group {stage sender = 0, engine = 1}, built from its own TCPStore so the
-    engine process need not be part of the trainer's world. Data moves by ``broadcast`` from rank 0."""
+    engine process need not be part of the trainer's world. Data moves by ``broadcast`` from rank 0.
+
+    Headers, JSON metadata and acknowledgements are host tensors and always go over a gloo group; the
+    weight tensors go over the ``backend`` group (NCCL on GPU, where they are device tensors)."""
 
     def __init__(
         self, host: str, port: int, rank: int, timeout_s: float = 600.0, backend: str = "gloo"
     ) -> None:
         timeout = datetime.timedelta(seconds=timeout_s)
         self._store = dist.TCPStore(host, port, 2, rank == 0, timeout=timeout)
+        self._meta = dist.ProcessGroupGloo(dist.PrefixStore("meta", self._store), rank, 2, timeout)
         if backend == "gloo":
-            self._pg = dist.ProcessGroupGloo(self._store, rank, 2, timeout)
+            self._pg = self._meta
         else:
-            self._pg = dist.ProcessGroupNCCL(self._store, rank, 2)
+            self._pg = dist.ProcessGroupNCCL(dist.PrefixStore("data", self._store), rank, 2)
         self.rank = rank
 
-    def _bcast(self, t: torch.Tensor) -> None:
+    @staticmethod
+    def _bcast_on(pg, t: torch.Tensor, root: int) -> None:
         opts = dist.BroadcastOptions()
-        opts.rootRank = 0
-        self._pg.broadcast([t], opts).wait()
+        opts.rootRank = root
+        pg.broadcast([t], opts).wait()
 
-    send = _bcast
-    recv = _bcast
+    def send(self, t: torch.Tensor) -> None:
+        self._bcast_on(self._pg, t, 0)
+
+    recv = send
+
+    def send_meta(self, t: torch.Tensor) -> None:
+        self._bcast_on(self._meta, t, 0)
+
+    recv_meta = send_meta
 
     def ack(self, version: int) -> None:
         """Engine side: confirm that ``version`` is installed (the sender's ``wait_ack`` returns it)."""
-        opts = dist.BroadcastOptions()
-        opts.rootRank = 1
-        self._pg.broadcast([torch.tensor([version], dtype=torch.int64)], opts).wait()
+        self._bcast_on(self._meta, torch.tensor([version], dtype=torch.int64), 1)
 
     def wait_ack(self) -> int:
         """Sender side: block until the engine confirms; returns the version it now serves."""
         t = torch.zeros(1, dtype=torch.int64)
-        opts = dist.BroadcastOptions()
-        opts.rootRank = 1
-        self._pg.broadcast([t], opts).wait()
+        self._bcast_on(self._meta, t, 1)
         return int(t)
 
 
@@ -105,14 +122,14 @@ def _send_bucket(ch, bucket: list[tuple[str, torch.Tensor]], version: int) -> No
         "shapes": [list(t.shape) for _, t in bucket],
     }
     blob = torch.frombuffer(bytearray(json.dumps(meta).encode()), dtype=torch.uint8)
-    ch.send(torch.tensor([blob.numel(), 0], dtype=torch.int64))
-    ch.send(blob)
+    ch.send_meta(torch.tensor([blob.numel(), 0], dtype=torch.int64))
+    ch.send_meta(blob)
     for _, t in bucket:
         ch.send(t.contiguous())
 
 
 def _send_done(ch) -> None:
-    ch.send(torch.tensor([0, 1], dtype=torch.int64))
+    ch.send_meta(torch.tensor([0, 1], dtype=torch.int64))
 
 
 def send_buckets(ch, buckets: Iterable[list[tuple[str, torch.Tensor]]], version: int) -> int:
@@ -131,15 +148,19 @@ def send_stream(ch, stream: Iterable[tuple[str, torch.Tensor]], version: int, bu
     return send_buckets(ch, bucketize(stream, bucket_bytes), version)
 
 
-def receive_stream(ch, version: int | None = None, device: str = "cpu") -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield ``(hf_name, tensor)`` from a sender until its done marker; checks every bucket's version."""
+def receive_stream(
+    ch, version: int | None = None, device: torch.device | str = "cpu"
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield ``(hf_name, tensor)`` from a sender until its done marker; checks every bucket's version.
+
+    Metadata arrives in host tensors; the weight tensors are received into buffers on ``device``."""
     while True:
         header = torch.zeros(2, dtype=torch.int64)
-        ch.recv(header)
+        ch.recv_meta(header)
         if int(header[1]) == 1:
             return
         blob = torch.empty(int(header[0]), dtype=torch.uint8)
-        ch.recv(blob)
+        ch.recv_meta(blob)
         meta = json.loads(bytes(blob.tolist()).decode())
         if version is not None and meta["version"] != version:
             raise WeightSyncError(f"bucket of version {meta['version']} arrived during the sync of {version}")
@@ -149,22 +170,24 @@ def receive_stream(ch, version: int | None = None, device: str = "cpu") -> Itera
             yield name, t
 
 
-def _peek_version(ch) -> tuple[int | None, Callable[[], Iterator[tuple[str, torch.Tensor]]]]:
+def _peek_version(
+    ch, device: torch.device | str = "cpu"
+) -> tuple[int | None, Callable[[], Iterator[tuple[str, torch.Tensor]]]]:
     """Read the first bucket header to learn the version, and return a stream that replays it."""
     header = torch.zeros(2, dtype=torch.int64)
-    ch.recv(header)
+    ch.recv_meta(header)
     if int(header[1]) == 1:
         return None, lambda: iter(())
     blob = torch.empty(int(header[0]), dtype=torch.uint8)
-    ch.recv(blob)
+    ch.recv_meta(blob)
     meta = json.loads(bytes(blob.tolist()).decode())
 
     def stream():
         for name, dtype, shape in zip(meta["names"], meta["dtypes"], meta["shapes"], strict=True):
-            t = torch.empty(shape, dtype=getattr(torch, dtype))
+            t = torch.empty(shape, dtype=getattr(torch, dtype), device=device)
             ch.recv(t)
             yield name, t
-        yield from receive_stream(ch, meta["version"])
+        yield from receive_stream(ch, meta["version"], device)
 
     return int(meta["version"]), stream
 
@@ -173,11 +196,10 @@ def _peek_version(ch) -> tuple[int | None, Callable[[], Iterator[tuple[str, torc
 
 
 def _stage_senders(groups: ParallelGroups) -> list[int]:
-    """Global rank of each PP stage's sender, in stage order (collective over the default group)."""
-    mine = torch.tensor([groups.pp_rank if is_stage_sender(groups) else -1], dtype=torch.int64)
-    everyone = [torch.zeros(1, dtype=torch.int64) for _ in range(dist.get_world_size())]
-    dist.all_gather(everyone, mine)
-    senders = {int(t): r for r, t in enumerate(everyone) if int(t) >= 0}
+    """Global rank of each PP stage's sender, in stage order (collective over the gloo host group)."""
+    everyone: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, groups.pp_rank if is_stage_sender(groups) else -1, group=groups.host)
+    senders = {int(p): r for r, p in enumerate(everyone) if int(p) >= 0}
     return [senders[p] for p in range(groups.pp_size)]
 
 
@@ -209,13 +231,13 @@ def sync_in_process(
         def stream():
             yield from local
             for peer in senders[1:]:
-                yield from receive_stream(P2PChannel(peer), version)
+                yield from receive_stream(P2PChannel(peer, groups.host), version, groups.device)
 
         engine.update_weights(stream(), version)
         return
     pending = iter_stage_params(model, table, groups, dtype)
     if me in senders:
-        send_buckets(P2PChannel(engine_rank), bucketize_pending(pending, bucket_bytes), version)
+        send_buckets(P2PChannel(engine_rank, groups.host), bucketize_pending(pending, bucket_bytes), version)
     else:
         for p in pending:  # join this stage's TP gathers
             p.fetch()
@@ -251,16 +273,18 @@ def send_stage(
     return 0
 
 
-def receive_update(engine: Any, channels: list[StageChannel]) -> int:
-    """Engine process: receive one sync from all stages (stage order) into ``engine``; returns the version."""
-    version, first = _peek_version(channels[0])
+def receive_update(engine: Any, channels: list[StageChannel], device: torch.device | str = "cpu") -> int:
+    """Engine process: receive one sync from all stages (stage order) into ``engine``; returns the version.
+
+    ``device``: where the weight tensors are received (the engine's device with an NCCL channel)."""
+    version, first = _peek_version(channels[0], device)
     if version is None:
         raise WeightSyncError("stage 0 sent an empty sync")
 
     def stream():
         yield from first()
         for ch in channels[1:]:
-            yield from receive_stream(ch, version)
+            yield from receive_stream(ch, version, device)
 
     engine.update_weights(stream(), version)
     for ch in channels:
@@ -298,7 +322,7 @@ def save_stage_shards(
         save_file(dict(bucket), str(folder / name), metadata={"version": str(version)})
         files.append(name)
     everyone: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, files)
+    dist.all_gather_object(everyone, files, group=groups.host)
     if dist.get_rank() == 0:
         shards = sorted(f for fs in everyone for f in fs)
         (folder / "sync.json").write_text(json.dumps({"version": version, "shards": shards}))

@@ -36,14 +36,6 @@ def _cfg(tiny, run_dir, extra=()):
     return load_config(TrainConfig, str(RECIPE), ov)
 
 
-def _policy(cfg, groups):
-    try:  # the trainer split (issue 11) names it Policy; before it, PolicyRuntime
-        from srpo_megatron.trainer.policy import Policy
-    except ImportError:
-        from srpo_megatron.trainer.policy_runtime import PolicyRuntime as Policy
-    return Policy(cfg, groups)
-
-
 def _engines(rank, world, tiny, run_dir):
     import torch.distributed as dist
 
@@ -51,19 +43,22 @@ def _engines(rank, world, tiny, run_dir):
     from srpo_megatron.parallel import initialize_model_parallel
     from srpo_megatron.rewards import register_reward
     from srpo_megatron.rollout.factory import load_tokenizer
+    from srpo_megatron.trainer.policy import Policy
     from srpo_megatron.trainer.rollouts import RolloutService
 
+    import time as _t
+    _t0 = _t.time()
+    log = lambda m: print(f"[r{rank} {_t.time() - _t0:6.1f}s] {m}", flush=True)  # noqa: E731
     register_reward("coin", "srpo_megatron.testing.tiny:coin_reward")
     groups = initialize_model_parallel(2, 1, seed=1)
+    log("groups")
     two = _cfg(tiny, run_dir, ["rollout.gpus_per_engine=2"])
     one = _cfg(tiny, run_dir, ["rollout.gpus_per_engine=4"])
     tokenizer = load_tokenizer(two.model.hf_dir)
     prompts = list(build_datasets(two.data, tokenizer)[0])[:4]
-    policy = _policy(two, groups)
+    policy = Policy(two, groups)
+    log("policy built")
     out = {}
-    import time as _t
-    _t0 = _t.time()
-    log = lambda m: print(f"[r{rank} {_t.time() - _t0:6.1f}s] {m}", flush=True)  # noqa: E731
     single = RolloutService(one, tokenizer, policy, groups)
     single.sync(1)
     log('single.sync(1)')

@@ -33,25 +33,26 @@ def _cfg(tiny, run_dir, extra=()):
 
 def _nonfinite_step(rank, world, tiny, run_dir):
     from srpo_megatron.parallel import initialize_model_parallel
-    from srpo_megatron.trainer.policy_runtime import PolicyRuntime
+    from srpo_megatron.trainer.learning import train_mini_batch
+    from srpo_megatron.trainer.policy import Policy
     from srpo_megatron.trainer.rollouts import Sample
+    from srpo_megatron.trainer.scoring import score_rollouts
 
     cfg = _cfg(tiny, run_dir, ["loss.mode=grpo"])
     groups = initialize_model_parallel(1, 1, seed=1)
-    runtime = PolicyRuntime(cfg, groups)
+    policy = Policy(cfg, groups)
     samples = [
         Sample(0, m, [1, 2, 3], [4, 5], [-1.0, -1.0], reward=float(m % 2), advantage=m % 2 - 0.5)
         for m in range(4)
     ]
-    stored, _ = runtime.score(samples)
-    before = {n: p.detach().clone() for n, p in runtime.model.named_parameters()}
-    stored[0]["old_logp"] = torch.full_like(stored[0]["old_logp"], float("nan"))  # a poisoned batch
-    out = runtime.train_step(samples, stored)
-    unchanged = all(torch.equal(before[n], p) for n, p in runtime.model.named_parameters())
-    good, _ = runtime.score(samples)
-    ok = runtime.train_step(samples, good)
-    moved = any(not torch.equal(before[n], p) for n, p in runtime.model.named_parameters())
-    return out["skipped"], unchanged, ok["skipped"], moved
+    scored = score_rollouts(policy, samples)
+    before = {n: p.detach().clone() for n, p in policy.model.named_parameters()}
+    scored.tokens.old_logp[:2] = float("nan")  # a poisoned batch: sample 0's π_old
+    out = train_mini_batch(policy, scored)
+    unchanged = all(torch.equal(before[n], p) for n, p in policy.model.named_parameters())
+    ok = train_mini_batch(policy, score_rollouts(policy, samples))
+    moved = any(not torch.equal(before[n], p) for n, p in policy.model.named_parameters())
+    return out.skipped, unchanged, ok.skipped, moved
 
 
 def test_nonfinite_loss_skips_the_step_and_keeps_the_weights(tiny, tmp_path):
@@ -78,21 +79,23 @@ def test_zero_signal_batch_trains_without_dividing_by_zero(tiny, tmp_path):
 
 def _teacher_update(rank, world, tiny, run_dir, kind):
     from srpo_megatron.parallel import initialize_model_parallel
-    from srpo_megatron.trainer.policy_runtime import PolicyRuntime
+    from srpo_megatron.trainer.learning import learn
+    from srpo_megatron.trainer.policy import Policy
     from srpo_megatron.trainer.rollouts import Sample
+    from srpo_megatron.trainer.scoring import score_rollouts
 
     cfg = _cfg(tiny, run_dir, [f"teacher.kind={kind}", "teacher.ema_alpha=0.25"])
     groups = initialize_model_parallel(1, 1, seed=1)
-    runtime = PolicyRuntime(cfg, groups)
-    theta0 = {n: p.detach().clone().double() for n, p in runtime.model.named_parameters()}
+    policy = Policy(cfg, groups)
+    theta0 = {n: p.detach().clone().double() for n, p in policy.model.named_parameters()}
     samples = [
         Sample(0, m, [1, 2, 3], [4, 5], [-1.0, -1.0], reward=float(m % 2), advantage=m % 2 - 0.5)
         for m in range(4)
     ]
-    runtime.train_step(samples, runtime.score(samples)[0])
-    runtime.update_teacher()
-    theta1 = {n: p.detach().double() for n, p in runtime.model.named_parameters()}
-    teacher = {n: p.detach().double() for n, p in runtime.teacher.named_parameters()}
+    learn(policy, score_rollouts(policy, samples), 1)
+    policy.update_teacher()
+    theta1 = {n: p.detach().double() for n, p in policy.model.named_parameters()}
+    teacher = {n: p.detach().double() for n, p in policy.teacher.module.named_parameters()}
     return theta0, theta1, teacher
 
 
@@ -124,7 +127,7 @@ def _engine_dies(rank, world, tiny, run_dir):
     from srpo_megatron.parallel import initialize_model_parallel
     from srpo_megatron.rewards import register_reward
     from srpo_megatron.rollout.factory import load_tokenizer
-    from srpo_megatron.trainer.policy_runtime import PolicyRuntime
+    from srpo_megatron.trainer.policy import Policy
     from srpo_megatron.trainer.rollouts import RolloutService
 
     cfg = _cfg(tiny, run_dir)
@@ -132,8 +135,8 @@ def _engine_dies(rank, world, tiny, run_dir):
     groups = initialize_model_parallel(1, 1, seed=1)
     tokenizer = load_tokenizer(cfg.model.hf_dir)
     prompts = list(build_datasets(cfg.data, tokenizer)[0])[:4]
-    runtime = PolicyRuntime(cfg, groups)
-    service = RolloutService(cfg, tokenizer, runtime, groups)
+    policy = Policy(cfg, groups)
+    service = RolloutService(cfg, tokenizer, policy, groups)
     service.sync(3)
     first = service.collect(prompts, step=0)
     service.engine.shutdown()  # a real engine failure: it refuses to generate from now on

@@ -1,0 +1,95 @@
+"""The training pass: one optimizer step per mini-batch of a scored rollout batch (method §2 objective).
+
+Each mini-batch's micro-batches share the global normalisers (token count, |Ω_sdpo|, Σw̃ over all its
+micro-batches and the DP group), so the summed micro-batch losses equal the objective L of that
+mini-batch. Megatron divides each loss by the number of micro-batches and DDP averages gradients over
+DP; the ``num_microbatches · dp_size`` factor undoes both so gradients are summed (see ``schedule.py``).
+A step whose gradients or loss are non-finite on any rank is skipped on every rank (weights untouched)
+when ``train.skip_nonfinite`` is set. The LR schedule advances once per rollout batch (``policy.py``).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+
+import torch
+import torch.distributed as dist
+
+from srpo_megatron.losses import Normalizers, global_normalizers, routed_loss
+from srpo_megatron.trainer.batches import ScoredBatch, make_micro_batches, padded_len, student_sequences
+from srpo_megatron.trainer.policy import Policy
+from srpo_megatron.trainer.schedule import run_schedule
+from srpo_megatron.trainer.stats import StepStats, reduce_stats
+
+
+def learn(policy: Policy, scored: ScoredBatch, mini_batches: int) -> StepStats:
+    """Collective: ``mini_batches`` optimizer steps over ``scored``, then one LR-schedule step."""
+    t0 = time.monotonic()
+    stats = [train_mini_batch(policy, mini) for mini in scored.mini_batches(mini_batches)]
+    policy.step_schedule()
+    return reduce_stats([*stats, StepStats(train_s=time.monotonic() - t0)])
+
+
+def train_mini_batch(policy: Policy, scored: ScoredBatch) -> StepStats:
+    """One optimizer step on ``scored`` (this DP rank's share of a mini-batch)."""
+    cfg, g = policy.cfg, policy.groups
+    seqs = student_sequences(scored.samples)
+    micro = make_micro_batches(seqs, cfg.train.micro_batch_size, padded_len(seqs), policy.device)
+    last = g.is_last_stage
+    batches = [scored.micro_tokens(mb.members) for mb in micro] if last else []
+    normalizers = (
+        global_normalizers(batches, cfg.loss.beta, g.dp if g.dp_size > 1 else None)
+        if last
+        else Normalizers(1.0, 0.0, 0.0)
+    )
+    per_micro: list[StepStats] = []
+    scale = len(micro) * g.dp_size
+
+    def on_rows(row_logits: torch.Tensor, k: int) -> torch.Tensor:
+        loss, metrics = routed_loss(row_logits, batches[k], normalizers, cfg.loss, g.tp)
+        per_micro.append(StepStats.from_metrics(metrics, loss=float(loss.detach())))
+        return loss * scale
+
+    policy.ddp.zero_grad_buffer()
+    policy.optimizer.zero_grad()
+    if last and normalizers.num_tokens <= 0:
+        raise RuntimeError("the training batch has no response tokens; check rollout.max_new_tokens")
+    run_schedule(policy.ddp, micro, on_rows, policy.vocab_pad, forward_only=False)
+    out = reduce_stats(per_micro)
+    finite = _all_true(_grads_finite(policy.model) and math.isfinite(out.loss), policy.device)
+    skipped, grad_norm = 0.0, float("nan")
+    if finite or not cfg.train.skip_nonfinite:
+        ok, norm, _ = policy.optimizer.step()
+        grad_norm = float(norm) if norm is not None else float("nan")
+        skipped = 0.0 if ok and math.isfinite(grad_norm) else 1.0
+    else:
+        skipped = 1.0
+        policy.optimizer.zero_grad()
+    if last and batches:  # w~ = exp(−β·H) over this rank's SDPO tokens, for the logged mean and spread
+        w = torch.cat(
+            [torch.exp(-cfg.loss.beta * b.teacher_entropy[b.sdpo & b.mask].double()) for b in batches]
+        )
+        out.w_tilde_sum, out.w_tilde_sq_sum = float(w.sum()), float((w**2).sum())
+    out.grad_norm_sum, out.optimizer_steps = grad_norm, 1.0
+    out.skipped, out.lr = skipped, policy.lr
+    return out.counted_once(last and g.tp_rank == 0)
+
+
+def _grads_finite(model: torch.nn.Module) -> bool:
+    for p in model.parameters():
+        grad = getattr(p, "main_grad", None)
+        if grad is None:
+            grad = p.grad
+        if grad is not None and not bool(torch.isfinite(grad).all()):
+            return False
+    return True
+
+
+def _all_true(flag: bool, device: torch.device) -> bool:
+    """Every rank's ``flag`` is True (a device tensor: the default group is NCCL on GPU)."""
+    if not dist.is_initialized():
+        return flag
+    t = torch.tensor([0.0 if flag else 1.0], device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return t.item() == 0.0

@@ -1,0 +1,139 @@
+"""The policy side of the trainer: the megatron model (DDP-wrapped), its optimizer and LR schedule, and
+the self-teacher, all on the runtime's one device.
+
+Device discipline: the runtime owns ``groups.device`` (``cuda:<local_rank>`` with CUDA, else the CPU).
+The model is built and loaded on the host (``use_cpu_initialization``), then moved there once, before
+DDP allocates its buffers; the teacher likewise. Everything else the passes hand to megatron or to a
+collective is created on that device (see ``trainer/batches.py``).
+
+Fidelity fix: the LR warm-up counts *training* steps (rollout batches), not optimizer steps, as verl
+does: ``step_schedule`` is called once per rollout batch, so with 4 mini-batches and 10 warm-up steps
+the warm-up still lasts 10 rollout batches (not 2.5). All mini-batches of a rollout batch share its LR.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from srpo_megatron.conversion.checkpoint import load_policy_checkpoint
+from srpo_megatron.conversion.safetensors_io import HFCheckpointReader
+from srpo_megatron.conversion.table import ConversionTable
+from srpo_megatron.conversion.weights import load_hf_weights
+from srpo_megatron.models.architecture import Architecture, padded_vocab_size
+from srpo_megatron.models.policy import build_policy
+from srpo_megatron.parallel import ParallelGroups
+from srpo_megatron.trainer.config import TrainConfig
+from srpo_megatron.trainer.teacher import EmaTeacher, fp32_main_params
+
+_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+def ddp_and_optimizer_configs(cfg: TrainConfig, dtype: torch.dtype) -> tuple[Any, Any]:
+    """megatron's ``DistributedDataParallelConfig`` and ``OptimizerConfig`` for this run (the one place
+    precision and overlap settings enter the DDP wrapper and the optimizer)."""
+    from megatron.core.distributed import DistributedDataParallelConfig
+    from megatron.core.optimizer import OptimizerConfig
+
+    o, bf16 = cfg.optim, dtype == torch.bfloat16
+    ddp = DistributedDataParallelConfig(
+        grad_reduce_in_fp32=True, use_distributed_optimizer=cfg.parallel.distributed_optimizer
+    )
+    opt = OptimizerConfig(
+        optimizer="adam",
+        lr=o.lr,
+        min_lr=o.lr,
+        weight_decay=o.weight_decay,
+        adam_beta1=o.adam_beta1,
+        adam_beta2=o.adam_beta2,
+        adam_eps=o.adam_eps,
+        clip_grad=o.clip_grad,
+        bf16=bf16,
+        params_dtype=dtype,
+        use_distributed_optimizer=cfg.parallel.distributed_optimizer,
+    )
+    return ddp, opt
+
+
+class Policy:
+    """Owns the policy (``model``, DDP-wrapped as ``ddp``), ``optimizer``, ``scheduler`` and ``teacher``."""
+
+    def __init__(self, cfg: TrainConfig, groups: ParallelGroups) -> None:
+        from megatron.core.distributed import DistributedDataParallel, finalize_model_grads
+        from megatron.core.optimizer import get_megatron_optimizer
+
+        self.cfg, self.groups, self.device = cfg, groups, groups.device
+        self.arch = Architecture.from_hf(cfg.model.hf_dir)
+        self.table = ConversionTable(self.arch)
+        dtype = _DTYPES[cfg.model.params_dtype]
+        overrides: dict[str, Any] = {"bf16": True} if dtype == torch.bfloat16 else {}
+        build = lambda: build_policy(  # noqa: E731
+            self.arch, params_dtype=dtype, max_sequence_length=cfg.model.max_sequence_length, **overrides
+        )
+        torch.manual_seed(cfg.run.seed)
+        self.model = build()
+        self._load_initial(self.model)
+        self.model.to(self.device)
+        self.tconfig = self.model.config
+        ddp_config, optimizer_config = ddp_and_optimizer_configs(cfg, dtype)
+        self.ddp = DistributedDataParallel(self.tconfig, ddp_config, self.model)
+        # Megatron's schedules reduce grads over DP (and tied embeddings over PP) only via this hook.
+        self.tconfig.finalize_model_grads_func = finalize_model_grads
+        self.optimizer = get_megatron_optimizer(optimizer_config, [self.ddp])
+        self.scheduler = self._build_scheduler()
+        self.teacher: EmaTeacher | None = None
+        if cfg.loss.mode != "grpo":
+            module = build()
+            module.load_state_dict(self.model.state_dict())
+            module.to(self.device)
+            self.teacher = EmaTeacher(module, cfg.teacher.kind, cfg.teacher.ema_alpha)
+        # Padded vocabulary rows (TP·128 multiple) are not tokens: mask them out of every softmax.
+        v_pad = padded_vocab_size(self.arch.vocab_size, groups.tp_size)
+        shard = v_pad // groups.tp_size
+        ids = torch.arange(groups.tp_rank * shard, (groups.tp_rank + 1) * shard, device=self.device)
+        self.vocab_pad = ids >= self.arch.vocab_size
+
+    def _build_scheduler(self):
+        from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+        o, steps = self.cfg.optim, self.cfg.train.steps
+        total = max(steps, o.warmup_steps + 1)  # training steps (rollout batches), see the docstring
+        return OptimizerParamScheduler(
+            self.optimizer,
+            init_lr=0.0,
+            max_lr=o.lr,
+            min_lr=o.lr,
+            lr_warmup_steps=o.warmup_steps,
+            lr_decay_steps=total,
+            lr_decay_style="constant",
+            start_wd=o.weight_decay,
+            end_wd=o.weight_decay,
+            wd_incr_steps=total,
+            wd_incr_style="constant",
+        )
+
+    def _load_initial(self, model: torch.nn.Module) -> None:
+        ckpt = self.cfg.model.megatron_checkpoint
+        with torch.no_grad():
+            if ckpt:
+                load_policy_checkpoint(model, ckpt)
+            else:
+                reader = HFCheckpointReader(self.cfg.model.hf_dir)
+                try:
+                    load_hf_weights(model, self.table, reader.get)
+                finally:
+                    reader.close()
+
+    @property
+    def lr(self) -> float:
+        return float(self.optimizer.param_groups[0]["lr"])
+
+    def step_schedule(self) -> None:
+        """Advance the LR schedule by one training step (once per rollout batch)."""
+        self.scheduler.step(1)
+
+    def update_teacher(self) -> None:
+        """EMA teacher update from the fp32 main params (see ``trainer/teacher.py``)."""
+        if self.teacher is not None and self.teacher.kind == "ema":
+            self.teacher.update(fp32_main_params(self.optimizer, self.model, self.device))

@@ -1,0 +1,64 @@
+"""Run micro-batches through megatron's real schedules (``get_forward_backward_func``: no-pipelining or
+1F1B), so TP/PP/DP behave exactly as in Megatron-LM. Used by the scoring and the learning pass.
+
+Loss scaling: ``routed_loss`` returns each micro-batch's share of the global objective (global token
+denominator), so gradients must be *summed* over micro-batches and DP ranks. Megatron divides the loss by
+the number of micro-batches and DDP averages over DP, hence the learning pass's ``num_microbatches ·
+dp_size`` factor.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from srpo_megatron.trainer.batches import MicroBatch
+
+OnRows = Callable[[torch.Tensor, int], torch.Tensor | None]
+
+
+def logit_rows(logits: torch.Tensor, rows: torch.Tensor, vocab_pad: torch.Tensor) -> torch.Tensor:
+    """[b, S, V/TP] logits → [T, V/TP] rows; padded vocabulary ids ([V/TP] bool) masked to a huge negative."""
+    out = logits[rows]
+    if bool(vocab_pad.any()):
+        out = out.masked_fill(vocab_pad, torch.finfo(out.dtype).min / 4)
+    return out
+
+
+def run_schedule(
+    model: torch.nn.Module,
+    micro_batches: list[MicroBatch],
+    on_rows: OnRows,
+    vocab_pad: torch.Tensor,
+    *,
+    forward_only: bool,
+) -> None:
+    """Run the schedule; ``on_rows(row_logits [T, V/TP], mb_index)`` runs on the last stage per micro-batch
+    and returns that micro-batch's loss (None in forward-only passes)."""
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    index = iter(range(len(micro_batches)))
+
+    def forward_step(data_iterator, m):
+        k = next(data_iterator)
+        mb = micro_batches[k]
+        out = m(mb.tokens, mb.positions, None)
+
+        def loss_func(logits):
+            loss = on_rows(logit_rows(logits, mb.rows, vocab_pad), k)
+            if loss is None:
+                loss = logits.sum() * 0.0
+            return loss, {}
+
+        return out, loss_func
+
+    get_forward_backward_func()(
+        forward_step_func=forward_step,
+        data_iterator=index,
+        model=[model],
+        num_microbatches=len(micro_batches),
+        seq_length=micro_batches[0].tokens.shape[1],
+        micro_batch_size=micro_batches[0].tokens.shape[0],
+        forward_only=forward_only,
+    )

@@ -1,0 +1,105 @@
+"""The no-grad scoring pass (method §3) over one rollout batch: π_old, the student's top-K ids, and the
+teacher on the samples that need it.
+
+Fidelity fix: this runs once per rollout batch, before its first optimizer step. With several
+mini-batches per rollout batch (the paper's GRPO setting uses 4) every mini-batch's PPO ratio is taken
+against the same π_old, so the clip bounds the drift across the whole batch, as in verl; scoring each
+mini-batch just before its own step would start every mini-batch at ratio 1. The teacher (and, for the
+trust-region teacher, the student logits it mixes in) are scored at the same point.
+
+Results are written into one ``ScoredBatch`` on the runtime's device (last pipeline stage only).
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from srpo_megatron.losses import score_student, score_teacher
+from srpo_megatron.trainer.batches import (
+    ScoredBatch,
+    make_micro_batches,
+    padded_len,
+    row_offsets,
+    sample_tokens,
+    student_sequences,
+    teacher_sequences,
+)
+from srpo_megatron.trainer.policy import Policy
+from srpo_megatron.trainer.rollouts import Sample
+from srpo_megatron.trainer.schedule import run_schedule
+from srpo_megatron.trainer.stats import StepStats
+
+
+def _rows(offsets: list[int], members: list[int], device: torch.device) -> torch.Tensor:
+    """[R] row indices of ``members`` (sample indices) in the flat layout."""
+    idx = [r for i in members for r in range(offsets[i], offsets[i + 1])]
+    return torch.tensor(idx, dtype=torch.long).to(device)
+
+
+@torch.no_grad()
+def score_rollouts(policy: Policy, samples: list[Sample]) -> ScoredBatch:
+    """Student scoring of every sample and teacher scoring of ``needs_teacher`` samples (collective)."""
+    t0 = time.monotonic()
+    cfg, g, dev = policy.cfg, policy.groups, policy.device
+    mbs, k_top, lc = cfg.train.micro_batch_size, cfg.loss.top_k, cfg.loss
+    chunk = lc.chunk_tokens or None
+    offsets = row_offsets(samples)
+    tokens = sample_tokens(samples, k_top, dev) if g.is_last_stage else None
+    seqs = student_sequences(samples)
+    micro = make_micro_batches(seqs, mbs, padded_len(seqs), dev)
+
+    def rows_of(members: list[int | None]) -> tuple[int, int]:
+        idx = [i for i in members if i is not None]
+        return offsets[idx[0]], offsets[idx[-1] + 1]
+
+    def on_student(row_logits: torch.Tensor, k: int) -> None:
+        a, b = rows_of(micro[k].members)
+        score = score_student(
+            row_logits, tokens.response_ids[a:b], tokens.sdpo[a:b], k_top, g.tp, lc.temperature, chunk
+        )
+        tokens.old_logp[a:b] = score.old_logp.float()
+        tokens.topk_ids[a:b] = score.topk_ids
+
+    policy.ddp.eval()
+    run_schedule(policy.ddp, micro, on_student, policy.vocab_pad, forward_only=True)
+    policy.ddp.train()
+    t_student = time.monotonic() - t0
+
+    teacher_runs = 0
+    wanted = [i for i, s in enumerate(samples) if s.needs_teacher]
+    if wanted and policy.teacher is not None:
+        t_seqs = teacher_sequences([samples[i] for i in wanted])
+        t_micro = make_micro_batches(t_seqs, mbs, padded_len(t_seqs), dev)
+        mix = cfg.teacher.kind == "trust_region"
+        student_logits: dict[int, torch.Tensor] = {}
+        if mix:  # log q = (1−α) log q_ref + α log q_θ  ⇔  logits mix (the log-normaliser is shared)
+            policy.ddp.eval()
+            keep = lambda r, k: student_logits.__setitem__(k, r)  # noqa: E731
+            run_schedule(policy.ddp, t_micro, keep, policy.vocab_pad, forward_only=True)
+            policy.ddp.train()
+
+        def on_teacher(row_logits: torch.Tensor, k: int) -> None:
+            nonlocal teacher_runs
+            if mix:
+                a = cfg.teacher.ema_alpha
+                row_logits = (1 - a) * row_logits + a * student_logits[k]
+            members = [wanted[j] for j in t_micro[k].members if j is not None]
+            teacher_runs += len(members)
+            rows = _rows(offsets, members, dev)
+            # Rows of samples that need a teacher but take no SDPO loss (advantage_mix) hold top-K ids 0:
+            # only their sampled-token log-prob is used.
+            ts = score_teacher(
+                row_logits, tokens.topk_ids[rows], g.tp, lc.temperature, tokens.response_ids[rows], chunk
+            )
+            tokens.teacher_logp[rows] = ts.logp.float()
+            tokens.teacher_entropy[rows] = ts.entropy.float()
+            tokens.teacher_token_logp[rows] = ts.token_logp.float()
+            tokens.teacher[rows] = True
+
+        run_schedule(policy.teacher.module, t_micro, on_teacher, policy.vocab_pad, forward_only=True)
+    stats = StepStats(
+        teacher_runs=float(teacher_runs), score_s=t_student, teacher_s=time.monotonic() - t0 - t_student
+    ).counted_once(g.is_last_stage and g.tp_rank == 0)
+    return ScoredBatch(samples, offsets, tokens, stats)
