@@ -245,23 +245,55 @@ class RolloutService:
 
     def sync(self, version: int, targets: list[int] | None = None) -> float:
         """Collective: install the policy into the engines (all, or ``targets``) as ``version``; returns the
-        seconds taken. Every engine serves ``version`` afterwards (checked)."""
-        from srpo_megatron.weights.engine_sync import sync_engines
-
+        seconds taken. An engine that fails the update is restarted alone and resynced; a second failure
+        stops the job. Every engine serves ``version`` afterwards (checked)."""
         t0 = time.monotonic()
-        sync_engines(
-            self.policy.model,
-            self.policy.table,
-            self.groups,
-            self.engine,
-            version,
-            self.layout,
-            targets=targets,
-        )
+        failed = self._sync_once(version, targets)
+        if failed:
+            self._restart(failed, f"failed the weight sync to v{version}")
+            again = self._sync_once(version, failed)
+            if again:
+                raise EngineError(
+                    "; ".join(
+                        f"{self._describe(k)} failed the weight sync again after a restart" for k in again
+                    )
+                )
         self.version = version
         self._check_versions()
         self.last_sync_s = time.monotonic() - t0
         return self.last_sync_s
+
+    def _sync_once(self, version: int, targets: list[int] | None) -> list[int]:
+        """One collective sync; returns the engines whose update failed (agreed on every rank)."""
+        from srpo_megatron.weights.engine_sync import sync_engines
+
+        error = ""
+        try:
+            sync_engines(
+                self.policy.model,
+                self.policy.table,
+                self.groups,
+                self.engine,
+                version,
+                self.layout,
+                targets=targets,
+            )
+        except EngineError as e:
+            error = str(e)
+        errors = self._gather(EngineShare(self.engine_index, range(0), error=error) if error else None)
+        for s in errors:
+            print(f"[srpo] {self._describe(s.engine)} rejected weights v{version}: {s.error}", flush=True)
+        return sorted(s.engine for s in errors)
+
+    def _restart(self, failed: list[int], why: str) -> None:
+        """Rebuild the failed engines on their hosts (the others keep serving)."""
+        for k in failed:
+            print(f"[srpo] {self._describe(k)} {why}; restarting it alone and resyncing", flush=True)
+        if self.engine_index in failed and self.engine is not None:
+            with contextlib.suppress(Exception):  # the engine is already broken
+                self.engine.shutdown()
+            self.engine = self._build()
+        self.restarts += len(failed)
 
     def _generate(self, prompts: list[Prompt], step: int, engines: set[int]) -> EngineShare | None:
         """On an engine host whose engine is in ``engines``: its share of the step's rollouts."""
@@ -299,12 +331,8 @@ class RolloutService:
         failed = sorted(k for k, s in shares.items() if s.error)
         if failed:
             for k in failed:
-                print(f"[srpo] {shares[k].error}; restarting it alone and resyncing", flush=True)
-            if self.engine_index in failed and self.engine is not None:
-                with contextlib.suppress(Exception):  # the engine is already broken
-                    self.engine.shutdown()
-                self.engine = self._build()
-            self.restarts += len(failed)
+                print(f"[srpo] {shares[k].error}", flush=True)
+            self._restart(failed, f"failed at step {step + 1}")
             self.sync(self.version, targets=failed)
             retried = {s.engine: s for s in self._gather(self._generate(prompts, step, set(failed)))}
             again = [k for k in failed if retried[k].error]

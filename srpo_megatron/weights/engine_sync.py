@@ -74,7 +74,9 @@ def sync_engines(
     dtype: torch.dtype | None = None,
 ) -> int:
     """Collective: install the policy as ``version`` into each target engine (``engine`` is this rank's
-    engine on hosts, None elsewhere). Returns the bytes this rank sent to other ranks."""
+    engine on hosts, None elsewhere). Returns the bytes this rank sent to other ranks. An engine that
+    rejects the update raises on its host only, after the rest of its stream was drained, so the other
+    ranks complete the collective; the caller agrees on failures afterwards (``RolloutService.sync``)."""
     me = dist.get_rank()
     targets = sorted(range(layout.num_engines) if targets is None else targets)
     coords = grid(groups)
@@ -116,7 +118,13 @@ def sync_engines(
                 else:
                     yield from receive_stream(P2PChannel(src, groups.host), version, groups.device)
 
-        engine.update_weights(stream(), version)
+        feed = stream()
+        try:
+            engine.update_weights(feed, version)
+        except Exception:
+            for _ in feed:  # drain: the senders block on this host until their stream is received
+                pass
+            raise
     else:
         for _ in my_stage():
             pass
