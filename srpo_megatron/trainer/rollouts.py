@@ -217,7 +217,7 @@ class RolloutService:
 
         local = int(os.environ.get("LOCAL_RANK", "0"))
         return build_engine(
-            self.cfg.rollout, self.cfg.model, engine_index=self.engine_index, base_gpu_id=local
+            self.cfg.rollout, self.cfg.model.hf_dir, engine_index=self.engine_index, base_gpu_id=local
         )
 
     def _describe(self, k: int) -> str:
