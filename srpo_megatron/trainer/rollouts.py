@@ -281,13 +281,13 @@ class RolloutService:
         except EngineError as e:
             error = str(e)
         errors = self._gather(EngineShare(self.engine_index, range(0), error=error) if error else None)
-        for s in errors:
+        for s in errors if self.rank0 else []:
             print(f"[srpo] {self._describe(s.engine)} rejected weights v{version}: {s.error}", flush=True)
         return sorted(s.engine for s in errors)
 
     def _restart(self, failed: list[int], why: str) -> None:
         """Rebuild the failed engines on their hosts (the others keep serving)."""
-        for k in failed:
+        for k in failed if self.rank0 else []:
             print(f"[srpo] {self._describe(k)} {why}; restarting it alone and resyncing", flush=True)
         if self.engine_index in failed and self.engine is not None:
             with contextlib.suppress(Exception):  # the engine is already broken
@@ -330,7 +330,7 @@ class RolloutService:
         shares = {s.engine: s for s in self._gather(self._generate(prompts, step, all_engines))}
         failed = sorted(k for k, s in shares.items() if s.error)
         if failed:
-            for k in failed:
+            for k in failed if self.rank0 else []:
                 print(f"[srpo] {shares[k].error}", flush=True)
             self._restart(failed, f"failed at step {step + 1}")
             self.sync(self.version, targets=failed)
