@@ -47,31 +47,24 @@ def _engines(rank, world, tiny, run_dir):
     from srpo_megatron.trainer.rollouts import RolloutService
 
     import time as _t
-    _t0 = _t.time()
-    log = lambda m: print(f"[r{rank} {_t.time() - _t0:6.1f}s] {m}", flush=True)  # noqa: E731
+
     register_reward("coin", "srpo_megatron.testing.tiny:coin_reward")
     groups = initialize_model_parallel(2, 1, seed=1)
-    log("groups")
     two = _cfg(tiny, run_dir, ["rollout.gpus_per_engine=2"])
     one = _cfg(tiny, run_dir, ["rollout.gpus_per_engine=4"])
     tokenizer = load_tokenizer(two.model.hf_dir)
     prompts = list(build_datasets(two.data, tokenizer)[0])[:4]
     policy = Policy(two, groups)
-    log("policy built")
     out = {}
     single = RolloutService(one, tokenizer, policy, groups)
     single.sync(1)
-    log('single.sync(1)')
     ref = single.collect(prompts, step=0)
-    log('ref = single.collect(prompts, step=0)')
     single.close()
     service = RolloutService(two, tokenizer, policy, groups)
     out["hosts"] = service.engine is not None
     service.sync(1)
-    log('service.sync(1)')
     out["versions_1"] = service.engine_versions()
     first = service.collect(prompts, step=0)
-    log('first = service.collect(prompts, step=0)')
     out["metrics"] = {k: v for k, v in first.metrics.items() if k.startswith("rollout/")}
     tokens = lambda b: [s.response_ids for s in b.samples]  # noqa: E731
     out["identical"] = tokens(first) == tokens(ref)
@@ -81,19 +74,16 @@ def _engines(rank, world, tiny, run_dir):
         for a, b in zip(s.rollout_logp, r.rollout_logp, strict=True)
     )
     service.sync(2)
-    log('service.sync(2)')
     out["versions_2"] = service.engine_versions()
     kept = service.engine
     if rank == 2:
         service.engine.shutdown()  # engine 1 dies between steps: it refuses to generate from now on
     again = service.collect(prompts, step=1)
-    log('again = service.collect(prompts, step=1)')
     out["restarts"] = service.restarts
     out["engine_kept"] = service.engine is kept  # only engine 1's host rebuilt its engine
     out["versions_after_restart"] = service.engine_versions()
     service.sync(3)  # training continues: the next sync reaches both engines
     third = service.collect(prompts, step=2)
-    log('third = service.collect(prompts, step=2)')
     out["versions_3"] = service.engine_versions()
     out["samples_after"] = (len(again.samples), len(third.samples))
     service.close()
