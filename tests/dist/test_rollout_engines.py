@@ -46,8 +46,6 @@ def _engines(rank, world, tiny, run_dir):
     from srpo_megatron.trainer.policy import Policy
     from srpo_megatron.trainer.rollouts import RolloutService
 
-    import time as _t
-
     register_reward("coin", "srpo_megatron.testing.tiny:coin_reward")
     groups = initialize_model_parallel(2, 1, seed=1)
     two = _cfg(tiny, run_dir, ["rollout.gpus_per_engine=2"])
