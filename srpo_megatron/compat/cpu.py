@@ -143,6 +143,9 @@ def set_cuda_emulated(on: bool) -> None:
 class _CpuEvent:
     """A CUDA event on the CPU: work is synchronous, so it has always completed."""
 
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        pass
+
     def synchronize(self) -> None:
         pass
 
@@ -156,7 +159,12 @@ class _CpuEvent:
 class _CpuStream:
     """A CUDA stream on the CPU. megatron's alltoall MoE dispatcher creates a side stream for its
     device-to-host copies of the token splits and records/waits events on it; on the CPU every op is
-    synchronous and in program order, so each of those calls has nothing to do."""
+    synchronous and in program order, so each of those calls has nothing to do. A class, not a factory
+    function: libraries evaluate annotations such as ``torch.cuda.Stream | None`` at import time
+    (transformers' continuous batching), which a function would break."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        pass
 
     def wait_stream(self, stream: Any) -> None:
         pass
@@ -202,8 +210,8 @@ def _split_sizes_to_host():
 # ``tests/unit/test_cpu_compat_moe.py`` checks the dispatcher still creates a CUDA stream and that
 # ``maybe_move_tensor_to_cpu`` still leaves CPU tensors as tensors.
 _STREAM_PATCHES = [
-    ("torch.cuda", "Stream", lambda: lambda *a, **k: _CpuStream()),
-    ("torch.cuda", "Event", lambda: lambda *a, **k: _CpuEvent()),
+    ("torch.cuda", "Stream", lambda: _CpuStream),
+    ("torch.cuda", "Event", lambda: _CpuEvent),
     # also megatron-core 0.19's DDP grad sync (param_and_grad_buffer.start_grad_sync), on dense models
     ("torch.cuda", "current_stream", lambda: lambda device=None: _CURRENT_STREAM),
     ("torch.cuda", "stream", lambda: _stream_context),

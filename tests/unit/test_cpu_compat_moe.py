@@ -96,3 +96,20 @@ def test_backward_runs_outside_the_mode_upstream_and_allocates_on_cpu(active, ho
     assert _AllocatesOnCurrentDevice.seen["mode_active"] is False  # the upstream fact: the mode is popped
     assert torch.equal(x.grad, torch.full((3,), 2.0))
     assert torch.cuda.current_device() == 0  # outside a backward megatron still gets its ordinal
+
+
+def test_patched_stream_and_event_are_types_so_import_time_annotations_work():
+    """transformers' continuous batching evaluates ``torch.cuda.Stream | None`` at import; with the layer on
+    (as in `srpo train`, which enables it before the rollout engine loads its HF model), a factory function
+    in place of the class made that import raise ``TypeError: unsupported operand type(s) for |``."""
+    code = """
+import torch
+from srpo_megatron.compat.cpu import enable_cpu_compat
+enable_cpu_compat()
+assert isinstance(torch.cuda.Stream, type) and isinstance(torch.cuda.Event, type)
+torch.cuda.Stream | None, torch.cuda.Event | None
+import transformers.generation.continuous_batching.utils  # noqa: F401  (annotations evaluated here)
+print("ok")
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stderr[-2000:]
