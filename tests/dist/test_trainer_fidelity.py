@@ -117,6 +117,15 @@ def _train(rank, world, tiny, run_dir, steps):
     return train(_cfg(tiny, run_dir, extra))
 
 
+def _reseal(path: Path) -> None:
+    from srpo_megatron.trainer.checkpoint_files import MANIFEST, file_digest
+
+    manifest = path.parent / MANIFEST
+    body = json.loads(manifest.read_text())
+    body["files"][path.name] = file_digest(path)
+    manifest.write_text(json.dumps(body))
+
+
 def test_budget_clock_continues_after_resume(tiny, tmp_path):
     run_dir = tmp_path / "run"
     run_distributed(_train, 1, tiny, str(run_dir), 1)
@@ -125,6 +134,7 @@ def test_budget_clock_continues_after_resume(tiny, tmp_path):
     assert state["budget_clock_s"] > 0
     state["budget_clock_s"] = 10_000.0  # as if the first run had taken 2.8 hours
     state_file.write_text(json.dumps(state))
+    _reseal(state_file)  # the edit is deliberate: refresh its manifest entry so the checkpoint verifies
     run_distributed(_train, 1, tiny, str(run_dir), 2)
     log = [json.loads(x) for x in (run_dir / "eval_log.jsonl").read_text().splitlines()]
     assert [e["step"] for e in log] == [0, 1, 2]
