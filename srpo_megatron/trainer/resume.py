@@ -28,6 +28,7 @@ MAY_CHANGE_ON_RESUME: dict[str, str] = {
     "train.eval_greedy": "evaluation only",
     "eval.*": "evaluation cadence and settings; training never reads them",
     "data.eval_files": "held-out sets: evaluation only",
+    "run.dir": "where the run lives: a copied or moved run directory resumes from its own checkpoints",
     "run.save_every": "checkpoint cadence",
     "run.keep_last": "checkpoint retention",
     "run.tensorboard": "logging",
