@@ -128,7 +128,7 @@ def _planted(rank, world, tiny, run_dir):
     from srpo_megatron.trainer import scoring
     from srpo_megatron.trainer.policy import Policy
 
-    real = scoring.make_micro_batches
+    real = scoring.micro_batches_for
 
     def planted(*args, **kwargs):
         micro = real(*args, **kwargs)
@@ -139,13 +139,13 @@ def _planted(rank, world, tiny, run_dir):
         policy = Policy(_cfg(tiny, run_dir), initialize_model_parallel(1, 1, seed=1))
         samples = _samples()
         scoring.score_rollouts(policy, samples)  # the unplanted pass runs
-        scoring.make_micro_batches = planted
+        scoring.micro_batches_for = planted
         try:
             scoring.score_rollouts(policy, samples)
         except StrictDeviceError as e:
             return str(e)
         finally:
-            scoring.make_micro_batches = real
+            scoring.micro_batches_for = real
     return None
 
 
