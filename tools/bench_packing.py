@@ -32,6 +32,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from srpo_megatron.testing.distributed import run_distributed
+from srpo_megatron.trainer.batches import Sequence, make_micro_batches
 from srpo_megatron.trainer.packing import pack, padding_waste, plan_micro_batches
 
 VOCAB = 1024
@@ -70,21 +71,14 @@ def _worker(rank, world, args, lens):
         },
         parallel_output=False,
     )
-    gen = torch.Generator().manual_seed(0)
+    gen, cpu = torch.Generator().manual_seed(0), torch.device("cpu")
     seqs = [(torch.randint(1, VOCAB, (n,), generator=gen).tolist(), 0, n - 1) for n in lens]
+    padded = make_micro_batches([Sequence(*s) for s in seqs], args.micro_batch_size, max(lens), cpu)
 
     def padded_pass():
-        longest = max(lens)
-        for start in range(0, len(seqs), args.micro_batch_size):
-            chunk = seqs[start : start + args.micro_batch_size]
-            tokens = torch.zeros(len(chunk), longest, dtype=torch.long)
-            rows = torch.zeros(len(chunk), longest, dtype=torch.bool)
-            for b, (ids, first, n) in enumerate(chunk):
-                tokens[b, : len(ids)] = torch.tensor(ids)
-                rows[b, first : first + n] = True
-            positions = torch.arange(longest).expand_as(tokens)
-            logits = model(tokens, positions, None)
-            loss = logits[rows].float().logsumexp(-1).sum()
+        for mb in padded:  # the trainer's own right-padded micro-batches
+            logits = model(mb.tokens, mb.positions.expand_as(mb.tokens), None)
+            loss = logits[mb.rows].float().logsumexp(-1).sum()
             loss.backward()
 
     def packed_pass():
