@@ -5,7 +5,14 @@
 in each, and returns the list of per-rank return values (anything picklable; tensors are fine).
 If any rank raises, the failing rank's full traceback is re-raised in the caller; if the ranks do not
 finish within ``timeout`` seconds, they are killed and a ``TimeoutError`` names the ranks still running.
-``fn`` must be importable at module level (the spawn start method pickles it by reference).
+``fn`` must be importable at module level (it is pickled by reference).
+
+Start method: on a CPU-only machine the ranks are forked from a ``forkserver`` that has already imported
+torch, megatron-core and transformers (``_PRELOAD``), because importing them costs 5-8 CPU-seconds per
+rank and the dist tier starts several hundred ranks. Each rank still gets a fresh interpreter state
+for everything else (it is forked from the server, not from pytest) and the caller's current
+environment, as a spawned process would. With CUDA present the ranks are spawned: a server that imported
+torch next to a CUDA driver is not fork-safe. ``SRPO_DIST_START_METHOD=spawn`` forces spawning.
 """
 
 from __future__ import annotations
@@ -31,7 +38,37 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+# Imported once by the forkserver; a module missing here is skipped by multiprocessing (ImportError).
+_PRELOAD = [
+    "torch",
+    "torch.distributed",
+    "megatron.core",
+    "megatron.core.models.gpt",
+    "megatron.core.pipeline_parallel",
+    "megatron.core.optimizer",
+    "megatron.core.distributed",
+    "megatron.core.dist_checkpointing",
+    "transformers",
+]
+
+
+def _context() -> mp.context.BaseContext:
+    """``forkserver`` with the heavy imports preloaded on CPU-only machines, else ``spawn``."""
+    method = os.environ.get("SRPO_DIST_START_METHOD") or "forkserver"
+    if method == "forkserver":
+        import torch
+
+        if torch.cuda.is_available() or "forkserver" not in mp.get_all_start_methods():
+            method = "spawn"
+    ctx = mp.get_context(method)
+    if method == "forkserver":
+        ctx.set_forkserver_preload(_PRELOAD)  # only takes effect before the server's first start
+    return ctx
+
+
 def _worker(fn, rank, world_size, port, args, kwargs, results, env):
+    # A forked rank inherits the server's environment from when it started: take the caller's instead.
+    os.environ.clear()
     os.environ.update(env)
     os.environ.update(
         MASTER_ADDR="127.0.0.1",
@@ -83,10 +120,10 @@ def run_distributed(
         import pytest
 
         pytest.skip(f"needs {world_size} ranks; SRPO_TEST_MAX_WORLD_SIZE={limit}")
-    ctx = mp.get_context("spawn")
+    ctx = _context()
     results = ctx.Queue()
     port = free_port()
-    child_env = {"OMP_NUM_THREADS": "1", **(env or {})}
+    child_env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
     procs = [
         ctx.Process(
             target=_worker, args=(fn, r, world_size, port, args, kwargs, results, child_env), daemon=False
