@@ -129,6 +129,9 @@ def launch_main(args: argparse.Namespace) -> int:
             if not doctor_first(cluster.executor, request, recipe_arg, list(args.override), args.dryrun):
                 return 1
         result = submit(cluster, request, dryrun=args.dryrun)
+        gpus = args.gpus_per_node if args.gpus_per_node is not None else cluster.gpus_per_node
+        if gpus > 0:
+            print(f"# {placement.describe(args.nodes, gpus)}")
         if args.dryrun:
             print(result.script)
             return 0
