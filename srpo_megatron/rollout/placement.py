@@ -7,7 +7,11 @@ group's devices (SGLang ``base_gpu_id`` = that rank's local device, ``tp_size`` 
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
+from typing import Any
+
+from srpo_megatron.configs import ConfigError
 
 
 @dataclass(frozen=True)
@@ -53,3 +57,36 @@ def split_prompts(num_prompts: int, num_engines: int) -> list[range]:
         out.append(range(start, start + n))
         start += n
     return out
+
+
+def engine_urls(rollout: Any) -> list[str]:
+    """Separate placement: the SGLang servers' base URLs, in engine order. A job started by `srpo launch`
+    lists the servers it started in ``SRPO_ENGINE_URLS`` (``launch/engine_nodes.py``) and its engine node
+    count in ``SRPO_ENGINE_NODES``; servers started otherwise are given by ``rollout.sglang.url``."""
+    job_nodes = os.environ.get("SRPO_ENGINE_NODES")
+    if job_nodes is not None and int(job_nodes) != rollout.engine_nodes:
+        raise ConfigError(
+            f"rollout.engine_nodes={rollout.engine_nodes} but the job was launched with {job_nodes} engine "
+            "node(s) (SRPO_ENGINE_NODES); launch again with the recipe's value instead of overriding it"
+        )
+    listed = os.environ.get("SRPO_ENGINE_URLS") or (rollout.sglang.url if rollout.sglang else "")
+    urls = [u.strip() for u in listed.split(",") if u.strip()]
+    if not urls:
+        raise ConfigError(
+            "rollout.placement=separate but no engine servers are known: launch with `srpo launch` (it "
+            "starts them on rollout.engine_nodes nodes and sets SRPO_ENGINE_URLS) or give "
+            "rollout.sglang.url (comma-separated base URLs of running servers)"
+        )
+    return urls
+
+
+def separate_layout(world_size: int, num_engines: int) -> EngineLayout:
+    """Separate placement: engine k's client lives on trainer rank ``k * world / num_engines`` (its prompt
+    share is generated and gathered there, so no single rank drives every server)."""
+    if num_engines > world_size or world_size % num_engines:
+        raise ConfigError(
+            f"{num_engines} engine servers for {world_size} trainer ranks: the server count must divide the "
+            "trainer ranks (one client per server on its own rank); change rollout.engine_nodes or the "
+            "engine TP size"
+        )
+    return EngineLayout(world_size, world_size // num_engines)

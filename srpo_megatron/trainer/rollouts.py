@@ -24,7 +24,7 @@ from srpo_megatron.losses.config import LossConfig
 from srpo_megatron.rewards.pool import RewardPool
 from srpo_megatron.rollout.base import EngineError, RolloutEngine, SamplingParams
 from srpo_megatron.rollout.config import RolloutConfig
-from srpo_megatron.rollout.placement import EngineLayout, split_prompts
+from srpo_megatron.rollout.placement import EngineLayout, engine_urls, separate_layout, split_prompts
 from srpo_megatron.trainer.config import TeacherConfig
 
 _THINK = re.compile(r"<think>.*?</think>", re.DOTALL)
@@ -197,8 +197,15 @@ class RolloutService:
         self.rank = dist.get_rank() if dist_on else 0
         world = dist.get_world_size() if dist_on else 1
         self.host_group = groups.host  # gloo: engine shares and the batch are host objects
-        size = cfg.rollout.engine_size() if cfg.rollout.placement == "colocated" else world
-        self.layout = EngineLayout(world, min(size, world))
+        self.separate = cfg.rollout.placement == "separate"
+        self.urls = engine_urls(cfg.rollout) if self.separate else []
+        if self.separate:
+            self.layout = separate_layout(world, len(self.urls))
+        else:
+            self.layout = EngineLayout(world, min(cfg.rollout.engine_size(), world))
+        # separate + weight_sync=distributed: this stage sender's broadcast group with every server
+        self._broadcaster: Any = None
+        self._generation = 0
         self.rank0 = self.rank == 0
         self.engine_index = self.layout.engine_of(self.rank)
         self.engine = self._build() if self.layout.is_host(self.rank) else None
@@ -222,7 +229,11 @@ class RolloutService:
 
         local = int(os.environ.get("LOCAL_RANK", "0"))
         return build_engine(
-            self.cfg.rollout, self.cfg.model.hf_dir, engine_index=self.engine_index, base_gpu_id=local
+            self.cfg.rollout,
+            self.cfg.model.hf_dir,
+            engine_index=self.engine_index,
+            base_gpu_id=local,
+            urls=self.urls or None,
         )
 
     def _describe(self, k: int) -> str:
@@ -268,9 +279,70 @@ class RolloutService:
         self.last_sync_s = time.monotonic() - t0
         return self.last_sync_s
 
+    def _broadcast_sync(self) -> bool:
+        sglang = self.cfg.rollout.sglang
+        return self.separate and sglang is not None and sglang.weight_sync == "distributed"
+
+    def _sync_broadcast(self, version: int) -> list[int]:
+        """Separate placement, weight_sync=distributed: every stage's sender broadcasts into every server
+        (``weights.broadcast_sync``); a failure fails every engine (one group spans them all)."""
+        from srpo_megatron.rollout.sglang.protocol import hf_manifest, server_tp_size
+        from srpo_megatron.rollout.sglang.transports import HttpTransport
+        from srpo_megatron.weights.broadcast_sync import StageBroadcaster, broadcast_sync, sync_address
+        from srpo_megatron.weights.export import is_stage_sender
+
+        sglang = self.cfg.rollout.sglang
+        sender = is_stage_sender(self.groups)
+        error = ""
+        if sender and self._broadcaster is None:
+            try:
+                transports = [HttpTransport(u, sglang.request_timeout_s) for u in self.urls]
+                self._broadcaster = StageBroadcaster(
+                    transports,
+                    self.urls,
+                    [server_tp_size(t, sglang.tp_size) for t in transports],
+                    f"srpo-pp{self.groups.pp_rank}-g{self._generation}",
+                    "nccl" if self.groups.device.type == "cuda" else "gloo",
+                    sync_address(),
+                    self.groups.device,
+                )
+                self._manifest = hf_manifest(sglang.model_path or self.cfg.model.hf_dir)
+            except EngineError as e:
+                error = str(e)
+        everyone: list[Any] = [None] * self.layout.world_size
+        dist.all_gather_object(everyone, error, group=self.host_group)
+        error = "; ".join(e for e in everyone if e)
+        if not error:
+            manifest = getattr(self, "_manifest", {})
+            error = broadcast_sync(
+                self.policy.model,
+                self.policy.table,
+                self.groups,
+                self._broadcaster,
+                manifest,
+                version,
+                aliases=frozenset(a for a in ("lm_head.weight",) if a not in manifest),
+                bucket_bytes=sglang.bucket_bytes,
+            )
+        if error:
+            if self.rank0:
+                print(f"[srpo] broadcast weight sync to v{version} failed: {error}", flush=True)
+            if self._broadcaster is not None:  # the next try builds a fresh group (a new generation)
+                with contextlib.suppress(Exception):
+                    self._broadcaster.close()
+                self._broadcaster = None
+            self._generation += 1
+            return list(range(self.layout.num_engines))
+        if self.engine is not None:
+            self.engine.adopt_version(version)
+        return []
+
     def _sync_once(self, version: int, targets: list[int] | None) -> list[int]:
         """One collective sync; returns the engines whose update failed (agreed on every rank)."""
         from srpo_megatron.weights.engine_sync import sync_engines
+
+        if self._broadcast_sync():
+            return self._sync_broadcast(version)
 
         error = ""
         try:
@@ -294,6 +366,13 @@ class RolloutService:
         """Rebuild the failed engines on their hosts (the others keep serving)."""
         for k in failed if self.rank0 else []:
             print(f"[srpo] {self._describe(k)} {why}; restarting it alone and resyncing", flush=True)
+        if self._broadcast_sync() and self._broadcaster is not None:
+            # a restarted server knows no weights group: every stage builds a new one at the next sync
+            with contextlib.suppress(Exception):
+                self._broadcaster.close()
+            self._broadcaster = None
+        if self._broadcast_sync():
+            self._generation += 1
         if self.engine_index in failed and self.engine is not None:
             with contextlib.suppress(Exception):  # the engine is already broken
                 self.engine.shutdown()

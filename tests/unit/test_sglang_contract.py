@@ -4,20 +4,24 @@ and the HTTP transport + disk weight sync run end to end against a *stand-in* se
 SGLang cannot run here (PLATFORM.md). ``SGLangStandInServer`` is a tiny local HTTP server that speaks the
 subset of SGLang's HTTP API the engine uses (``/generate`` with ``return_logprob``, ``/health``,
 ``/flush_cache``, ``/update_weights_from_disk``, ``/release_memory_occupation``,
-``/resume_memory_occupation``) on top of the CPU ``HFEngine``, loading weights *non-atomically* like SGLang
+``/resume_memory_occupation``, ``/init_weights_update_group``, ``/update_weights_from_distributed``)
+on top of the CPU ``HFEngine``, loading weights *non-atomically* like SGLang
 does. It is a stand-in for SGLang, not SGLang: real-engine checks live in tests/gpu/test_sglang_engine.py.
 """
 
 from __future__ import annotations
 
+import datetime
 import json
 import math
 import threading
+from concurrent.futures import ThreadPoolExecutor
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 import torch
 from safetensors.torch import load_file
+from torch.distributed.distributed_c10d import PrefixStore, rendezvous
 
 from srpo_megatron.configs import ConfigError
 from srpo_megatron.rollout.base import EngineError, SamplingParams, sample_seed
@@ -214,6 +218,7 @@ class SGLangStandInServer:
         self.dead = ""  # SGLang kills its process tree on some errors: every later call fails
         self.calls: list[str] = []
         self.bodies: list[tuple[str, dict]] = []
+        self.weight_groups: dict[str, list] = {}  # group name -> one gloo group per scheduler TP rank
         stand_in = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -292,6 +297,54 @@ class SGLangStandInServer:
 
     def route_flush_cache(self, body):
         return {}
+
+    # weight_sync=distributed. Like SGLang's init_custom_process_group: scheduler TP rank i joins the
+    # trainer's group as rank rank_offset + i (TCP rendezvous, store prefixed with the group name, then
+    # torch's per-group and per-device prefixes), here as raw gloo groups (no torch registry: the stand-in
+    # lives in the test process).
+    def route_init_weights_update_group(self, body):
+        timeout = datetime.timedelta(seconds=120)
+        name, addr = body["group_name"], f"tcp://{body['master_address']}:{body['master_port']}"
+
+        def join(i):
+            store, rank, world = next(
+                rendezvous(addr, body["rank_offset"] + i, body["world_size"], timeout=timeout)
+            )
+            store = PrefixStore("cpu/", PrefixStore(f"{name}/", PrefixStore(name, store)))
+            return torch.distributed.ProcessGroupGloo(store, rank, world, timeout)
+
+        with ThreadPoolExecutor(self.tp_size) as pool:
+            self.weight_groups[name] = list(pool.map(join, range(self.tp_size)))
+        return {"success": True, "message": "Succeeded to initialize custom process group."}
+
+    def route_update_weights_from_distributed(self, body):
+        ranks = self.weight_groups[body["group_name"]]  # KeyError (server dies) on an unknown group
+
+        def receive(pg):
+            out = []
+            for name, dtype, shape in zip(body["names"], body["dtypes"], body["shapes"], strict=True):
+                t = torch.empty(shape, dtype=getattr(torch, dtype))
+                opts = torch.distributed.BroadcastOptions()
+                opts.rootRank, opts.rootTensor = 0, 0
+                pg.broadcast([t], opts).wait()
+                out.append((name, t))
+            return out
+
+        with ThreadPoolExecutor(len(ranks)) as pool:
+            received = list(pool.map(receive, ranks))  # every TP rank receives every tensor
+        params = dict(self.model.named_parameters())
+        with torch.no_grad():
+            for name, t in received[0]:
+                if name not in params or params[name].shape != t.shape:
+                    return {"success": False, "message": f"bad tensor {name}"}
+                params[name].copy_(t)
+        if body.get("weight_version") is not None:
+            self.version = body["weight_version"]
+        return {"success": True, "message": "Succeeded to update parameter online."}
+
+    def route_destroy_weights_update_group(self, body):
+        self.weight_groups.pop(body["group_name"], None)
+        return {"success": True, "message": ""}
 
     def route_update_weights_from_disk(self, body):
         # like SGLang: load whatever the folder holds, tensor by tensor, no atomicity
@@ -551,3 +604,43 @@ def test_sglang_gpu_defaults():
     det = SGLangEngineConfig(model_path="/m", deterministic=True, memory_saver=False)
     kw = offline_engine_kwargs(det, colocated=True)
     assert kw["enable_deterministic_inference"] is True and "enable_memory_saver" not in kw
+
+
+def test_sglang_contract_distributed_sync_broadcasts_every_bucket_into_every_server(weight_sets):
+    """weight_sync=distributed (separate placement): one group with the stage sender as rank 0 and every
+    server's TP ranks after it (offsets 1 and 2 for a TP1 and a TP2 server, world 4); per bucket the
+    metadata goes to each server, the tensors are broadcast once (gloo here, NCCL on GPU), both servers
+    load them and stamp the version. A server that rejects a bucket is named in the error."""
+    from srpo_megatron.rollout.sglang.transports import HttpTransport
+    from srpo_megatron.weights.broadcast_sync import StageBroadcaster
+
+    servers = [SGLangStandInServer(tiny_model("llama", weight_sets[0]), tp_size=tp) for tp in (1, 2)]
+    try:
+        urls = [s.url for s in servers]
+        transports = [HttpTransport(u, 120) for u in urls]
+        sender = StageBroadcaster(
+            transports, urls, [1, 2], "srpo-test-pp0-g0", "gloo", "127.0.0.1", timeout_s=60
+        )
+        items = list(weight_sets[1].items())
+        half = len(items) // 2
+        sender.send_bucket(items[:half], 5)
+        sender.send_bucket(items[half:], 5)
+        for s in servers:
+            got = dict(s.model.named_parameters())
+            assert all(torch.equal(got[n], t) for n, t in items if n in got)
+            assert s.version == "5"
+        inits = [b for s in servers for path, b in s.bodies if path == "/init_weights_update_group"]
+        assert [(b["rank_offset"], b["world_size"], b["backend"]) for b in inits] == [
+            (1, 4, "gloo"),
+            (2, 4, "gloo"),
+        ]
+        first = next(b for path, b in servers[1].bodies if path == "/update_weights_from_distributed")
+        assert first["names"] == [n for n, _ in items[:half]]
+        assert first["group_name"] == "srpo-test-pp0-g0" and first["weight_version"] == "5"
+        with pytest.raises(EngineError, match=r"bad tensor model\.bogus"):
+            sender.send_bucket([("model.bogus", torch.zeros(2))], 6)
+        sender.close()
+        assert all(not s.weight_groups for s in servers), "the servers left the group"
+    finally:
+        for s in servers:
+            s.close()

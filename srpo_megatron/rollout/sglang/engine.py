@@ -40,6 +40,7 @@ from srpo_megatron.rollout.sglang.protocol import (
     parse_generate_response,
     parse_update_response,
     serialize_bucket_per_tp_rank,
+    server_tp_size,
 )
 from srpo_megatron.rollout.sglang.transports import ChildEngineTransport, HttpTransport
 from srpo_megatron.weights.buckets import bucketize
@@ -115,9 +116,7 @@ class SGLangEngine:
         if self._tp is None:
             self._tp = self.cfg.tp_size
             if isinstance(self._transport, HttpTransport):
-                info = self._transport.call("get_server_info", None, http_method="GET")
-                if isinstance(info, dict) and "tp_size" in info:
-                    self._tp = int(info["tp_size"])
+                self._tp = server_tp_size(self._transport, self._tp)
         return self._tp
 
     def health(self) -> EngineHealth:
@@ -192,6 +191,15 @@ class SGLangEngine:
                 self._transport.call("init_weights_update_group", body), "init group"
             )
         )
+
+    def adopt_version(self, version: int) -> None:
+        """The trainer's stage senders installed ``version`` into this server directly (separate placement,
+        ``weights.broadcast_sync``: they checked names and shapes, and every server answered every bucket
+        with success): serve it from now on."""
+        if self._shut_down:
+            raise EngineError("the SGLang engine was shut down; start a new one and resync its weights")
+        self._inconsistent = ""
+        self._version = int(version)
 
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
         """Stream HF-named tensors into SGLang in buckets and serve them as ``version`` (see module doc)."""

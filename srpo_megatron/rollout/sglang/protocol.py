@@ -227,3 +227,9 @@ def hf_manifest(model_path: str) -> dict[str, tuple[int, ...]]:
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config)
     return {name: tuple(p.shape) for name, p in model.named_parameters()}
+
+
+def server_tp_size(transport: Any, default: int) -> int:
+    """A running server's TP size from ``/get_server_info`` (its launch flags decide it, not the recipe)."""
+    info = transport.call("get_server_info", None, http_method="GET")
+    return int(info["tp_size"]) if isinstance(info, dict) and "tp_size" in info else int(default)
