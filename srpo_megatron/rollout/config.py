@@ -15,6 +15,7 @@ class SGLangEngineConfig:
     """How to reach (or start) SGLang and how to push weights into it."""
 
     mode: Literal["offline", "http"] = "offline"  # offline Engine in a child process, or an HTTP server
+    # (placement=separate always uses the HTTP servers the job started, whatever the mode)
     model_path: str = ""  # HF model directory the engine serves (also gives the weight manifest)
     url: str = ""  # http mode: base URL(s) of running servers, comma-separated (one per engine)
     weight_sync: WeightSync = "tensor"  # tensor: colocated CUDA IPC; distributed: NCCL broadcast; disk
@@ -52,7 +53,7 @@ class RolloutConfig:
     engine: Literal["hf", "sglang"] = "hf"  # hf = transformers CPU engine (embedded); sglang = GPU clusters
     placement: Literal["colocated", "separate"] = "colocated"  # engines share the trainer's devices or not
     engine_nodes: int = 0  # nodes reserved for separate SGLang engines (placement=separate)
-    gpus_per_engine: int = 0  # colocated: devices (trainer ranks) per engine; 0 = the engine's TP size
+    gpus_per_engine: int = 0  # colocated: devices (trainer ranks) per engine; 0 = engine TP (hf: parallel.tp)
     sglang: SGLangEngineConfig | None = None  # engine=sglang: offline Engine / HTTP server and weight sync
     prompts_per_step: int = 32  # B: prompts per training step (paper: 32)
     group_size: int = 8  # G: rollouts per prompt (paper: 8)
@@ -102,6 +103,11 @@ class RolloutConfig:
         if self.placement == "separate" and self.engine == "hf":
             raise ConfigError(
                 "rollout.placement=separate needs rollout.engine=sglang; the CPU engine runs in the trainer"
+            )
+        if self.placement == "separate" and self.sglang is not None and self.sglang.weight_sync == "tensor":
+            raise ConfigError(
+                "rollout.placement=separate cannot use rollout.sglang.weight_sync=tensor (CUDA IPC needs the "
+                "engine on the trainer's GPUs); use distributed (NCCL broadcast) or disk"
             )
         if self.gpus_per_engine < 0:
             raise ConfigError(f"rollout.gpus_per_engine={self.gpus_per_engine} must be >= 0 (0 = engine TP)")

@@ -202,7 +202,10 @@ class RolloutService:
         if self.separate:
             self.layout = separate_layout(world, len(self.urls))
         else:
-            self.layout = EngineLayout(world, min(cfg.rollout.engine_size(), world))
+            size = cfg.rollout.engine_size()
+            if cfg.rollout.engine == "hf" and not cfg.rollout.gpus_per_engine:
+                size = cfg.parallel.tp  # the CPU engine has no TP size: one engine per TP group
+            self.layout = EngineLayout(world, min(size, world))
         # separate + weight_sync=distributed: this stage sender's broadcast group with every server
         self._broadcaster: Any = None
         self._generation = 0

@@ -55,3 +55,53 @@ def test_each_engine_is_fed_by_its_own_replica():
 def test_an_engine_hosted_off_tp_rank_0_is_refused():
     with pytest.raises(WeightSyncError, match=r"multiple of parallel\.tp"):
         engine_feeds(EngineLayout(4, 1), _coords(2, 2, 1), [1])
+
+
+# ---- separate placement: the job's servers, as `srpo train` and the server step see them ---------------
+
+
+def _separate(**sglang):
+    sg = SGLangEngineConfig(**{"model_path": "/m", "weight_sync": "distributed", **sglang})
+    return RolloutConfig(engine="sglang", placement="separate", engine_nodes=1, sglang=sg)
+
+
+def test_engine_urls_come_from_the_job_and_must_match_its_engine_nodes(monkeypatch):
+    from srpo_megatron.rollout.placement import engine_urls, separate_layout
+    from srpo_megatron.rollout.sglang.servers import engines_per_node, server_urls
+
+    monkeypatch.delenv("SRPO_ENGINE_URLS", raising=False)
+    monkeypatch.delenv("SRPO_ENGINE_NODES", raising=False)
+    with pytest.raises(ConfigError, match="no engine servers are known"):
+        engine_urls(_separate())
+    assert engine_urls(_separate(url="http://a:1, http://b:2")) == ["http://a:1", "http://b:2"]
+    job = server_urls(["n3"], engines_per_node(8, 2))  # what the sbatch lines export
+    assert job == [f"http://n3:{30000 + i}" for i in range(4)]
+    monkeypatch.setenv("SRPO_ENGINE_URLS", ",".join(job))
+    monkeypatch.setenv("SRPO_ENGINE_NODES", "1")
+    assert engine_urls(_separate(url="http://ignored:1")) == job
+    monkeypatch.setenv("SRPO_ENGINE_NODES", "2")
+    with pytest.raises(ConfigError, match="launched with 2 engine node"):
+        engine_urls(_separate())
+    layout = separate_layout(8, 4)
+    assert layout.hosts == [0, 2, 4, 6]  # one client per server, spread over the trainer ranks
+    with pytest.raises(ConfigError, match="must divide the trainer ranks"):
+        separate_layout(4, 8)
+    with pytest.raises(ConfigError, match="does not divide the 8 GPUs"):
+        engines_per_node(8, 3)
+
+
+def test_server_argv_places_each_server_on_its_gpus_and_port():
+    from srpo_megatron.rollout.sglang.servers import server_argv
+
+    cfg = _separate(engine_kwargs={"tp_size": 2, "mem_fraction_static": 0.85, "enable_dp_attention": True})
+    argv = server_argv(cfg.sglang, 3, python="py")
+    assert argv[:3] == ["py", "-m", "sglang.launch_server"]
+    flags = " ".join(argv)
+    assert "--port 30003 --base-gpu-id 6" in flags and "--tp-size 2" in flags
+    assert "--mem-fraction-static 0.85" in flags and "--enable-dp-attention" in flags
+    assert "--enable-memory-saver" not in flags and "--enable-deterministic-inference" not in flags
+
+
+def test_separate_placement_refuses_cuda_ipc_sync():
+    with pytest.raises(ConfigError, match="cannot use rollout.sglang.weight_sync=tensor".replace(".", r"\.")):
+        _separate(weight_sync="tensor")
