@@ -170,7 +170,9 @@ class StreamingEngine:
 
     def __init__(self, manifest: dict[str, tuple[int, ...]]) -> None:
         self.manifest = manifest
-        self.weights = {n: torch.empty(s, dtype=torch.float32) for n, s in manifest.items()}
+        # zeros, not empty: the engine's own weights are resident before the measured syncs (untouched
+        # pages of torch.empty would be counted as the host rank's sync overhead on their first write)
+        self.weights = {n: torch.zeros(s, dtype=torch.float32) for n, s in manifest.items()}
         self.weight_version = 0
         self.bytes = 0
 
