@@ -13,6 +13,7 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 
 from srpo_megatron.testing.distributed import run_distributed
 
@@ -122,3 +123,66 @@ def test_srpo_train_two_steps_on_two_engines(tiny, tmp_path):
         assert row["rollout/engines"] == 2.0
         assert row["rollout/samples_per_engine_min"] == row["rollout/samples_per_engine_max"]
         assert row["rollout/engine_seconds_max"] > 0 and row["rollout/sync_s"] > 0
+
+
+def _separate(rank, world, tiny, run_dir, urls):
+    import os
+
+    from srpo_megatron.data.dataset import build_datasets
+    from srpo_megatron.parallel import initialize_model_parallel
+    from srpo_megatron.rewards import register_reward
+    from srpo_megatron.rollout.factory import load_tokenizer
+    from srpo_megatron.trainer.policy import Policy
+    from srpo_megatron.trainer.rollouts import RolloutService
+    from srpo_megatron.weights.export import iter_stage_hf_tensors
+
+    os.environ["SRPO_ENGINE_URLS"], os.environ["SRPO_SYNC_HOST"] = ",".join(urls), "127.0.0.1"
+    register_reward("coin", "srpo_megatron.testing.tiny:coin_reward")
+    groups = initialize_model_parallel(1, 1, seed=1)
+    _, hf, _ = tiny
+    cfg = _cfg(
+        tiny,
+        run_dir,
+        [
+            "parallel.tp=1",
+            "rollout.engine=sglang",
+            "rollout.placement=separate",
+            "rollout.engine_nodes=1",
+            f"rollout.sglang={{model_path: {hf}, weight_sync: distributed, bucket_bytes: 1048576}}",
+        ],
+    )
+    tokenizer = load_tokenizer(cfg.model.hf_dir)
+    prompts = list(build_datasets(cfg.data, tokenizer)[0])[:2]
+    policy = Policy(cfg, groups)
+    service = RolloutService(cfg, tokenizer, policy, groups)
+    service.sync(1)
+    batch = service.collect(prompts, step=0)
+    sent = {n: t.clone() for n, t in iter_stage_hf_tensors(policy.model, policy.table, groups)}
+    out = {"versions": service.engine_versions(), "metrics": batch.metrics, "samples": len(batch.samples)}
+    out["sent"] = sent
+    service.close()
+    return out
+
+
+def test_separate_placement_syncs_by_broadcast_and_serves_rollouts_from_the_servers(tiny, tmp_path):
+    """`srpo train`'s rollout side with placement=separate at world 1: the engine URL comes from
+    SRPO_ENGINE_URLS, weights go by broadcast (gloo) into the stand-in SGLang server, rollouts come back
+    over HTTP stamped with the synced version."""
+    from transformers import AutoModelForCausalLM
+
+    from tests.unit.test_sglang_contract import SGLangStandInServer
+
+    server = SGLangStandInServer(AutoModelForCausalLM.from_pretrained(tiny[1]))
+    with torch.no_grad():
+        for p in server.model.parameters():
+            p.zero_()  # only the broadcast can give the server the policy's weights
+    try:
+        (res,) = run_distributed(_separate, 1, tiny, str(tmp_path), [server.url], timeout=600)
+        assert res["versions"] == [1] and server.version == "1"
+        assert res["metrics"]["rollout/engines"] == 1.0 and res["samples"] == 8  # 2 prompts x G=4
+        got = dict(server.model.state_dict())
+        assert all(torch.equal(got[n], t) for n, t in res["sent"].items()), "the server holds the policy"
+        paths = [p for p, _ in server.bodies]
+        assert "/init_weights_update_group" in paths and "/update_weights_from_distributed" in paths
+    finally:
+        server.close()
