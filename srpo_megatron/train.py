@@ -70,7 +70,7 @@ def train(cfg: TrainConfig) -> dict:
     if rank0:
         (run_dir / "config.yaml").write_text(_yaml(to_dict(cfg)))
     evaluate = lambda: history["evals"].append(  # noqa: E731
-        evaluate_policy(cfg, rollouts.engine, tokenizer, run_dir, step, clock)
+        evaluate_policy(cfg, rollouts.eval_engine, tokenizer, run_dir, step, clock)
     )
     if cfg.train.eval_at_ends and cfg.train.eval_at_start and step == 0:
         evaluate()

@@ -1,4 +1,10 @@
-"""Benchmark: reshard + transfer of a >= 1 GB policy from TP2xPP2 (4 gloo ranks) into an engine process.
+"""Benchmark: reshard + transfer of a >= 1 GB policy from TP2xPP2 (4 gloo ranks) into rollout engines.
+
+``--placement colocated`` (default): two engines (``--gpus-per-engine 2``) hosted on ranks 0 and 2, synced
+with ``weights.engine_sync.sync_engines`` (each engine's host receives its own stage locally and the other
+stage point-to-point from its replica's sender); the engine stand-in validates each tensor with the shared
+gate and copies it into its own weights bucket by bucket, like SGLang. ``--placement separate``: one engine
+process fed over per-stage broadcast groups (below).
 
 Four trainer ranks hold a Llama-style megatron policy (random weights, fp32) at TP2xPP2; a separate engine
 process holds the CPU ``HFEngine`` of the same architecture. Measured in the same run, alternating:
@@ -158,6 +164,138 @@ def _hf_shapes(table):
         yield h, torch.empty(table.hf_shape(h), dtype=torch.float32, device="meta")
 
 
+class StreamingEngine:
+    """Engine stand-in for the colocated bench: validates every tensor with the shared gate and copies it
+    into its own weight of the same shape (as SGLang loads a bucket), never staging a version."""
+
+    def __init__(self, manifest: dict[str, tuple[int, ...]]) -> None:
+        self.manifest = manifest
+        # zeros, not empty: the engine's own weights are resident before the measured syncs (untouched
+        # pages of torch.empty would be counted as the host rank's sync overhead on their first write)
+        self.weights = {n: torch.zeros(s, dtype=torch.float32) for n, s in manifest.items()}
+        self.weight_version = 0
+        self.bytes = 0
+
+    def update_weights(self, named_tensors, version: int) -> None:
+        from srpo_megatron.rollout.gate import check_version, missing_names, validated_stream
+
+        check_version(version, self.weight_version)
+        seen: set[str] = set()
+        for name, t in validated_stream(named_tensors, self.manifest, seen):
+            self.weights[name].copy_(t)
+            self.bytes += t.numel() * t.element_size()
+        assert not missing_names(self.manifest, seen), missing_names(self.manifest, seen)[:5]
+        self.weight_version = version
+
+
+def colocated_main(rank, world, config, schedule, bucket_bytes, engine_size):
+    """TP2xPP2 trainer ranks, one engine per ``engine_size`` ranks hosted in-process (weights.engine_sync)."""
+    from srpo_megatron.conversion.table import ConversionTable
+    from srpo_megatron.models.architecture import Architecture
+    from srpo_megatron.models.policy import build_policy
+    from srpo_megatron.parallel import initialize_model_parallel
+    from srpo_megatron.rollout.placement import EngineLayout
+    from srpo_megatron.weights.engine_sync import sync_engines
+    from srpo_megatron.weights.export import hf_manifest, iter_stage_params
+    from srpo_megatron.weights.sync import P2PChannel, receive_stream, send_stream
+
+    groups = initialize_model_parallel(TP, PP, seed=1)
+    arch = Architecture.from_hf(config)
+    table = ConversionTable(arch)
+    with torch.no_grad():
+        model = build_policy(arch)
+    layout = EngineLayout(world, engine_size)
+    host = layout.is_host(rank)
+    engine = StreamingEngine(hf_manifest(table)) if host else None
+    stage_bytes = sum(p.nbytes for p in iter_stage_params(model, table, groups))
+    senders = [r for r in range(world) if r % TP == 0]  # TP rank 0 of each stage (DP=1)
+    times = {"sync": [], "copy": []}
+    extra, version, sent_total = [], 0, 0
+    for kind in schedule:
+        dist.barrier()
+        t0 = time.perf_counter()
+        if kind == "sync":
+            version += 1
+            with PeakRSS() as mem:
+                sent_total = sync_engines(
+                    model, table, groups, engine, version, layout, bucket_bytes=bucket_bytes
+                )
+            extra.append(mem.extra)
+        else:  # the same bytes over the same p2p channels (remote hosts) or a local copy (own host)
+            for src in senders:
+                for h in layout.hosts:
+                    if rank == src and h != src:
+                        send_stream(
+                            P2PChannel(h, groups.host),
+                            plain_stream(stage_bytes, bucket_bytes),
+                            0,
+                            bucket_bytes,
+                        )
+                    elif rank == h and src != h:
+                        for _ in receive_stream(P2PChannel(src, groups.host)):
+                            pass
+                    elif rank == h == src:
+                        for _, t in plain_stream(stage_bytes, bucket_bytes):
+                            t.clone()
+        dist.barrier()
+        times[kind].append(time.perf_counter() - t0)
+    largest = max(t.numel() * 4 for _, t in _hf_shapes(table))
+    return {
+        "times": times,
+        "bytes": stage_bytes if rank in senders else 0,
+        "peak_extra": max(extra),
+        "largest": largest,
+        "host": host,
+        "engine_bytes": engine.bytes if host else 0,
+        "engine_version": engine.weight_version if host else None,
+        "sent_remote": sent_total,
+    }
+
+
+def main_colocated(args, config, bucket_bytes) -> None:
+    from srpo_megatron.testing.distributed import run_distributed
+
+    schedule = ["copy", "sync"] * args.repeats
+    ranks = run_distributed(
+        colocated_main, TP * PP, config, schedule, bucket_bytes, args.gpus_per_engine, timeout=3600
+    )
+    total = sum(r["bytes"] for r in ranks)
+    hosts = [r for r in ranks if r["host"]]
+    sync_s = min(max(r["times"]["sync"][k] for r in ranks) for k in range(args.repeats))
+    copy_s = min(max(r["times"]["copy"][k] for r in ranks) for k in range(args.repeats))
+    peak = max(r["peak_extra"] for r in ranks)
+    largest = max(r["largest"] for r in ranks)
+    print(f"model bytes (HF, fp32): {total / 1e9:.2f} GB into {len(hosts)} engines (TP{TP}xPP{PP} trainer)")
+    print(
+        f"engines serve versions {[r['engine_version'] for r in hosts]}, each received "
+        f"{[round(r['engine_bytes'] / args.repeats / 1e9, 2) for r in hosts]} GB per sync"
+    )
+    print(
+        f"sync (gather+convert+transfer+load, all engines): {sync_s:.2f} s = "
+        f"{len(hosts) * total / sync_s / 1e9:.2f} GB/s"
+    )
+    print(f"plain copy of the same bytes, same channels:    {copy_s:.2f} s")
+    print(
+        f"peak extra memory, worst trainer rank: {peak / 1e6:.0f} MB "
+        f"(bound: bucket {bucket_bytes / 1e6:.0f} MB"
+        f" + largest tensor {largest / 1e6:.0f} MB = {(bucket_bytes + largest) / 1e6:.0f} MB)"
+    )
+    print(
+        json.dumps(
+            {
+                "placement": "colocated",
+                "engines": len(hosts),
+                "model_bytes": total,
+                "sync_s": round(sync_s, 3),
+                "copy_s": round(copy_s, 3),
+                "throughput_vs_copy": round(copy_s / sync_s, 3),
+                "peak_extra_mem_bytes": peak,
+                "bound_bytes": bucket_bytes + largest,
+            }
+        )
+    )
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--layers", type=int, default=10)
@@ -166,7 +304,11 @@ def main() -> None:
     ap.add_argument("--vocab", type=int, default=32000)
     ap.add_argument("--bucket-mb", type=int, default=512)
     ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--placement", choices=["colocated", "separate"], default="colocated")
+    ap.add_argument("--gpus-per-engine", type=int, default=2, help="colocated: trainer ranks per engine")
     args = ap.parse_args()
+    if args.placement == "colocated":
+        return main_colocated(args, hf_config(args), args.bucket_mb * 1024**2)
 
     from srpo_megatron.testing.distributed import free_port, run_distributed
 

@@ -128,7 +128,19 @@ def launch_main(args: argparse.Namespace) -> int:
             recipe_arg = None if args.probe else request.command.args[1]  # the recipe as the job reads it
             if not doctor_first(cluster.executor, request, recipe_arg, list(args.override), args.dryrun):
                 return 1
+        gpus = args.gpus_per_node if args.gpus_per_node is not None else cluster.gpus_per_node
+        if placement.placement == "separate" and cluster.executor == "slurm" and not args.probe:
+            from srpo_megatron.launch.engine_nodes import slurm_engine_lines
+            from srpo_megatron.rollout.sglang.servers import engines_per_node
+
+            per_node = engines_per_node(gpus, placement.engine_tp)
+            lines = slurm_engine_lines(
+                args.nodes, placement.engine_nodes, per_node, request.command.args[1], list(args.override)
+            )
+            request.setup_lines = (request.setup_lines or "") + lines
         result = submit(cluster, request, dryrun=args.dryrun)
+        if gpus > 0:
+            print(f"# {placement.describe(args.nodes, gpus)}")
         if args.dryrun:
             print(result.script)
             return 0

@@ -51,6 +51,8 @@ class RolloutPlacement:
 
     placement: str = "colocated"  # colocated: engines share the training GPUs; separate: own nodes
     engine_nodes: int = 0  # nodes given to SGLang engines when separate
+    engine_tp: int = 1  # the engine's TP size (rollout.sglang.engine_kwargs.tp_size)
+    gpus_per_engine: int = 0  # rollout.gpus_per_engine (0 = engine_tp)
 
     @classmethod
     def from_recipe(cls, recipe: dict[str, Any]) -> RolloutPlacement:
@@ -74,7 +76,36 @@ class RolloutPlacement:
                 f"rollout.engine_nodes={engine_nodes} only applies to placement 'separate'; set it to 0 "
                 "or use rollout.placement: separate"
             )
-        return cls(placement, engine_nodes)
+        sglang = rollout.get("sglang") or {}
+        tp = int(((sglang.get("engine_kwargs") or {}) if isinstance(sglang, dict) else {}).get("tp_size", 1))
+        per = rollout.get("gpus_per_engine", 0)
+        if not isinstance(per, int) or isinstance(per, bool) or per < 0:
+            raise ConfigError(
+                f"rollout.gpus_per_engine: {per!r} must be a non-negative integer (0 = engine TP)"
+            )
+        return cls(placement, engine_nodes, tp, per)
+
+    def engines(self, train_nodes: int, gpus_per_node: int) -> int:
+        """Rollout engines the job runs: one per ``gpus_per_engine`` GPUs of the training nodes
+        (colocated) or of the engine nodes (separate)."""
+        nodes = self.engine_nodes if self.placement == "separate" else train_nodes
+        size = self.gpus_per_engine or self.engine_tp
+        total = nodes * max(gpus_per_node, 1)
+        if total % size:
+            raise ConfigError(
+                f"rollout.gpus_per_engine={size} does not divide the {total} GPUs the engines run on; "
+                "pick a divisor of the GPU count"
+            )
+        return total // size
+
+    def describe(self, train_nodes: int, gpus_per_node: int) -> str:
+        """One line for the launch output: how many engines, their TP size, on which GPUs."""
+        n, size = self.engines(train_nodes, gpus_per_node), self.gpus_per_engine or self.engine_tp
+        if self.placement == "separate":
+            where = f"on {self.engine_nodes} engine node(s) ({self.engine_nodes * gpus_per_node} GPUs)"
+        else:
+            where = f"colocated on the {train_nodes * gpus_per_node} training GPUs"
+        return f"rollout: {n} engines of TP{self.engine_tp} ({size} GPUs each) {where}"
 
 
 @dataclass(frozen=True)
@@ -126,6 +157,9 @@ def _job_env(cluster: ClusterConfig, request: LaunchRequest, redact: bool = Fals
         "SRPO_TRAIN_NODES": str(request.nodes),
         "SRPO_ENGINE_NODES": str(request.placement.engine_nodes),
     }
+    gpus = request.gpus_per_node if request.gpus_per_node is not None else cluster.gpus_per_node
+    if gpus > 0:
+        env["SRPO_ROLLOUT_ENGINES"] = str(request.placement.engines(request.nodes, gpus))
     code = str(REPO_ROOT) if cluster.code == "in_place" else _SHIPPED_CODE
     inherited = os.environ.get("PYTHONPATH", "") if local else "${PYTHONPATH:-}"
     env["PYTHONPATH"] = word(code) + (os.pathsep + inherited if inherited else "")

@@ -32,6 +32,8 @@ class SamplingParams:
     max_new_tokens: int = 256
     stop_token_ids: tuple[int, ...] = ()  # generation stops after emitting any of these (EOS is added)
     seed: int | None = None  # makes a call reproducible when set
+    prompt_offset: int = 0  # global index of prompts[0]: per-sample seeds follow the global prompt index,
+    # so a prompt's samples do not depend on how prompts are split across engines
 
 
 def sample_seed(seed: int, prompt_index: int, sample_index: int) -> int:
@@ -69,7 +71,8 @@ class RolloutEngine(Protocol):
         ...
 
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
-        """Install a complete set of HF-named weights as ``version`` (atomic: all or nothing)."""
+        """Install a complete set of HF-named weights as ``version`` (atomic: all or nothing). Works on a
+        released engine too: it resumes what the update needs, and serves again once it succeeded."""
         ...
 
     @property

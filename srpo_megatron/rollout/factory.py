@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import dataclasses
+import time
 from typing import Any
 
 from srpo_megatron.rollout.base import RolloutEngine
+from srpo_megatron.rollout.config import RolloutConfig
 
 
 def load_tokenizer(hf_dir: str) -> Any:
@@ -20,14 +23,51 @@ def load_tokenizer(hf_dir: str) -> Any:
         ) from e
 
 
-def build_engine(rollout: Any, model: Any) -> RolloutEngine:
-    """The CPU transformers engine (``rollout.engine=hf``) or SGLang (``rollout.engine=sglang``)."""
+def build_engine(
+    rollout: RolloutConfig,
+    model_path: str,
+    *,
+    engine_index: int = 0,
+    base_gpu_id: int = 0,
+    urls: list[str] | None = None,
+) -> RolloutEngine:
+    """Engine ``engine_index`` of the job: the CPU transformers engine (``rollout.engine=hf``) or SGLang
+    (``rollout.engine=sglang``; offline on the devices from ``base_gpu_id``, or the engine_index-th
+    server of ``urls`` / ``rollout.sglang.url``). Separate placement always talks HTTP to its server
+    and waits for it to come up (the job starts the servers as the trainer starts)."""
     if rollout.engine == "hf":
         from srpo_megatron.rollout.hf_engine import HFEngine, HFEngineConfig
 
         return HFEngine.from_config(
-            HFEngineConfig(model_path=model.hf_dir, max_batch_size=rollout.max_batch_size)
+            HFEngineConfig(model_path=model_path, max_batch_size=rollout.max_batch_size)
         )
-    from srpo_megatron.rollout.sglang_engine import SGLangEngine
+    from srpo_megatron.rollout.sglang.engine import SGLangEngine
 
-    return SGLangEngine(rollout.sglang)
+    cfg = rollout.sglang
+    assert cfg is not None  # RolloutConfig.__post_init__ requires the section for engine=sglang
+    urls = urls or [u for u in cfg.url.split(",") if u]
+    url = urls[engine_index % len(urls)] if urls else None
+    if rollout.placement == "separate":
+        assert url is not None  # rollout.placement.engine_urls refuses an empty list
+        if cfg.weight_sync == "disk":  # one folder per server: they load concurrently
+            cfg = dataclasses.replace(cfg, disk_sync_dir=f"{cfg.disk_sync_dir}/engine{engine_index}")
+        cfg = dataclasses.replace(cfg, mode="http", url=url)
+        wait_until_healthy(url, cfg.startup_timeout_s)
+        return SGLangEngine(cfg, colocated=False, url=url)
+    return SGLangEngine(cfg, colocated=True, base_gpu_id=base_gpu_id, url=url)
+
+
+def wait_until_healthy(url: str, timeout_s: float, poll_s: float = 5.0) -> None:
+    """Block until the SGLang server at ``url`` answers ``/health`` (model loaded), or raise."""
+    from srpo_megatron.rollout.base import EngineError
+    from srpo_megatron.rollout.sglang.transports import HttpTransport
+
+    transport = HttpTransport(url, timeout_s=min(poll_s * 6, 60.0))
+    deadline = time.monotonic() + timeout_s
+    while not transport.health():
+        if time.monotonic() > deadline:
+            raise EngineError(
+                f"SGLang server {url} did not become healthy within {timeout_s:.0f}s "
+                "(rollout.sglang.startup_timeout_s); see the job's engines_*.out log"
+            )
+        time.sleep(poll_s)

@@ -39,6 +39,7 @@ import torch
 
 from srpo_megatron.configs import ConfigError
 from srpo_megatron.rollout.base import Completion, EngineError, EngineHealth, SamplingParams, sample_seed
+from srpo_megatron.rollout.gate import check_version, missing_names, tensor_problem
 from srpo_megatron.rollout.hf_moe_layout import file_format_params
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -125,12 +126,14 @@ class HFEngine:
         self._cache_kwarg = "cache" if "cache" in forward_params else "past_key_values"
         # Names the engine accepts: every state_dict entry; required: one name per distinct parameter
         # (tied weights are listed once by named_parameters, the alias is optional).
-        # Fused MoE experts are addressed by their per-expert file names (views into the fused tensors).
+        # Fused MoE experts are addressed by their per-expert file names (views into the fused tensors):
+        # the shared gate checks file names and shapes, the update copies into the fused layout in place.
         state = dict(self._model.state_dict(keep_vars=True))
         self._params = file_format_params(state)
         required = {name for name, _ in self._model.named_parameters()}
         required |= {name for name, _ in self._model.named_buffers() if name in state}
         self._required = set(file_format_params({name: state[name] for name in required}))
+        self._manifest = {name: tuple(t.shape) for name, t in self._params.items()}
 
     @classmethod
     def from_config(cls, cfg: HFEngineConfig) -> HFEngine:
@@ -202,11 +205,7 @@ class HFEngine:
         """
         with self._lock:
             self._check_alive()
-            if version <= self._version and not self._inconsistent:
-                raise EngineError(
-                    f"weight version {version} is not newer than the served version {self._version}; "
-                    "each sync must carry a larger version (the trainer's step count)"
-                )
+            check_version(version, self._version, self._inconsistent)
             staged: dict[str, torch.Tensor] = {}
             duplicate, unexpected, misshaped, bad_dtype = [], [], [], []
             try:
@@ -216,22 +215,18 @@ class HFEngine:
                     f"weight stream for version {version} failed before it was complete ({e!r}); nothing "
                     f"was installed, still serving version {self._version}"
                 ) from e
+            kinds = {"sent twice": duplicate, "unexpected": unexpected, "mis-shaped": misshaped}
             for name, tensor in received:
-                if name in staged:
-                    duplicate.append(name)
+                problem = tensor_problem(name, tensor, self._manifest, set(staged))
+                if problem:
+                    kinds[problem[0]].append(problem[1])
                     continue
-                target = self._params.get(name)
-                if target is None:
-                    unexpected.append(name)
-                    continue
-                if tuple(tensor.shape) != tuple(target.shape):
-                    misshaped.append(f"{name}: got {tuple(tensor.shape)}, model has {tuple(target.shape)}")
-                    continue
+                target = self._params[name]
                 if tensor.is_floating_point() != target.is_floating_point():
                     bad_dtype.append(f"{name}: got {tensor.dtype}, model has {target.dtype}")
                     continue
                 staged[name] = tensor
-            missing = sorted(self._required - set(staged))
+            missing = missing_names(self._manifest, set(staged), self._required)
             problems = []
             if missing:
                 problems.append(f"missing {len(missing)}: {_head(missing)}")
@@ -261,6 +256,7 @@ class HFEngine:
                 )
                 raise EngineError(self._inconsistent) from e
             self._inconsistent = ""
+            self._released = False  # a complete update makes the weights resident (as SGLang's does)
             self._version = int(version)
 
     def _alias_conflicts(self, staged: dict[str, torch.Tensor]) -> list[str]:
@@ -321,7 +317,10 @@ class HFEngine:
             input_ids[r, width - lengths[r] :] = torch.tensor(list(prompts[i]), dtype=torch.long)
             mask[r, width - lengths[r] :] = 1
         positions = (mask.cumsum(-1) - 1).clamp(min=0)
-        gens = [torch.Generator(device="cpu").manual_seed(sample_seed(base_seed, i, j)) for i, j in rows]
+        gens = [
+            torch.Generator(device="cpu").manual_seed(sample_seed(base_seed, params.prompt_offset + i, j))
+            for i, j in rows
+        ]
         stop_ids = set(self._eos_ids) | {int(t) for t in params.stop_token_ids}
         greedy = params.temperature == 0.0
         temperature = 1.0 if greedy else params.temperature

@@ -17,7 +17,7 @@ from srpo_megatron.losses.config import LossConfig
 from srpo_megatron.models.moe import MoEConfig
 from srpo_megatron.models.performance import PerformanceConfig
 from srpo_megatron.parallel import ParallelConfig
-from srpo_megatron.rollout.sglang_engine import SGLangEngineConfig
+from srpo_megatron.rollout.config import RolloutConfig, SGLangEngineConfig  # noqa: F401 - re-exported
 
 
 @dataclass
@@ -85,65 +85,6 @@ class OptimConfig:
             raise ConfigError(
                 f"optim.adam_eps={self.adam_eps} must be > 0 (1e-8) and optim.weight_decay="
                 f"{self.weight_decay} >= 0"
-            )
-
-
-@dataclass
-class RolloutConfig:
-    """How rollouts are generated and by which engine."""
-
-    engine: Literal["hf", "sglang"] = "hf"  # hf = transformers CPU engine (embedded); sglang = GPU clusters
-    placement: Literal["colocated", "separate"] = "colocated"  # engines share the trainer's devices or not
-    engine_nodes: int = 0  # nodes reserved for separate SGLang engines (placement=separate)
-    sglang: SGLangEngineConfig | None = None  # engine=sglang: offline Engine / HTTP server and weight sync
-    prompts_per_step: int = 32  # B: prompts per training step (paper: 32)
-    group_size: int = 8  # G: rollouts per prompt (paper: 8)
-    temperature: float = 1.0  # sampling temperature (paper: 1.0); the loss divides logits by it
-    top_p: float = 1.0  # nucleus sampling
-    top_k: int = -1  # top-k sampling (-1 = off)
-    max_new_tokens: int = 8192  # response length limit (paper: 8192)
-    max_batch_size: int = 64  # sequences the CPU engine decodes together
-    reward_fns: dict[str, str] = field(default_factory=dict)  # extra verifiers: kind -> "module:function"
-    reward_workers: int = 2  # processes scoring rewards (0 = threads in the trainer process)
-    reward_timeout_s: float = 10.0  # per-sample reward timeout; a timeout gives reward 0 (counted)
-    reward_import_timeout_s: float = 120.0  # a reward module whose import takes longer fails the start
-
-    def __post_init__(self) -> None:
-        if self.prompts_per_step < 1 or self.group_size < 2:
-            raise ConfigError(
-                f"rollout.prompts_per_step={self.prompts_per_step} must be >= 1 and rollout.group_size="
-                f"{self.group_size} >= 2 (group-relative advantages and siblings need at least 2 rollouts)"
-            )
-        if self.temperature <= 0 or not 0 < self.top_p <= 1 or self.max_new_tokens < 1:
-            raise ConfigError(
-                f"rollout: temperature={self.temperature} must be > 0, top_p={self.top_p} in (0, 1], "
-                f"max_new_tokens={self.max_new_tokens} >= 1"
-            )
-        if (self.top_k != -1 and self.top_k < 1) or self.max_batch_size < 1:
-            raise ConfigError(
-                f"rollout.top_k={self.top_k} must be -1 (off) or >= 1, rollout.max_batch_size="
-                f"{self.max_batch_size} >= 1"
-            )
-        if self.reward_workers < 0 or self.reward_timeout_s <= 0 or self.reward_import_timeout_s <= 0:
-            raise ConfigError(
-                f"rollout.reward_workers={self.reward_workers} must be >= 0 (0 = threads), "
-                f"rollout.reward_timeout_s={self.reward_timeout_s} and rollout.reward_import_timeout_s="
-                f"{self.reward_import_timeout_s} > 0 (seconds)"
-            )
-        for kind, target in self.reward_fns.items():
-            module, sep, name = target.partition(":")
-            if not (sep and module and name):
-                raise ConfigError(
-                    f"rollout.reward_fns.{kind}: {target!r} must look like 'package.module:function'"
-                )
-        if self.engine == "sglang" and self.sglang is None:
-            raise ConfigError(
-                "rollout.engine=sglang needs a rollout.sglang section (at least model_path, the HF folder "
-                "the engine serves; see examples/qwen3_8b_srpo.yaml)"
-            )
-        if self.placement == "separate" and self.engine == "hf":
-            raise ConfigError(
-                "rollout.placement=separate needs rollout.engine=sglang; the CPU engine runs in the trainer"
             )
 
 

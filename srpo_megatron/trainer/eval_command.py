@@ -7,7 +7,6 @@ output (exported to a temporary HF folder first, through the one conversion tabl
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import tempfile
 from pathlib import Path
@@ -36,7 +35,7 @@ def eval_main(args: argparse.Namespace) -> int:
                 f"--checkpoint {ckpt} is neither a training/converted checkpoint (with {HF_CONFIG_NAME}) "
                 "nor an HF folder (with config.json)"
             )
-        engine = build_engine(cfg.rollout, dataclasses.replace(cfg.model, hf_dir=str(hf_dir)))
+        engine = build_engine(cfg.rollout, str(hf_dir))
         try:
             avg = run_eval(engine, tokenizer, cfg.data, cfg.eval, out / "avg_at_k")
             result = {

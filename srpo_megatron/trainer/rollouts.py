@@ -1,12 +1,14 @@
 """method §1 steps 1–4: rollouts, rewards, routing and the teacher's context, as one ``RolloutBatch``.
 
-Runs on the rank that hosts the rollout engine (global rank 0); the result is plain Python data that
-``broadcast_batch`` ships to every trainer rank, so all ranks agree on routing and advantages.
+Rollouts run data-parallel over every colocated engine (``RolloutService``); the completions are gathered
+on global rank 0, which scores and routes them, and ``broadcast_batch`` ships the plain-Python result to
+every trainer rank, so all ranks agree on routing and advantages.
 """
 
 from __future__ import annotations
 
 import contextlib
+import os
 import re
 import time
 from dataclasses import dataclass, field
@@ -21,7 +23,9 @@ from srpo_megatron.losses import group_advantages, route, routing_masks
 from srpo_megatron.losses.config import LossConfig
 from srpo_megatron.rewards.pool import RewardPool
 from srpo_megatron.rollout.base import EngineError, RolloutEngine, SamplingParams
-from srpo_megatron.trainer.config import RolloutConfig, TeacherConfig
+from srpo_megatron.rollout.config import RolloutConfig
+from srpo_megatron.rollout.placement import EngineLayout, engine_urls, separate_layout, split_prompts
+from srpo_megatron.trainer.config import TeacherConfig
 
 _THINK = re.compile(r"<think>.*?</think>", re.DOTALL)
 
@@ -76,16 +80,36 @@ def collect_rollouts(
 ) -> RolloutBatch:
     """Generate G rollouts per prompt, score, route and build teacher prompts (method §1 steps 1–4)."""
     t0 = time.monotonic()
-    params = SamplingParams(
+    completions = engine.generate([list(p.ids) for p in prompts], sampling_params(rollout, seed))
+    return score_rollouts(
+        tokenizer, prompts, completions, rollout, loss, teacher, rewards, time.monotonic() - t0
+    )
+
+
+def sampling_params(rollout: RolloutConfig, seed: int, prompt_offset: int = 0) -> SamplingParams:
+    """G samples per prompt; per-sample seeds follow the global prompt index (``prompt_offset`` + i)."""
+    return SamplingParams(
         n=rollout.group_size,
         temperature=rollout.temperature,
         top_p=rollout.top_p,
         top_k=rollout.top_k,
         max_new_tokens=rollout.max_new_tokens,
         seed=seed,
+        prompt_offset=prompt_offset,
     )
-    completions = engine.generate([list(p.ids) for p in prompts], params)
-    t_gen = time.monotonic() - t0
+
+
+def score_rollouts(
+    tokenizer: Any,
+    prompts: list[Prompt],
+    completions: list[list[Any]],
+    rollout: RolloutConfig,
+    loss: LossConfig,
+    teacher: TeacherConfig,
+    rewards: RewardPool,
+    t_gen: float,
+) -> RolloutBatch:
+    """Rewards, routing, advantages and teacher prompts for ``completions[prompt][sample]``."""
     samples: list[Sample] = []
     texts: list[str] = []
     for g, (prompt, group) in enumerate(zip(prompts, completions, strict=True)):
@@ -143,21 +167,51 @@ def broadcast_batch(batch: Any, src: int = 0, group: Any = None) -> Any:
     return box[0]
 
 
-class RolloutService:
-    """The rollout side of the SPMD job: engine + reward pool on global rank 0, collectives everywhere.
+@dataclass
+class EngineShare:
+    """What one engine produced for a step (sent from its host to rank 0)."""
 
-    ``collect`` returns the same routed batch on every rank. If the engine fails (crash, timeout, refused
-    update) rank 0 reports it with the step, every rank joins a restart: a fresh engine is built and the
-    current policy weights are synced into it, then the step's rollouts are retried once.
+    engine: int
+    prompts: range  # global prompt indices it served
+    completions: list[list[Any]] | None = None  # [prompt][sample], None on failure
+    seconds: float = 0.0
+    error: str = ""
+
+
+class RolloutService:
+    """The rollout side of the SPMD job: one engine per group of ``rollout.gpus_per_engine`` ranks.
+
+    - ``sync(version)`` (collective) feeds each engine from its own data-parallel replica
+      (``weights.engine_sync``) and checks that every engine then serves ``version``;
+    - ``collect`` (collective) splits the step's prompts across the engines (balanced, a prompt's G
+      samples on one engine, per-sample seeds from the global prompt index: results do not depend on
+      the number of engines), checks that all engines serve the same version, gathers the completions on
+      rank 0, scores and routes them there, and returns the same batch on every rank;
+    - a failed engine is restarted alone (shut down, rebuilt on its host, resynced to the current version)
+      and its prompts retried; a second failure stops the job naming the engine, its ranks and the version.
     """
 
-    def __init__(self, cfg: Any, tokenizer: Any, runtime: Any, groups: Any) -> None:
-        from srpo_megatron.rollout.factory import build_engine
-
-        self.cfg, self.tokenizer, self.runtime, self.groups = cfg, tokenizer, runtime, groups
-        self.rank0 = not dist.is_initialized() or dist.get_rank() == 0
-        self._build = lambda: build_engine(cfg.rollout, cfg.model)
-        self.engine = self._build() if self.rank0 else None
+    def __init__(self, cfg: Any, tokenizer: Any, policy: Any, groups: Any) -> None:
+        self.cfg, self.tokenizer, self.policy, self.groups = cfg, tokenizer, policy, groups
+        dist_on = dist.is_initialized()
+        self.rank = dist.get_rank() if dist_on else 0
+        world = dist.get_world_size() if dist_on else 1
+        self.host_group = groups.host  # gloo: engine shares and the batch are host objects
+        self.separate = cfg.rollout.placement == "separate"
+        self.urls = engine_urls(cfg.rollout) if self.separate else []
+        if self.separate:
+            self.layout = separate_layout(world, len(self.urls))
+        else:
+            size = cfg.rollout.engine_size()
+            if cfg.rollout.engine == "hf" and not cfg.rollout.gpus_per_engine:
+                size = cfg.parallel.tp  # the CPU engine has no TP size: one engine per TP group
+            self.layout = EngineLayout(world, min(size, world))
+        # separate + weight_sync=distributed: this stage sender's broadcast group with every server
+        self._broadcaster: Any = None
+        self._generation = 0
+        self.rank0 = self.rank == 0
+        self.engine_index = self.layout.engine_of(self.rank)
+        self.engine = self._build() if self.layout.is_host(self.rank) else None
         r = cfg.rollout
         self.rewards = (
             RewardPool(r.reward_workers, r.reward_timeout_s, import_timeout_s=r.reward_import_timeout_s)
@@ -166,59 +220,243 @@ class RolloutService:
         )
         self.version = 0
         self.restarts = 0
+        self.last_sync_s = 0.0
 
-    def sync(self, version: int) -> float:
-        """Collective: install the policy into the engine as ``version``; returns seconds taken."""
-        from srpo_megatron.weights.sync import sync_in_process
+    @property
+    def eval_engine(self) -> Any:
+        """The engine evaluation runs on: engine 0, on global rank 0 only (None elsewhere)."""
+        return self.engine if self.rank0 else None
 
+    def _build(self) -> Any:
+        from srpo_megatron.rollout.factory import build_engine
+
+        local = int(os.environ.get("LOCAL_RANK", "0"))
+        return build_engine(
+            self.cfg.rollout,
+            self.cfg.model.hf_dir,
+            engine_index=self.engine_index,
+            base_gpu_id=local,
+            urls=self.urls or None,
+        )
+
+    def _describe(self, k: int) -> str:
+        ranks = self.layout.ranks_of(k)
+        return f"engine {k} (trainer ranks / GPUs {ranks[0]}-{ranks[-1]}, weights v{self.version})"
+
+    def engine_versions(self) -> list[int | None]:
+        """Collective: the version each engine serves, in engine order (gathered to every rank)."""
+        mine = self.engine.weight_version if self.engine is not None else None
+        everyone: list[Any] = [None] * self.layout.world_size
+        if self.layout.world_size > 1:
+            dist.all_gather_object(everyone, mine, group=self.host_group)
+        else:
+            everyone = [mine]
+        return [everyone[h] for h in self.layout.hosts]
+
+    def _check_versions(self) -> None:
+        versions = self.engine_versions()
+        stale = [(k, v) for k, v in enumerate(versions) if v != self.version]
+        if stale:
+            raise EngineError(
+                "engines disagree on the weight version at the start of a rollout: "
+                + ", ".join(f"{self._describe(k)} serves v{v}" for k, v in stale)
+            )
+
+    def sync(self, version: int, targets: list[int] | None = None) -> float:
+        """Collective: install the policy into the engines (all, or ``targets``) as ``version``; returns the
+        seconds taken. An engine that fails the update is restarted alone and resynced; a second failure
+        stops the job. Every engine serves ``version`` afterwards (checked)."""
         t0 = time.monotonic()
-        if self.rank0 and self.cfg.rollout.placement == "colocated":
-            self.engine.resume_memory()
-        sync_in_process(self.runtime.model, self.runtime.table, self.groups, self.engine, version)
+        failed = self._sync_once(version, targets)
+        if failed:
+            self._restart(failed, f"failed the weight sync to v{version}")
+            again = self._sync_once(version, failed)
+            if again:
+                raise EngineError(
+                    "; ".join(
+                        f"{self._describe(k)} failed the weight sync again after a restart" for k in again
+                    )
+                )
         self.version = version
-        return time.monotonic() - t0
+        self._check_versions()
+        self.last_sync_s = time.monotonic() - t0
+        return self.last_sync_s
 
-    def _try_collect(self, prompts: list[Prompt], step: int) -> RolloutBatch | str:
-        c = self.cfg
+    def _broadcast_sync(self) -> bool:
+        sglang = self.cfg.rollout.sglang
+        return self.separate and sglang is not None and sglang.weight_sync == "distributed"
+
+    def _sync_broadcast(self, version: int) -> list[int]:
+        """Separate placement, weight_sync=distributed: every stage's sender broadcasts into every server
+        (``weights.broadcast_sync``); a failure fails every engine (one group spans them all)."""
+        from srpo_megatron.rollout.sglang.protocol import hf_manifest, server_tp_size
+        from srpo_megatron.rollout.sglang.transports import HttpTransport
+        from srpo_megatron.weights.broadcast_sync import StageBroadcaster, broadcast_sync, sync_address
+        from srpo_megatron.weights.export import is_stage_sender
+
+        sglang = self.cfg.rollout.sglang
+        sender = is_stage_sender(self.groups)
+        error = ""
+        if sender and self._broadcaster is None:
+            try:
+                transports = [HttpTransport(u, sglang.request_timeout_s) for u in self.urls]
+                self._broadcaster = StageBroadcaster(
+                    transports,
+                    self.urls,
+                    [server_tp_size(t, sglang.tp_size) for t in transports],
+                    f"srpo-pp{self.groups.pp_rank}-g{self._generation}",
+                    "nccl" if self.groups.device.type == "cuda" else "gloo",
+                    sync_address(),
+                    self.groups.device,
+                )
+                self._manifest = hf_manifest(sglang.model_path or self.cfg.model.hf_dir)
+            except EngineError as e:
+                error = str(e)
+        everyone: list[Any] = [None] * self.layout.world_size
+        dist.all_gather_object(everyone, error, group=self.host_group)
+        error = "; ".join(e for e in everyone if e)
+        if not error:
+            manifest = getattr(self, "_manifest", {})
+            error = broadcast_sync(
+                self.policy.model,
+                self.policy.table,
+                self.groups,
+                self._broadcaster,
+                manifest,
+                version,
+                aliases=frozenset(a for a in ("lm_head.weight",) if a not in manifest),
+                bucket_bytes=sglang.bucket_bytes,
+            )
+        if error:
+            if self.rank0:
+                print(f"[srpo] broadcast weight sync to v{version} failed: {error}", flush=True)
+            if self._broadcaster is not None:  # the next try builds a fresh group (a new generation)
+                with contextlib.suppress(Exception):
+                    self._broadcaster.close()
+                self._broadcaster = None
+            self._generation += 1
+            return list(range(self.layout.num_engines))
+        if self.engine is not None:
+            self.engine.adopt_version(version)
+        return []
+
+    def _sync_once(self, version: int, targets: list[int] | None) -> list[int]:
+        """One collective sync; returns the engines whose update failed (agreed on every rank)."""
+        from srpo_megatron.weights.engine_sync import sync_engines
+
+        if self._broadcast_sync():
+            return self._sync_broadcast(version)
+
+        error = ""
         try:
-            batch = collect_rollouts(
+            sync_engines(
+                self.policy.model,
+                self.policy.table,
+                self.groups,
                 self.engine,
-                self.tokenizer,
-                prompts,
-                c.rollout,
-                c.loss,
-                c.teacher,
-                self.rewards,
-                seed=c.run.seed * 1_000_003 + step,
+                version,
+                self.layout,
+                targets=targets,
             )
         except EngineError as e:
-            return f"rollout engine failed at step {step + 1} (weights v{self.version}): {e}"
-        if c.rollout.placement == "colocated":
-            self.engine.release_memory()  # give the accelerator memory to training
-        return batch
+            error = str(e)
+        errors = self._gather(EngineShare(self.engine_index, range(0), error=error) if error else None)
+        for s in errors if self.rank0 else []:
+            print(f"[srpo] {self._describe(s.engine)} rejected weights v{version}: {s.error}", flush=True)
+        return sorted(s.engine for s in errors)
 
-    def collect(self, prompts: list[Prompt], step: int) -> RolloutBatch:
-        """Collective: rollouts, rewards and routing for ``prompts`` (method §1 steps 1–4)."""
-        result = broadcast_batch(
-            self._try_collect(prompts, step) if self.rank0 else None, group=self.groups.host
-        )
-        if isinstance(result, RolloutBatch):
-            return result
-        print(f"[srpo] {result}; restarting the engine and resyncing", flush=True)
-        if self.rank0:
+    def _restart(self, failed: list[int], why: str) -> None:
+        """Rebuild the failed engines on their hosts (the others keep serving)."""
+        for k in failed if self.rank0 else []:
+            print(f"[srpo] {self._describe(k)} {why}; restarting it alone and resyncing", flush=True)
+        if self._broadcast_sync() and self._broadcaster is not None:
+            # a restarted server knows no weights group: every stage builds a new one at the next sync
+            with contextlib.suppress(Exception):
+                self._broadcaster.close()
+            self._broadcaster = None
+        if self._broadcast_sync():
+            self._generation += 1
+        if self.engine_index in failed and self.engine is not None:
             with contextlib.suppress(Exception):  # the engine is already broken
                 self.engine.shutdown()
             self.engine = self._build()
-        self.restarts += 1
-        self.sync(self.version)
-        result = broadcast_batch(
-            self._try_collect(prompts, step) if self.rank0 else None, group=self.groups.host
-        )
-        if not isinstance(result, RolloutBatch):
-            raise EngineError(f"{result} (again after a restart; giving up)")
-        return result
+        self.restarts += len(failed)
+
+    def _generate(self, prompts: list[Prompt], step: int, engines: set[int]) -> EngineShare | None:
+        """On an engine host whose engine is in ``engines``: its share of the step's rollouts."""
+        k = self.engine_index
+        if self.engine is None or k not in engines:
+            return None
+        share = EngineShare(k, split_prompts(len(prompts), self.layout.num_engines)[k])
+        t0 = time.monotonic()
+        seed = self.cfg.run.seed * 1_000_003 + step
+        try:
+            mine = [list(prompts[i].ids) for i in share.prompts]
+            params = sampling_params(self.cfg.rollout, seed, prompt_offset=share.prompts.start)
+            share.completions = self.engine.generate(mine, params) if mine else []
+            if self.cfg.rollout.placement == "colocated":
+                self.engine.release_memory()  # give the accelerator memory to training
+        except EngineError as e:
+            share.error = f"{self._describe(k)} failed at step {step + 1}: {e}"
+            share.completions = None
+        share.seconds = time.monotonic() - t0
+        return share
+
+    def _gather(self, share: EngineShare | None) -> list[EngineShare]:
+        """Collective: every rank's share (None off the hosts) to every rank, hosts only, engine order."""
+        if self.layout.world_size == 1:
+            return [share] if share is not None else []
+        everyone: list[Any] = [None] * self.layout.world_size
+        dist.all_gather_object(everyone, share, group=self.host_group)
+        return [s for s in everyone if s is not None]
+
+    def collect(self, prompts: list[Prompt], step: int) -> RolloutBatch:
+        """Collective: rollouts, rewards and routing for ``prompts`` (method §1 steps 1–4)."""
+        self._check_versions()
+        all_engines = set(range(self.layout.num_engines))
+        shares = {s.engine: s for s in self._gather(self._generate(prompts, step, all_engines))}
+        failed = sorted(k for k, s in shares.items() if s.error)
+        if failed:
+            for k in failed if self.rank0 else []:
+                print(f"[srpo] {shares[k].error}", flush=True)
+            self._restart(failed, f"failed at step {step + 1}")
+            self.sync(self.version, targets=failed)
+            retried = {s.engine: s for s in self._gather(self._generate(prompts, step, set(failed)))}
+            again = [k for k in failed if retried[k].error]
+            if again:
+                raise EngineError(
+                    "; ".join(f"{retried[k].error} (again after a restart; giving up)" for k in again)
+                )
+            shares.update(retried)
+        batch = None
+        if self.rank0:
+            completions = [c for k in sorted(shares) for c in shares[k].completions]
+            c = self.cfg
+            t_gen = max(s.seconds for s in shares.values())
+            batch = score_rollouts(
+                self.tokenizer, prompts, completions, c.rollout, c.loss, c.teacher, self.rewards, t_gen
+            )
+            batch.metrics.update(engine_metrics(list(shares.values()), self.last_sync_s))
+        return broadcast_batch(batch, group=self.host_group)
 
     def close(self) -> None:
-        if self.rank0:
+        if self.rewards is not None:
             self.rewards.close()
+        if self.engine is not None:
             self.engine.shutdown()
+
+
+def engine_metrics(shares: list[EngineShare], sync_s: float) -> dict[str, float]:
+    """``rollout/*``: engine count, per-engine samples and response tokens (min, max), the slowest
+    engine's seconds, and the last weight sync's seconds."""
+    samples = [sum(len(g) for g in s.completions) for s in shares]
+    tokens = [sum(len(c.token_ids) for g in s.completions for c in g) for s in shares]
+    return {
+        "rollout/engines": float(len(shares)),
+        "rollout/samples_per_engine_min": float(min(samples)),
+        "rollout/samples_per_engine_max": float(max(samples)),
+        "rollout/response_tokens_per_engine_min": float(min(tokens)),
+        "rollout/response_tokens_per_engine_max": float(max(tokens)),
+        "rollout/engine_seconds_max": max(s.seconds for s in shares),
+        "rollout/sync_s": sync_s,
+    }

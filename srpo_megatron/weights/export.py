@@ -64,29 +64,36 @@ def stage_param_names(model: torch.nn.Module, table: ConversionTable) -> list[tu
 
 
 def iter_stage_params(
-    model: torch.nn.Module, table: ConversionTable, groups: ParallelGroups, dtype: torch.dtype | None = None
+    model: torch.nn.Module,
+    table: ConversionTable,
+    groups: ParallelGroups,
+    dtype: torch.dtype | None = None,
+    *,
+    all_replicas: bool = False,
 ) -> Iterator[PendingParam]:
     """This stage's parameters as ``PendingParam``s, in model order. Every TP rank of the stage must call
     each ``fetch()`` (it joins the TP gather); only the stage sender gets tensors, the others ``[]``.
     ``nbytes`` (the HF bytes ``fetch`` will return) lets a bucketer flush *before* gathering.
 
     ``dtype``: cast each exported tensor (e.g. fp32 master -> bf16 engine), ``None`` keeps the param's.
+    ``all_replicas``: every data-parallel replica exports (onto its own TP rank 0), so each rollout
+    engine can be fed by the replica it is colocated with; default: replica 0 only.
     """
     model = _unwrap(model)
     params = dict(model.named_parameters())
     for local_name, name in stage_param_names(model, table):
         expert = table.partition(name).expert
-        # Replicas simply do not take part: whole TP groups share a DP rank, whole EP x ETP groups an
-        # expert-DP rank.
-        if (groups.edp_rank if expert else groups.dp_rank) != 0:
+        # Replicas simply do not take part (unless ``all_replicas``): whole TP groups share a DP rank,
+        # whole EP x ETP groups an expert-DP rank.
+        if not all_replicas and (groups.edp_rank if expert else groups.dp_rank) != 0:
             continue
         param = params[local_name].detach()
         nbytes = 0
-        if is_stage_sender(groups):
+        if groups.tp_rank == 0 and (all_replicas or groups.dp_rank == 0):
             size = (dtype or param.dtype).itemsize
             nbytes = sum(math.prod(table.hf_shape(h)) * size for h in table.hf_names_for(name))
             nbytes *= groups.ep_size if expert else 1
-        fetch = _fetch_expert if expert else _fetch
+        fetch = functools.partial(_fetch_expert, all_replicas=all_replicas) if expert else _fetch
         yield PendingParam(name, nbytes, functools.partial(fetch, table, groups, name, param, dtype))
 
 
@@ -121,30 +128,54 @@ def _fetch(
     return [(h, (t if dtype is None else t.to(dtype)).contiguous()) for h, t in converted]
 
 
+def _collect(
+    tensor: torch.Tensor, group: dist.ProcessGroup, rank: int, size: int, everywhere: bool
+) -> list[torch.Tensor] | None:
+    """The group's tensors on its rank 0 (``dist.gather``), or on every rank (``everywhere``: all-gather)."""
+    if everywhere:
+        out = [torch.empty_like(tensor) for _ in range(size)]
+        dist.all_gather(out, tensor.contiguous(), group=group)
+        return out
+    out = [torch.empty_like(tensor) for _ in range(size)] if rank == 0 else None
+    dist.gather(tensor.contiguous(), out, dst=dist.get_global_rank(group, 0), group=group)
+    return out
+
+
 @torch.no_grad()
 def _fetch_expert(
-    table: ConversionTable, groups: ParallelGroups, name: str, param: torch.Tensor, dtype: torch.dtype | None
+    table: ConversionTable,
+    groups: ParallelGroups,
+    name: str,
+    param: torch.Tensor,
+    dtype: torch.dtype | None,
+    *,
+    all_replicas: bool = False,
 ) -> list[tuple[str, torch.Tensor]]:
-    """Gather one local expert parameter over ETP, then that expert index of every EP rank onto the sender."""
+    """Gather one local expert parameter over ETP, then that expert index of every EP rank onto the sender.
+
+    ``all_replicas``: the EP group may span several data-parallel replicas (Megatron folds EP into DP), so
+    a replica's sender is not always EP rank 0: gather on every rank (all-gather), and every replica's TP
+    rank 0 returns all experts. Same per-rank bound (``ep`` experts' tensors), more traffic."""
     part = table.partition(name)
     full = param
     if groups.etp_size > 1:
-        shards = [torch.empty_like(param) for _ in range(groups.etp_size)] if groups.etp_rank == 0 else None
-        dist.gather(param.contiguous(), shards, dst=dist.get_global_rank(groups.etp, 0), group=groups.etp)
-        if groups.etp_rank != 0:
+        shards = _collect(param, groups.etp, groups.etp_rank, groups.etp_size, all_replicas)
+        if shards is None:
             return []
         full = merge_tp_shards(shards, part)
         del shards
-    experts = [full]
+    experts: list[torch.Tensor] | None = [full]
     if groups.ep_size > 1:
-        experts = [torch.empty_like(full) for _ in range(groups.ep_size)] if groups.ep_rank == 0 else None
-        dist.gather(full.contiguous(), experts, dst=dist.get_global_rank(groups.ep, 0), group=groups.ep)
-        if groups.ep_rank != 0:
+        experts = _collect(full, groups.ep, groups.ep_rank, groups.ep_size, all_replicas)
+        if experts is None:
             return []
     del full
-    # This rank's name carries its own (EP rank 0's) global expert index j; EP rank r sent expert j + r*E/ep.
+    if all_replicas and groups.tp_rank != 0:
+        return []
+    # This rank's name carries its EP rank's global expert index j + ep_rank*E/ep; rank r has j + r*E/ep.
     per_rank = table.arch.num_experts // groups.ep_size
-    first = int(name.split(".local_experts.")[1].split(".")[0])
+    mine = int(name.split(".local_experts.")[1].split(".")[0])
+    first = mine - groups.ep_rank * per_rank
     prefix, suffix = name.split(".local_experts.")[0], name.split(".local_experts.")[1].split(".", 1)[1]
     out = []
     for r, tensor in enumerate(experts):

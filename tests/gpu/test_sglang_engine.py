@@ -82,7 +82,8 @@ def reference_logprobs(hf_reference):
 
 
 def _make_engine(hf_model_dir, weight_sync, tmp_path):
-    from srpo_megatron.rollout.sglang_engine import SGLangEngine, SGLangEngineConfig
+    from srpo_megatron.rollout.config import SGLangEngineConfig
+    from srpo_megatron.rollout.sglang.engine import SGLangEngine
 
     cfg = SGLangEngineConfig(
         mode="offline",
@@ -135,3 +136,21 @@ class TestSGLangOfflineBroadcastSync(_SGLangContract):
 
 class TestSGLangOfflineDiskSync(_SGLangContract):
     weight_sync = "disk"
+
+
+def test_sglang_offline_release_resume_then_tensor_sync_serves_new_version(
+    hf_model_dir, weight_sets, tmp_path
+):
+    """Colocated cycle on a real Engine (memory saver on): sync v1, release for training, sync v2
+    (resume weights, per-TP-rank flattened buckets, resume KV cache), and outputs carry version 2."""
+    from srpo_megatron.rollout.base import SamplingParams
+
+    eng = _make_engine(hf_model_dir, "tensor", tmp_path)
+    try:
+        eng.update_weights(weight_sets[0].items(), version=1)
+        eng.release_memory()
+        eng.update_weights(weight_sets[1].items(), version=2)
+        out = eng.generate([[1, 2, 3]], SamplingParams(max_new_tokens=4, seed=0))
+        assert out[0][0].weight_version == 2
+    finally:
+        eng.shutdown()

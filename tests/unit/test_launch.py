@@ -237,3 +237,22 @@ def test_probe_resumes_after_latest(tmp_path):
     probe.main(["--run-dir", str(tmp_path), "--steps", "5"])
     steps = [json.loads(line)["step"] for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert steps == [1, 2, 3, 4, 5]
+
+
+def test_launch_counts_rollout_engines_from_the_recipe():
+    """8 engines of TP4 on 4 nodes × 8 GPUs colocated; a separate placement counts its engine nodes."""
+    recipe = yaml.safe_load(
+        (Path(__file__).resolve().parents[2] / "examples" / "qwen3_8b_srpo.yaml").read_text()
+    )
+    colocated = RolloutPlacement.from_recipe(recipe)
+    assert colocated.engines(4, 8) == 8
+    assert (
+        colocated.describe(4, 8)
+        == "rollout: 8 engines of TP4 (4 GPUs each) colocated on the 32 training GPUs"
+    )
+    sep = RolloutPlacement.from_recipe(
+        {"rollout": {"placement": "separate", "engine_nodes": 2, "sglang": {"engine_kwargs": {"tp_size": 2}}}}
+    )
+    assert sep.engines(4, 8) == 8 and "on 2 engine node(s) (16 GPUs)" in sep.describe(4, 8)
+    with pytest.raises(ConfigError, match="gpus_per_engine=3"):
+        RolloutPlacement.from_recipe({"rollout": {"gpus_per_engine": 3}}).engines(1, 8)

@@ -4,27 +4,31 @@ and the HTTP transport + disk weight sync run end to end against a *stand-in* se
 SGLang cannot run here (PLATFORM.md). ``SGLangStandInServer`` is a tiny local HTTP server that speaks the
 subset of SGLang's HTTP API the engine uses (``/generate`` with ``return_logprob``, ``/health``,
 ``/flush_cache``, ``/update_weights_from_disk``, ``/release_memory_occupation``,
-``/resume_memory_occupation``) on top of the CPU ``HFEngine``, loading weights *non-atomically* like SGLang
+``/resume_memory_occupation``, ``/init_weights_update_group``, ``/update_weights_from_distributed``)
+on top of the CPU ``HFEngine``, loading weights *non-atomically* like SGLang
 does. It is a stand-in for SGLang, not SGLang: real-engine checks live in tests/gpu/test_sglang_engine.py.
 """
 
 from __future__ import annotations
 
+import datetime
 import json
 import math
 import threading
+from concurrent.futures import ThreadPoolExecutor
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 import torch
 from safetensors.torch import load_file
+from torch.distributed.distributed_c10d import PrefixStore, rendezvous
 
 from srpo_megatron.configs import ConfigError
 from srpo_megatron.rollout.base import EngineError, SamplingParams, sample_seed
+from srpo_megatron.rollout.config import SGLangEngineConfig
 from srpo_megatron.rollout.hf_engine import HFEngine
-from srpo_megatron.rollout.sglang_engine import (
-    SGLangEngine,
-    SGLangEngineConfig,
+from srpo_megatron.rollout.sglang.engine import SGLangEngine, offline_engine_kwargs
+from srpo_megatron.rollout.sglang.protocol import (
     build_generate_request,
     build_init_weights_update_group_request,
     build_memory_occupation_request,
@@ -34,7 +38,9 @@ from srpo_megatron.rollout.sglang_engine import (
     build_update_weights_from_tensor_request,
     parse_generate_response,
     parse_update_response,
+    serialize_bucket_per_tp_rank,
 )
+from srpo_megatron.rollout.sglang.transports import _offline_update_from_tensor
 from srpo_megatron.weights.buckets import bucketize
 from tests.unit.test_rollout_contract import RolloutEngineContract, perturbed_copy
 from tests.unit.test_rollout_hf_engine import EOS, initial_weights, tiny_model
@@ -116,12 +122,13 @@ def test_sglang_contract_parse_generate_response_rejects_malformed(outputs, matc
 
 def test_sglang_contract_weight_sync_requests():
     t = [("a.weight", torch.zeros(2, 3, dtype=torch.bfloat16)), ("b.bias", torch.zeros(4))]
-    assert build_update_weights_from_distributed_request(t, "g", flush_cache=False) == {
+    assert build_update_weights_from_distributed_request(t, "g", False, 7) == {
         "names": ["a.weight", "b.bias"],
         "dtypes": ["bfloat16", "float32"],  # SGLang resolves getattr(torch, dtype)
         "shapes": [[2, 3], [4]],
         "group_name": "g",
         "flush_cache": False,
+        "weight_version": "7",  # io_struct: weight_version: Optional[str]
     }
     assert build_init_weights_update_group_request("10.0.0.1", 29600, 1, 3, "g", "nccl") == {
         "master_address": "10.0.0.1",
@@ -131,14 +138,18 @@ def test_sglang_contract_weight_sync_requests():
         "group_name": "g",
         "backend": "nccl",
     }
-    assert build_update_weights_from_tensor_request(["s0", "s1"], True) == {
-        "serialized_named_tensors": ["s0", "s1"],
-        "load_format": None,
+    assert build_update_weights_from_tensor_request(["s0", "s1"], 2, True, 3) == {
+        "serialized_named_tensors": ["s0", "s1"],  # entry i is read by scheduler TP rank i
+        "load_format": "flattened_bucket",
         "flush_cache": True,
+        "weight_version": "3",
     }
-    assert build_update_weights_from_disk_request("/ckpt/v3") == {
+    with pytest.raises(EngineError, match="one payload per engine TP rank"):
+        build_update_weights_from_tensor_request(["s0"], 2, True, 3)  # SGLang: IndexError on rank 1
+    assert build_update_weights_from_disk_request("/ckpt/v3", 3) == {
         "model_path": "/ckpt/v3",
         "load_format": None,
+        "weight_version": "3",
     }
     assert build_memory_occupation_request() == {"tags": None}
     assert build_memory_occupation_request(["kv_cache"]) == {"tags": ["kv_cache"]}
@@ -172,14 +183,42 @@ def test_sglang_contract_config_errors():
 # ------------------------------------------------------------- HTTP transport against a stand-in server
 
 
+def standin_serialize(obj) -> str:
+    """Stand-in for ``MultiprocessingSerializer.serialize(..., output_str=True)`` (CPU tensors, pickled)."""
+    import base64
+    import pickle
+
+    return base64.b64encode(pickle.dumps(obj)).decode()
+
+
+def standin_deserialize(s: str) -> list[tuple[str, torch.Tensor]]:
+    """Stand-in for SGLang's deserialize + ``FlattenedTensorBucket.reconstruct_tensors``."""
+    import base64
+    import pickle
+
+    data = pickle.loads(base64.b64decode(s))
+    flat, out, offset = data["flattened_tensor"], [], 0
+    for name, shape, dtype in data["metadata"]:
+        dt = getattr(torch, dtype.removeprefix("torch."))
+        n = math.prod(shape) * torch.empty((), dtype=dt).element_size()
+        out.append((name, flat[offset : offset + n].view(dt).reshape(shape)))
+        offset += n
+    return out
+
+
 class SGLangStandInServer:
     """Stand-in for an SGLang HTTP server (see module docstring), backed by a CPU HFEngine."""
 
-    def __init__(self, model: torch.nn.Module) -> None:
+    def __init__(self, model: torch.nn.Module, tp_size: int = 1) -> None:
         self.model = model
         self.engine = HFEngine(model, max_batch_size=16)
-        self.released = False
+        self.tp_size = tp_size  # as launched with --tp-size: one payload per scheduler TP rank expected
+        self.released: set[str] = set()
+        self.version = "default"  # SGLang's weight_version before any update
+        self.dead = ""  # SGLang kills its process tree on some errors: every later call fails
         self.calls: list[str] = []
+        self.bodies: list[tuple[str, dict]] = []
+        self.weight_groups: dict[str, list] = {}  # group name -> one gloo group per scheduler TP rank
         stand_in = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -196,15 +235,26 @@ class SGLangStandInServer:
 
             def do_GET(self):
                 stand_in.calls.append(self.path)
+                if stand_in.dead:
+                    return self._reply({"error": stand_in.dead}, 500)
+                if self.path == "/get_server_info":
+                    return self._reply({"tp_size": stand_in.tp_size, "weight_version": stand_in.version})
                 self._reply({}) if self.path == "/health" else self._reply({"error": "no route"}, 404)
 
             def do_POST(self):
                 stand_in.calls.append(self.path)
                 body = json.loads(self.rfile.read(int(self.headers["Content-Length"])) or b"{}")
+                stand_in.bodies.append((self.path, body))
                 route = getattr(stand_in, "route_" + self.path.strip("/"), None)
+                if stand_in.dead:
+                    return self._reply({"error": stand_in.dead}, 500)
                 if route is None:
                     return self._reply({"error": f"no route {self.path}"}, 404)
-                self._reply(route(body))
+                try:
+                    self._reply(route(body))
+                except Exception as e:  # SGLang's scheduler raising = the server's process tree dies
+                    stand_in.dead = repr(e)
+                    self._reply({"error": repr(e)}, 500)
 
         self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
         self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
@@ -224,11 +274,77 @@ class SGLangStandInServer:
             )
             c = self.engine.generate([ids], params)[0][0]
             finish = {"type": c.finish_reason}
-            outs.append(_sglang_output(c.token_ids, c.logprobs, finish))
+            outs.append(_sglang_output(c.token_ids, c.logprobs, finish, self.version))
         return outs
+
+    def route_update_weights_from_tensor(self, body):
+        # like SGLang's tp_worker: scheduler TP rank i deserializes entry i (IndexError when missing)
+        payloads = body["serialized_named_tensors"]
+        if body.get("load_format") != "flattened_bucket":
+            raise ValueError(f"stand-in expects load_format=flattened_bucket, got {body.get('load_format')}")
+        params = dict(self.model.named_parameters())
+        for rank in range(self.tp_size):
+            bucket = standin_deserialize(payloads[rank])
+            with torch.no_grad():
+                for name, t in bucket:
+                    if rank == 0:  # every rank would load its shard; one copy suffices on CPU
+                        if name not in params or params[name].shape != t.shape:
+                            return {"success": False, "message": f"bad tensor {name}"}
+                        params[name].copy_(t)
+        if body.get("weight_version") is not None:
+            self.version = body["weight_version"]
+        return {"success": True, "message": "Succeeded to update parameter online."}
 
     def route_flush_cache(self, body):
         return {}
+
+    # weight_sync=distributed. Like SGLang's init_custom_process_group: scheduler TP rank i joins the
+    # trainer's group as rank rank_offset + i (TCP rendezvous, store prefixed with the group name, then
+    # torch's per-group and per-device prefixes), here as raw gloo groups (no torch registry: the stand-in
+    # lives in the test process).
+    def route_init_weights_update_group(self, body):
+        timeout = datetime.timedelta(seconds=120)
+        name, addr = body["group_name"], f"tcp://{body['master_address']}:{body['master_port']}"
+
+        def join(i):
+            store, rank, world = next(
+                rendezvous(addr, body["rank_offset"] + i, body["world_size"], timeout=timeout)
+            )
+            store = PrefixStore("cpu/", PrefixStore(f"{name}/", PrefixStore(name, store)))
+            return torch.distributed.ProcessGroupGloo(store, rank, world, timeout)
+
+        with ThreadPoolExecutor(self.tp_size) as pool:
+            self.weight_groups[name] = list(pool.map(join, range(self.tp_size)))
+        return {"success": True, "message": "Succeeded to initialize custom process group."}
+
+    def route_update_weights_from_distributed(self, body):
+        ranks = self.weight_groups[body["group_name"]]  # KeyError (server dies) on an unknown group
+
+        def receive(pg):
+            out = []
+            for name, dtype, shape in zip(body["names"], body["dtypes"], body["shapes"], strict=True):
+                t = torch.empty(shape, dtype=getattr(torch, dtype))
+                opts = torch.distributed.BroadcastOptions()
+                opts.rootRank, opts.rootTensor = 0, 0
+                pg.broadcast([t], opts).wait()
+                out.append((name, t))
+            return out
+
+        with ThreadPoolExecutor(len(ranks)) as pool:
+            received = list(pool.map(receive, ranks))  # every TP rank receives every tensor
+        params = dict(self.model.named_parameters())
+        with torch.no_grad():
+            for name, t in received[0]:
+                if name not in params or params[name].shape != t.shape:
+                    return {"success": False, "message": f"bad tensor {name}"}
+                params[name].copy_(t)
+        if body.get("weight_version") is not None:
+            self.version = body["weight_version"]
+        return {"success": True, "message": "Succeeded to update parameter online."}
+
+    def route_destroy_weights_update_group(self, body):
+        self.weight_groups.pop(body["group_name"], None)
+        return {"success": True, "message": ""}
 
     def route_update_weights_from_disk(self, body):
         # like SGLang: load whatever the folder holds, tensor by tensor, no atomicity
@@ -241,14 +357,23 @@ class SGLangStandInServer:
                     if name not in params or params[name].shape != t.shape:
                         return {"success": False, "message": f"bad tensor {name}"}
                     params[name].copy_(t)
+        if body.get("weight_version") is not None:
+            self.version = body["weight_version"]
         return {"success": True, "message": "Succeeded to update model weights."}
 
     def route_release_memory_occupation(self, body):
-        self.released = True
+        tags = body.get("tags") or ["weights", "kv_cache"]
+        if set(tags) & self.released:
+            raise AssertionError(f"tags {tags} released twice")
+        self.released |= set(tags)
         return {}
 
     def route_resume_memory_occupation(self, body):
-        self.released = False
+        # SGLang's TorchMemorySaver raises on a tag that was never paused (then the server dies)
+        tags = body.get("tags") or ["weights", "kv_cache"]
+        if not set(tags) <= self.released:
+            raise KeyError(f"resume of tags {sorted(set(tags) - self.released)} that were not released")
+        self.released -= set(tags)
         return {}
 
     def close(self):
@@ -340,3 +465,182 @@ def test_sglang_contract_release_marks_weights_stale_until_resync(engine, weight
     engine.update_weights(weight_sets[0].items(), version=engine.weight_version + 1)
     out = engine.generate([[5, 6]], SamplingParams(max_new_tokens=2))
     assert math.isfinite(out[0][0].logprobs[0])
+
+
+# ------------------------------------------------ tensor sync, release/resume order, weight_version
+
+
+@pytest.fixture
+def tensor_engine_factory(weight_sets, model_dir):
+    servers = []
+    manifest = {n: tuple(t.shape) for n, t in weight_sets[0].items()}
+
+    def make(tp_size=2):
+        server = SGLangStandInServer(tiny_model("llama", weight_sets[0]), tp_size=tp_size)
+        servers.append(server)
+        cfg = SGLangEngineConfig(
+            mode="http", url=server.url, model_path=str(model_dir), weight_sync="tensor", bucket_bytes=1024**2
+        )
+        return SGLangEngine(cfg, manifest=manifest, serializer=standin_serialize), server
+
+    yield make
+    for s in servers:
+        s.close()
+
+
+def test_sglang_contract_tensor_sync_sends_one_flattened_bucket_per_server_tp_rank(
+    tensor_engine_factory, weight_sets
+):
+    engine, server = tensor_engine_factory(tp_size=2)
+    engine.update_weights(weight_sets[1].items(), version=1)
+    updates = [b for p, b in server.bodies if p == "/update_weights_from_tensor"]
+    assert updates and all(len(b["serialized_named_tensors"]) == 2 for b in updates)  # TP of the server
+    assert all(b["load_format"] == "flattened_bucket" and b["weight_version"] == "1" for b in updates)
+    received = {n: t for b in updates for n, t in standin_deserialize(b["serialized_named_tensors"][1])}
+    assert set(received) == set(weight_sets[1]), "rank 1's payload must hold the whole bucket too"
+    assert all(torch.equal(received[n], weight_sets[1][n]) for n in received)
+    # generate checks the version SGLang stamps on each output
+    out = engine.generate([[5, 6]], SamplingParams(max_new_tokens=2, seed=0))
+    assert out[0][0].weight_version == 1 and server.version == "1"
+
+
+def test_sglang_contract_tp_size_comes_from_the_server_not_the_recipe(tensor_engine_factory, weight_sets):
+    engine, server = tensor_engine_factory(tp_size=4)  # recipe says nothing: cfg.tp_size == 1
+    engine.update_weights(weight_sets[1].items(), version=1)
+    updates = [b for p, b in server.bodies if p == "/update_weights_from_tensor"]
+    assert {len(b["serialized_named_tensors"]) for b in updates} == {4}
+
+
+def test_sglang_contract_stale_served_version_is_refused(tensor_engine_factory, weight_sets):
+    engine, server = tensor_engine_factory()
+    engine.update_weights(weight_sets[1].items(), version=1)
+    server.version = "0"  # e.g. a restarted server that nobody resynced
+    with pytest.raises(EngineError, match="weight version 0, expected 1"):
+        engine.generate([[5, 6]], SamplingParams(max_new_tokens=2))
+
+
+def test_sglang_contract_release_comes_before_resume(tensor_engine_factory, weight_sets):
+    engine, server = tensor_engine_factory()
+    engine.update_weights(weight_sets[1].items(), version=1)  # first sync: nothing released, no resume
+    assert "/resume_memory_occupation" not in server.calls and not server.dead
+    engine.release_memory()
+    engine.update_weights(weight_sets[0].items(), version=2)
+    mem = [(p, b.get("tags")) for p, b in server.bodies if "memory_occupation" in p]
+    assert mem == [
+        ("/release_memory_occupation", None),
+        ("/resume_memory_occupation", ["weights"]),  # weights back before the first bucket ...
+        ("/resume_memory_occupation", ["kv_cache"]),  # ... KV cache after the last
+    ]
+    first_update = server.calls.index(
+        "/update_weights_from_tensor", server.calls.index("/release_memory_occupation")
+    )
+    assert server.calls.index("/resume_memory_occupation") < first_update
+    assert (
+        not server.dead and engine.generate([[5]], SamplingParams(max_new_tokens=1))[0][0].weight_version == 2
+    )
+
+
+def test_sglang_contract_planted_resume_without_release_kills_the_stand_in(tensor_engine_factory):
+    """The bug the order guards against: resuming an unreleased tag kills SGLang's process tree."""
+    engine, server = tensor_engine_factory()
+    engine._released = {"weights", "kv_cache"}  # plant: engine believes it released, the server did not
+    with pytest.raises(EngineError):
+        engine.resume_memory()
+    assert server.dead and not engine.health().ok
+
+
+def test_sglang_contract_bucket_serialized_once_per_tp_rank_keeps_flat_tensor():
+    bucket = [("a", torch.arange(6.0).view(2, 3)), ("b", torch.ones(4, dtype=torch.bfloat16))]
+    payload, flat = serialize_bucket_per_tp_rank(bucket, 3, standin_serialize)
+    assert len(payload) == 3 and flat.numel() == 6 * 4 + 4 * 2
+    for p in payload:
+        assert [(n, t.tolist()) for n, t in standin_deserialize(p)] == [(n, t.tolist()) for n, t in bucket]
+
+
+class _FakeOfflineEngine:
+    """The offline ``sglang.Engine`` method signatures this project calls (recorded, not executed)."""
+
+    def __init__(self, with_version: bool) -> None:
+        self.calls: list[tuple[str, dict]] = []
+        if with_version:
+            self.update_weights_from_tensor = self._with_version
+
+    def update_weights_from_tensor(self, named_tensors, load_format=None, flush_cache=True):
+        self.calls.append(
+            ("update_weights_from_tensor", dict(named_tensors=named_tensors, load_format=load_format))
+        )
+        return True, "ok"
+
+    def _with_version(self, named_tensors, load_format=None, flush_cache=True, weight_version=None):
+        self.calls.append(
+            ("update_weights_from_tensor", dict(load_format=load_format, weight_version=weight_version))
+        )
+        return True, "ok"
+
+    def update_weight_version(self, new_version):
+        self.calls.append(("update_weight_version", dict(new_version=new_version)))
+
+
+@pytest.mark.parametrize("with_version", [True, False])
+def test_sglang_contract_offline_update_passes_serialized_payloads_and_version(with_version):
+    eng = _FakeOfflineEngine(with_version)
+    body = build_update_weights_from_tensor_request(["p0", "p1"], 2, False, 5)
+    parse_update_response(_offline_update_from_tensor(eng, body), "update")
+    _, kwargs = eng.calls[0]
+    assert kwargs["load_format"] == "flattened_bucket"
+    if with_version:
+        assert kwargs["weight_version"] == "5" and len(eng.calls) == 1
+    else:  # the payload list goes through untouched (strings, never tensors), version stamped after
+        assert kwargs["named_tensors"] == ["p0", "p1"]
+        assert eng.calls[1] == ("update_weight_version", {"new_version": "5"})
+
+
+def test_sglang_gpu_defaults():
+    cfg = SGLangEngineConfig(model_path="/m", engine_kwargs={"tp_size": 4})
+    colocated = offline_engine_kwargs(cfg, colocated=True, base_gpu_id=4)
+    assert colocated["enable_memory_saver"] is True and colocated["base_gpu_id"] == 4
+    assert "enable_deterministic_inference" not in colocated  # slow: only on request
+    assert "enable_memory_saver" not in offline_engine_kwargs(cfg, colocated=False)
+    det = SGLangEngineConfig(model_path="/m", deterministic=True, memory_saver=False)
+    kw = offline_engine_kwargs(det, colocated=True)
+    assert kw["enable_deterministic_inference"] is True and "enable_memory_saver" not in kw
+
+
+def test_sglang_contract_distributed_sync_broadcasts_every_bucket_into_every_server(weight_sets):
+    """weight_sync=distributed (separate placement): one group with the stage sender as rank 0 and every
+    server's TP ranks after it (offsets 1 and 2 for a TP1 and a TP2 server, world 4); per bucket the
+    metadata goes to each server, the tensors are broadcast once (gloo here, NCCL on GPU), both servers
+    load them and stamp the version. A server that rejects a bucket is named in the error."""
+    from srpo_megatron.rollout.sglang.transports import HttpTransport
+    from srpo_megatron.weights.broadcast_sync import StageBroadcaster
+
+    servers = [SGLangStandInServer(tiny_model("llama", weight_sets[0]), tp_size=tp) for tp in (1, 2)]
+    try:
+        urls = [s.url for s in servers]
+        transports = [HttpTransport(u, 120) for u in urls]
+        sender = StageBroadcaster(
+            transports, urls, [1, 2], "srpo-test-pp0-g0", "gloo", "127.0.0.1", timeout_s=60
+        )
+        items = list(weight_sets[1].items())
+        half = len(items) // 2
+        sender.send_bucket(items[:half], 5)
+        sender.send_bucket(items[half:], 5)
+        for s in servers:
+            got = dict(s.model.named_parameters())
+            assert all(torch.equal(got[n], t) for n, t in items if n in got)
+            assert s.version == "5"
+        inits = [b for s in servers for path, b in s.bodies if path == "/init_weights_update_group"]
+        assert [(b["rank_offset"], b["world_size"], b["backend"]) for b in inits] == [
+            (1, 4, "gloo"),
+            (2, 4, "gloo"),
+        ]
+        first = next(b for path, b in servers[1].bodies if path == "/update_weights_from_distributed")
+        assert first["names"] == [n for n, _ in items[:half]]
+        assert first["group_name"] == "srpo-test-pp0-g0" and first["weight_version"] == "5"
+        with pytest.raises(EngineError, match=r"bad tensor model\.bogus"):
+            sender.send_bucket([("model.bogus", torch.zeros(2))], 6)
+        sender.close()
+        assert all(not s.weight_groups for s in servers), "the servers left the group"
+    finally:
+        for s in servers:
+            s.close()

@@ -1,0 +1,129 @@
+"""Typed configuration of the rollout side: which engine, where it runs, how weights reach it."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from srpo_megatron.configs import ConfigError
+
+WeightSync = Literal["tensor", "distributed", "disk"]
+
+
+@dataclass
+class SGLangEngineConfig:
+    """How to reach (or start) SGLang and how to push weights into it."""
+
+    mode: Literal["offline", "http"] = "offline"  # offline Engine in a child process, or an HTTP server
+    # (placement=separate always uses the HTTP servers the job started, whatever the mode)
+    model_path: str = ""  # HF model directory the engine serves (also gives the weight manifest)
+    url: str = ""  # http mode: base URL(s) of running servers, comma-separated (one per engine)
+    weight_sync: WeightSync = "tensor"  # tensor: colocated CUDA IPC; distributed: NCCL broadcast; disk
+    bucket_bytes: int = 512 * 1024**2  # max bytes per weight-update request
+    disk_sync_dir: str = ""  # weight_sync=disk: folder the safetensors shards are written to
+    request_timeout_s: float = 1800.0  # one generate / update call; beyond it the engine is declared dead
+    startup_timeout_s: float = 1200.0  # offline: model load + CUDA graph capture
+    deterministic: bool = False  # enable_deterministic_inference: seeded samples repeat, but ~slower
+    memory_saver: bool | None = None  # enable_memory_saver; None = on when colocated (release/resume)
+    engine_kwargs: dict[str, Any] = field(default_factory=dict)  # extra ServerArgs (tp_size, mem_fraction_…)
+
+    def __post_init__(self) -> None:
+        if self.mode == "http" and not self.url:
+            raise ConfigError("rollout.sglang.url is empty but mode=http: give the server's base URL")
+        if self.mode == "offline" and not self.model_path:
+            raise ConfigError("rollout.sglang.model_path is empty: the offline Engine needs an HF model dir")
+        if self.weight_sync == "disk" and not self.disk_sync_dir:
+            raise ConfigError(
+                "rollout.sglang.weight_sync=disk needs disk_sync_dir: a folder on storage both trainer "
+                "and engine can read"
+            )
+        if self.bucket_bytes < 1024**2:
+            raise ConfigError(f"rollout.sglang.bucket_bytes={self.bucket_bytes} is below 1 MiB; use ≥ 64 MiB")
+
+    @property
+    def tp_size(self) -> int:
+        """The engine's tensor-parallel size (SGLang's ``tp_size`` server argument)."""
+        return int(self.engine_kwargs.get("tp_size", 1))
+
+
+@dataclass
+class RolloutConfig:
+    """How rollouts are generated and by which engine."""
+
+    engine: Literal["hf", "sglang"] = "hf"  # hf = transformers CPU engine (embedded); sglang = GPU clusters
+    placement: Literal["colocated", "separate"] = "colocated"  # engines share the trainer's devices or not
+    engine_nodes: int = 0  # nodes reserved for separate SGLang engines (placement=separate)
+    gpus_per_engine: int = 0  # colocated: devices (trainer ranks) per engine; 0 = engine TP (hf: parallel.tp)
+    sglang: SGLangEngineConfig | None = None  # engine=sglang: offline Engine / HTTP server and weight sync
+    prompts_per_step: int = 32  # B: prompts per training step (paper: 32)
+    group_size: int = 8  # G: rollouts per prompt (paper: 8)
+    temperature: float = 1.0  # sampling temperature (paper: 1.0); the loss divides logits by it
+    top_p: float = 1.0  # nucleus sampling
+    top_k: int = -1  # top-k sampling (-1 = off)
+    max_new_tokens: int = 8192  # response length limit (paper: 8192)
+    max_batch_size: int = 64  # sequences the CPU engine decodes together
+    reward_fns: dict[str, str] = field(default_factory=dict)  # extra verifiers: kind -> "module:function"
+    reward_workers: int = 2  # processes scoring rewards (0 = threads in the trainer process)
+    reward_timeout_s: float = 10.0  # per-sample reward timeout; a timeout gives reward 0 (counted)
+    reward_import_timeout_s: float = 120.0  # a reward module whose import takes longer fails the start
+
+    def __post_init__(self) -> None:
+        if self.prompts_per_step < 1 or self.group_size < 2:
+            raise ConfigError(
+                f"rollout.prompts_per_step={self.prompts_per_step} must be >= 1 and rollout.group_size="
+                f"{self.group_size} >= 2 (group-relative advantages and siblings need at least 2 rollouts)"
+            )
+        if self.temperature <= 0 or not 0 < self.top_p <= 1 or self.max_new_tokens < 1:
+            raise ConfigError(
+                f"rollout: temperature={self.temperature} must be > 0, top_p={self.top_p} in (0, 1], "
+                f"max_new_tokens={self.max_new_tokens} >= 1"
+            )
+        if (self.top_k != -1 and self.top_k < 1) or self.max_batch_size < 1:
+            raise ConfigError(
+                f"rollout.top_k={self.top_k} must be -1 (off) or >= 1, rollout.max_batch_size="
+                f"{self.max_batch_size} >= 1"
+            )
+        if self.reward_workers < 0 or self.reward_timeout_s <= 0 or self.reward_import_timeout_s <= 0:
+            raise ConfigError(
+                f"rollout.reward_workers={self.reward_workers} must be >= 0 (0 = threads), "
+                f"rollout.reward_timeout_s={self.reward_timeout_s} and rollout.reward_import_timeout_s="
+                f"{self.reward_import_timeout_s} > 0 (seconds)"
+            )
+        for kind, target in self.reward_fns.items():
+            module, sep, name = target.partition(":")
+            if not (sep and module and name):
+                raise ConfigError(
+                    f"rollout.reward_fns.{kind}: {target!r} must look like 'package.module:function'"
+                )
+        if self.engine == "sglang" and self.sglang is None:
+            raise ConfigError(
+                "rollout.engine=sglang needs a rollout.sglang section (at least model_path, the HF folder "
+                "the engine serves; see examples/qwen3_8b_srpo.yaml)"
+            )
+        if self.placement == "separate" and self.engine == "hf":
+            raise ConfigError(
+                "rollout.placement=separate needs rollout.engine=sglang; the CPU engine runs in the trainer"
+            )
+        if self.placement == "separate" and self.sglang is not None and self.sglang.weight_sync == "tensor":
+            raise ConfigError(
+                "rollout.placement=separate cannot use rollout.sglang.weight_sync=tensor (CUDA IPC needs the "
+                "engine on the trainer's GPUs); use distributed (NCCL broadcast) or disk"
+            )
+        if self.gpus_per_engine < 0:
+            raise ConfigError(f"rollout.gpus_per_engine={self.gpus_per_engine} must be >= 0 (0 = engine TP)")
+
+    def engine_size(self) -> int:
+        """Trainer ranks (devices) per colocated engine: ``gpus_per_engine`` or the engine's TP size."""
+        if self.gpus_per_engine:
+            return self.gpus_per_engine
+        return self.sglang.tp_size if self.sglang is not None else 1
+
+    def num_engines(self, world_size: int) -> int:
+        """Colocated engines for a trainer world: world ÷ ranks per engine (must divide)."""
+        size = self.engine_size()
+        if world_size % size:
+            raise ConfigError(
+                f"rollout.gpus_per_engine={size} does not divide the {world_size} trainer ranks; pick a "
+                "divisor so every engine owns whole devices"
+            )
+        return world_size // size

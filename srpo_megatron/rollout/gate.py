@@ -1,0 +1,71 @@
+"""The one version gate and weight-name/shape check that every rollout engine applies to an update.
+
+Both engines (the CPU transformers engine and SGLang) install weights only through these functions, so
+"versions only move forward" and "only the model's own names, with the model's shapes, each once, all of
+them" mean the same thing everywhere.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+
+import torch
+
+from srpo_megatron.rollout.base import EngineError
+
+
+def check_version(version: int, served: int, inconsistent: str = "") -> None:
+    """Refuse an update that does not move the served version forward. After a failed partial update
+    (``inconsistent`` non-empty) the same version may be pushed again: that is how an engine recovers."""
+    if version <= served and not inconsistent:
+        raise EngineError(
+            f"weight version {version} is not newer than the served version {served}; each sync must "
+            "carry a larger version (the trainer's step count)"
+        )
+
+
+def tensor_problem(
+    name: str,
+    tensor: torch.Tensor,
+    manifest: dict[str, tuple[int, ...]],
+    seen: set[str],
+    aliases: frozenset[str] = frozenset(),
+) -> tuple[str, str] | None:
+    """``(kind, detail)`` when ``(name, tensor)`` does not belong to the model, else None.
+    kind is one of ``unexpected``, ``mis-shaped``, ``sent twice``."""
+    if name in seen:
+        return "sent twice", name
+    if name in aliases:
+        return None
+    if name not in manifest:
+        return "unexpected", name
+    if tuple(tensor.shape) != tuple(manifest[name]):
+        return "mis-shaped", f"{name}: got {tuple(tensor.shape)}, model has {tuple(manifest[name])}"
+    return None
+
+
+def missing_names(manifest: dict[str, tuple[int, ...]], seen: set[str], required: set[str] | None = None):
+    """Required names (default: the whole manifest) that were not sent, sorted."""
+    return sorted((required if required is not None else set(manifest)) - seen)
+
+
+def validated_stream(
+    named_tensors: Iterable[tuple[str, torch.Tensor]],
+    manifest: dict[str, tuple[int, ...]],
+    seen: set[str],
+    aliases: frozenset[str] = frozenset(),
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """Pass tensors through, raising ``EngineError`` at the first one that does not belong (streaming
+    engines check each tensor *before* its bucket leaves the trainer)."""
+    for name, tensor in named_tensors:
+        problem = tensor_problem(name, tensor, manifest, seen, aliases)
+        if problem:
+            raise EngineError(f"{problem[0]} tensor {problem[1]}")
+        seen.add(name)
+        yield name, tensor
+
+
+def head(items: list[str], k: int = 8) -> str:
+    """The first ``k`` items for an error message, with the count of the rest."""
+    more = f" (+{len(items) - k} more)" if len(items) > k else ""
+    return ", ".join(items[:k]) + more

@@ -1,0 +1,1 @@
+"""SGLang backend: ``protocol`` (wire contract, pure), ``transports`` (HTTP / offline child), ``engine``."""

@@ -1,0 +1,316 @@
+"""SGLang rollout engine (GPU clusters) behind the ``RolloutEngine`` Protocol, on SGLang's public APIs.
+
+Semantics kept identical to the CPU engine:
+
+- each (prompt, sample) pair is its own request with ``sampling_seed = sample_seed(seed, i, j)``: samples
+  of a prompt differ and do not depend on batching (bitwise repeats additionally need
+  ``deterministic: true``, i.e. ``enable_deterministic_inference``, which costs throughput: off by default);
+- ``return_logprob`` gives ``log softmax(logits / T)`` of the sampled token before top-k/top-p; ids and
+  log-probs are read from ``output_token_logprobs`` so they align; ``no_stop_trim`` keeps the stop token.
+
+Weights. The version gate and the name/shape checks are ``rollout.gate`` (shared with the CPU engine); each
+tensor is checked *before* its bucket leaves, and a failure after the first bucket marks the engine
+inconsistent (``generate`` refuses until a complete update succeeds). Every update request carries
+``weight_version``; every generate checks the version SGLang stamped on its outputs.
+
+Memory (colocated). ``release_memory`` frees weights and KV cache for training; ``resume_memory`` only
+resumes what was released (SGLang raises on resuming an unreleased tag and then kills its process tree),
+and a resumed engine refuses to serve until the next full sync.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
+
+import torch
+
+from srpo_megatron.rollout.base import Completion, EngineError, EngineHealth, SamplingParams
+from srpo_megatron.rollout.config import SGLangEngineConfig
+from srpo_megatron.rollout.gate import check_version, head, missing_names, validated_stream
+from srpo_megatron.rollout.sglang.protocol import (
+    build_generate_request,
+    build_init_weights_update_group_request,
+    build_memory_occupation_request,
+    build_update_weights_from_disk_request,
+    build_update_weights_from_distributed_request,
+    build_update_weights_from_tensor_request,
+    hf_manifest,
+    parse_generate_response,
+    parse_update_response,
+    serialize_bucket_per_tp_rank,
+    server_tp_size,
+)
+from srpo_megatron.rollout.sglang.transports import ChildEngineTransport, HttpTransport
+from srpo_megatron.weights.buckets import bucketize
+
+
+def offline_engine_kwargs(cfg: SGLangEngineConfig, colocated: bool, base_gpu_id: int = 0) -> dict[str, Any]:
+    """``sglang.Engine`` arguments with the GPU defaults of this project (explicit ``engine_kwargs`` win):
+    deterministic inference only when asked (slow); the memory saver when colocated (release/resume need
+    it); ``base_gpu_id`` = the first device of this engine's rank group."""
+    kwargs: dict[str, Any] = {"model_path": cfg.model_path, "skip_tokenizer_init": True}
+    kwargs["base_gpu_id"] = int(base_gpu_id)
+    if cfg.deterministic:
+        kwargs["enable_deterministic_inference"] = True
+    if cfg.memory_saver if cfg.memory_saver is not None else colocated:
+        kwargs["enable_memory_saver"] = True
+    kwargs.update(cfg.engine_kwargs)
+    return kwargs
+
+
+def _release_ipc_memory(final: bool) -> None:
+    """After the engine copied a bucket, drop the CUDA IPC references it held (``ipc_collect``); after the
+    last one return the freed blocks to the device for training (``empty_cache``)."""
+    if torch.cuda.is_available():
+        torch.cuda.ipc_collect()
+        if final:
+            torch.cuda.empty_cache()
+
+
+class SGLangEngine:
+    """``RolloutEngine`` over SGLang (offline child-process Engine or HTTP server)."""
+
+    def __init__(
+        self,
+        cfg: SGLangEngineConfig,
+        *,
+        transport: Any | None = None,
+        manifest: dict[str, tuple[int, ...]] | None = None,
+        tied_aliases: Iterable[str] = ("lm_head.weight",),
+        initial_version: int = 0,
+        colocated: bool = True,
+        base_gpu_id: int = 0,
+        url: str | None = None,
+        serializer: Callable[[Any], str] | None = None,
+    ) -> None:
+        """Start or connect to SGLang. ``transport``, ``manifest`` and ``serializer`` may be given (tests,
+        custom launch); ``url`` picks one server of ``cfg.url`` (http mode)."""
+        self.cfg = cfg
+        self._manifest = manifest if manifest is not None else hf_manifest(cfg.model_path)
+        self._aliases = frozenset(a for a in tied_aliases if a not in self._manifest)
+        self._version = int(initial_version)
+        self._released: set[str] = set()
+        self._inconsistent = ""
+        self._shut_down = False
+        self._serializer = serializer
+        self._broadcast: tuple[Any, str] | None = None  # (trainer-side process group, group name)
+        self._tp: int | None = None
+        if transport is not None:
+            self._transport = transport
+        elif cfg.mode == "http":
+            self._transport = HttpTransport(url or cfg.url.split(",")[0], cfg.request_timeout_s)
+        else:
+            kwargs = offline_engine_kwargs(cfg, colocated, base_gpu_id)
+            self._transport = ChildEngineTransport(kwargs, cfg.startup_timeout_s, cfg.request_timeout_s)
+
+    @property
+    def weight_version(self) -> int:
+        return self._version
+
+    @property
+    def tp_size(self) -> int:
+        """The engine's TP size: asked from the server (``/get_server_info``) in http mode, where the
+        launch flags, not this recipe, decide it; the recipe's ``tp_size`` offline."""
+        if self._tp is None:
+            self._tp = self.cfg.tp_size
+            if isinstance(self._transport, HttpTransport):
+                self._tp = server_tp_size(self._transport, self._tp)
+        return self._tp
+
+    def health(self) -> EngineHealth:
+        if self._shut_down:
+            return EngineHealth(False, self._version, "shut down")
+        if not self._transport.health():
+            return EngineHealth(False, self._version, "SGLang does not answer its health check")
+        if self._inconsistent:
+            return EngineHealth(False, self._version, self._inconsistent)
+        return EngineHealth(True, self._version, "released" if self._released else "serving")
+
+    def _check_serving(self) -> None:
+        if self._shut_down:
+            raise EngineError("the SGLang engine was shut down; start a new one and resync its weights")
+        if self._released:
+            raise EngineError("generate called while SGLang's memory is released; sync weights first")
+        if self._inconsistent:
+            raise EngineError(self._inconsistent)
+
+    def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams) -> list[list[Completion]]:
+        self._check_serving()
+        body, rows = build_generate_request(prompts, params)
+        outputs = self._transport.call("generate", body)
+        return parse_generate_response(outputs, rows, len(prompts), self._version)
+
+    def flush_cache(self) -> None:
+        self._transport.call("flush_cache", {})
+
+    def release_memory(self) -> None:
+        """Free weights and KV cache (colocated training phase). Idempotent."""
+        if self._released:
+            return
+        body = build_memory_occupation_request()
+        parse_update_response(self._transport.call("release_memory_occupation", body), "release")
+        self._released = {"weights", "kv_cache"}
+
+    def resume_memory(self, tags: Sequence[str] | None = None) -> None:
+        """Resume released memory (all of it, or ``tags``); a no-op for what was not released, because
+        SGLang raises on an unknown tag. Resumed weights are uninitialised until the next full sync."""
+        want = set(tags) if tags is not None else set(self._released)
+        todo = sorted(want & self._released)
+        if not todo:
+            return
+        body = build_memory_occupation_request(todo if tags is not None else None)
+        parse_update_response(self._transport.call("resume_memory_occupation", body), "resume")
+        self._released -= set(todo)
+        if "weights" in todo:
+            self._inconsistent = "weights were released; push a complete weight update after resume_memory"
+
+    def shutdown(self) -> None:
+        if not self._shut_down:
+            self._shut_down = True
+            self._transport.close()
+
+    # --------------------------------------------------------------------------------- weight updates
+
+    def attach_broadcast_group(self, group: Any, group_name: str) -> None:
+        """weight_sync=distributed: the trainer-side group made with the same address/port/world size as
+        ``init_broadcast_group`` sent the engine (trainer rank 0, engine ranks 1..tp)."""
+        self._broadcast = (group, group_name)
+
+    def init_broadcast_group(
+        self, master_address: str, master_port: int, world_size: int, group_name: str, backend: str = "nccl"
+    ) -> threading.Thread:
+        """Ask the engine to join the broadcast group; returns the thread waiting for its answer (the engine
+        blocks until the trainer joins too, so the caller creates its side, then joins the thread)."""
+        body = build_init_weights_update_group_request(
+            master_address, master_port, 1, world_size, group_name, backend
+        )
+        return _in_thread(
+            lambda: parse_update_response(
+                self._transport.call("init_weights_update_group", body), "init group"
+            )
+        )
+
+    def adopt_version(self, version: int) -> None:
+        """The trainer's stage senders installed ``version`` into this server directly (separate placement,
+        ``weights.broadcast_sync``: they checked names and shapes, and every server answered every bucket
+        with success): serve it from now on."""
+        if self._shut_down:
+            raise EngineError("the SGLang engine was shut down; start a new one and resync its weights")
+        self._inconsistent = ""
+        self._version = int(version)
+
+    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
+        """Stream HF-named tensors into SGLang in buckets and serve them as ``version`` (see module doc)."""
+        if self._shut_down:
+            raise EngineError("the SGLang engine was shut down; start a new one and resync its weights")
+        check_version(version, self._version, self._inconsistent)
+        # Colocated: weights must be resident to receive; the KV cache comes back after the update.
+        self.resume_memory(("weights",))
+        sync = self.cfg.weight_sync
+        seen: set[str] = set()
+        sent_any = False
+        disk_shards: list[dict[str, torch.Tensor]] = []
+        try:
+            stream = validated_stream(named_tensors, self._manifest, seen, self._aliases)
+            for bucket in bucketize(stream, self.cfg.bucket_bytes):
+                if sync == "disk":
+                    disk_shards.append({n: t.detach().cpu().contiguous() for n, t in bucket})
+                    continue
+                sent_any = True
+                if sync == "tensor":
+                    self._send_tensor_bucket(bucket, version)
+                else:
+                    self._send_broadcast_bucket(bucket, version)
+                del bucket
+            missing = missing_names(self._manifest, seen)
+            if missing:
+                raise EngineError(f"missing {len(missing)} tensors: {head(missing)}")
+            if sync == "disk":
+                sent_any = True
+                self._send_disk(disk_shards, version)
+            self.resume_memory(("kv_cache",))
+            self._transport.call("flush_cache", {})
+        except Exception as e:
+            if sent_any:
+                self._inconsistent = (
+                    f"weight update to version {version} failed after buckets were sent ({e}); SGLang "
+                    "holds a mixture of versions and generate is refused until a complete update succeeds"
+                )
+            msg = f"weight update to version {version} rejected ({e}); "
+            msg += "engine refuses to generate" if sent_any else f"still serving version {self._version}"
+            raise EngineError(msg) from e
+        finally:
+            _release_ipc_memory(final=True)
+        self._inconsistent = ""
+        self._version = int(version)
+
+    def _send_tensor_bucket(self, bucket: list[tuple[str, torch.Tensor]], version: int) -> None:
+        payload, flat = serialize_bucket_per_tp_rank(bucket, self.tp_size, self._serializer)
+        body = build_update_weights_from_tensor_request(payload, self.tp_size, False, version)
+        resp = self._transport.call("update_weights_from_tensor", body)
+        del flat, payload  # only now: SGLang answered, so every TP rank has copied out of the flat tensor
+        _release_ipc_memory(final=False)
+        parse_update_response(resp, "update_weights_from_tensor")
+
+    def _send_broadcast_bucket(self, bucket: list[tuple[str, torch.Tensor]], version: int) -> None:
+        if self._broadcast is None:
+            raise EngineError(
+                "weight_sync=distributed needs attach_broadcast_group(...) before update_weights"
+            )
+        group, name = self._broadcast
+        body = build_update_weights_from_distributed_request(bucket, name, False, version)
+        waiter = _in_thread(
+            lambda: parse_update_response(
+                self._transport.call("update_weights_from_distributed", body),
+                "update_weights_from_distributed",
+            )
+        )
+        for _, t in bucket:  # the engine receives in the order of ``names``
+            torch.distributed.broadcast(t.contiguous(), src=0, group=group)
+        waiter.join()
+
+    def _send_disk(self, shards: list[dict[str, torch.Tensor]], version: int) -> None:
+        import shutil
+        from pathlib import Path
+
+        from safetensors.torch import save_file
+
+        out = Path(self.cfg.disk_sync_dir)
+        out.mkdir(parents=True, exist_ok=True)
+        for f in out.glob("*.safetensors"):
+            f.unlink()
+        for k, shard in enumerate(shards):
+            save_file(shard, str(out / f"model-{k:05d}-of-{len(shards):05d}.safetensors"))
+        for cfg_file in Path(self.cfg.model_path).glob("*.json"):
+            if not cfg_file.name.endswith(".index.json"):
+                shutil.copy(cfg_file, out / cfg_file.name)
+        body = build_update_weights_from_disk_request(str(out), version)
+        parse_update_response(
+            self._transport.call("update_weights_from_disk", body), "update_weights_from_disk"
+        )
+
+
+class _Waiter(threading.Thread):
+    def __init__(self, fn: Callable[[], None]) -> None:
+        super().__init__(daemon=True)
+        self._fn = fn
+        self.error: BaseException | None = None
+
+    def run(self) -> None:
+        try:
+            self._fn()
+        except BaseException as e:
+            self.error = e
+
+    def join(self, timeout: float | None = None) -> None:
+        super().join(timeout)
+        if self.error is not None:
+            raise self.error
+
+
+def _in_thread(fn: Callable[[], None]) -> _Waiter:
+    w = _Waiter(fn)
+    w.start()
+    return w

@@ -1,0 +1,235 @@
+"""SGLang's wire contract, as pure functions: request bodies built, responses parsed, buckets serialized.
+
+The offline ``sglang.Engine`` methods take the same keyword arguments as the HTTP server's JSON bodies
+(``/generate``, ``/update_weights_from_tensor``, ``/init_weights_update_group``,
+``/update_weights_from_distributed``, ``/update_weights_from_disk``, ``/release_memory_occupation``,
+``/resume_memory_occupation``), so one set of builders serves both; the CPU contract tests check them
+against SGLang's documented shapes (``io_struct.UpdateWeightsFromTensorReqInput`` etc.).
+
+Weight updates follow SGLang's (and slime's) convention: the *trainer* serializes each bucket as a
+``FlattenedTensorBucket`` (one flat tensor + metadata) with ``MultiprocessingSerializer``, once per engine
+TP rank, and sends ``load_format="flattened_bucket"``; each scheduler TP rank deserializes its own entry.
+Serializing in the trainer matters: CUDA tensors received from another process cannot be re-shared, so
+an intermediate process (our engine child, the HTTP server) must only ever see the serialized strings.
+Every update request carries ``weight_version`` (SGLang stamps it on each generate's ``meta_info``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+from srpo_megatron.rollout.base import Completion, EngineError, SamplingParams, sample_seed
+
+FLATTENED_BUCKET = "flattened_bucket"
+
+
+def build_sampling_params(params: SamplingParams, prompt_index: int, sample_index: int) -> dict[str, Any]:
+    """SGLang ``sampling_params`` for one (prompt, sample) request."""
+    sp: dict[str, Any] = {
+        "temperature": float(params.temperature),
+        "top_p": float(params.top_p),
+        "top_k": int(params.top_k),
+        "max_new_tokens": int(params.max_new_tokens),
+        "stop_token_ids": [int(t) for t in params.stop_token_ids],
+        "no_stop_trim": True,  # keep the stop token: the trainer scores it like any other token
+        "skip_special_tokens": False,
+    }
+    if params.seed is not None:
+        sp["sampling_seed"] = sample_seed(params.seed, params.prompt_offset + prompt_index, sample_index)
+    return sp
+
+
+def build_generate_request(
+    prompts: Sequence[Sequence[int]], params: SamplingParams
+) -> tuple[dict[str, Any], list[tuple[int, int]]]:
+    """The ``/generate`` body (== ``Engine.generate`` kwargs) for all samples, and the (prompt, sample)
+    pair of each request in order."""
+    rows = [(i, j) for i in range(len(prompts)) for j in range(params.n)]
+    body = {
+        "input_ids": [[int(t) for t in prompts[i]] for i, _ in rows],
+        "sampling_params": [build_sampling_params(params, i, j) for i, j in rows],
+        "return_logprob": True,
+    }
+    return body, rows
+
+
+def build_init_weights_update_group_request(
+    master_address: str, master_port: int, rank_offset: int, world_size: int, group_name: str, backend: str
+) -> dict[str, Any]:
+    """``/init_weights_update_group``: the engine's TP ranks join a group whose rank 0 is the trainer."""
+    return {
+        "master_address": master_address,
+        "master_port": int(master_port),
+        "rank_offset": int(rank_offset),
+        "world_size": int(world_size),
+        "group_name": group_name,
+        "backend": backend,
+    }
+
+
+def build_update_weights_from_distributed_request(
+    tensors: Sequence[tuple[str, torch.Tensor]],
+    group_name: str,
+    flush_cache: bool,
+    weight_version: int | None,
+) -> dict[str, Any]:
+    """``/update_weights_from_distributed``: names/dtypes/shapes the trainer then broadcasts, in order.
+    ``weight_version`` goes with the last bucket only: SGLang stamps it once that bucket is loaded."""
+    body = {
+        "names": [n for n, _ in tensors],
+        "dtypes": [str(t.dtype).removeprefix("torch.") for _, t in tensors],
+        "shapes": [list(t.shape) for _, t in tensors],
+        "group_name": group_name,
+        "flush_cache": bool(flush_cache),
+    }
+    if weight_version is not None:
+        body["weight_version"] = str(weight_version)
+    return body
+
+
+def build_update_weights_from_tensor_request(
+    serialized_per_tp_rank: list[str], tp_size: int, flush_cache: bool, weight_version: int | None
+) -> dict[str, Any]:
+    """``update_weights_from_tensor``: exactly one serialized flattened bucket per engine TP rank (rank i
+    of the scheduler reads entry i; fewer entries raise an IndexError on the other ranks inside SGLang)."""
+    if len(serialized_per_tp_rank) != tp_size:
+        raise EngineError(
+            f"update_weights_from_tensor needs one payload per engine TP rank: got "
+            f"{len(serialized_per_tp_rank)} for tp_size={tp_size}"
+        )
+    body: dict[str, Any] = {
+        "serialized_named_tensors": list(serialized_per_tp_rank),
+        "load_format": FLATTENED_BUCKET,
+        "flush_cache": bool(flush_cache),
+    }
+    if weight_version is not None:
+        body["weight_version"] = str(weight_version)
+    return body
+
+
+def build_update_weights_from_disk_request(model_path: str, weight_version: int) -> dict[str, Any]:
+    return {"model_path": model_path, "load_format": None, "weight_version": str(weight_version)}
+
+
+def serialize_bucket_per_tp_rank(
+    bucket: Sequence[tuple[str, torch.Tensor]], tp_size: int, serializer: Callable[[Any], str] | None = None
+) -> tuple[list[str], torch.Tensor]:
+    """One ``MultiprocessingSerializer`` string of a ``FlattenedTensorBucket`` per engine TP rank, and the
+    flat tensor the strings point at: the caller keeps it alive until SGLang answered the update (the
+    engine copies from it; freeing or reusing it earlier corrupts the weights)."""
+    if serializer is None:  # GPU clusters: SGLang's own classes (not importable on CPU-only machines)
+        from sglang.srt.utils import MultiprocessingSerializer
+        from sglang.srt.weight_sync.tensor_bucket import FlattenedTensorBucket
+
+        flat = FlattenedTensorBucket(named_tensors=list(bucket))
+        data = {"flattened_tensor": flat.get_flattened_tensor(), "metadata": flat.get_metadata()}
+        payload = [MultiprocessingSerializer.serialize(data, output_str=True) for _ in range(tp_size)]
+        return payload, data["flattened_tensor"]
+    flat_tensor = torch.cat([t.detach().reshape(-1).view(torch.uint8) for _, t in bucket])
+    meta = [(n, tuple(t.shape), str(t.dtype)) for n, t in bucket]
+    return [
+        serializer({"flattened_tensor": flat_tensor, "metadata": meta}) for _ in range(tp_size)
+    ], flat_tensor
+
+
+def build_memory_occupation_request(tags: Sequence[str] | None = None) -> dict[str, Any]:
+    """``/release_memory_occupation`` / ``/resume_memory_occupation``; ``None`` = weights and KV cache."""
+    return {"tags": list(tags) if tags is not None else None}
+
+
+# ------------------------------------------------------------------------------------ response parsing
+
+
+def parse_finish_reason(meta: dict[str, Any]) -> str:
+    """SGLang reports ``{"type": "stop"|"length"|"abort", ...}`` (or null while unfinished)."""
+    fr = meta.get("finish_reason")
+    kind = fr.get("type") if isinstance(fr, dict) else fr
+    if kind in ("stop", "length", "abort"):
+        return kind
+    raise EngineError(f"SGLang returned finish_reason={fr!r}; expected type stop, length or abort")
+
+
+def parse_generate_response(
+    outputs: Any, rows: list[tuple[int, int]], n_prompts: int, weight_version: int
+) -> list[list[Completion]]:
+    """Turn SGLang's per-request outputs into ``result[prompt][sample]`` Completions.
+
+    Each output is ``{"output_ids"?, "meta_info": {"output_token_logprobs": [[logprob, token_id, text|null],
+    ...], "finish_reason": {...}, "completion_tokens": int, "weight_version"?: str}}``.
+    """
+    if isinstance(outputs, dict):
+        outputs = [outputs]
+    if not isinstance(outputs, list) or len(outputs) != len(rows):
+        got = len(outputs) if isinstance(outputs, list) else type(outputs).__name__
+        raise EngineError(f"SGLang returned {got} outputs for {len(rows)} requests")
+    result: list[list[Completion]] = [[] for _ in range(n_prompts)]
+    for k, (out, (i, j)) in enumerate(zip(outputs, rows, strict=True)):
+        meta = out.get("meta_info") if isinstance(out, dict) else None
+        if not isinstance(meta, dict) or "output_token_logprobs" not in meta:
+            raise EngineError(
+                f"SGLang output {k} has no meta_info.output_token_logprobs; the request must set "
+                f"return_logprob=true (got {out!r:.300})"
+            )
+        entries = meta["output_token_logprobs"] or []
+        logprobs = [float(e[0]) for e in entries]
+        token_ids = [int(e[1]) for e in entries]
+        if any(lp != lp for lp in logprobs):  # NaN: a broken model must not reach the loss
+            raise EngineError(f"SGLang output {k} has NaN log-probs")
+        n_tokens = meta.get("completion_tokens")
+        if n_tokens is not None and int(n_tokens) != len(token_ids):
+            raise EngineError(
+                f"SGLang output {k}: completion_tokens={n_tokens} but {len(token_ids)} output_token_logprobs"
+            )
+        served = meta.get("weight_version")
+        fresh = served == "default" and weight_version == 0  # SGLang's version before any update
+        if served is not None and str(served) != str(weight_version) and not fresh:
+            raise EngineError(
+                f"SGLang output {k} was produced by weight version {served}, expected {weight_version}; "
+                "the engine serves other weights than the trainer synced"
+            )
+        finish = parse_finish_reason(meta)
+        result[i].append(
+            Completion(
+                prompt_index=i,
+                token_ids=token_ids,
+                logprobs=logprobs,
+                finish_reason=finish,  # type: ignore[arg-type]
+                weight_version=weight_version,
+                meta={"sample_index": j, "finish_reason": meta.get("finish_reason")},
+            )
+        )
+    return result
+
+
+def parse_update_response(resp: Any, what: str) -> None:
+    """Weight/memory calls answer ``{"success": bool, "message": str}`` (HTTP) or ``(success, message, ...)``
+    (offline Engine). Raise ``EngineError`` with SGLang's message when it failed."""
+    if isinstance(resp, dict):
+        ok, msg = resp.get("success", True), resp.get("message", "")
+    elif isinstance(resp, tuple | list) and resp and isinstance(resp[0], bool):
+        ok, msg = resp[0], resp[1] if len(resp) > 1 else ""
+    elif resp is None:
+        ok, msg = True, ""
+    else:
+        raise EngineError(f"SGLang {what} returned an unexpected response {resp!r}")
+    if not ok:
+        raise EngineError(f"SGLang {what} failed: {msg}")
+
+
+def hf_manifest(model_path: str) -> dict[str, tuple[int, ...]]:
+    """HF parameter names and shapes of the served model, built on the meta device (no memory)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(model_path)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    return {name: tuple(p.shape) for name, p in model.named_parameters()}
+
+
+def server_tp_size(transport: Any, default: int) -> int:
+    """A running server's TP size from ``/get_server_info`` (its launch flags decide it, not the recipe)."""
+    info = transport.call("get_server_info", None, http_method="GET")
+    return int(info["tp_size"]) if isinstance(info, dict) and "tp_size" in info else int(default)

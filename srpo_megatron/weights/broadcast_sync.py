@@ -1,0 +1,225 @@
+"""Weight sync into separately placed SGLang servers: NCCL broadcast from each PP stage's sender.
+
+SGLang's convention (``/init_weights_update_group`` + ``/update_weights_from_distributed``), with slime's
+``update_weight_from_distributed`` as the reference design:
+
+- per PP stage one group ``srpo-pp{stage}-g{generation}``: rank 0 is the stage's sender (TP rank 0 of DP
+  replica 0, which gathers the stage's parameters anyway), engine ``k``'s TP ranks are ``1 + sum(tp of
+  engines before k) ...``; world size ``1 + sum(tp)``. Every server joins every stage's group, so one
+  broadcast per tensor reaches all engines at once;
+- per bucket the sender first posts ``update_weights_from_distributed`` (names, dtypes, shapes, group name,
+  ``weight_version``) to every server -- each answers once it has received and loaded the bucket -- then
+  broadcasts the bucket's tensors in that order, then waits for every answer. The bucket is released only
+  after all servers answered;
+- each tensor passes the shared gate (``rollout.gate``: the model's names and shapes, each once) before
+  it is broadcast; after the sync every stage's names are gathered and checked for completeness.
+
+The group is rebuilt (a new generation) after a server restarted: a restarted server knows no group.
+Tensors are on the runtime's device (NCCL on GPU); the tests run the same protocol on gloo against the
+stand-in server.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import os
+import socket
+import threading
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from srpo_megatron.conversion.table import ConversionTable
+from srpo_megatron.parallel import ParallelGroups
+from srpo_megatron.rollout.base import EngineError
+from srpo_megatron.rollout.gate import head, missing_names, validated_stream
+from srpo_megatron.rollout.sglang.protocol import (
+    build_init_weights_update_group_request,
+    build_update_weights_from_distributed_request,
+    parse_update_response,
+)
+from srpo_megatron.weights.buckets import bucketize_pending
+from srpo_megatron.weights.export import is_stage_sender, iter_stage_params
+from srpo_megatron.weights.sync import DEFAULT_BUCKET_BYTES
+
+
+def init_weights_group(
+    backend: str,
+    master_address: str,
+    master_port: int,
+    world_size: int,
+    rank: int,
+    group_name: str,
+    timeout_s: float = 1800.0,
+) -> dist.ProcessGroup:
+    """A process group outside the job's default world, built the way SGLang's
+    ``init_custom_process_group`` builds the servers' side (TCP rendezvous, store prefixed with the group
+    name, torch's group helper), so both sides meet on the same store keys. Rank 0 hosts the store."""
+    from torch.distributed.distributed_c10d import (
+        Backend,
+        PrefixStore,
+        _new_process_group_helper,
+        _world,
+        rendezvous,
+    )
+
+    timeout = datetime.timedelta(seconds=timeout_s)
+    store, rank, world_size = next(
+        rendezvous(f"tcp://{master_address}:{master_port}", rank, world_size, timeout=timeout)
+    )
+    store.set_timeout(timeout)
+    store = PrefixStore(group_name, store)
+    pg, _ = _new_process_group_helper(
+        world_size, rank, [], Backend(backend), store, group_name=group_name, timeout=timeout
+    )
+    _world.pg_group_ranks[pg] = {i: i for i in range(world_size)}  # group rank == "global" rank
+    return pg
+
+
+def sync_address() -> str:
+    """The address the servers reach this sender at: ``SRPO_SYNC_HOST``, else this host's IP."""
+    return os.environ.get("SRPO_SYNC_HOST") or socket.gethostbyname(socket.gethostname())
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("", 0))
+        return int(sock.getsockname()[1])
+
+
+def _threads(fns: list[Callable[[], Any]]) -> list[threading.Thread]:
+    errors: list[BaseException | None] = [None] * len(fns)
+
+    def run(i: int) -> None:
+        try:
+            fns[i]()
+        except BaseException as e:  # reported by the joiner
+            errors[i] = e
+
+    threads = [threading.Thread(target=run, args=(i,), daemon=True) for i in range(len(fns))]
+    for t in threads:
+        t.start()
+    threads.append(errors)  # type: ignore[arg-type]
+    return threads
+
+
+def _join(threads: list[Any], what: str, urls: list[str]) -> None:
+    errors = threads.pop()
+    for t in threads:
+        t.join()
+    bad = [f"{urls[i]}: {e}" for i, e in enumerate(errors) if e is not None]
+    if bad:
+        raise EngineError(f"{what} failed on " + "; ".join(bad))
+
+
+class StageBroadcaster:
+    """The sender side of one PP stage: its group with every server, and the per-bucket protocol.
+
+    ``transports[k]``: an object with ``call(method, body)`` reaching server ``k`` (``HttpTransport``);
+    ``tp_sizes[k]``: its TP size (ranks it contributes to the group)."""
+
+    def __init__(
+        self,
+        transports: list[Any],
+        urls: list[str],
+        tp_sizes: list[int],
+        group_name: str,
+        backend: str,
+        master_address: str,
+        device: torch.device | str = "cpu",
+        timeout_s: float = 600.0,
+    ) -> None:
+        """Create the group: ask every server to join (in threads: each blocks until all joined), join as
+        rank 0. ``timeout_s`` bounds the rendezvous, so a server that failed to join ends the wait."""
+        self.transports, self.urls, self.group_name = transports, urls, group_name
+        self.device = torch.device(device)
+        offsets = [1 + sum(tp_sizes[:k]) for k in range(len(tp_sizes))]
+        world = 1 + sum(tp_sizes)
+        port = free_port()
+        bodies = [
+            build_init_weights_update_group_request(master_address, port, off, world, group_name, backend)
+            for off in offsets
+        ]
+        waiting = _threads(
+            [
+                (lambda t=t, b=b: parse_update_response(t.call("init_weights_update_group", b), "init group"))
+                for t, b in zip(transports, bodies, strict=True)
+            ]
+        )
+        # The servers block in their side of the rendezvous until this rank (the store's host) joins.
+        try:
+            self.group = init_weights_group(backend, master_address, port, world, 0, group_name, timeout_s)
+        finally:
+            _join(waiting, "init_weights_update_group", urls)  # a server's own error beats our timeout
+
+    def send_bucket(self, bucket: list[tuple[str, torch.Tensor]], version: int) -> None:
+        """Post the bucket's metadata to every server, broadcast its tensors, wait for every answer."""
+        body = build_update_weights_from_distributed_request(bucket, self.group_name, False, version)
+        waiting = _threads(
+            [
+                (
+                    lambda t=t: parse_update_response(
+                        t.call("update_weights_from_distributed", body), "update_weights_from_distributed"
+                    )
+                )
+                for t in self.transports
+            ]
+        )
+        for _, tensor in bucket:  # the servers receive in the order of ``names``
+            dist.broadcast(tensor.to(self.device).contiguous(), src=0, group=self.group)
+        _join(waiting, "update_weights_from_distributed", self.urls)
+
+    def close(self) -> None:
+        for t in self.transports:
+            with contextlib.suppress(Exception):  # a dead server has no group left anyway
+                t.call("destroy_weights_update_group", {"group_name": self.group_name})
+        dist.destroy_process_group(self.group)
+
+
+def broadcast_sync(
+    model: torch.nn.Module,
+    table: ConversionTable,
+    groups: ParallelGroups,
+    broadcaster: StageBroadcaster | None,
+    manifest: dict[str, tuple[int, ...]],
+    version: int,
+    *,
+    aliases: frozenset[str] = frozenset(),
+    bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+    dtype: torch.dtype | None = None,
+) -> str:
+    """Collective over the trainer ranks: every stage streams its parameters into every server through its
+    sender's ``broadcaster`` (None off the senders). Returns an error message ("" on success), the same on
+    every rank, so the caller restarts and retries everywhere alike."""
+    seen: set[str] = set()
+    error = ""
+    pending = iter_stage_params(model, table, groups, dtype)
+    if not is_stage_sender(groups):
+        for p in pending:  # join this stage's TP gathers
+            p.fetch()
+    elif broadcaster is None:
+        error = f"rank {dist.get_rank()} sends stage {groups.pp_rank} but has no broadcast group"
+    if is_stage_sender(groups):
+        for bucket in bucketize_pending(pending, bucket_bytes):
+            if error:
+                continue  # after a failure keep joining the TP gathers, so the other ranks complete
+            try:
+                checked = list(validated_stream(bucket, manifest, seen, aliases))  # before it leaves
+                broadcaster.send_bucket(checked, version)
+            except EngineError as e:
+                error = f"stage {groups.pp_rank}: {e}"
+            del bucket  # released only after every server answered
+    # Agree on the outcome and on completeness (each stage saw only its own names).
+    everyone: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, (error, sorted(seen)), group=groups.host)
+    errors = sorted({e for e, _ in everyone if e})
+    if errors:
+        return "; ".join(errors)
+    sent = {n for _, names in everyone for n in names}
+    missing = missing_names(manifest, sent)
+    if missing:
+        return f"weight sync to version {version} is missing {len(missing)} tensors: {head(missing)}"
+    return ""

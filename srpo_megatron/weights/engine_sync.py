@@ -1,0 +1,136 @@
+"""Weight sync into many colocated rollout engines, each fed by the data-parallel replica it sits in.
+
+Engine k is hosted on global rank ``h = k * size`` (``rollout.placement.EngineLayout``), a TP rank 0. Its
+feed is the replica ``dp(h)``: that replica's TP groups gather their stage's parameters onto their TP rank 0
+(the stage sender of the replica) and the senders stream byte-bounded buckets to ``h`` — locally for
+``h``'s own stage, point-to-point (the wire format of ``weights.sync``) for the others, in stage order.
+No replica feeds another replica's engine and nothing funnels through global rank 0: with PP=1 and
+``size`` = the replica's ranks, each engine is fed entirely by its own ranks.
+
+Collective over all trainer ranks. ``targets`` limits the sync to some engines (a restarted engine is
+resynced alone); replicas that feed no target do nothing. A sender holds at most one bucket plus one
+gathered parameter; it sends each bucket to every target host of its replica before making the next.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from srpo_megatron.conversion.table import ConversionTable
+from srpo_megatron.parallel import ParallelGroups
+from srpo_megatron.rollout.placement import EngineLayout
+from srpo_megatron.weights.buckets import bucketize_pending
+from srpo_megatron.weights.export import iter_stage_params
+from srpo_megatron.weights.sync import (
+    DEFAULT_BUCKET_BYTES,
+    P2PChannel,
+    WeightSyncError,
+    _send_bucket,
+    _send_done,
+    receive_stream,
+)
+
+
+def grid(groups: ParallelGroups) -> list[tuple[int, int, int]]:
+    """``(dp, pp, tp)`` of every global rank (a collective over the gloo host group)."""
+    everyone: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, (groups.dp_rank, groups.pp_rank, groups.tp_rank), group=groups.host)
+    return [tuple(x) for x in everyone]
+
+
+def engine_feeds(
+    layout: EngineLayout, coords: list[tuple[int, int, int]], targets: Iterable[int]
+) -> dict[int, list[int]]:
+    """For each target engine: the global ranks that stream it its stages, in stage order."""
+    sender = {(d, p): r for r, (d, p, t) in enumerate(coords) if t == 0}
+    pp_size = 1 + max(p for _, p, _ in coords)
+    feeds = {}
+    for k in targets:
+        h = layout.hosts[k]
+        d, _, t = coords[h]
+        if t != 0:
+            raise WeightSyncError(
+                f"engine {k} is hosted on rank {h}, which is TP rank {t}: rollout.gpus_per_engine="
+                f"{layout.size} must be a multiple of parallel.tp so each engine starts on a TP rank 0"
+            )
+        feeds[k] = [sender[(d, p)] for p in range(pp_size)]
+    return feeds
+
+
+def sync_engines(
+    model: torch.nn.Module,
+    table: ConversionTable,
+    groups: ParallelGroups,
+    engine: Any | None,
+    version: int,
+    layout: EngineLayout,
+    *,
+    targets: Iterable[int] | None = None,
+    bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+    dtype: torch.dtype | None = None,
+) -> int:
+    """Collective: install the policy as ``version`` into each target engine (``engine`` is this rank's
+    engine on hosts, None elsewhere). Returns the bytes this rank sent to other ranks. An engine that
+    rejects the update raises on its host only, after the rest of its stream was drained, so the other
+    ranks complete the collective; the caller agrees on failures afterwards (``RolloutService.sync``)."""
+    me = dist.get_rank()
+    targets = sorted(range(layout.num_engines) if targets is None else targets)
+    coords = grid(groups)
+    feeds = engine_feeds(layout, coords, targets)
+    my_dp, _my_pp, my_tp = coords[me]
+    # Hosts this replica feeds (this rank's stage goes to each of them), in engine order.
+    receivers = [layout.hosts[k] for k in targets if coords[layout.hosts[k]][0] == my_dp]
+    pending = iter_stage_params(model, table, groups, dtype, all_replicas=True)
+    if not receivers:
+        # This replica feeds no engine in this sync. MoE expert gathers run over EP/ETP groups that may
+        # span replicas, so then it still joins every gather (and drops the result).
+        if table.arch.is_moe and (groups.ep_size > 1 or groups.etp_size > 1):
+            for p in pending:
+                p.fetch()
+        return 0
+    my_engine = layout.engine_of(me) if me in layout.hosts else None
+    if my_tp != 0:  # join this stage's TP gathers; the stage sender does the rest
+        for p in pending:
+            p.fetch()
+        return 0
+    remote = [h for h in receivers if h != me]
+    sent = 0
+
+    def my_stage() -> Iterator[tuple[str, torch.Tensor]]:
+        nonlocal sent
+        for bucket in bucketize_pending(pending, bucket_bytes):
+            for h in remote:
+                _send_bucket(P2PChannel(h, groups.host), bucket, version)
+                sent += sum(t.numel() * t.element_size() for _, t in bucket)
+            if me in receivers:
+                yield from bucket
+            del bucket  # release it before the next one is gathered
+        for h in remote:
+            _send_done(P2PChannel(h, groups.host))
+
+    if my_engine is not None and my_engine in feeds:
+        if engine is None:
+            raise WeightSyncError(f"rank {me} hosts engine {my_engine} but got engine=None")
+
+        def stream() -> Iterator[tuple[str, torch.Tensor]]:
+            for src in feeds[my_engine]:
+                if src == me:
+                    yield from my_stage()
+                else:
+                    yield from receive_stream(P2PChannel(src, groups.host), version, groups.device)
+
+        feed = stream()
+        try:
+            engine.update_weights(feed, version)
+        except Exception:
+            for _ in feed:  # drain: the senders block on this host until their stream is received
+                pass
+            raise
+    else:
+        for _ in my_stage():
+            pass
+    return sent

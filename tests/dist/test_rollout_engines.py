@@ -1,0 +1,188 @@
+"""Rollouts data-parallel over every rank group (CPU, gloo, world 4, TP2, ``rollout.gpus_per_engine=2``).
+
+Two transformers engines (the CPU stand-in for two SGLang engines) are hosted on ranks 0 and 2, each fed
+by its own TP group. Checked against a one-engine run of the same job (``gpus_per_engine=4``): the
+prompts split evenly, both engines serve the same version after every sync, rollouts are token-identical,
+and an engine that dies is restarted alone (the other engine object survives) and the job continues.
+A second test runs two SRPO steps of ``srpo train`` and reads ``rollout/engines`` from metrics.jsonl.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from srpo_megatron.testing.distributed import run_distributed
+
+REPO = Path(__file__).resolve().parents[2]
+RECIPE = REPO / "examples" / "tiny_cpu_test.yaml"
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    from srpo_megatron.testing.tiny import write_tiny_run
+
+    return write_tiny_run(tmp_path_factory.mktemp("tiny_engines"), num_prompts=8)
+
+
+def _cfg(tiny, run_dir, extra=()):
+    from srpo_megatron.configs import load_config
+    from srpo_megatron.trainer.config import TrainConfig
+
+    _, hf, data = tiny
+    ov = [f"model.hf_dir={hf}", f"data.train_files=[{data}]", f"run.dir={run_dir}", "parallel.tp=2", *extra]
+    return load_config(TrainConfig, str(RECIPE), ov)
+
+
+def _engines(rank, world, tiny, run_dir):
+    import torch.distributed as dist
+
+    from srpo_megatron.data.dataset import build_datasets
+    from srpo_megatron.parallel import initialize_model_parallel
+    from srpo_megatron.rewards import register_reward
+    from srpo_megatron.rollout.factory import load_tokenizer
+    from srpo_megatron.trainer.policy import Policy
+    from srpo_megatron.trainer.rollouts import RolloutService
+
+    register_reward("coin", "srpo_megatron.testing.tiny:coin_reward")
+    groups = initialize_model_parallel(2, 1, seed=1)
+    two = _cfg(tiny, run_dir, ["rollout.gpus_per_engine=2"])
+    one = _cfg(tiny, run_dir, ["rollout.gpus_per_engine=4"])
+    tokenizer = load_tokenizer(two.model.hf_dir)
+    prompts = list(build_datasets(two.data, tokenizer)[0])[:4]
+    policy = Policy(two, groups)
+    out = {}
+    single = RolloutService(one, tokenizer, policy, groups)
+    single.sync(1)
+    ref = single.collect(prompts, step=0)
+    single.close()
+    service = RolloutService(two, tokenizer, policy, groups)
+    out["hosts"] = service.engine is not None
+    service.sync(1)
+    out["versions_1"] = service.engine_versions()
+    first = service.collect(prompts, step=0)
+    out["metrics"] = {k: v for k, v in first.metrics.items() if k.startswith("rollout/")}
+    tokens = lambda b: [s.response_ids for s in b.samples]  # noqa: E731
+    out["identical"] = tokens(first) == tokens(ref)
+    out["logp_close"] = all(
+        abs(a - b) < 1e-5
+        for s, r in zip(first.samples, ref.samples, strict=True)
+        for a, b in zip(s.rollout_logp, r.rollout_logp, strict=True)
+    )
+    service.sync(2)
+    out["versions_2"] = service.engine_versions()
+    kept = service.engine
+    if rank == 2:
+        service.engine.shutdown()  # engine 1 dies between steps: it refuses to generate from now on
+    again = service.collect(prompts, step=1)
+    out["restarts"] = service.restarts
+    out["engine_kept"] = service.engine is kept  # only engine 1's host rebuilt its engine
+    out["versions_after_restart"] = service.engine_versions()
+    service.sync(3)  # training continues: the next sync reaches both engines
+    third = service.collect(prompts, step=2)
+    out["versions_3"] = service.engine_versions()
+    out["samples_after"] = (len(again.samples), len(third.samples))
+    service.close()
+    dist.barrier()
+    return out
+
+
+def test_two_engines_serve_split_prompts_same_version_same_tokens_and_restart_alone(tiny, tmp_path):
+    res = run_distributed(_engines, 4, tiny, str(tmp_path), timeout=900)
+    assert [r["hosts"] for r in res] == [True, False, True, False], "engines on the first rank of each pair"
+    m = res[0]["metrics"]
+    assert m["rollout/engines"] == 2.0
+    assert (
+        m["rollout/samples_per_engine_min"] == m["rollout/samples_per_engine_max"] == 8.0
+    )  # 2 prompts × G=4
+    for r in res:
+        assert r["versions_1"] == [1, 1] and r["versions_2"] == [2, 2] and r["versions_3"] == [3, 3]
+        assert r["versions_after_restart"] == [2, 2], (
+            "the restarted engine is resynced to the current version"
+        )
+        assert r["restarts"] == 1
+    assert res[0]["identical"] and res[0]["logp_close"], "2 engines must reproduce the 1-engine rollouts"
+    assert res[0]["engine_kept"] and not res[2]["engine_kept"], "only the failed engine is rebuilt"
+    assert res[0]["samples_after"] == (16, 16)
+
+
+def _train_rank(rank, world, tiny, run_dir):
+    from srpo_megatron.train import train
+
+    return train(_cfg(tiny, run_dir, ["rollout.gpus_per_engine=2", "train.steps=2", "run.save_every=0"]))
+
+
+def test_srpo_train_two_steps_on_two_engines(tiny, tmp_path):
+    run_distributed(_train_rank, 4, tiny, str(tmp_path / "run"), timeout=1200)
+    rows = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert len(rows) == 2
+    for row in rows:
+        assert row["rollout/engines"] == 2.0
+        assert row["rollout/samples_per_engine_min"] == row["rollout/samples_per_engine_max"]
+        assert row["rollout/engine_seconds_max"] > 0 and row["rollout/sync_s"] > 0
+
+
+def _separate(rank, world, tiny, run_dir, urls):
+    import os
+
+    from srpo_megatron.data.dataset import build_datasets
+    from srpo_megatron.parallel import initialize_model_parallel
+    from srpo_megatron.rewards import register_reward
+    from srpo_megatron.rollout.factory import load_tokenizer
+    from srpo_megatron.trainer.policy import Policy
+    from srpo_megatron.trainer.rollouts import RolloutService
+    from srpo_megatron.weights.export import iter_stage_hf_tensors
+
+    os.environ["SRPO_ENGINE_URLS"], os.environ["SRPO_SYNC_HOST"] = ",".join(urls), "127.0.0.1"
+    register_reward("coin", "srpo_megatron.testing.tiny:coin_reward")
+    groups = initialize_model_parallel(1, 1, seed=1)
+    _, hf, _ = tiny
+    cfg = _cfg(
+        tiny,
+        run_dir,
+        [
+            "parallel.tp=1",
+            "rollout.engine=sglang",
+            "rollout.placement=separate",
+            "rollout.engine_nodes=1",
+            f"rollout.sglang={{model_path: {hf}, weight_sync: distributed, bucket_bytes: 1048576}}",
+        ],
+    )
+    tokenizer = load_tokenizer(cfg.model.hf_dir)
+    prompts = list(build_datasets(cfg.data, tokenizer)[0])[:2]
+    policy = Policy(cfg, groups)
+    service = RolloutService(cfg, tokenizer, policy, groups)
+    service.sync(1)
+    batch = service.collect(prompts, step=0)
+    sent = {n: t.clone() for n, t in iter_stage_hf_tensors(policy.model, policy.table, groups)}
+    out = {"versions": service.engine_versions(), "metrics": batch.metrics, "samples": len(batch.samples)}
+    out["sent"] = sent
+    service.close()
+    return out
+
+
+def test_separate_placement_syncs_by_broadcast_and_serves_rollouts_from_the_servers(tiny, tmp_path):
+    """`srpo train`'s rollout side with placement=separate at world 1: the engine URL comes from
+    SRPO_ENGINE_URLS, weights go by broadcast (gloo) into the stand-in SGLang server, rollouts come back
+    over HTTP stamped with the synced version."""
+    from transformers import AutoModelForCausalLM
+
+    from tests.unit.test_sglang_contract import SGLangStandInServer
+
+    server = SGLangStandInServer(AutoModelForCausalLM.from_pretrained(tiny[1]))
+    with torch.no_grad():
+        for p in server.model.parameters():
+            p.zero_()  # only the broadcast can give the server the policy's weights
+    try:
+        (res,) = run_distributed(_separate, 1, tiny, str(tmp_path), [server.url], timeout=600)
+        assert res["versions"] == [1] and server.version == "1"
+        assert res["metrics"]["rollout/engines"] == 1.0 and res["samples"] == 8  # 2 prompts x G=4
+        got = dict(server.model.state_dict())
+        assert all(torch.equal(got[n], t) for n, t in res["sent"].items()), "the server holds the policy"
+        paths = [p for p, _ in server.bodies]
+        assert "/init_weights_update_group" in paths and "/update_weights_from_distributed" in paths
+    finally:
+        server.close()
