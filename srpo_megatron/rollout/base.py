@@ -32,6 +32,9 @@ class SamplingParams:
     max_new_tokens: int = 256
     stop_token_ids: tuple[int, ...] = ()  # generation stops after emitting any of these (EOS is added)
     seed: int | None = None  # makes a call reproducible when set
+    # MoE: report each token's routed experts in ``Completion.meta["routed_experts"]`` (rollout routing
+    # replay; SGLang needs ``--enable-return-routed-experts``). Ignored by dense models.
+    return_routed_experts: bool = False
 
 
 def sample_seed(seed: int, prompt_index: int, sample_index: int) -> int:
@@ -50,6 +53,9 @@ class Completion:
     logprobs: list[float]  # log π_rollout(y_t | ...) at the sampling temperature, len == len(token_ids)
     finish_reason: FinishReason
     weight_version: int = 0  # weight version that produced this sample
+    # "routed_experts" (when requested from an MoE model): int tensor holding ``[P + R - 1, layers, top_k]``
+    # global expert ids (flat from SGLang), one row per position the engine forwarded: the prompt and every
+    # response token but the last, in SGLang's layout.
     meta: dict = field(default_factory=dict)
 
 

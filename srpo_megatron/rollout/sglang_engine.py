@@ -46,6 +46,7 @@ import torch
 
 from srpo_megatron.configs import ConfigError
 from srpo_megatron.rollout.base import Completion, EngineError, EngineHealth, SamplingParams, sample_seed
+from srpo_megatron.rollout.routed_experts import decode_sglang_routed_experts
 from srpo_megatron.weights.buckets import bucketize
 
 WeightSync = Literal["tensor", "distributed", "disk"]
@@ -110,6 +111,8 @@ def build_generate_request(
         "sampling_params": [build_sampling_params(params, i, j) for i, j in rows],
         "return_logprob": True,
     }
+    if params.return_routed_experts:  # MoE rollout routing replay: meta_info["routed_experts"] per output
+        body["return_routed_experts"] = True
     return body, rows
 
 
@@ -209,6 +212,9 @@ def parse_generate_response(
                 f"SGLang output {k} was produced by weight version {served}, expected {weight_version}"
             )
         finish = parse_finish_reason(meta)
+        extra = {}
+        if meta.get("routed_experts"):  # base64 int32 [P + R - 1, layers, top_k], flat here
+            extra["routed_experts"] = decode_sglang_routed_experts(meta["routed_experts"])
         result[i].append(
             Completion(
                 prompt_index=i,
@@ -216,7 +222,7 @@ def parse_generate_response(
                 logprobs=logprobs,
                 finish_reason=finish,  # type: ignore[arg-type]
                 weight_version=weight_version,
-                meta={"sample_index": j, "finish_reason": meta.get("finish_reason")},
+                meta={"sample_index": j, "finish_reason": meta.get("finish_reason"), **extra},
             )
         )
     return result

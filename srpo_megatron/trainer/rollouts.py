@@ -21,6 +21,7 @@ from srpo_megatron.losses import group_advantages, route, routing_masks
 from srpo_megatron.losses.config import LossConfig
 from srpo_megatron.rewards.pool import RewardPool
 from srpo_megatron.rollout.base import EngineError, RolloutEngine, SamplingParams
+from srpo_megatron.rollout.routed_experts import compact_ids
 from srpo_megatron.trainer.config import RolloutConfig, TeacherConfig
 
 _THINK = re.compile(r"<think>.*?</think>", re.DOTALL)
@@ -42,6 +43,9 @@ class Sample:
     needs_teacher: bool = False  # the teacher forward runs on this sample
     teacher_prompt_ids: list[int] | None = None  # teacher context (sibling's solution), method §1.4
     finish_reason: str = "stop"
+    # MoE: the engine's experts per forwarded position, [P + R - 1, layers, top_k] (or flat), small int
+    # dtype; None when the engine reported none. Replayed by the policy (trainer/moe_routing.py).
+    routed_experts: torch.Tensor | None = None
 
 
 @dataclass
@@ -83,6 +87,9 @@ def collect_rollouts(
         top_k=rollout.top_k,
         max_new_tokens=rollout.max_new_tokens,
         seed=seed,
+        # The CPU engine reports experts for free (the mismatch metric); SGLang only when replaying, since
+        # its server must run with --enable-return-routed-experts.
+        return_routed_experts=rollout.routing_replay or rollout.engine == "hf",
     )
     completions = engine.generate([list(p.ids) for p in prompts], params)
     t_gen = time.monotonic() - t0
@@ -92,6 +99,8 @@ def collect_rollouts(
         for m, c in enumerate(group):
             samples.append(Sample(g, m, list(prompt.ids), list(c.token_ids), list(c.logprobs)))
             samples[-1].finish_reason = c.finish_reason
+            if c.meta.get("routed_experts") is not None:
+                samples[-1].routed_experts = compact_ids(c.meta["routed_experts"])
             texts.append(tokenizer.decode(c.token_ids, skip_special_tokens=True))
     t1 = time.monotonic()
     scored = rewards.score(
