@@ -47,7 +47,7 @@ class Policy:
         # megatron's MoE layer trains at TP > 1 only under sequence parallelism (see models/moe.py).
         sp = sp or (self.arch.is_moe and groups.tp_size > 1)
         overrides = perf_choice.transformer_overrides(perf, sequence_parallel=sp, acc=acc)
-        if self.arch.is_moe:  # routers replay the engine's experts on request (trainer/routing_replay.py)
+        if self.arch.is_moe:  # routers replay the engine's experts on request (trainer/moe_routing.py)
             overrides["moe_enable_routing_replay"] = cfg.rollout.routing_replay
         use_te = perf_choice.use_transformer_engine(perf, acc)
         build = lambda: build_policy(  # noqa: E731

@@ -131,3 +131,23 @@ def test_replay_config_refusals(tmp_path):
         check_replay_config(cfg(), dense)
     with pytest.raises(ConfigError, match="recompute=full"):
         check_replay_config(cfg(recompute="full"), moe)
+
+
+def test_sglang_request_asks_for_routed_experts_and_the_reply_is_decoded():
+    import base64
+
+    import numpy as np
+
+    from srpo_megatron.rollout.sglang_engine import build_generate_request, parse_generate_response
+
+    body, rows = build_generate_request([[1, 2, 3]], SamplingParams(n=1, return_routed_experts=True))
+    assert body["return_routed_experts"] is True
+    assert "return_routed_experts" not in build_generate_request([[1]], SamplingParams())[0]
+    ids = np.arange(4 * 2 * 2, dtype=np.int32) % 8  # prompt 3 + response 2 - 1 = 4 positions, 2 layers, k=2
+    meta = {
+        "output_token_logprobs": [[-0.5, 7, None], [-0.25, 9, None]],
+        "finish_reason": {"type": "length"},
+        "routed_experts": base64.b64encode(ids.tobytes()).decode(),
+    }
+    [[c]] = parse_generate_response([{"meta_info": meta}], rows, 1, weight_version=0)
+    assert c.meta["routed_experts"].tolist() == ids.tolist()
