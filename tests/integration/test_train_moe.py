@@ -24,7 +24,7 @@ from safetensors.torch import load_file
 
 from srpo_megatron.testing.distributed import run_distributed
 
-pytestmark = pytest.mark.moe
+pytestmark = [pytest.mark.moe, pytest.mark.timeout(2400)]  # several multi-rank runs per fixture
 
 REPO = Path(__file__).resolve().parents[2]
 RECIPE = REPO / "examples" / "tiny_cpu_test.yaml"
@@ -78,7 +78,7 @@ def _metrics(run_dir: Path) -> list[dict]:
 
 def _run(tiny, name: str, world: int, rank_fn=_train_rank, **extra) -> Path:
     run_dir = tiny[0] / name
-    run_distributed(rank_fn, world, _overrides(tiny, run_dir, **extra), timeout=900)
+    run_distributed(rank_fn, world, _overrides(tiny, run_dir, **extra), timeout=1800)
     return run_dir
 
 
@@ -137,11 +137,21 @@ def _check_three_steps(tiny, run_dir: Path, tmp_path: Path) -> list[dict]:
     return rows
 
 
+def _same_routing_figures(row: dict, ep1: dict) -> None:
+    """Same rollouts and weights: the routing figures summed over the ranks equal EP1's (a rank that
+    left out its share of the tokens, e.g. a missing TP or DP sum, changes them)."""
+    for key in ("moe/expert_load_max_over_mean", "moe/router_entropy"):
+        assert row[key] == pytest.approx(ep1[key], rel=1e-6), key
+
+
 def test_three_srpo_steps_at_ep2(tiny, ep1_run, ep2_run, tmp_path):
     rows = _check_three_steps(tiny, ep2_run, tmp_path)
-    # No replay: the trainer's used top-k is its own choice.
+    # No replay: the trainer's used top-k is its own choice, and with the engine's own weights (fp32 on both
+    # sides) it agrees with the engine's report, position by position.
     assert all(r["moe/topk_mismatch_share"] == r["moe/router_disagreement_share"] for r in rows)
+    assert all(r["moe/router_disagreement_share"] < 0.01 for r in rows)
     (ep1,) = _metrics(ep1_run)
+    _same_routing_figures(rows[0], ep1)
     assert rows[0]["reward/mean"] == ep1["reward/mean"], "same seed, same weights: same rollouts"
     assert rows[0]["loss/total"] == pytest.approx(ep1["loss/total"], abs=1e-5)
     assert rows[0]["grad_norm"] == pytest.approx(ep1["grad_norm"], rel=1e-4)
@@ -151,6 +161,7 @@ def test_three_srpo_steps_at_tp2_ep2(tiny, ep1_run, tp2_ep2_run, tmp_path):
     rows = _check_three_steps(tiny, tp2_ep2_run, tmp_path)
     assert all(r["moe/topk_mismatch_share"] == 0.0 for r in rows), "replay: the engine's experts, every token"
     (ep1,) = _metrics(ep1_run)
+    _same_routing_figures(rows[0], ep1)
     assert rows[0]["reward/mean"] == ep1["reward/mean"]
     assert rows[0]["loss/total"] == pytest.approx(ep1["loss/total"], abs=1e-5)
     assert rows[0]["grad_norm"] == pytest.approx(ep1["grad_norm"], rel=1e-4)
