@@ -152,7 +152,8 @@ class MoERouting(contextlib.AbstractContextManager):
             self.micro[k], [len(s.ids) for s in self.seqs], self.tp_rank, self.tp_size, self.sp
         )
         t = member.numel()
-        engine = torch.full((t, self.num_layers, self.top_k), -1, dtype=torch.long)
+        # int16 on the host and over the copy (-1 = no report; ids < 32768), int64 only per layer on device.
+        engine = torch.full((t, self.num_layers, self.top_k), -1, dtype=torch.int16)
         response = torch.zeros(t, dtype=torch.bool)
         last = torch.zeros(t, dtype=torch.bool)  # each sequence's last token: never forwarded by the engine
         for m in member.unique().tolist():
@@ -164,20 +165,20 @@ class MoERouting(contextlib.AbstractContextManager):
             if self.routed[m] is None:
                 continue
             known = here & (position < self.routed[m].shape[0])
-            engine[known] = self.routed[m][position[known]]
+            engine[known] = self.routed[m][position[known]].to(torch.int16)
             response |= here & (position >= seq.first) & (position < seq.first + seq.num_rows)
         dev = self.policy.device
+        engine = engine.to(dev)
         if self.replay:
-            filler = torch.arange(self.top_k, dtype=torch.long).expand(t, self.top_k)
+            filler = torch.arange(self.top_k, dtype=torch.long, device=dev).expand(t, self.top_k)
             for router in self.routers:
-                ids = engine[:, router.layer_number - 1]
-                ids = torch.where(ids < 0, filler, ids)
-                router.router_replay.set_target_indices(ids.to(dev))
+                ids = engine[:, router.layer_number - 1].long()
+                router.router_replay.set_target_indices(torch.where(ids < 0, filler, ids))
         if self.recorder is not None:
             real = (member >= 0) & ~last
             has_engine = any(r is not None for r in self.routed)
             self.recorder.set_micro_batch(
-                real.to(dev), response.to(dev) if has_engine else None, engine.to(dev) if has_engine else None
+                real.to(dev), response.to(dev) if has_engine else None, engine if has_engine else None
             )
 
     def summary(self) -> dict[str, float]:
