@@ -1,24 +1,39 @@
 """MoE routing metrics for the training log: expert load, router entropy, trainer-vs-engine top-k mismatch.
 
 ``RouterRecorder`` hooks every megatron router of a policy stage (``mlp.router``) for the forwards run
-inside its ``with`` block and keeps per-layer statistics (no tensors are retained beyond one layer):
+inside its ``with`` block and accumulates, per global layer, on the model's device (no host syncs):
 
-- expert load: tokens routed to each expert, summed over the layer's forwards; reported as
-  ``max / mean`` (1.0 = perfectly balanced, E/k = every token on the same k experts);
-- router entropy: mean over tokens of the entropy of the full softmax over experts (nats), computed from
-  the router logits in their (fp32/fp64) router dtype.
+- expert load: tokens routed to each expert; reported as the worst layer's ``max / mean`` (1.0 = perfectly
+  balanced, E/k = every token on the same k experts);
+- router entropy: entropy of the full softmax over experts (nats) per token, from the router logits in
+  their (fp32/fp64) router dtype; reported as the token mean over all layers;
+- top-k mismatch: on response tokens for which the engine reported its experts, the share of
+  (token, layer) pairs whose SET of k experts the trainer used differs from the engine's
+  (``moe/topk_mismatch_share``; 0 under rollout routing replay), and the share whose trainer-chosen
+  top-k (top-k of the trainer's own router logits, whatever replay then used) differs
+  (``moe/router_disagreement_share``: what replay corrects).
 
-``topk_mismatch_share`` compares the trainer's top-k expert sets with those an engine reported (the rollout
-routing replay check). Counts are summed over the group passed in (the ranks that see different tokens:
-the data-parallel group; with TP under sequence parallelism also TP), so every rank logs the same figure.
+Before each micro-batch's forward the caller states which of the router's tokens are real (not padding),
+which are response tokens, and the engine's experts per token (``set_micro_batch``); the token order is
+the router's own: megatron's ``[s, b]`` flattened, this rank's sequence-parallel chunk.
+
+Reduction: every rank of a pipeline stage routes different tokens (data parallel ranks, expert parallel
+ranks, which are data-parallel ranks for attention and the router, and TP ranks under sequence
+parallelism, which MoE at TP > 1 requires), and pipeline stages hold different layers (zero rows
+elsewhere). ``summary`` therefore sums the per-layer counts over the DP, TP and PP groups it is given,
+then forms the ratios; every rank returns the same figures.
 """
 
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Sequence
 
 import torch
 import torch.distributed as dist
+
+# Per-layer accumulator columns after the E expert counts.
+_ENT, _TOK, _MISMATCH, _DISAGREE, _COMPARED = range(5)
 
 
 def expert_load_imbalance(tokens_per_expert: torch.Tensor) -> float:
@@ -33,63 +48,110 @@ def router_entropy(logits: torch.Tensor) -> torch.Tensor:
     return -(logp.exp() * logp).sum(-1)
 
 
-def topk_mismatch_share(trainer_topk: torch.Tensor, engine_topk: torch.Tensor) -> float:
-    """Share of tokens whose SET of top-k experts differs. Both ``[T, k]`` int (order within k ignored)."""
+def topk_differs(trainer_topk: torch.Tensor, engine_topk: torch.Tensor) -> torch.Tensor:
+    """``[T]`` bool: the SET of top-k experts differs. Both ``[T, k]`` int (order within k ignored)."""
     if trainer_topk.shape != engine_topk.shape:
         raise ValueError(
             f"top-k shapes differ: trainer {tuple(trainer_topk.shape)}, engine {tuple(engine_topk.shape)}"
         )
+    return ~(trainer_topk.sort(-1).values == engine_topk.to(trainer_topk.dtype).sort(-1).values).all(-1)
+
+
+def topk_mismatch_share(trainer_topk: torch.Tensor, engine_topk: torch.Tensor) -> float:
+    """Share of tokens whose set of top-k experts differs. Both ``[T, k]`` int."""
     if trainer_topk.numel() == 0:
         return 0.0
-    same = (trainer_topk.sort(-1).values == engine_topk.sort(-1).values).all(-1)
-    return float(1.0 - same.double().mean())
+    return float(topk_differs(trainer_topk, engine_topk).double().mean())
+
+
+def routing_map_topk(routing_map: torch.Tensor, k: int) -> torch.Tensor:
+    """``[T, E]`` bool routing map (k True per row) -> ``[T, k]`` expert ids, ascending."""
+    return routing_map.nonzero()[:, 1].reshape(-1, k)
 
 
 class RouterRecorder(contextlib.AbstractContextManager):
-    """Accumulate expert load and router entropy of every router in ``model`` while the block runs."""
+    """Accumulate expert load, router entropy and top-k mismatch of every router in ``model`` (one pipeline
+    stage) while the block runs; ``num_layers`` is the model's total layer count (all stages)."""
 
-    def __init__(self, model: torch.nn.Module) -> None:
-        self._routers = [(n, m) for n, m in model.named_modules() if n.endswith("mlp.router")]
-        self.tokens: dict[str, torch.Tensor] = {}  # router name -> [E] tokens routed (float64)
-        self.entropy_sum: dict[str, float] = {}  # router name -> summed per-token entropy
-        self.token_count: dict[str, int] = {}  # router name -> tokens seen
+    def __init__(self, model: torch.nn.Module, num_layers: int) -> None:
+        self._routers = [m for n, m in model.named_modules() if n.endswith("mlp.router")]
+        if not self._routers:
+            raise ValueError("RouterRecorder: the model has no MoE router (mlp.router)")
+        first = self._routers[0]
+        # [num_layers, E + 5] float64 on the model's device: expert counts, then the _ENT.. columns.
+        self._acc = torch.zeros(
+            num_layers, first.config.num_moe_experts + 5, dtype=torch.float64, device=first.weight.device
+        )
+        self._real: torch.Tensor | None = None
+        self._response: torch.Tensor | None = None
+        self._engine: torch.Tensor | None = None
+
+    def set_micro_batch(
+        self,
+        real: torch.Tensor | None = None,
+        response: torch.Tensor | None = None,
+        engine_topk: torch.Tensor | None = None,
+    ) -> None:
+        """The next forward's router tokens (megatron order, this rank's chunk): ``real`` [T] bool (None =
+        all), ``response`` [T] bool response tokens with engine data, ``engine_topk`` [T, layers, k] int."""
+        self._real, self._response, self._engine = real, response, engine_topk
 
     def __enter__(self) -> RouterRecorder:
         # megatron's TopKRouter.forward is ``logits = self.gating(x)`` then ``self.routing(logits, ...)``:
         # an instance-level wrapper of ``routing`` sees logits and routing map without touching the maths.
-        for name, router in self._routers:
-            router.routing = self._wrap(name, router.routing)
+        for router in self._routers:
+            router.routing = self._wrap(router, router.routing)
         return self
 
     def __exit__(self, *exc) -> None:
-        for _, router in self._routers:
+        for router in self._routers:
             router.__dict__.pop("routing", None)
 
-    def _wrap(self, name: str, routing):
+    def _wrap(self, router: torch.nn.Module, routing):
         def recorded(logits, *args, **kwargs):
             probs, routing_map = routing(logits, *args, **kwargs)
             with torch.no_grad():
-                counts = routing_map.reshape(-1, routing_map.shape[-1]).sum(0).double()
-                self.tokens[name] = self.tokens.get(name, 0) + counts
-                ent = router_entropy(logits.detach().reshape(-1, logits.shape[-1]))
-                self.entropy_sum[name] = self.entropy_sum.get(name, 0.0) + float(ent.sum())
-                self.token_count[name] = self.token_count.get(name, 0) + ent.numel()
+                self._record(router, logits.detach().reshape(-1, logits.shape[-1]), routing_map)
             return probs, routing_map
 
         return recorded
 
-    def summary(self, group: dist.ProcessGroup | None = None) -> dict[str, float]:
-        """``moe/expert_load_max_over_mean`` (worst layer) and ``moe/router_entropy`` (token mean), summed
-        over ``group`` first (collective over it when given)."""
-        if not self.tokens:
-            return {}
-        names = sorted(self.tokens)
-        loads = torch.stack([self.tokens[n] for n in names])  # [layers, E]
-        ent = torch.tensor([[self.entropy_sum[n], self.token_count[n]] for n in names], dtype=torch.float64)
-        if group is not None and dist.get_world_size(group) > 1:
-            dist.all_reduce(loads, group=group)
-            dist.all_reduce(ent, group=group)
-        return {
+    def _record(self, router: torch.nn.Module, logits: torch.Tensor, routing_map: torch.Tensor) -> None:
+        layer, k, experts = router.layer_number - 1, router.topk, logits.shape[-1]
+        row = self._acc[layer]
+        real = self._real
+        used = routing_map if real is None else routing_map[real]
+        row[:experts] += used.sum(0).double()
+        ent = router_entropy(logits if real is None else logits[real])
+        row[experts + _ENT] += ent.sum()
+        row[experts + _TOK] += ent.numel()
+        if self._engine is not None and self._response is not None:
+            resp = self._response
+            engine = self._engine[resp, layer]
+            used_topk = routing_map_topk(routing_map[resp], k)
+            own_topk = logits[resp].topk(k, dim=-1).indices
+            row[experts + _MISMATCH] += topk_differs(used_topk, engine).sum()
+            row[experts + _DISAGREE] += topk_differs(own_topk, engine).sum()
+            row[experts + _COMPARED] += resp.sum()
+
+    def loads(self) -> torch.Tensor:
+        """``[num_layers, E]`` tokens this rank routed to each expert (zero rows: layers of other stages)."""
+        return self._acc[:, : self._acc.shape[1] - 5].clone()
+
+    def summary(self, groups: Sequence[dist.ProcessGroup | None] = ()) -> dict[str, float]:
+        """The logged figures, summed over ``groups`` first (a collective over each group given; every rank
+        of those groups must call it, also one whose stage recorded nothing)."""
+        acc = self._acc.clone()
+        for group in groups:
+            if group is not None and dist.get_world_size(group) > 1:
+                dist.all_reduce(acc, group=group)
+        experts = acc.shape[1] - 5
+        loads, stats = acc[:, :experts], acc[:, experts:].sum(0)
+        out = {
             "moe/expert_load_max_over_mean": max(expert_load_imbalance(row) for row in loads),
-            "moe/router_entropy": float(ent[:, 0].sum() / ent[:, 1].sum().clamp_min(1)),
+            "moe/router_entropy": float(stats[_ENT] / stats[_TOK].clamp_min(1)),
         }
+        if stats[_COMPARED] > 0:
+            out["moe/topk_mismatch_share"] = float(stats[_MISMATCH] / stats[_COMPARED])
+            out["moe/router_disagreement_share"] = float(stats[_DISAGREE] / stats[_COMPARED])
+        return out

@@ -34,6 +34,9 @@ class SamplingParams:
     seed: int | None = None  # makes a call reproducible when set
     prompt_offset: int = 0  # global index of prompts[0]: per-sample seeds follow the global prompt index,
     # so a prompt's samples do not depend on how prompts are split across engines
+    # MoE: report each token's routed experts in ``Completion.meta["routed_experts"]`` (rollout routing
+    # replay; SGLang needs ``--enable-return-routed-experts``). Ignored by dense models.
+    return_routed_experts: bool = False
 
 
 def sample_seed(seed: int, prompt_index: int, sample_index: int) -> int:
@@ -52,6 +55,9 @@ class Completion:
     logprobs: list[float]  # log π_rollout(y_t | ...) at the sampling temperature, len == len(token_ids)
     finish_reason: FinishReason
     weight_version: int = 0  # weight version that produced this sample
+    # "routed_experts" (when requested from an MoE model): int tensor holding ``[P + R - 1, layers, top_k]``
+    # global expert ids (flat from SGLang), one row per position the engine forwarded: the prompt and every
+    # response token but the last, in SGLang's layout.
     meta: dict = field(default_factory=dict)
 
 

@@ -66,6 +66,9 @@ class RolloutConfig:
     reward_workers: int = 2  # processes scoring rewards (0 = threads in the trainer process)
     reward_timeout_s: float = 10.0  # per-sample reward timeout; a timeout gives reward 0 (counted)
     reward_import_timeout_s: float = 120.0  # a reward module whose import takes longer fails the start
+    # MoE: the engine reports each token's experts and the policy's scoring and training passes replay them
+    # (rollout routing replay, "R3"; the EMA teacher is not replayed). Needs an MoE model.
+    routing_replay: bool = False
 
     def __post_init__(self) -> None:
         if self.prompts_per_step < 1 or self.group_size < 2:

@@ -23,12 +23,19 @@ that the log-prob semantics, seeding and stopping are ours to state and test:
   against the model before anything is copied; a missing, unexpected or mis-shaped tensor raises
   ``EngineError`` naming them and the old version keeps serving. Tied aliases (``lm_head.weight`` when
   tied to the embedding) are accepted but not required.
+- **Routed experts (MoE).** With ``params.return_routed_experts`` each completion's
+  ``meta["routed_experts"]`` holds the experts the HF model's routers chose (top-k of their router logits)
+  at every forward the decode loop ran (prompt prefill, then one per fed-back token): int32
+  ``[P + R - 1, layers, top_k]``, SGLang's layout (rollout routing replay, ``rollout/routed_experts.py``).
+  They are read by forward hooks on the routers, not ``output_router_logits=True``, which makes the HF
+  model also compute its load-balancing loss over the attention mask and fails on cached decode steps.
 - **Memory.** On CPU there is no accelerator memory to free: ``release_memory`` only makes ``generate``
   refuse (as a released SGLang engine would), ``resume_memory`` lifts that.
 """
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import threading
 from collections.abc import Iterable, Sequence
@@ -307,6 +314,20 @@ class HFEngine:
         base_seed: int,
     ) -> list[Completion]:
         """Decode one batch of (prompt index, sample index) rows to completion."""
+        top_k = self._moe_top_k() if params.return_routed_experts else 0
+        with _GateRecorder(self._model, top_k) if top_k else contextlib.nullcontext() as gates:
+            return self._decode_rows(prompts, rows, params, base_seed, top_k, gates)
+
+    def _decode_rows(
+        self,
+        prompts: Sequence[Sequence[int]],
+        rows: list[tuple[int, int]],
+        params: SamplingParams,
+        base_seed: int,
+        top_k: int,
+        gates: _GateRecorder | None,
+    ) -> list[Completion]:
+        """``_decode``'s loop; ``gates`` records the routers' experts when ``top_k`` > 0."""
         dev = self._device
         bsz = len(rows)
         lengths = [len(prompts[i]) for i, _ in rows]
@@ -330,6 +351,7 @@ class HFEngine:
         finished = [None] * bsz
         cache = None
         step_ids, step_pos = input_ids, positions
+        routed: list[torch.Tensor] = []  # per forward: [B, positions, layers, top_k] expert ids (host)
         for _ in range(params.max_new_tokens):
             kwargs = {self._cache_kwarg: cache} if cache is not None else {}
             out = self._model(
@@ -341,6 +363,9 @@ class HFEngine:
                 **kwargs,
             )
             cache = getattr(out, "cache", None) or out.past_key_values
+            if top_k:  # [B * positions, k] per layer -> [B, positions, layers, k]
+                per_layer = [ids.reshape(bsz, -1, top_k) for ids in gates.take()]
+                routed.append(torch.stack(per_layer, dim=2).to(torch.int32).cpu())
             # Log-probs in fp32 whatever the model dtype; the distribution the trainer re-scores.
             logp = torch.log_softmax(out.logits[:, -1, :].float() / temperature, dim=-1)  # [B, V]
             if greedy:
@@ -364,6 +389,12 @@ class HFEngine:
             step_ids = next_ids[:, None]
             step_pos = step_pos[:, -1:] + 1
             mask = torch.cat([mask, mask.new_ones(bsz, 1)], dim=-1)
+        metas: list[dict] = [{"sample_index": j} for _, j in rows]
+        if top_k:  # SGLang's layout: the prompt positions, then every response token but the last
+            for r in range(bsz):
+                decoded = [routed[t][r, 0] for t in range(1, len(tokens[r]))]
+                prompt = routed[0][r, width - lengths[r] :]
+                metas[r]["routed_experts"] = torch.cat([prompt, *(d[None] for d in decoded)])
         return [
             Completion(
                 prompt_index=i,
@@ -371,10 +402,17 @@ class HFEngine:
                 logprobs=logprobs[r],
                 finish_reason=finished[r] or "length",
                 weight_version=self._version,
-                meta={"sample_index": j},
+                meta=metas[r],
             )
-            for r, (i, j) in enumerate(rows)
+            for r, (i, _j) in enumerate(rows)
         ]
+
+    def _moe_top_k(self) -> int:
+        """Experts per token of an MoE model (0 for a dense one: nothing to report)."""
+        config = getattr(self._model, "config", None)
+        if not getattr(config, "num_experts", 0):
+            return 0
+        return int(config.num_experts_per_tok)
 
 
 def _validate(prompts: Sequence[Sequence[int]], params: SamplingParams, vocab: int) -> None:
@@ -396,3 +434,32 @@ def _validate(prompts: Sequence[Sequence[int]], params: SamplingParams, vocab: i
 
 def _head(items: list[str], k: int = 8) -> str:
     return ", ".join(items[:k]) + (f", … (+{len(items) - k})" if len(items) > k else "")
+
+
+class _GateRecorder(contextlib.AbstractContextManager):
+    """Forward hooks on every MoE router (``*.mlp.gate``) of an HF model, in layer order, keeping the
+    experts each forward used: transformers >= 5 routers return ``(logits, scores, indices)``; older
+    ones are a ``Linear`` whose logits' top-k is the choice (softmax keeps the order)."""
+
+    def __init__(self, model: torch.nn.Module, top_k: int) -> None:
+        self._gates = [m for n, m in model.named_modules() if n.endswith("mlp.gate")]
+        self._top_k, self._seen, self._hooks = top_k, [], []
+
+    def __enter__(self) -> _GateRecorder:
+        self._hooks = [g.register_forward_hook(self._hook) for g in self._gates]
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for h in self._hooks:
+            h.remove()
+
+    def _hook(self, module, args, output) -> None:
+        ids = output[2] if isinstance(output, tuple) else output.topk(self._top_k, dim=-1).indices
+        self._seen.append(ids.detach())
+
+    def take(self) -> list[torch.Tensor]:
+        """The last forward's ``[tokens, top_k]`` expert ids per layer (and reset)."""
+        out, self._seen = self._seen, []
+        if len(out) != len(self._gates):
+            raise EngineError(f"{len(out)} router outputs for {len(self._gates)} MoE layers in one forward")
+        return out

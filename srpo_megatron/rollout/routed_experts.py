@@ -1,16 +1,18 @@
-"""Each response token's routed experts as a rollout engine reports them (rollout routing replay, "R3").
+"""Each token's routed experts as a rollout engine reports them (rollout routing replay, "R3").
 
-Both engines give one int array ``[tokens, layers, top_k]`` per sequence (global expert ids):
+Both engines give one int array per sequence, ``[P + R - 1, layers, top_k]`` global expert ids, one row per
+position the engine forwarded (the P prompt tokens and every response token but the last, which is sampled
+and never fed back):
 
 - SGLang (``--enable-return-routed-experts``, ``return_routed_experts`` per request) puts it in
-  ``meta_info["routed_experts"]`` as base64 of int32: :func:`decode_sglang_routed_experts`.
-- The transformers engine has no such output; :func:`hf_routed_experts` recomputes it from the HF model's
-  router logits (``output_router_logits=True``) with the model's own rule: top-k of the softmax, which
-  equals the top-k of the logits.
+  ``meta_info["routed_experts"]`` as base64 of int32: :func:`decode_sglang_routed_experts` (flat; the
+  trainer reshapes with the model's layers and top-k, :func:`as_token_layer_topk`).
+- The transformers engine (``rollout/hf_engine.py``) records the experts its HF model's routers choose
+  (top-k of the router logits) at every prefill and decode forward it runs.
 
 The trainer replays these through megatron-core's ``RouterReplay`` (``moe_enable_routing_replay``) in the
-policy's scoring and training passes; the EMA teacher is not replayed (its context differs from the
-rollout's). Only the engine-side pieces live here.
+policy's scoring and training passes (``trainer/moe_routing.py``); the EMA teacher is not replayed (its
+context differs from the rollout's).
 """
 
 from __future__ import annotations
@@ -21,16 +23,30 @@ import numpy as np
 import torch
 
 
-def decode_sglang_routed_experts(payload: str, num_layers: int, top_k: int) -> torch.Tensor:
-    """SGLang's base64 int32 ``routed_experts`` -> ``[tokens, layers, top_k]`` int64."""
+def compact_ids(ids: torch.Tensor) -> torch.Tensor:
+    """Expert ids in the smallest integer dtype that holds them (uint8 below 256 experts, else int16/int32):
+    they travel to every trainer rank with the rollout batch."""
+    top = int(ids.max()) if ids.numel() else 0
+    dtype = torch.uint8 if top < 256 else torch.int16 if top < 32768 else torch.int32
+    return ids.to(dtype)
+
+
+def decode_sglang_routed_experts(payload: str) -> torch.Tensor:
+    """SGLang's base64 int32 ``routed_experts`` -> flat int32 ``[tokens * layers * top_k]``."""
     raw = np.frombuffer(base64.b64decode(payload), dtype=np.int32)
+    return torch.from_numpy(raw.copy())
+
+
+def as_token_layer_topk(ids: torch.Tensor, num_layers: int, top_k: int, tokens: int) -> torch.Tensor:
+    """An engine's ids (flat or shaped) -> ``[tokens, layers, top_k]`` int64, checked against the model."""
     per_token = num_layers * top_k
-    if raw.size % per_token:
+    if ids.numel() != tokens * per_token:
         raise ValueError(
-            f"routed_experts holds {raw.size} ids, not a multiple of layers*top_k = {num_layers}*{top_k}; "
-            "check that the server runs the same model (num_hidden_layers, num_experts_per_tok)"
+            f"the engine reported {ids.numel()} routed expert ids for a sequence of {tokens + 1} tokens; "
+            f"expected (tokens - 1) * layers * top_k = {tokens} * {num_layers} * {top_k}. Check that the "
+            "engine serves the same model (num_hidden_layers, num_experts_per_tok)"
         )
-    return torch.from_numpy(raw.astype(np.int64)).reshape(-1, num_layers, top_k)
+    return ids.reshape(tokens, num_layers, top_k).long()
 
 
 @torch.no_grad()

@@ -59,12 +59,57 @@ def zero_reward(response: str, answer: str) -> float:
     return 0.0
 
 
-def write_tiny_run(root: str | Path, num_prompts: int = 16) -> tuple[Path, Path, Path]:
-    """A tiny Qwen3 folder and a JSONL of ``coin``-rewarded prompts under ``root``: (root, hf_dir, data)."""
+def write_tiny_qwen3_moe(out_dir: str | Path, seed: int = 0, num_experts: int = 4, top_k: int = 2) -> Path:
+    """A 2-layer random Qwen3-MoE (``num_experts`` experts, ``top_k`` routed, normalised top-k probabilities)
+    with the real Qwen vocabulary and chat template. Router rows are drawn wider than the default init
+    (std 0.5) so that routing is decided by the weights, not by float noise between near-tied experts."""
+    import torch
+    from transformers import AutoModelForCausalLM, Qwen3MoeConfig
+
+    from srpo_megatron.testing.assets import qwen3_tokenizer
+
+    out = Path(out_dir)
+    if (out / "config.json").is_file() and (out / "tokenizer_config.json").is_file():
+        return out
+    tok = qwen3_tokenizer()
+    config = Qwen3MoeConfig(
+        vocab_size=len(tok),
+        hidden_size=64,
+        intermediate_size=128,
+        moe_intermediate_size=32,
+        num_experts=num_experts,
+        num_experts_per_tok=top_k,
+        norm_topk_prob=True,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=1024,
+        tie_word_embeddings=False,
+        rms_norm_eps=1e-6,
+        eos_token_id=tok.convert_tokens_to_ids("<|im_end|>"),
+        bos_token_id=None,
+        pad_token_id=tok.convert_tokens_to_ids("<|endoftext|>"),
+    )
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("mlp.gate.weight"):
+                p.normal_(0.0, 0.5)
+    out.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(out)
+    tok.save_pretrained(out)
+    return out
+
+
+def write_tiny_run(root: str | Path, num_prompts: int = 16, moe: bool = False) -> tuple[Path, Path, Path]:
+    """A tiny Qwen3 (``moe``: Qwen3-MoE) folder and a JSONL of ``coin``-rewarded prompts under ``root``:
+    (root, hf_dir, data)."""
     import json
 
     root = Path(root)
-    hf = write_tiny_qwen3(root / "qwen3")
+    hf = write_tiny_qwen3_moe(root / "qwen3_moe") if moe else write_tiny_qwen3(root / "qwen3")
     data = root / "train.jsonl"
     rows = [
         {"prompt": f"Tell me a fact about the number {i}.", "system": None, "answer": "-", "kind": "coin"}

@@ -10,6 +10,7 @@ when ``train.skip_nonfinite`` is set. The LR schedule advances once per rollout 
 
 from __future__ import annotations
 
+import contextlib
 import math
 import time
 
@@ -19,6 +20,7 @@ import torch.distributed as dist
 from srpo_megatron.losses import Normalizers, global_normalizers, routed_loss
 from srpo_megatron.models import performance as perf_choice
 from srpo_megatron.trainer.batches import ScoredBatch, micro_batches_for, student_sequences
+from srpo_megatron.trainer.moe_routing import policy_routing
 from srpo_megatron.trainer.policy import Policy
 from srpo_megatron.trainer.schedule import run_schedule
 from srpo_megatron.trainer.stats import StepStats, reduce_stats
@@ -59,7 +61,10 @@ def train_mini_batch(policy: Policy, scored: ScoredBatch) -> StepStats:
     policy.optimizer.zero_grad()
     if last and normalizers.num_tokens <= 0:
         raise RuntimeError("the training batch has no response tokens; check rollout.max_new_tokens")
-    run_schedule(policy.ddp, micro, on_rows, policy.vocab_pad, forward_only=False)
+    routing = policy_routing(policy, seqs, scored.samples, micro, record=False)  # MoE routing replay
+    with routing or contextlib.nullcontext():
+        hook = None if routing is None else routing.before_forward
+        run_schedule(policy.ddp, micro, on_rows, policy.vocab_pad, forward_only=False, before_forward=hook)
     out = reduce_stats(per_micro)
     finite = _all_true(_grads_finite(policy.model) and math.isfinite(out.loss), policy.device)
     skipped, grad_norm = 0.0, float("nan")

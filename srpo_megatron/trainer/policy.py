@@ -25,6 +25,7 @@ from srpo_megatron.models.performance import Accelerators
 from srpo_megatron.models.policy import build_policy
 from srpo_megatron.parallel import ParallelGroups
 from srpo_megatron.trainer.config import TrainConfig
+from srpo_megatron.trainer.moe_routing import check_replay_config
 from srpo_megatron.trainer.teacher import EmaTeacher, fp32_main_params
 
 
@@ -38,17 +39,23 @@ class Policy:
         self.cfg, self.groups, self.device = cfg, groups, groups.device
         self.arch = Architecture.from_hf(cfg.model.hf_dir)
         self.table = ConversionTable(self.arch)
+        check_replay_config(cfg, self.arch)
         # GPU defaults (bf16 + fp32 main params, TE spec, SP, fusions, overlap, recompute): performance.py
         acc, perf = Accelerators.detect(), cfg.performance
         dtype = perf_choice.params_dtype(cfg.model.params_dtype, acc)
         sp = perf_choice.sequence_parallel(cfg.parallel.sequence_parallel, groups.tp_size, acc)
+        # megatron's MoE layer trains at TP > 1 only under sequence parallelism (see models/moe.py).
+        sp = sp or (self.arch.is_moe and groups.tp_size > 1)
         overrides = perf_choice.transformer_overrides(perf, sequence_parallel=sp, acc=acc)
+        if self.arch.is_moe:  # routers replay the engine's experts on request (trainer/moe_routing.py)
+            overrides["moe_enable_routing_replay"] = cfg.rollout.routing_replay
         use_te = perf_choice.use_transformer_engine(perf, acc)
         build = lambda: build_policy(  # noqa: E731
             self.arch,
             params_dtype=dtype,
             max_sequence_length=cfg.model.max_sequence_length,
             use_te=use_te,
+            moe=cfg.moe,
             **overrides,
         )
         torch.manual_seed(cfg.run.seed)

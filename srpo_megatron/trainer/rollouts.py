@@ -25,6 +25,7 @@ from srpo_megatron.rewards.pool import RewardPool
 from srpo_megatron.rollout.base import EngineError, RolloutEngine, SamplingParams
 from srpo_megatron.rollout.config import RolloutConfig
 from srpo_megatron.rollout.placement import EngineLayout, engine_urls, separate_layout, split_prompts
+from srpo_megatron.rollout.routed_experts import compact_ids
 from srpo_megatron.trainer.config import TeacherConfig
 
 _THINK = re.compile(r"<think>.*?</think>", re.DOTALL)
@@ -46,6 +47,9 @@ class Sample:
     needs_teacher: bool = False  # the teacher forward runs on this sample
     teacher_prompt_ids: list[int] | None = None  # teacher context (sibling's solution), method §1.4
     finish_reason: str = "stop"
+    # MoE: the engine's experts per forwarded position, [P + R - 1, layers, top_k] (or flat), small int
+    # dtype; None when the engine reported none. Replayed by the policy (trainer/moe_routing.py).
+    routed_experts: torch.Tensor | None = None
 
 
 @dataclass
@@ -96,6 +100,9 @@ def sampling_params(rollout: RolloutConfig, seed: int, prompt_offset: int = 0) -
         max_new_tokens=rollout.max_new_tokens,
         seed=seed,
         prompt_offset=prompt_offset,
+        # The CPU engine reports experts for free (the mismatch metric); SGLang only when replaying, since
+        # its server must run with --enable-return-routed-experts.
+        return_routed_experts=rollout.routing_replay or rollout.engine == "hf",
     )
 
 
@@ -116,6 +123,8 @@ def score_rollouts(
         for m, c in enumerate(group):
             samples.append(Sample(g, m, list(prompt.ids), list(c.token_ids), list(c.logprobs)))
             samples[-1].finish_reason = c.finish_reason
+            if c.meta.get("routed_experts") is not None:
+                samples[-1].routed_experts = compact_ids(c.meta["routed_experts"])
             texts.append(tokenizer.decode(c.token_ids, skip_special_tokens=True))
     t1 = time.monotonic()
     scored = rewards.score(

@@ -33,9 +33,11 @@ def run_schedule(
     vocab_pad: torch.Tensor,
     *,
     forward_only: bool,
+    before_forward: Callable[[int], None] | None = None,
 ) -> None:
     """Run the schedule; ``on_rows(row_logits [T, V/TP], mb_index)`` runs on the last stage per micro-batch
-    and returns that micro-batch's loss (None in forward-only passes)."""
+    and returns that micro-batch's loss (None in forward-only passes). ``before_forward(mb_index)`` runs
+    just before each micro-batch's forward on every stage (MoE routing replay sets its experts there)."""
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
     index = iter(range(len(micro_batches)))
@@ -43,6 +45,8 @@ def run_schedule(
     def forward_step(data_iterator, m):
         k = next(data_iterator)
         mb = micro_batches[k]
+        if before_forward is not None:
+            before_forward(k)
         if mb.packed is None:
             out = m(mb.tokens, mb.positions, None)
         else:  # THD: attention stays inside each packed sequence

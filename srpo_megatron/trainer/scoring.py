@@ -12,6 +12,7 @@ Results are written into one ``ScoredBatch`` on the runtime's device (last pipel
 
 from __future__ import annotations
 
+import contextlib
 import time
 
 import torch
@@ -25,10 +26,11 @@ from srpo_megatron.trainer.batches import (
     student_sequences,
     teacher_sequences,
 )
+from srpo_megatron.trainer.moe_routing import policy_routing
 from srpo_megatron.trainer.policy import Policy
 from srpo_megatron.trainer.rollouts import Sample
 from srpo_megatron.trainer.schedule import run_schedule
-from srpo_megatron.trainer.stats import StepStats
+from srpo_megatron.trainer.stats import StepStats, reduce_stats
 
 
 @torch.no_grad()
@@ -53,9 +55,14 @@ def score_rollouts(policy: Policy, samples: list[Sample]) -> ScoredBatch:
         tokens.old_logp[rows] = score.old_logp.float()
         tokens.topk_ids[rows] = score.topk_ids
 
+    # MoE: routing replay (rollout.routing_replay) and the routing metrics; the teacher below is not replayed.
+    routing = policy_routing(policy, seqs, samples, micro, record=True)
     policy.ddp.eval()
-    run_schedule(policy.ddp, micro, on_student, policy.vocab_pad, forward_only=True)
+    with routing or contextlib.nullcontext():
+        hook = None if routing is None else routing.before_forward
+        run_schedule(policy.ddp, micro, on_student, policy.vocab_pad, forward_only=True, before_forward=hook)
     policy.ddp.train()
+    moe_stats = StepStats() if routing is None else StepStats.from_moe(routing.summary())
     t_student = time.monotonic() - t0
 
     teacher_runs = 0
@@ -93,5 +100,5 @@ def score_rollouts(policy: Policy, samples: list[Sample]) -> ScoredBatch:
     stats = StepStats(
         teacher_runs=float(teacher_runs), score_s=t_student, teacher_s=time.monotonic() - t0 - t_student
     ).counted_once(g.is_last_stage and g.tp_rank == 0)
-    scored.stats = stats
+    scored.stats = reduce_stats([stats, moe_stats])
     return scored

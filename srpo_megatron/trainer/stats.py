@@ -46,6 +46,15 @@ class StepStats:
     score_s: float = _stat(MAX)  # scoring pass (student), seconds
     teacher_s: float = _stat(MAX)  # teacher scoring, seconds
     train_s: float = _stat(MAX)  # training pass (all mini-batches), seconds
+    # MoE routing metrics of the scoring pass (trainer/moe_routing.py): already reduced over all ranks, so
+    # every rank reports the same value (MAX). moe = 1 marks an MoE policy, moe_compared = 1 that the
+    # engine reported experts (the two top-k shares are only defined then).
+    moe: float = _stat(MAX)  # 1 for an MoE policy
+    moe_expert_load: float = _stat(MAX)  # worst layer's max/mean tokens per expert
+    moe_router_entropy: float = _stat(MAX)  # mean per-token router entropy (nats)
+    moe_compared: float = _stat(MAX)  # 1 when engine top-k was compared
+    moe_topk_mismatch: float = _stat(MAX)  # share of (response token, layer) whose used top-k != engine's
+    moe_router_disagreement: float = _stat(MAX)  # same for the trainer's own top-k (before replay)
 
     @classmethod
     def from_metrics(cls, metrics: Mapping[str, object], **extra: float) -> StepStats:
@@ -55,6 +64,19 @@ class StepStats:
         if unknown:
             raise KeyError(f"routed_loss metrics {unknown} have no StepStats field; add them to StepStats")
         return cls(**{k: float(v) for k, v in metrics.items()}, **extra)  # type: ignore[arg-type]
+
+    @classmethod
+    def from_moe(cls, summary: Mapping[str, float]) -> StepStats:
+        """From ``RouterRecorder.summary``'s figures."""
+        compared = "moe/topk_mismatch_share" in summary
+        return cls(
+            moe=1.0,
+            moe_expert_load=summary["moe/expert_load_max_over_mean"],
+            moe_router_entropy=summary["moe/router_entropy"],
+            moe_compared=float(compared),
+            moe_topk_mismatch=summary.get("moe/topk_mismatch_share", 0.0),
+            moe_router_disagreement=summary.get("moe/router_disagreement_share", 0.0),
+        )
 
     def counted_once(self, counted: bool) -> StepStats:
         """Zero the sum fields on a rank whose values another rank already counts."""

@@ -58,4 +58,10 @@ def step_metrics(batch: RolloutBatch, s: StepStats, sync_s: float, step_s: float
             "perf/tokens_per_s": tokens / max(step_s, 1e-9),
         }
     )
+    if s.moe:  # MoE policies: routing of the scoring pass (trainer/moe_routing.py)
+        m["moe/expert_load_max_over_mean"] = s.moe_expert_load
+        m["moe/router_entropy"] = s.moe_router_entropy
+        if s.moe_compared:
+            m["moe/topk_mismatch_share"] = s.moe_topk_mismatch
+            m["moe/router_disagreement_share"] = s.moe_router_disagreement
     return m

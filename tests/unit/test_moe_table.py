@@ -103,14 +103,19 @@ def test_routed_experts_from_sglang_payload_and_from_hf_router_logits():
 
     import numpy as np
 
-    from srpo_megatron.rollout.routed_experts import decode_sglang_routed_experts, hf_routed_experts
+    from srpo_megatron.rollout.routed_experts import (
+        as_token_layer_topk,
+        decode_sglang_routed_experts,
+        hf_routed_experts,
+    )
     from tests.dist.test_moe import tiny_moe_model
 
     ids = np.arange(3 * 2 * 2, dtype=np.int32)
     payload = base64.b64encode(ids.tobytes()).decode()
-    assert decode_sglang_routed_experts(payload, 2, 2).tolist() == ids.reshape(3, 2, 2).tolist()
-    with pytest.raises(ValueError, match="layers\\*top_k"):
-        decode_sglang_routed_experts(payload, 5, 2)
+    flat = decode_sglang_routed_experts(payload)
+    assert as_token_layer_topk(flat, 2, 2, tokens=3).tolist() == ids.reshape(3, 2, 2).tolist()
+    with pytest.raises(ValueError, match="num_hidden_layers"):
+        as_token_layer_topk(flat, 5, 2, tokens=3)
     model = tiny_moe_model(seed=1)
     experts = hf_routed_experts(model, torch.arange(6)[None], top_k=2)
     assert experts.shape == (6, 2, 2)

@@ -22,6 +22,7 @@ from typing import Any
 import torch
 
 from srpo_megatron.rollout.base import Completion, EngineError, SamplingParams, sample_seed
+from srpo_megatron.rollout.routed_experts import decode_sglang_routed_experts
 
 FLATTENED_BUCKET = "flattened_bucket"
 
@@ -53,6 +54,8 @@ def build_generate_request(
         "sampling_params": [build_sampling_params(params, i, j) for i, j in rows],
         "return_logprob": True,
     }
+    if params.return_routed_experts:  # MoE rollout routing replay: meta_info["routed_experts"] per output
+        body["return_routed_experts"] = True
     return body, rows
 
 
@@ -191,6 +194,9 @@ def parse_generate_response(
                 "the engine serves other weights than the trainer synced"
             )
         finish = parse_finish_reason(meta)
+        extra = {}
+        if meta.get("routed_experts"):  # base64 int32 [P + R - 1, layers, top_k], flat here
+            extra["routed_experts"] = decode_sglang_routed_experts(meta["routed_experts"])
         result[i].append(
             Completion(
                 prompt_index=i,
@@ -198,7 +204,7 @@ def parse_generate_response(
                 logprobs=logprobs,
                 finish_reason=finish,  # type: ignore[arg-type]
                 weight_version=weight_version,
-                meta={"sample_index": j, "finish_reason": meta.get("finish_reason")},
+                meta={"sample_index": j, "finish_reason": meta.get("finish_reason"), **extra},
             )
         )
     return result

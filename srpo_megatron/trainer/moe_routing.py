@@ -1,0 +1,197 @@
+"""MoE policies in the trainer's passes: rollout routing replay (R3) and the routing metrics.
+
+Rollout routing replay (``rollout.routing_replay: true``). MoE RL has a failure mode of its own: the engine
+and the trainer route a token to different experts (bf16 vs fp32, other kernels, batch shapes), the
+trainer-vs-engine log-prob gap grows and runs collapse. With replay on, the policy's scoring pass (π_old)
+and training passes route every token to the experts the engine used when it generated the rollout
+(``Sample.routed_experts``, ``rollout/routed_experts.py``), through megatron-core's own
+``moe_enable_routing_replay``: each ``TopKRouter`` then holds a ``RouterReplay``; before each micro-batch's
+forward :meth:`MoERouting.before_forward` gives every router of this pipeline stage its layer's expert ids
+for this rank's tokens (``set_target_indices``) under ``RouterReplayAction.REPLAY_FORWARD``, whose top-k
+is those ids and whose gate probabilities are the trainer's own scores gathered at them (so gradients
+still reach the router). The used API (``router.router_replay``, ``set_target_indices``,
+``set_router_replay_action``, ``clear_indices``, ``clear_router_replay_action``) is the same in
+megatron-core 0.16.1 and 0.19.2; ``tests/unit/test_moe_routing.py`` fails if it changes.
+
+The EMA teacher is never replayed: it scores the response under a different context (the sibling's
+solution in its prompt, method §1.4), so the engine's routing of the student's context does not apply to
+it; the trust-region teacher's student forward on the teacher prompt is not replayed either.
+
+Token order: megatron's router sees its micro-batch as ``[s, b]`` flattened (sequence-major), and under
+sequence parallelism (MoE at TP > 1) only this TP rank's contiguous chunk of ``s``; packed micro-batches
+are ``[T, 1]`` with sequences at ``cu_seqlens_q_padded``. :func:`router_token_map` says which (sequence,
+position) each router token is. Positions the engine did not forward (each sequence's last token, whose
+output predicts nothing kept) and padding get experts ``0..k-1``: causal attention means no kept row
+depends on them.
+
+Metrics (every step, from the scoring pass; ``models/moe_metrics.py``): expert load, router entropy
+(over real tokens, each sequence's last token excluded) and, on response rows (the positions whose
+logits give each response token's log-prob), the share of (token, layer) pairs whose trainer top-k
+differs from the engine's. The DP, TP (under sequence parallelism) and PP groups are summed explicitly.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+from srpo_megatron.configs import ConfigError
+from srpo_megatron.models.moe_metrics import RouterRecorder
+from srpo_megatron.rollout.routed_experts import as_token_layer_topk
+from srpo_megatron.trainer.batches import MicroBatch, Sequence
+
+
+def check_replay_config(cfg, arch) -> None:
+    """Refuse ``rollout.routing_replay`` where it cannot be honoured, naming the key and the fix."""
+    if not cfg.rollout.routing_replay:
+        return
+    if not arch.is_moe:
+        raise ConfigError(
+            f"rollout.routing_replay=true but model.hf_dir {cfg.model.hf_dir} is a dense model (no experts); "
+            "set rollout.routing_replay=false"
+        )
+    if getattr(cfg.parallel, "cp", 1) > 1:
+        raise ConfigError(
+            "rollout.routing_replay=true does not support parallel.cp > 1 yet (context-parallel chunks are "
+            "not mapped to the engine's positions); set parallel.cp=1 or rollout.routing_replay=false"
+        )
+    perf = cfg.performance
+    if perf.recompute == "full" or (perf.recompute == "selective" and "mlp" in perf.recompute_modules):
+        raise ConfigError(
+            f"rollout.routing_replay=true with performance.recompute={perf.recompute} would recompute the "
+            "MoE router in the backward pass, where megatron-core replays the last micro-batch's experts "
+            "under pipeline schedules; use performance.recompute=selective with recompute_modules "
+            "[core_attn] (or none)"
+        )
+
+
+def router_token_map(
+    mb: MicroBatch, lengths: list[int], tp_rank: int, tp_size: int, sequence_parallel: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(member [T], position [T]) of each router token of ``mb`` on this rank, host int64: the index into
+    the pass's sequences (-1 = padding) and the position in that sequence; ``lengths`` [N] sequence
+    lengths. Order: megatron's ``[s, b]`` flattened, this TP rank's chunk of ``s`` under SP."""
+    b, s = mb.tokens.shape
+    if mb.packed is None:
+        member = torch.tensor([-1 if m is None else m for m in mb.members], dtype=torch.long).expand(s, b)
+        position = torch.arange(s, dtype=torch.long).unsqueeze(1).expand(s, b)
+    else:
+        cu = mb.packed.cu_seqlens_q_padded
+        cu = (mb.packed.cu_seqlens_q if cu is None else cu).tolist()
+        member = torch.full((s, 1), -1, dtype=torch.long)
+        position = torch.zeros(s, 1, dtype=torch.long)
+        for j, m in enumerate(mb.members):
+            member[cu[j] : cu[j + 1], 0] = m
+            position[cu[j] : cu[j + 1], 0] = torch.arange(cu[j + 1] - cu[j])
+    member, position = member.reshape(-1).clone(), position.reshape(-1).clone()
+    length = torch.tensor([*lengths, 0], dtype=torch.long)[member]  # member -1 -> the appended 0
+    member[position >= length] = -1
+    if sequence_parallel and tp_size > 1:
+        n = member.numel() // tp_size
+        member, position = member[tp_rank * n : (tp_rank + 1) * n], position[tp_rank * n : (tp_rank + 1) * n]
+    return member, position
+
+
+class MoERouting(contextlib.AbstractContextManager):
+    """One pass of the policy over ``micro``: replays the engine's experts (``replay``) and/or records the
+    routing metrics (``record``). Give :meth:`before_forward` to ``run_schedule``."""
+
+    def __init__(
+        self,
+        policy,
+        seqs: list[Sequence],
+        routed: list[torch.Tensor | None],
+        micro: list[MicroBatch],
+        *,
+        replay: bool,
+        record: bool,
+    ) -> None:
+        g, arch = policy.groups, policy.arch
+        self.policy, self.seqs, self.micro = policy, seqs, micro
+        self.replay, self.num_layers, self.top_k = replay, arch.num_layers, arch.moe_top_k
+        self.routers = [m for n, m in policy.model.named_modules() if n.endswith("mlp.router")]
+        self.sp = bool(policy.tconfig.sequence_parallel)
+        self.tp_rank, self.tp_size = g.tp_rank, g.tp_size
+        missing = [i for i, r in enumerate(routed) if r is None]
+        if replay and missing:
+            raise RuntimeError(
+                f"rollout.routing_replay=true but the engine reported no routed experts for {len(missing)} "
+                "samples; SGLang servers need --enable-return-routed-experts (and an MoE model)"
+            )
+        # [P + R - 1, layers, k] per sequence (its forwarded positions), None where not reported.
+        self.routed = [
+            None if r is None else as_token_layer_topk(r, self.num_layers, self.top_k, len(s.ids) - 1)
+            for r, s in zip(routed, seqs, strict=True)
+        ]
+        self.recorder = RouterRecorder(policy.model, self.num_layers) if record else None
+        self._stack = contextlib.ExitStack()
+
+    def __enter__(self) -> MoERouting:
+        from megatron.core.transformer.moe.router_replay import RouterReplayAction
+
+        if self.replay:
+            for router in self.routers:
+                router.router_replay.set_router_replay_action(RouterReplayAction.REPLAY_FORWARD)
+            self._stack.callback(self._clear_replay)
+        if self.recorder is not None:
+            self._stack.enter_context(self.recorder)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stack.close()
+
+    def _clear_replay(self) -> None:
+        for router in self.routers:
+            router.router_replay.clear_indices()
+            router.router_replay.clear_router_replay_action()
+
+    def before_forward(self, k: int) -> None:
+        """Set micro-batch ``k``'s replay targets and metric context (runs just before its forward)."""
+        member, position = router_token_map(
+            self.micro[k], [len(s.ids) for s in self.seqs], self.tp_rank, self.tp_size, self.sp
+        )
+        t = member.numel()
+        # int16 on the host and over the copy (-1 = no report; ids < 32768), int64 only per layer on device.
+        engine = torch.full((t, self.num_layers, self.top_k), -1, dtype=torch.int16)
+        response = torch.zeros(t, dtype=torch.bool)
+        last = torch.zeros(t, dtype=torch.bool)  # each sequence's last token: never forwarded by the engine
+        for m in member.unique().tolist():
+            if m < 0:
+                continue
+            here = member == m
+            seq = self.seqs[m]
+            last |= here & (position == len(seq.ids) - 1)
+            if self.routed[m] is None:
+                continue
+            known = here & (position < self.routed[m].shape[0])
+            engine[known] = self.routed[m][position[known]].to(torch.int16)
+            response |= here & (position >= seq.first) & (position < seq.first + seq.num_rows)
+        dev = self.policy.device
+        engine = engine.to(dev)
+        if self.replay:
+            filler = torch.arange(self.top_k, dtype=torch.long, device=dev).expand(t, self.top_k)
+            for router in self.routers:
+                ids = engine[:, router.layer_number - 1].long()
+                router.router_replay.set_target_indices(torch.where(ids < 0, filler, ids))
+        if self.recorder is not None:
+            real = (member >= 0) & ~last
+            has_engine = any(r is not None for r in self.routed)
+            self.recorder.set_micro_batch(
+                real.to(dev), response.to(dev) if has_engine else None, engine if has_engine else None
+            )
+
+    def summary(self) -> dict[str, float]:
+        """The pass's routing metrics, identical on every rank (collective over DP, TP under SP, PP)."""
+        assert self.recorder is not None
+        g = self.policy.groups
+        groups = [g.dp, g.pp, *([g.tp] if self.sp else [])]
+        return self.recorder.summary(groups)
+
+
+def policy_routing(policy, seqs, samples, micro, *, record: bool) -> MoERouting | None:
+    """The pass's ``MoERouting`` for an MoE policy (None for a dense one, or with nothing to do)."""
+    replay = policy.cfg.rollout.routing_replay
+    if not policy.arch.is_moe or not (replay or record):
+        return None
+    return MoERouting(policy, seqs, [s.routed_experts for s in samples], micro, replay=replay, record=record)

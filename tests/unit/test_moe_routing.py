@@ -1,0 +1,153 @@
+"""Rollout routing replay pieces: the engine's report, the router token order, megatron's replay API.
+
+- The CPU engine's ``routed_experts`` (batched, left-padded, KV-cached decoding) equal the experts the HF
+  model routes each position of ``prompt + response[:-1]`` to in one full forward, in SGLang's layout.
+- ``router_token_map`` places each (sequence, position) where megatron's router sees it: the micro-batch
+  transposed to ``[s, b]`` and flattened, split into TP chunks under sequence parallelism, packed
+  sequences at their ``cu_seqlens``; the reference is the token ids themselves laid out that way.
+- megatron-core's ``RouterReplay`` (the API ``trainer/moe_routing.py`` drives, identical in 0.16.1 and
+  0.19.2) returns the target experts with the trainer's own scores gathered at them under
+  ``REPLAY_FORWARD``, and its own top-k once the action is cleared.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from srpo_megatron.rollout.base import SamplingParams
+from srpo_megatron.trainer.batches import Sequence, make_micro_batches, make_packed_micro_batches
+from srpo_megatron.trainer.moe_routing import router_token_map
+
+pytestmark = pytest.mark.moe
+
+
+def test_hf_engine_reports_the_experts_of_every_forwarded_position():
+    from srpo_megatron.rollout.hf_engine import HFEngine
+    from srpo_megatron.rollout.routed_experts import hf_routed_experts
+    from tests.dist.test_moe import TOP_K, tiny_moe_model
+
+    model = tiny_moe_model(seed=3)
+    engine = HFEngine(model, max_batch_size=4, eos_token_ids=[299])
+    prompts = [[5, 17, 42], [7, 8, 9, 10, 11, 12]]  # different lengths: left padding in one batch
+    params = SamplingParams(n=2, max_new_tokens=5, seed=11, return_routed_experts=True)
+    out = engine.generate(prompts, params)
+    for i, group in enumerate(out):
+        for c in group:
+            ids = prompts[i] + c.token_ids
+            got = c.meta["routed_experts"]
+            assert got.dtype == torch.int32 and got.shape == (len(ids) - 1, 2, TOP_K)
+            want = hf_routed_experts(model, torch.tensor([ids[:-1]]), TOP_K)
+            assert torch.equal(got.long().sort(-1).values, want), f"prompt {i}"
+    plain = engine.generate(prompts, SamplingParams(n=2, max_new_tokens=5, seed=11))
+    assert "routed_experts" not in plain[0][0].meta
+    assert [c.token_ids for c in plain[0]] == [c.token_ids for c in out[0]], "reporting changes nothing"
+
+
+def _seqs() -> list[Sequence]:
+    ids = [[1, 2, 3, 4, 5], [11, 12, 13, 14, 15, 16, 17, 18], [21, 22, 23]]
+    return [Sequence(x, 1, len(x) - 2) for x in ids]
+
+
+def _check_against_token_ids(flat_tokens: torch.Tensor, member, position, seqs) -> None:
+    """Each router slot's (member, position) names the token megatron puts there; padding is -1."""
+    for slot, (m, p) in enumerate(zip(member.tolist(), position.tolist(), strict=True)):
+        if m < 0:
+            continue
+        assert seqs[m].ids[p] == int(flat_tokens[slot]), (slot, m, p)
+    real = int((member >= 0).sum())
+    assert real == int((flat_tokens != 0).sum())  # every real token is mapped exactly once
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_router_token_map_padded_is_megatrons_s_b_order(tp):
+    seqs = _seqs()
+    micro = make_micro_batches(seqs, 2, 8, torch.device("cpu"))  # [2, 8] then [2, 8] with one empty slot
+    lengths = [len(s.ids) for s in seqs]
+    for mb in micro:
+        flat = mb.tokens.t().reshape(-1)  # megatron: embeddings [s, b, h], the router views [s*b, E]
+        n = flat.numel() // tp
+        for rank in range(tp):
+            member, position = router_token_map(mb, lengths, rank, tp, sequence_parallel=tp > 1)
+            chunk = flat[rank * n : (rank + 1) * n]  # sequence parallel: contiguous chunks of s
+            assert member.numel() == n
+            for slot, (m, p) in enumerate(zip(member.tolist(), position.tolist(), strict=True)):
+                if m >= 0:
+                    assert seqs[m].ids[p] == int(chunk[slot])
+                else:
+                    assert int(chunk[slot]) == 0
+
+
+def test_router_token_map_packed_follows_cu_seqlens():
+    seqs = _seqs()
+    micro = make_packed_micro_batches(seqs, 16, 1, False, torch.device("cpu"))
+    lengths = [len(s.ids) for s in seqs]
+    seen = set()
+    for mb in micro:
+        member, position = router_token_map(mb, lengths, 0, 1, sequence_parallel=False)
+        _check_against_token_ids(mb.tokens.t().reshape(-1), member, position, seqs)
+        seen |= {(m, p) for m, p in zip(member.tolist(), position.tolist(), strict=True) if m >= 0}
+    assert seen == {(m, p) for m, s in enumerate(seqs) for p in range(len(s.ids))}
+
+
+def test_megatron_router_replay_api_replays_targets_with_the_trainers_scores():
+    from megatron.core.transformer.moe.router_replay import RouterReplay, RouterReplayAction
+
+    replay = RouterReplay()
+    try:
+        scores = torch.tensor([[0.1, 0.7, 0.2, 0.0], [0.5, 0.1, 0.1, 0.3]])
+        own = lambda s, k, num_groups=None, group_topk=None: s.topk(k, dim=-1)  # noqa: E731
+        target = torch.tensor([[2, 3], [1, 2]])
+        replay.set_target_indices(target)
+        replay.set_router_replay_action(RouterReplayAction.REPLAY_FORWARD)
+        probs, idx = replay.get_replay_topk(scores, 2, None, None, own)
+        assert torch.equal(idx, target) and torch.equal(probs, scores.gather(1, target))
+        replay.clear_indices()
+        replay.clear_router_replay_action()
+        probs, idx = replay.get_replay_topk(scores, 2, None, None, own)
+        assert torch.equal(idx, torch.tensor([[1, 2], [0, 3]]))
+    finally:
+        RouterReplay.global_router_replay_instances.remove(replay)
+
+
+def test_replay_config_refusals(tmp_path):
+    from types import SimpleNamespace
+
+    from srpo_megatron.configs import ConfigError
+    from srpo_megatron.models.performance import PerformanceConfig
+    from srpo_megatron.trainer.moe_routing import check_replay_config
+
+    def cfg(**perf):
+        return SimpleNamespace(
+            rollout=SimpleNamespace(routing_replay=True),
+            model=SimpleNamespace(hf_dir=str(tmp_path)),
+            parallel=SimpleNamespace(cp=1),
+            performance=PerformanceConfig(**perf),
+        )
+
+    moe, dense = SimpleNamespace(is_moe=True), SimpleNamespace(is_moe=False)
+    check_replay_config(cfg(), moe)
+    with pytest.raises(ConfigError, match="dense model"):
+        check_replay_config(cfg(), dense)
+    with pytest.raises(ConfigError, match="recompute=full"):
+        check_replay_config(cfg(recompute="full"), moe)
+
+
+def test_sglang_request_asks_for_routed_experts_and_the_reply_is_decoded():
+    import base64
+
+    import numpy as np
+
+    from srpo_megatron.rollout.sglang.protocol import build_generate_request, parse_generate_response
+
+    body, rows = build_generate_request([[1, 2, 3]], SamplingParams(n=1, return_routed_experts=True))
+    assert body["return_routed_experts"] is True
+    assert "return_routed_experts" not in build_generate_request([[1]], SamplingParams())[0]
+    ids = np.arange(4 * 2 * 2, dtype=np.int32) % 8  # prompt 3 + response 2 - 1 = 4 positions, 2 layers, k=2
+    meta = {
+        "output_token_logprobs": [[-0.5, 7, None], [-0.25, 9, None]],
+        "finish_reason": {"type": "length"},
+        "routed_experts": base64.b64encode(ids.tobytes()).decode(),
+    }
+    [[c]] = parse_generate_response([{"meta_info": meta}], rows, 1, weight_version=0)
+    assert c.meta["routed_experts"].tolist() == ids.tolist()
