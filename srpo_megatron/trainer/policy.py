@@ -49,6 +49,7 @@ class Policy:
             params_dtype=dtype,
             max_sequence_length=cfg.model.max_sequence_length,
             use_te=use_te,
+            context_parallel_size=groups.cp_size,  # CP attention (TE on GPU, SDPA + K/V gather on CPU)
             **overrides,
         )
         torch.manual_seed(cfg.run.seed)

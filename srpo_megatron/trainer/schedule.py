@@ -4,7 +4,8 @@
 Loss scaling: ``routed_loss`` returns each micro-batch's share of the global objective (global token
 denominator), so gradients must be *summed* over micro-batches and DP ranks. Megatron divides the loss by
 the number of micro-batches and DDP averages over DP, hence the learning pass's ``num_microbatches ·
-dp_size`` factor.
+dp_size`` factor. With context parallelism megatron also multiplies the loss by CP and DDP averages over
+DP×CP, which cancel: the CP ranks' partial losses are summed as well.
 """
 
 from __future__ import annotations
@@ -61,7 +62,7 @@ def run_schedule(
         data_iterator=index,
         model=[model],
         num_microbatches=len(micro_batches),
-        seq_length=max(mb.tokens.shape[1] for mb in micro_batches),  # PP: all equal (fixed shapes)
+        seq_length=max(mb.seq_length for mb in micro_batches),  # PP: all equal (fixed shapes); ÷ CP inside
         micro_batch_size=micro_batches[0].tokens.shape[0],
         forward_only=forward_only,
     )
