@@ -36,7 +36,8 @@ def run_schedule(
     forward_only: bool,
 ) -> None:
     """Run the schedule; ``on_rows(row_logits [T, V/TP], mb_index)`` runs on the last stage per micro-batch
-    and returns that micro-batch's loss (None in forward-only passes)."""
+    and returns that micro-batch's loss (None in forward-only passes); it is not called for a micro-batch of
+    which this rank holds no rows."""
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
     index = iter(range(len(micro_batches)))
@@ -50,7 +51,11 @@ def run_schedule(
             out = m(mb.tokens, mb.positions, None, packed_seq_params=mb.packed)
 
         def loss_func(logits):
-            loss = on_rows(logit_rows(logits, mb.rows, vocab_pad), k)
+            rows = logit_rows(logits, mb.rows, vocab_pad)
+            # A CP rank may hold none of a micro-batch's response rows (all its chunks are prompt): nothing
+            # to score there, but the zero loss below still runs the backward through the CP K/V gathers
+            # that the other CP ranks take part in.
+            loss = on_rows(rows, k) if rows.size(0) else None
             if loss is None:
                 loss = logits.sum() * 0.0
             return loss, {}

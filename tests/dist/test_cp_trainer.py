@@ -13,8 +13,8 @@ The teacher entropy (≈ 12 nats over the real Qwen vocabulary, summed over the 
 is compared relatively: TP2×CP1 already differs from TP1 by 3.1e-5 absolute (2.6e-6 relative), the same
 figure as TP2×CP2, so that part is TP reduction order, not CP.
 
-Planted bugs at CP2, each caught: the global token normalisers counted once per CP rank, and the teacher's
-scored rows not gathered over the CP group.
+Planted bugs at CP2, each caught: the global token normalisers counted once per CP rank, the teacher's
+scored rows not gathered over the CP group, and an export that ignores CP (both CP ranks send).
 """
 
 from __future__ import annotations
@@ -25,14 +25,18 @@ import pytest
 import torch
 
 from srpo_megatron.testing.distributed import run_distributed
-from tests.dist.test_packing_trainer import _samples
+from tests.dist.test_packing_trainer import _samples as _packing_samples
 
 pytestmark = pytest.mark.packing
 
 REPO = Path(__file__).resolve().parents[2]
 RECIPE = REPO / "examples" / "tiny_cpu_test.yaml"
 BUDGET = 32  # a multiple of 2·CP; about three sequences per micro-batch
-PLANTS = ("tokens_per_cp_rank", "no_teacher_gather")
+PLANTS = {  # planted bug -> the check that must see it
+    "tokens_per_cp_rank": "grad norm",  # the loss (≈ 0 here: advantages ±0.5 cancel) halves, so do the grads
+    "no_teacher_gather": "teacher log-probs",
+    "export_every_cp_rank": "export",
+}
 
 
 @pytest.fixture(scope="module")
@@ -40,6 +44,16 @@ def tiny(tmp_path_factory):
     from srpo_megatron.testing.tiny import write_tiny_run
 
     return write_tiny_run(tmp_path_factory.mktemp("tiny_cp"), num_prompts=8)
+
+
+def _samples():
+    """The packed == padded test's samples plus one SDPO sample whose teacher sequence (26-token teacher
+    prompt, 1 response token) fills a micro-batch alone: one CP rank holds none of its response rows."""
+    from srpo_megatron.trainer.rollouts import Sample
+
+    extra = Sample(2, 0, [11, 12, 13, 14], [15], [-1.0], reward=0.0, advantage=-0.5, grpo=False, sdpo=True,
+                   needs_teacher=True, teacher_prompt_ids=list(range(100, 126)))
+    return [*_packing_samples(), extra]
 
 
 def _plant(name: str | None) -> None:
@@ -61,6 +75,8 @@ def _plant(name: str | None) -> None:
 
 
 def _step(rank, world, tiny, run_dir, tp, pp, cp, plants):
+    from dataclasses import replace
+
     from srpo_megatron.configs import load_config
     from srpo_megatron.parallel import initialize_model_parallel
     from srpo_megatron.trainer import context_parallel, learning
@@ -99,7 +115,9 @@ def _step(rank, world, tiny, run_dir, tp, pp, cp, plants):
                 "teacher entropy": t.teacher_entropy.clone(),
             }
             stats = learn(policy, scored, 1)
-            params = dict(iter_stage_hf_tensors(policy.model, policy.table, groups))
+            # the planted export ignores CP (every CP rank believes it is CP rank 0, as before CP was wired)
+            export_groups = replace(groups, cp_rank=0) if plant == "export_every_cp_rank" else groups
+            params = dict(iter_stage_hf_tensors(policy.model, policy.table, export_groups))
         finally:
             learning.global_normalizers, context_parallel.gather_rows = originals
         out[plant] = {
@@ -160,11 +178,16 @@ def _differences(results, plant, reference) -> dict[str, float]:
 @pytest.mark.parametrize("tp,pp,cp", [(1, 1, 2), (2, 1, 2), (1, 2, 2)])
 def test_context_parallel_step_equals_tp1(tiny, tmp_path, reference, tp, pp, cp):
     assert reference[1]["sdpo_loss_sum"] != 0.0, "no SDPO loss: the test would not see the teacher path"
-    plants = PLANTS if (tp, pp) == (1, 1) else ()
+    plants = tuple(PLANTS) if (tp, pp) == (1, 1) else ()
     results = _run(tiny, tmp_path, tp, pp, cp, plants)
     diffs = _differences(results, None, reference)
     bad = {k: v for k, v in diffs.items() if v > 1e-5}
     assert not bad, f"TP{tp}×PP{pp}×CP{cp} differs from TP1: {bad}"
-    for plant in plants:
-        caught = {k: v for k, v in _differences(results, plant, reference).items() if v > 1e-5}
-        assert caught, f"planted bug {plant!r} went unnoticed"
+    for plant, check in PLANTS.items():
+        if plant not in plants:
+            continue
+        try:
+            caught = {k: v for k, v in _differences(results, plant, reference).items() if v > 1e-5}
+        except AssertionError as e:
+            caught = {"export": str(e)} if "exported by two ranks" in str(e) else {}
+        assert check in caught, f"planted bug {plant!r}: the {check} check did not see it (caught {caught})"
