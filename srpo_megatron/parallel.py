@@ -25,17 +25,18 @@ from srpo_megatron.compat.mcore import warn_if_untested
 
 @dataclass(frozen=True)
 class ParallelConfig:
-    """How the policy is split across ranks. world_size = tp * pp * dp = etp * ep * pp * expert-dp."""
+    """How the policy is split across ranks. world_size = tp * pp * cp * dp = etp * ep * pp * expert-dp."""
 
     tp: int = 1  # tensor-parallel size (Megatron TP; shards attention heads, MLP and the vocabulary)
     pp: int = 1  # pipeline-parallel size (layers split into pp stages)
+    cp: int = 1  # context-parallel size (each packed sequence split over cp ranks; needs packing)
     ep: int = 1  # expert-parallel size (MoE: each EP rank holds num_experts / ep whole experts)
     etp: int = 1  # expert-tensor-parallel size (MoE: TP inside each expert; 1 = experts unsharded)
     distributed_optimizer: bool = False  # shard optimizer state across data-parallel ranks (ZeRO-1)
     sequence_parallel: bool | None = None  # Megatron sequence parallelism; None = on when tp > 1 on CUDA
 
     def __post_init__(self) -> None:
-        for name in ("tp", "pp", "ep", "etp"):
+        for name in ("tp", "pp", "cp", "ep", "etp"):
             value = getattr(self, name)
             if value < 1:
                 raise ValueError(f"parallel.{name}={value} must be >= 1")
@@ -68,6 +69,9 @@ class ParallelGroups:
     etp_rank: int = 0
     etp_size: int = 1
     edp_rank: int = 0  # rank in the expert-data-parallel group (replicas of the same experts)
+    cp: dist.ProcessGroup | None = None  # context-parallel group (the ranks splitting one sequence)
+    cp_rank: int = 0
+    cp_size: int = 1
 
     @property
     def is_first_stage(self) -> bool:
@@ -178,6 +182,9 @@ def current_groups() -> ParallelGroups:
         etp_rank=ps.get_expert_tensor_parallel_rank(),
         etp_size=ps.get_expert_tensor_parallel_world_size(),
         edp_rank=ps.get_expert_data_parallel_rank(),
+        cp=ps.get_context_parallel_group(),
+        cp_rank=ps.get_context_parallel_rank(),
+        cp_size=ps.get_context_parallel_world_size(),
     )
 
 

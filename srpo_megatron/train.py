@@ -42,7 +42,7 @@ def train(cfg: TrainConfig) -> dict:
     world = dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", "1"))
     check_layout(cfg, world, load_hf_config_dict(cfg.model.hf_dir))  # before megatron or the model
     p = cfg.parallel
-    groups = initialize_model_parallel(p.tp, p.pp, seed=cfg.run.seed, ep=p.ep, etp=p.etp)
+    groups = initialize_model_parallel(p.tp, p.pp, seed=cfg.run.seed, ep=p.ep, etp=p.etp, cp=p.cp)
     rank0 = dist.get_rank() == 0
     log = print if rank0 else (lambda _: None)
     for kind, target in cfg.rollout.reward_fns.items():

@@ -16,8 +16,9 @@ Options (``PlanSettings``), and which the trainer implements today:
 
 - implemented: ``tp``, ``pp``, ``distributed_optimizer``, bf16/fp32 params, the EMA teacher with a full
   (unsharded) fp32 copy (``teacher_fp32: full``), colocated SGLang that releases its memory for training,
-  no activation recompute (``recompute: none``), micro-batches padded to ``model.max_sequence_length``;
-- modelled ahead of the trainer (other work in progress): ``cp``, ``ep``/``etp`` (MoE), ``recompute:
+  no activation recompute (``recompute: none``), micro-batches padded to ``model.max_sequence_length``,
+  ``cp`` (each rank holds 1/CP of every packed sequence; the trainer needs packing for it);
+- modelled ahead of the trainer (other work in progress): ``ep``/``etp`` (MoE), ``recompute:
   selective|full``, ``sequence_parallel``, ``teacher_fp32: sharded`` (the fp32 copy sharded over DP like
   the main params), ``teacher_offload`` (the bf16 teacher in host memory between its forwards),
   ``offload_during_rollout`` (grads, optimizer state and teacher leave the GPU while the engine runs),

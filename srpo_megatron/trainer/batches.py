@@ -9,6 +9,8 @@ order of the flat per-token tensors of ``losses.TokenBatch`` and of ``ScoredBatc
 Packing (``train.max_tokens_per_micro_batch`` > 0, see ``trainer/packing.py``): sequences are laid end
 to end in token-budget micro-batches (THD, ``PackedSeqParams``) instead; a micro-batch then holds tokens
 ``[1, T]`` and its members in increasing order, so the kept rows are still in sample then position order.
+With context parallelism (``parallel.cp`` > 1) a rank holds only its CP chunks ``[1, T/cp]`` and the
+micro-batch's ``row_index`` says which of the members' rows those are (``trainer/context_parallel.py``).
 
 Device discipline: everything here is built once on the host (Python lists → tensors) and moved to the
 runtime's ``device`` once, at the hand-off (``make_micro_batches``, ``ScoredBatch.on``); the passes never
@@ -46,6 +48,8 @@ class MicroBatch:
     which sequence (index into the pass's list) each of the b slots holds (None = padding slot).
     Packed: b = 1, positions [1, S] restart at 0 in every sequence, ``members`` are the packed sequences
     in order and ``packed`` carries their boundaries (megatron ``PackedSeqParams``, on the device).
+    Context parallel: tokens, positions and rows are this CP rank's chunks (S = T/cp of the packed T),
+    ``row_index`` [R_local] indexes the members' flat rows that ``rows`` selects, ``packed`` stays global.
     """
 
     tokens: torch.Tensor
@@ -53,6 +57,21 @@ class MicroBatch:
     rows: torch.Tensor
     members: list[int | None]
     packed: Any = None
+    row_index: torch.Tensor | None = None  # CP: this rank's rows among the members' rows (None = all)
+    cp_size: int = 1  # the packed length is tokens.shape[1] · cp_size
+
+    @property
+    def seq_length(self) -> int:
+        """Tokens of the whole (un-split) micro-batch: what megatron's schedule is told (it divides by CP)."""
+        return self.tokens.shape[1] * self.cp_size
+
+    def local(self, rows: torch.Tensor) -> torch.Tensor:
+        """[R_local] the entries of ``rows`` ([R], the members' flat rows) whose logits this rank holds."""
+        return rows if self.row_index is None else rows[self.row_index]
+
+    def local_tokens(self, batch: TokenBatch) -> TokenBatch:
+        """This rank's rows of ``batch`` (the members' per-token tensors, in member then position order)."""
+        return batch if self.row_index is None else batch.take(self.row_index)
 
 
 def student_sequences(samples: list[Sample]) -> list[Sequence]:
@@ -104,32 +123,56 @@ def make_micro_batches(
 
 
 def make_packed_micro_batches(
-    seqs: list[Sequence], max_tokens: int, multiple: int, fixed: bool, device: torch.device
+    seqs: list[Sequence],
+    max_tokens: int,
+    multiple: int,
+    fixed: bool,
+    device: torch.device,
+    cp_size: int = 1,
+    cp_rank: int = 0,
 ) -> list[MicroBatch]:
     """Token-budget micro-batches (first-fit decreasing), each packed end to end; ``fixed`` pads every one
-    to ``max_tokens`` (pipeline parallelism: megatron's p2p shapes are fixed)."""
+    to ``max_tokens`` (pipeline parallelism: megatron's p2p shapes are fixed). With ``cp_size`` > 1 each is
+    this CP rank's share (chunks ``cp_rank`` and ``2·cp_size−1−cp_rank`` of every sequence)."""
     triples = [(s.ids, s.first, s.num_rows) for s in seqs]
     out = []
     for members in packing.plan_micro_batches([len(s.ids) for s in seqs], max_tokens, multiple):
         mb = packing.pack(triples, members, multiple, total=max_tokens if fixed else None)
+        shard = packing.cp_shard(mb, cp_size, cp_rank)
         out.append(
             MicroBatch(
-                mb.tokens.to(device),
-                mb.positions.to(device),
-                mb.rows.to(device),
+                shard.tokens.to(device),
+                shard.positions.to(device),
+                shard.rows.to(device),
                 list(members),
                 mb.packed_seq_params(device),
+                shard.row_index.to(device) if cp_size > 1 else None,
+                cp_size,
             )
         )
     return out
 
 
 def micro_batches_for(
-    seqs: list[Sequence], micro_batch_size: int, max_tokens: int, pp_size: int, device: torch.device
+    seqs: list[Sequence],
+    micro_batch_size: int,
+    max_tokens: int,
+    pp_size: int,
+    device: torch.device,
+    *,
+    multiple: int = 1,
+    cp_size: int = 1,
+    cp_rank: int = 0,
 ) -> list[MicroBatch]:
-    """The pass's micro-batches: packed by token budget when ``max_tokens`` > 0, else right-padded."""
+    """The pass's micro-batches: packed by token budget when ``max_tokens`` > 0, else right-padded.
+
+    ``multiple``: each packed sequence's padding (``packing.pad_multiple``); ``cp_size``/``cp_rank``: the
+    context-parallel split (needs packing).
+    """
     if max_tokens > 0:
-        return make_packed_micro_batches(seqs, max_tokens, 1, pp_size > 1, device)
+        return make_packed_micro_batches(seqs, max_tokens, multiple, pp_size > 1, device, cp_size, cp_rank)
+    if cp_size > 1:
+        raise ValueError("context parallelism needs packed micro-batches (train.max_tokens_per_micro_batch)")
     return make_micro_batches(seqs, micro_batch_size, padded_len(seqs), device)
 
 

@@ -172,3 +172,10 @@ class TrainConfig:
                 f"rollout.prompts_per_step={self.rollout.prompts_per_step} is not divisible by "
                 f"train.mini_batches={self.train.mini_batches}; each optimizer step takes whole prompt groups"
             )
+        cp, budget = self.parallel.cp, self.train.max_tokens_per_micro_batch
+        if cp > 1 and (budget <= 0 or budget % (2 * cp)):
+            raise ConfigError(
+                f"parallel.cp={cp} splits every packed sequence into 2·cp = {2 * cp} chunks, so it needs "
+                f"packing: train.max_tokens_per_micro_batch={budget} must be a positive multiple of "
+                f"{2 * cp}; set it (e.g. {2 * cp * 1024}) or set parallel.cp=1"
+            )

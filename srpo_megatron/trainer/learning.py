@@ -4,6 +4,10 @@ Each mini-batch's micro-batches share the global normalisers (token count, |Ω_s
 micro-batches and the DP group), so the summed micro-batch losses equal the objective L of that
 mini-batch. Megatron divides each loss by the number of micro-batches and DDP averages gradients over
 DP; the ``num_microbatches · dp_size`` factor undoes both so gradients are summed (see ``schedule.py``).
+With context parallelism each CP rank's loss covers its own rows (normalised by the global counts, taken
+from the full rows every CP rank holds and reduced over DP only); megatron multiplies the loss by CP and
+DDP averages over DP×CP, so the same factor sums the CP ranks' partial gradients too
+(``trainer/context_parallel.py``).
 A step whose gradients or loss are non-finite on any rank is skipped on every rank (weights untouched)
 when ``train.skip_nonfinite`` is set. The LR schedule advances once per rollout batch (``policy.py``).
 """
@@ -19,6 +23,7 @@ import torch.distributed as dist
 
 from srpo_megatron.losses import Normalizers, global_normalizers, routed_loss
 from srpo_megatron.models import performance as perf_choice
+from srpo_megatron.trainer import context_parallel as cpar
 from srpo_megatron.trainer.batches import ScoredBatch, micro_batches_for, student_sequences
 from srpo_megatron.trainer.moe_routing import policy_routing
 from srpo_megatron.trainer.policy import Policy
@@ -39,11 +44,12 @@ def train_mini_batch(policy: Policy, scored: ScoredBatch) -> StepStats:
     cfg, g = policy.cfg, policy.groups
     seqs = student_sequences(scored.samples)
     t = cfg.train
+    layout = cpar.micro_batch_layout(g, policy.tconfig.sequence_parallel)
     micro = micro_batches_for(
-        seqs, t.micro_batch_size, t.max_tokens_per_micro_batch, g.pp_size, policy.device
+        seqs, t.micro_batch_size, t.max_tokens_per_micro_batch, g.pp_size, policy.device, **layout
     )
     last = g.is_last_stage
-    batches = [scored.micro_tokens(mb.members) for mb in micro] if last else []
+    batches = [scored.micro_tokens(mb.members) for mb in micro] if last else []  # all rows, every CP rank
     normalizers = (
         global_normalizers(batches, cfg.loss.beta, g.dp if g.dp_size > 1 else None)
         if last
@@ -53,7 +59,9 @@ def train_mini_batch(policy: Policy, scored: ScoredBatch) -> StepStats:
     scale = len(micro) * g.dp_size
 
     def on_rows(row_logits: torch.Tensor, k: int) -> torch.Tensor:
-        loss, metrics = routed_loss(row_logits, batches[k], normalizers, cfg.loss, g.tp)
+        loss, metrics = routed_loss(
+            row_logits, micro[k].local_tokens(batches[k]), normalizers, cfg.loss, g.tp
+        )
         per_micro.append(StepStats.from_metrics(metrics, loss=float(loss.detach())))
         return loss * scale
 
@@ -66,6 +74,8 @@ def train_mini_batch(policy: Policy, scored: ScoredBatch) -> StepStats:
         hook = None if routing is None else routing.before_forward
         run_schedule(policy.ddp, micro, on_rows, policy.vocab_pad, forward_only=False, before_forward=hook)
     out = reduce_stats(per_micro)
+    if last:  # each CP rank's sums cover its own rows
+        out = cpar.reduce_stats_over(out, g.cp, policy.device)
     finite = _all_true(_grads_finite(policy.model) and math.isfinite(out.loss), policy.device)
     skipped, grad_norm = 0.0, float("nan")
     if finite or not cfg.train.skip_nonfinite:
@@ -83,7 +93,7 @@ def train_mini_batch(policy: Policy, scored: ScoredBatch) -> StepStats:
         out.w_tilde_sum, out.w_tilde_sq_sum = float(w.sum()), float((w**2).sum())
     out.grad_norm_sum, out.optimizer_steps = grad_norm, 1.0
     out.skipped, out.lr = skipped, policy.lr
-    return out.counted_once(last and g.tp_rank == 0)
+    return out.counted_once(last and g.tp_rank == 0 and g.cp_rank == 0)
 
 
 def _grads_finite(model: torch.nn.Module) -> bool:

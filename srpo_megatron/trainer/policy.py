@@ -56,6 +56,7 @@ class Policy:
             max_sequence_length=cfg.model.max_sequence_length,
             use_te=use_te,
             moe=cfg.moe,
+            context_parallel_size=groups.cp_size,  # CP attention (TE on GPU, SDPA + K/V gather on CPU)
             **overrides,
         )
         torch.manual_seed(cfg.run.seed)

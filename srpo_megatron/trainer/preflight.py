@@ -1,6 +1,6 @@
 """Checks `srpo train` runs before loading the model, so bad input fails in seconds with one line.
 
-- :func:`check_layout`: the world divides into TP × PP × DP and the model and batch divide over them
+- :func:`check_layout`: the world divides into TP × PP × CP × DP and the model and batch divide over them
   (heads and KV groups over TP, layers over PP, experts over EP once the recipe has ``parallel.ep``, the
   step's samples over mini-batches × DP).
 - :func:`check_rewards`: every reward target the data needs is imported and called once on a dummy
@@ -19,13 +19,14 @@ from srpo_megatron.configs import ConfigError
 
 def check_layout(cfg: Any, world_size: int, hf_config: dict) -> None:
     """Refuse a parallel layout the world, the model or the batch cannot be split into."""
-    tp, pp = cfg.parallel.tp, cfg.parallel.pp
-    if world_size % (tp * pp):
+    tp, pp, cp = cfg.parallel.tp, cfg.parallel.pp, getattr(cfg.parallel, "cp", 1)
+    if world_size % (tp * pp * cp):
+        cp_part = f" × parallel.cp={cp}" if cp > 1 else ""
         raise ConfigError(
-            f"{world_size} processes cannot be split into parallel.tp={tp} × parallel.pp={pp}; launch a "
-            f"multiple of {tp * pp} processes or change tp/pp"
+            f"{world_size} processes cannot be split into parallel.tp={tp} × parallel.pp={pp}{cp_part}; "
+            f"launch a multiple of {tp * pp * cp} processes or change tp/pp/cp"
         )
-    dp = world_size // (tp * pp)
+    dp = world_size // (tp * pp * cp)  # CP ranks of a replica share its samples
     heads = hf_config.get("num_attention_heads")
     kv = hf_config.get("num_key_value_heads") or heads
     layers = hf_config.get("num_hidden_layers")
@@ -48,7 +49,7 @@ def check_layout(cfg: Any, world_size: int, hf_config: dict) -> None:
         raise ConfigError(
             f"rollout.prompts_per_step × rollout.group_size = {samples} samples per step do not split into "
             f"train.mini_batches={cfg.train.mini_batches} × data-parallel size {dp} (= {world_size} "
-            f"processes / (tp={tp} × pp={pp})); make the samples a multiple of {parts}"
+            f"processes / (tp={tp} × pp={pp} × cp={cp})); make the samples a multiple of {parts}"
         )
 
 

@@ -4,7 +4,8 @@
 Loss scaling: ``routed_loss`` returns each micro-batch's share of the global objective (global token
 denominator), so gradients must be *summed* over micro-batches and DP ranks. Megatron divides the loss by
 the number of micro-batches and DDP averages over DP, hence the learning pass's ``num_microbatches ·
-dp_size`` factor.
+dp_size`` factor. With context parallelism megatron also multiplies the loss by CP and DDP averages over
+DP×CP, which cancel: the CP ranks' partial losses are summed as well.
 """
 
 from __future__ import annotations
@@ -36,8 +37,9 @@ def run_schedule(
     before_forward: Callable[[int], None] | None = None,
 ) -> None:
     """Run the schedule; ``on_rows(row_logits [T, V/TP], mb_index)`` runs on the last stage per micro-batch
-    and returns that micro-batch's loss (None in forward-only passes). ``before_forward(mb_index)`` runs
-    just before each micro-batch's forward on every stage (MoE routing replay sets its experts there)."""
+    and returns that micro-batch's loss (None in forward-only passes); it is not called for a micro-batch of
+    which this rank holds no rows. ``before_forward(mb_index)`` runs just before each micro-batch's forward
+    on every stage (MoE routing replay sets its experts there)."""
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
     index = iter(range(len(micro_batches)))
@@ -53,7 +55,11 @@ def run_schedule(
             out = m(mb.tokens, mb.positions, None, packed_seq_params=mb.packed)
 
         def loss_func(logits):
-            loss = on_rows(logit_rows(logits, mb.rows, vocab_pad), k)
+            rows = logit_rows(logits, mb.rows, vocab_pad)
+            # A CP rank may hold none of a micro-batch's response rows (all its chunks are prompt): nothing
+            # to score there, but the zero loss below still runs the backward through the CP K/V gathers
+            # that the other CP ranks take part in.
+            loss = on_rows(rows, k) if rows.size(0) else None
             if loss is None:
                 loss = logits.sum() * 0.0
             return loss, {}
@@ -65,7 +71,7 @@ def run_schedule(
         data_iterator=index,
         model=[model],
         num_microbatches=len(micro_batches),
-        seq_length=max(mb.tokens.shape[1] for mb in micro_batches),  # PP: all equal (fixed shapes)
+        seq_length=max(mb.seq_length for mb in micro_batches),  # PP: all equal (fixed shapes); ÷ CP inside
         micro_batch_size=micro_batches[0].tokens.shape[0],
         forward_only=forward_only,
     )

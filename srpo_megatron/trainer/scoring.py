@@ -7,7 +7,10 @@ against the same π_old, so the clip bounds the drift across the whole batch, as
 mini-batch just before its own step would start every mini-batch at ratio 1. The teacher (and, for the
 trust-region teacher, the student logits it mixes in) are scored at the same point.
 
-Results are written into one ``ScoredBatch`` on the runtime's device (last pipeline stage only).
+Results are written into one ``ScoredBatch`` on the runtime's device (last pipeline stage only). With
+context parallelism each CP rank scores the rows it holds and the CP group gathers them after each pass
+(``trainer/context_parallel.py``): the teacher needs the student's top-K ids of rows another CP rank may
+have scored, and the training pass needs every row on every CP rank.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ import time
 import torch
 
 from srpo_megatron.losses import score_student, score_teacher
+from srpo_megatron.trainer import context_parallel as cpar
 from srpo_megatron.trainer.batches import (
     ScoredBatch,
     micro_batches_for,
@@ -44,11 +48,12 @@ def score_rollouts(policy: Policy, samples: list[Sample]) -> ScoredBatch:
     tokens = sample_tokens(samples, k_top, dev) if g.is_last_stage else None
     seqs = student_sequences(samples)
     budget = cfg.train.max_tokens_per_micro_batch
-    micro = micro_batches_for(seqs, mbs, budget, g.pp_size, dev)
+    layout = cpar.micro_batch_layout(g, policy.tconfig.sequence_parallel)
+    micro = micro_batches_for(seqs, mbs, budget, g.pp_size, dev, **layout)
     scored = ScoredBatch(samples, offsets, tokens, StepStats())
 
     def on_student(row_logits: torch.Tensor, k: int) -> None:
-        rows = scored.row_index([i for i in micro[k].members if i is not None])
+        rows = micro[k].local(scored.row_index([i for i in micro[k].members if i is not None]))
         score = score_student(
             row_logits, tokens.response_ids[rows], tokens.sdpo[rows], k_top, g.tp, lc.temperature, chunk
         )
@@ -63,13 +68,15 @@ def score_rollouts(policy: Policy, samples: list[Sample]) -> ScoredBatch:
         run_schedule(policy.ddp, micro, on_student, policy.vocab_pad, forward_only=True, before_forward=hook)
     policy.ddp.train()
     moe_stats = StepStats() if routing is None else StepStats.from_moe(routing.summary())
+    if g.is_last_stage:
+        cpar.gather_rows(tokens, cpar.STUDENT_FIELDS, g.cp)
     t_student = time.monotonic() - t0
 
     teacher_runs = 0
     wanted = [i for i, s in enumerate(samples) if s.needs_teacher]
     if wanted and policy.teacher is not None:
         t_seqs = teacher_sequences([samples[i] for i in wanted])
-        t_micro = micro_batches_for(t_seqs, mbs, budget, g.pp_size, dev)
+        t_micro = micro_batches_for(t_seqs, mbs, budget, g.pp_size, dev, **layout)
         mix = cfg.teacher.kind == "trust_region"
         student_logits: dict[int, torch.Tensor] = {}
         if mix:  # log q = (1−α) log q_ref + α log q_θ  ⇔  logits mix (the log-normaliser is shared)
@@ -85,7 +92,8 @@ def score_rollouts(policy: Policy, samples: list[Sample]) -> ScoredBatch:
                 row_logits = (1 - a) * row_logits + a * student_logits[k]
             members = [wanted[j] for j in t_micro[k].members if j is not None]
             teacher_runs += len(members)
-            rows = scored.row_index(members)
+            every = scored.row_index(members)
+            rows = t_micro[k].local(every)  # the teacher's split of these tokens, not the student's
             # Rows of samples that need a teacher but take no SDPO loss (advantage_mix) hold top-K ids 0:
             # only their sampled-token log-prob is used.
             ts = score_teacher(
@@ -94,11 +102,13 @@ def score_rollouts(policy: Policy, samples: list[Sample]) -> ScoredBatch:
             tokens.teacher_logp[rows] = ts.logp.float()
             tokens.teacher_entropy[rows] = ts.entropy.float()
             tokens.teacher_token_logp[rows] = ts.token_logp.float()
-            tokens.teacher[rows] = True
+            tokens.teacher[every] = True
 
         run_schedule(policy.teacher.module, t_micro, on_teacher, policy.vocab_pad, forward_only=True)
+        if g.is_last_stage:
+            cpar.gather_rows(tokens, cpar.TEACHER_FIELDS, g.cp)
     stats = StepStats(
         teacher_runs=float(teacher_runs), score_s=t_student, teacher_s=time.monotonic() - t0 - t_student
-    ).counted_once(g.is_last_stage and g.tp_rank == 0)
+    ).counted_once(g.is_last_stage and g.tp_rank == 0 and g.cp_rank == 0)
     scored.stats = reduce_stats([stats, moe_stats])
     return scored

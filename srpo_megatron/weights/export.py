@@ -6,8 +6,8 @@ The one place that turns the trainer's sharded parameters into what a rollout en
 - TP shards of a parameter are *gathered* on the TP group onto TP rank 0 (``dist.gather``, not all-gather:
   only the sender holds the full tensor) and merged with ``merge_tp_shards`` (gated ``linear_fc1`` halves
   handled), then split into HF tensors with ``ConversionTable.to_hf``;
-- exactly one rank per stage sends: TP rank 0 of data-parallel rank 0 (``is_stage_sender``); other DP
-  replicas do nothing;
+- exactly one rank per stage sends: TP rank 0 of data-parallel rank 0 and context-parallel rank 0
+  (``is_stage_sender``); other DP and CP replicas (CP ranks hold identical weights) do nothing;
 - the stream is lazy, one megatron parameter at a time, and announces each parameter's HF byte size
   before gathering it, so ``bucketize_pending`` sends the current bucket first when the next parameter
   would overflow it: a sender holds at most ``bucket_bytes`` plus one gathered parameter (column-parallel
@@ -21,8 +21,8 @@ replicated over the expert-data-parallel group (not the DP group). An expert par
 gathered first over ETP onto ETP rank 0 (merged like any TP shard), then over EP onto the stage sender,
 which thereby receives global experts ``j, j + E/ep, ...`` (one tensor per EP rank): the sender holds at
 most ``bucket_bytes`` plus ``ep`` experts' tensors. The stage sender is the lowest rank of its stage,
-hence rank 0 of its ETP, EP and expert-DP groups. Only expert-DP replica 0 takes part in expert gathers,
-only DP replica 0 in the others.
+hence rank 0 of its ETP, EP and expert-DP groups. Only expert-DP replica 0 takes part in expert gathers
+(megatron's expert-DP group already spans the CP ranks), only DP replica 0 of CP rank 0 in the others.
 """
 
 from __future__ import annotations
@@ -42,7 +42,7 @@ from srpo_megatron.weights.buckets import PendingParam
 
 def is_stage_sender(groups: ParallelGroups) -> bool:
     """The one rank of each PP stage that sends that stage's tensors."""
-    return groups.tp_rank == 0 and groups.dp_rank == 0
+    return groups.tp_rank == 0 and groups.dp_rank == 0 and groups.cp_rank == 0
 
 
 def _unwrap(model: torch.nn.Module) -> torch.nn.Module:
@@ -83,9 +83,10 @@ def iter_stage_params(
     params = dict(model.named_parameters())
     for local_name, name in stage_param_names(model, table):
         expert = table.partition(name).expert
-        # Replicas simply do not take part (unless ``all_replicas``): whole TP groups share a DP rank,
-        # whole EP x ETP groups an expert-DP rank.
-        if not all_replicas and (groups.edp_rank if expert else groups.dp_rank) != 0:
+        # Replicas simply do not take part (unless ``all_replicas``): whole TP groups share a DP rank, whole
+        # EP x ETP groups an expert-DP rank. CP ranks hold identical dense weights: only CP rank 0 sends.
+        dp_like = groups.edp_rank if expert else groups.dp_rank
+        if (not all_replicas and dp_like != 0) or (not expert and groups.cp_rank != 0):
             continue
         param = params[local_name].detach()
         nbytes = 0
