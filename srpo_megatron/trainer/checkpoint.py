@@ -55,6 +55,7 @@ from srpo_megatron.trainer.checkpoint_files import (
     write_manifest,
     write_text_durably,
 )
+from srpo_megatron.trainer.ema_shard import load_teacher_fp32, teacher_fp32_state
 
 TEACHER_PREFIX = "teacher."
 STATE_FILE = "trainer_state.json"
@@ -79,11 +80,44 @@ def latest_checkpoint(run_dir: str | Path) -> Path | None:
     return path if path.is_dir() else None
 
 
+def _load_tensors(runtime: Any, path: Path) -> None:
+    """Policy, teacher (and its fp32 EMA copy when saved) and optimizer state from ``path``."""
+    from megatron.core import dist_checkpointing
+
+    sharded = _sharded_state(runtime, loading=True)
+    stored = stored_sharded_keys(str(path))
+    fp32 = sharded.get("teacher_fp32", {})
+    if fp32 and any(sh.key not in stored for sh in fp32.values()):
+        del sharded["teacher_fp32"]  # saved before the fp32 copy was checkpointed: rebuilt from bf16
+    for part in ("model", "teacher"):  # saved without TE, resumed with TE: see drop_absent_extra_state
+        if part in sharded:
+            drop_absent_extra_state(sharded[part], stored, str(path))
+    try:
+        loaded = dist_checkpointing.load(sharded, str(path))
+    except Exception as e:  # megatron/torch name neither the directory nor what to do
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0][:300]
+        raise CheckpointError(
+            f"{path}: loading the model/optimizer shards failed ({type(e).__name__}: {first}); the recipe's "
+            "model must match the checkpoint's (see its recipe.yaml)"
+        ) from e
+    strip = lambda sd, p: {k[len(p) :] if k.startswith(p) else k: v for k, v in sd.items()}  # noqa: E731
+    runtime.model.load_state_dict(strip(loaded["model"], POLICY_PREFIX), strict=False)
+    if runtime.teacher is not None:
+        runtime.teacher.module.load_state_dict(strip(loaded["teacher"], TEACHER_PREFIX), strict=False)
+        runtime.teacher.reset_master()
+        if "teacher_fp32" in loaded:  # the exact EMA; without it one bf16 rounding (older checkpoints)
+            load_teacher_fp32(runtime.teacher, loaded["teacher_fp32"])
+    runtime.optimizer.load_state_dict(loaded["optimizer"])
+
+
 def _sharded_state(runtime: Any, loading: bool) -> dict[str, Any]:
     model_sd = runtime.model.sharded_state_dict(prefix=POLICY_PREFIX)
     state: dict[str, Any] = {"model": model_sd}
     if runtime.teacher is not None:
         state["teacher"] = runtime.teacher.module.sharded_state_dict(prefix=TEACHER_PREFIX)
+        fp32 = teacher_fp32_state(runtime.teacher, runtime.model, model_sd)  # EMA fp32 copy (ema_shard.py)
+        if fp32:
+            state["teacher_fp32"] = fp32
     state["optimizer"] = runtime.optimizer.sharded_state_dict(model_sd, is_loading=loading)
     return state
 
@@ -159,7 +193,8 @@ def save_checkpoint(
         shutil.rmtree(tmp, ignore_errors=True)
         (tmp / "rng").mkdir(parents=True)
     _barrier()
-    dist_checkpointing.save(_sharded_state(runtime, loading=False), str(tmp))
+    with runtime.offload.all_on_device():  # host-resident teacher (trainer/offload.py)
+        dist_checkpointing.save(_sharded_state(runtime, loading=False), str(tmp))
     torch.save(_rng_state(), tmp / "rng" / f"rank_{_rank():05d}.pt")
     if _rank() == 0:
         import yaml
@@ -190,28 +225,9 @@ def load_checkpoint(runtime: Any, path: str | Path, log=print) -> dict:
 
     ``path`` must have passed :func:`~srpo_megatron.trainer.checkpoint_files.verify_checkpoint`.
     """
-    from megatron.core import dist_checkpointing
-
     path = Path(path)
-    sharded = _sharded_state(runtime, loading=True)
-    stored = stored_sharded_keys(str(path))
-    for part in ("model", "teacher"):  # saved without TE, resumed with TE: see drop_absent_extra_state
-        if part in sharded:
-            drop_absent_extra_state(sharded[part], stored, str(path))
-    try:
-        loaded = dist_checkpointing.load(sharded, str(path))
-    except Exception as e:  # megatron/torch name neither the directory nor what to do
-        first = (str(e).strip().splitlines() or [type(e).__name__])[0][:300]
-        raise CheckpointError(
-            f"{path}: loading the model/optimizer shards failed ({type(e).__name__}: {first}); the recipe's "
-            "model must match the checkpoint's (see its recipe.yaml)"
-        ) from e
-    strip = lambda sd, p: {k[len(p) :] if k.startswith(p) else k: v for k, v in sd.items()}  # noqa: E731
-    runtime.model.load_state_dict(strip(loaded["model"], POLICY_PREFIX), strict=False)
-    if runtime.teacher is not None:
-        runtime.teacher.module.load_state_dict(strip(loaded["teacher"], TEACHER_PREFIX), strict=False)
-        runtime.teacher.reset_master()
-    runtime.optimizer.load_state_dict(loaded["optimizer"])
+    with runtime.offload.all_on_device():  # the host-resident teacher loads in place (trainer/offload.py)
+        _load_tensors(runtime, path)
     state = json.loads((path / STATE_FILE).read_text())
     runtime.scheduler.load_state_dict(state["scheduler"])
     rng = path / "rng" / f"rank_{_rank():05d}.pt"

@@ -89,7 +89,8 @@ def score_rollouts(policy: Policy, samples: list[Sample]) -> ScoredBatch:
             tokens.teacher_token_logp[rows] = ts.token_logp.float()
             tokens.teacher[rows] = True
 
-        run_schedule(policy.teacher.module, t_micro, on_teacher, policy.vocab_pad, forward_only=True)
+        with policy.offload.teacher_on_device():  # parallel.teacher_offload: on host otherwise
+            run_schedule(policy.teacher.module, t_micro, on_teacher, policy.vocab_pad, forward_only=True)
     stats = StepStats(
         teacher_runs=float(teacher_runs), score_s=t_student, teacher_s=time.monotonic() - t0 - t_student
     ).counted_once(g.is_last_stage and g.tp_rank == 0)
