@@ -25,6 +25,7 @@ pickles: load only checkpoints from a source you trust, as torch says for ``torc
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -107,7 +108,39 @@ def _load_tensors(runtime: Any, path: Path) -> None:
         runtime.teacher.reset_master()
         if "teacher_fp32" in loaded:  # the exact EMA; without it one bf16 rounding (older checkpoints)
             load_teacher_fp32(runtime.teacher, loaded["teacher_fp32"])
-    runtime.optimizer.load_state_dict(loaded["optimizer"])
+    with _keep_torch_adam_step(runtime.optimizer):
+        runtime.optimizer.load_state_dict(loaded["optimizer"])
+
+
+@contextlib.contextmanager
+def _keep_torch_adam_step(optimizer: Any):
+    """Shim for megatron-core 0.16's fully_reshardable load with torch Adam (no Apex/TE, i.e. CPU).
+
+    ``DistributedOptimizer.load_state_dict`` restores torch Adam's per-parameter ``step`` from the param
+    groups, then ``_set_main_param_and_optimizer_states`` copies every state key of the parameter from
+    the loaded tensors, which never carry ``step`` (KeyError). The shim hands it the restored ``step``
+    itself (a copy onto itself). FusedAdam (GPU) keeps ``step`` in the param groups and never needs it.
+    """
+    patched = []
+    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
+        if not hasattr(opt, "_set_main_param_and_optimizer_states"):
+            continue
+        original = opt._set_main_param_and_optimizer_states
+
+        def with_step(model_param, tensors, opt=opt, original=original):
+            group, order = opt.model_param_group_index_map[model_param]
+            state = opt.optimizer.state[opt.optimizer.param_groups[group]["params"][order]]
+            if "step" in state and "step" not in tensors:
+                tensors = {**tensors, "step": state["step"]}
+            return original(model_param, tensors)
+
+        opt._set_main_param_and_optimizer_states = with_step
+        patched.append(opt)
+    try:
+        yield
+    finally:
+        for opt in patched:
+            del opt._set_main_param_and_optimizer_states  # back to the class's method
 
 
 def _sharded_state(runtime: Any, loading: bool) -> dict[str, Any]:
@@ -115,10 +148,18 @@ def _sharded_state(runtime: Any, loading: bool) -> dict[str, Any]:
     state: dict[str, Any] = {"model": model_sd}
     if runtime.teacher is not None:
         state["teacher"] = runtime.teacher.module.sharded_state_dict(prefix=TEACHER_PREFIX)
-        fp32 = teacher_fp32_state(runtime.teacher, runtime.model, model_sd)  # EMA fp32 copy (ema_shard.py)
+        fp32 = teacher_fp32_state(runtime.teacher, runtime.model, model_sd, loading)  # ema_shard.py
         if fp32:
             state["teacher_fp32"] = fp32
-    state["optimizer"] = runtime.optimizer.sharded_state_dict(model_sd, is_loading=loading)
+    # The distributed optimizer's default format (fully_sharded_model_space) builds flattened_range
+    # tensors, which megatron-core 0.16 refuses on save; fully_reshardable stores model-shaped state
+    # (gathered on DP rank 0) and reshards over DP, TP and PP on load. Other optimizers ignore it.
+    meta = {"distrib_optim_sharding_type": "fully_reshardable"}
+    if loading:  # its sharded_state_dict reads the moments' step: give a fresh optimizer states to load into
+        for opt in getattr(runtime.optimizer, "chained_optimizers", [runtime.optimizer]):
+            if hasattr(opt, "_init_optimizer_states_with_dummy_values") and not opt.optimizer.state:
+                opt._init_optimizer_states_with_dummy_values()  # overwritten by the load
+    state["optimizer"] = runtime.optimizer.sharded_state_dict(model_sd, is_loading=loading, metadata=meta)
     return state
 
 

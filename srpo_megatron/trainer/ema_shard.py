@@ -61,7 +61,7 @@ class ShardedEmaTeacher:
         self.buffers: list[tuple[torch.Tensor, Any]] = []
         # (policy param, this rank's "param" range, main-param shard [n], teacher view [n], flat buffer)
         self._slices: list[tuple[torch.nn.Parameter, Any, torch.Tensor, torch.Tensor]] = []
-        covered: set[torch.nn.Parameter] = set()
+        self._group_of: dict[torch.nn.Parameter, Any] = {}  # policy param -> its buffer's DP group
         for opt in _chained(optimizer):
             if not hasattr(opt, "shard_fp32_from_float16_groups"):
                 raise ConfigError(
@@ -75,7 +75,7 @@ class ShardedEmaTeacher:
                     t = twin[p]
                     flat[start:end].copy_(t.detach().view(-1))
                     t.data = flat[start:end].view(t.shape)
-                    covered.add(p)
+                    self._group_of[p] = buffer.data_parallel_group
                 flats.append(flat)
                 self.buffers.append((flat, buffer))
             groups = [
@@ -88,7 +88,8 @@ class ShardedEmaTeacher:
                     world = ranges["gbuf_world"]
                     flat = flats[opt.model_param_gbuf_map[p][0]]
                     self._slices.append((p, ranges["param"], main, flat[world.start : world.end]))
-        missing = [tuple(p.shape) for p in twin if p not in covered]
+        self._params = list(twin)
+        missing = [tuple(p.shape) for p in twin if p not in self._group_of]
         if missing:
             raise RuntimeError(f"teacher parameters outside megatron's DDP buffers (shapes {missing[:3]})")
         self.master: list[torch.Tensor] | None = None
@@ -108,10 +109,34 @@ class ShardedEmaTeacher:
         pairs = zip(self.master, self._slices, strict=True)
         return sum(m.numel() * m.element_size() for m, (*_, v) in pairs if m is not v)
 
-    def master_slices(self) -> list[tuple[torch.nn.Parameter, slice, torch.Tensor]]:
-        """(policy param, its flattened range on this rank, the fp32 EMA slice [n]) for checkpoints."""
-        pairs = zip(self._slices, self.master, strict=True)
-        return [(p, slice(r.start, r.end), m) for (p, r, _, _), m in pairs]
+    @torch.no_grad()
+    def full_masters(self, empty: bool = False) -> list[torch.Tensor]:
+        """The fp32 EMA copy of every policy parameter, full shape (collective over DP unless ``empty``).
+
+        For checkpoints only: this is the one moment a whole fp32 copy exists (one tensor per parameter).
+        """
+        shards = {p: (r, m) for (p, r, _, _), m in zip(self._slices, self.master, strict=True)}
+        out = []
+        for p in self._params:
+            full = torch.zeros(p.numel(), dtype=torch.float32, device=p.device)
+            if not empty:
+                if p in shards:
+                    r, m = shards[p]
+                    full[r.start : r.end] = m
+                # every DP rank joins, owner or not; disjoint slices and zeros: the sum is exact
+                dist.all_reduce(full, group=self._group_of[p])
+            out.append(full.view(p.shape))
+        return out
+
+    @torch.no_grad()
+    def load_full_masters(self, full: list[torch.Tensor]) -> None:
+        """Keep this rank's slice of each full fp32 tensor (policy parameter order)."""
+        where = {p: i for i, p in enumerate(self._params)}
+        for (p, r, _, view), m in zip(self._slices, self.master, strict=True):
+            m.copy_(full[where[p]].reshape(-1)[r.start : r.end])
+            if m is not view:
+                view.copy_(m)
+        self.gather()
 
     @torch.no_grad()
     def update(self, main_params: list[torch.Tensor] | None = None) -> None:
@@ -152,31 +177,31 @@ def ema_bytes(teacher: Any) -> int:
     return sum(m.numel() * m.element_size() for m in teacher.master or [])
 
 
-def teacher_fp32_state(teacher: Any, policy: torch.nn.Module, model_sd: dict) -> dict:
+def teacher_fp32_state(teacher: Any, policy: torch.nn.Module, model_sd: dict, loading: bool) -> dict:
     """ShardedTensors of the teacher's fp32 EMA copy in the policy's model space (empty: nothing to save).
 
-    ``model_sd``: the policy's ``sharded_state_dict`` (its ShardedTensors give each parameter's key,
-    TP/PP placement and replica id). Sharded teachers write their flattened slice with DP replica 0 (each
-    rank's slice is disjoint); full teachers write the whole tensor once per DP group.
+    ``model_sd``: the policy's ``sharded_state_dict`` (its ShardedTensors and factories give each
+    parameter's key, TP/PP placement and replica id, so only DP replica 0 writes). Each parameter is
+    saved whole, as megatron's ``fully_reshardable`` optimizer format does (megatron-core 0.16 dropped
+    ``flattened_range``): a sharded teacher all-reduces its disjoint slices into a full fp32 tensor per
+    parameter for the save (temporary), and on load every rank reads the whole tensor and keeps its
+    slice. The format is the same for both teacher modes and any DP size.
     """
+    from megatron.core.dist_checkpointing.dict_utils import nested_values
     from megatron.core.dist_checkpointing.mapping import ShardedTensorFactory
     from megatron.core.dist_checkpointing.utils import extract_sharded_tensors_and_factories
-    from megatron.core.utils import nested_values
 
     if teacher is None or teacher.kind != "ema" or not ema_bytes(teacher):
         return {}  # no teacher, not an EMA, or fp32: the saved teacher module is the fp32 copy
     tensors, _ = extract_sharded_tensors_and_factories(model_sd)
     meta = {sh.data: sh for sh in nested_values(tensors)}
-    if hasattr(teacher, "master_slices"):
-        entries = [(p, rng, m) for p, rng, m in teacher.master_slices()]
-    else:
-        entries = [(p, None, m) for p, m in zip(policy.parameters(), teacher.master, strict=True)]
+    params = list(policy.parameters())
+    sharded = isinstance(teacher, ShardedEmaTeacher)
+    full = teacher.full_masters(empty=loading) if sharded else teacher.master
     out: dict[str, Any] = {}
-    for i, (p, rng, m) in enumerate(entries):
+    for i, (p, m) in enumerate(zip(params, full, strict=True)):
         sh = meta[p]
         kwargs: dict[str, Any] = dict(key=TEACHER_FP32_PREFIX + sh.key, data=m, dtype=torch.float32)
-        if rng is not None:
-            kwargs.update(flattened_range=rng, replica_id=(*sh.replica_id[:2], 0))
         if isinstance(sh, ShardedTensorFactory):
             kwargs.pop("dtype")
         out[str(i)] = replace(sh, **kwargs)
@@ -186,5 +211,8 @@ def teacher_fp32_state(teacher: Any, policy: torch.nn.Module, model_sd: dict) ->
 @torch.no_grad()
 def load_teacher_fp32(teacher: Any, loaded: dict) -> None:
     """Copy a loaded :func:`teacher_fp32_state` into the teacher's fp32 copy (after ``reset_master``)."""
+    if isinstance(teacher, ShardedEmaTeacher):
+        teacher.load_full_masters([loaded[str(i)] for i in range(len(loaded))])
+        return
     for i, m in enumerate(teacher.master):
         m.copy_(loaded[str(i)].view(m.shape))

@@ -39,6 +39,8 @@ from typing import Any
 
 import torch
 
+from srpo_megatron.trainer.ema_shard import ema_bytes
+
 # The planner's component names (planner/memory.py), so the trainer's figures line up with its table.
 POLICY = "policy params"
 GRADS = "gradient buffers"
@@ -193,6 +195,7 @@ class Offloader:
         resident = self.resident_bytes()
         metrics = {f"memory/rollout_resident/{METRIC_NAMES[c]}": float(b) for c, b in resident.items()}
         metrics["memory/rollout_resident_bytes"] = float(sum(resident.values()))
+        metrics["memory/teacher_fp32_ema_bytes"] = float(ema_bytes(self.policy.teacher))  # ~1/DP if sharded
         if self.policy.device.type == "cuda":
             metrics["memory/rollout_allocated_bytes"] = float(torch.cuda.memory_allocated(self.policy.device))
         back = [c for c in self.rollout_categories if not (c == TEACHER and self.teacher_offload)]
@@ -221,8 +224,8 @@ class Offloader:
             self.offload(away)
 
 
-def save_while_offloaded(offloader: Offloader, rollouts: Any, version: int, save) -> None:
-    """Run ``save()`` with the trainer's state on the device, after the weight sync (colocated offload).
+def save_while_offloaded(offloader: Offloader, rollouts: Any, version: int, save, *args: Any) -> None:
+    """Run ``save(*args)`` with the trainer's state on the device, after the weight sync (colocated offload).
 
     At that point the colocated engine holds its weights and KV cache, so the engine releases its memory
     for the save and is resumed and re-synced afterwards (one extra weight sync per checkpoint) instead
@@ -231,10 +234,11 @@ def save_while_offloaded(offloader: Offloader, rollouts: Any, version: int, save
     colocated = rollouts.cfg.rollout.placement == "colocated"
     if not offloader.away or not colocated:
         with offloader.all_on_device():
-            save()
+            save(*args)
         return
     if rollouts.rank0:
         rollouts.engine.release_memory()
     with offloader.all_on_device():
-        save()
+        save(*args)
+    offloader.before_rollouts()  # all_on_device restored it; explicit for the engine's resume below
     rollouts.sync(version)

@@ -91,20 +91,9 @@ def _step(policy, rank: int, step: int) -> None:
 
 def _full_master(teacher, policy) -> list[torch.Tensor]:
     """The fp32 EMA copy of every parameter, assembled over DP (sharded) or as held (full)."""
-    import torch.distributed as dist
-
-    if not hasattr(teacher, "master_slices"):  # full: the fp32 copy, or the fp32 module itself
-        return [m.detach().clone() for m in teacher.master or teacher.module.parameters()]
-    out = []
-    slices = {p: (rng, m) for p, rng, m in teacher.master_slices()}
-    for p in policy.model.parameters():
-        flat = torch.zeros(p.numel(), dtype=torch.float32)
-        if p in slices:
-            rng, m = slices[p]
-            flat[rng] = m
-        dist.all_reduce(flat)  # disjoint slices: the sum is exact
-        out.append(flat.view(p.shape))
-    return out
+    if hasattr(teacher, "full_masters"):
+        return teacher.full_masters()
+    return [m.detach().clone() for m in teacher.master or teacher.module.parameters()]
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -177,7 +166,11 @@ def _save_and_continue(rank, world, tiny, run_dir):
     saved = [m.clone() for m in _full_master(policy.teacher, policy)]
     save_checkpoint(policy, run_dir, 2, {"weight_version": 3}, keep_last=2)
     _step(policy, rank, 2)
-    return saved, [p.detach().clone() for p in policy.teacher.module.parameters()]
+    return saved, [p.detach().clone() for p in policy.teacher.module.parameters()], _policy_state(policy)
+
+
+def _policy_state(policy):
+    return [p.detach().clone() for p in policy.model.parameters()]
 
 
 def _resume(rank, world, tiny, run_dir, mode):
@@ -188,16 +181,19 @@ def _resume(rank, world, tiny, run_dir, mode):
     loaded = [m.clone() for m in _full_master(policy.teacher, policy)]
     after = None
     if world == 2:
+        before = _policy_state(policy)
         _step(policy, rank, 2)
-        after = [p.detach().clone() for p in policy.teacher.module.parameters()]
+        after = [p.detach().clone() for p in policy.teacher.module.parameters()], _policy_state(policy), before
     return loaded, after
 
 
 def test_sharded_ema_checkpoint_resumes_exactly(tiny, tmp_path):
     run = str(tmp_path / "run")
-    saved, continued = run_distributed(_save_and_continue, 2, tiny, run, timeout=600)[0]
-    loaded, after = run_distributed(_resume, 2, tiny, run, "sharded", timeout=600)[0]
+    saved, continued, policy_next = run_distributed(_save_and_continue, 2, tiny, run, timeout=600)[0]
+    loaded, (after, policy_after, policy_loaded) = run_distributed(_resume, 2, tiny, run, "sharded", timeout=600)[0]
     assert all(torch.equal(a, b) for a, b in zip(saved, loaded, strict=True)), "fp32 EMA not restored"
+    diff = lambda xs, ys: max((x.float() - y.float()).abs().max().item() for x, y in zip(xs, ys))  # noqa: E731
+    print("DIAG policy_next", diff(policy_next, policy_after), "teacher", diff(continued, after))
     assert all(torch.equal(a, b) for a, b in zip(continued, after, strict=True)), "next step differs"
     for mode in ("sharded", "full"):  # another DP size, and the other teacher mode
         loaded1, _ = run_distributed(_resume, 1, tiny, run, mode, timeout=600)[0]
