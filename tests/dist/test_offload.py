@@ -245,6 +245,7 @@ def _roundtrip(rank, world, tiny, run_dir, mode):
         "planned_rollout": {c: stage.rollout[c] for c in off.CATEGORIES},
         "moments": moments,
         "numel": sum(p.numel() for p in policy.model.parameters()),
+        "fp32_numel": sum(p.numel() for p in policy.model.parameters() if p.dtype == torch.float32),
     }
 
 
@@ -255,21 +256,20 @@ def test_offload_round_trip_is_exact_and_matches_the_planner(tiny, tmp_path, mod
     for r in run_distributed(_roundtrip, 2, tiny, str(tmp_path), mode, timeout=600):
         assert r["exact"], "params, optimizer state or teacher changed in the offload round trip"
         assert r["same_step"], "a step after the round trip differs from a step without it"
-        # Rollout phase: only the policy's weights stay, exactly the planner's rollout column.
-        assert r["rollout"] == r["planned_rollout"], (r["rollout"], r["planned_rollout"])
-        assert r["rollout"][off.POLICY] > 0 and r["rollout"][off.OPTIMIZER] == 0
-        assert r["metrics"]["memory/rollout_resident_bytes"] == sum(r["planned_rollout"].values())
-        # Train phase: every component as planned; the full teacher's separate tensors skip the
-        # DDP buffer padding that the planner counts (at most 2 + 4 bytes per padded element).
+        # The planner counts the GPU layout (every weight bf16, one DDP buffer per dtype). On CPU the
+        # local spec's norm weights stay fp32 (their own DDP buffer, padded to lcm(DP, 128) elements),
+        # so each component may differ by at most 16 bytes per fp32 weight plus one such padding.
+        tol = 16 * (r["fp32_numel"] + 128)
+        near = lambda a, b, tol=tol: abs(a - b) <= tol  # noqa: E731
+        # Rollout phase: only the policy's weights stay; everything offloaded is exactly 0 in both.
+        roll, planned_roll = r["rollout"], r["planned_rollout"]
+        for c in (off.GRADS, off.OPTIMIZER, off.TEACHER, off.TEACHER_FP32):
+            assert roll[c] == planned_roll[c] == 0, (c, roll[c], planned_roll[c])
+        assert near(roll[off.POLICY], planned_roll[off.POLICY]), (roll, planned_roll)
+        assert r["metrics"]["memory/rollout_resident_bytes"] == sum(roll.values())
+        # Train phase: every component as planned, within the same bound.
         train, planned = r["train"], r["planned_train"]
-        for c in (off.POLICY, off.GRADS, off.OPTIMIZER):
-            assert train[c] == planned[c], (c, train[c], planned[c])
-        if mode == "sharded":
-            assert train[off.TEACHER] == planned[off.TEACHER]
-            assert train[off.TEACHER_FP32] == planned[off.TEACHER_FP32]
-        else:
-            assert train[off.TEACHER] == 2 * r["numel"] and train[off.TEACHER_FP32] == 4 * r["numel"]
-            padding = planned[off.POLICY] // 2 - r["numel"]  # buffer elements that hold no parameter
-            assert 0 <= padding < 0.05 * r["numel"]
-            assert planned[off.TEACHER] == train[off.TEACHER] + 2 * padding
+        for c in off.CATEGORIES:
+            assert near(train[c], planned[c]), (c, train[c], planned[c], tol)
+            assert train[c] > 0, c
         assert r["moments"] > 0, "the round trip must have carried Adam moments"
