@@ -15,6 +15,7 @@ from __future__ import annotations
 import datetime
 import os
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
 import torch.distributed as dist
@@ -34,6 +35,12 @@ class ParallelConfig:
     etp: int = 1  # expert-tensor-parallel size (MoE: TP inside each expert; 1 = experts unsharded)
     distributed_optimizer: bool = False  # shard optimizer state across data-parallel ranks (ZeRO-1)
     sequence_parallel: bool | None = None  # Megatron sequence parallelism; None = on when tp > 1 on CUDA
+    # The EMA teacher's fp32 copy: full on every rank, or sharded over DP like the distributed
+    # optimizer's main params (needs distributed_optimizer; the bf16 forward copy is all-gathered)
+    teacher_fp32: Literal["full", "sharded"] = "full"
+    teacher_offload: bool = False  # keep the bf16 teacher in host memory except for its forward and update
+    # colocated engine: grads, optimizer state and teacher leave the accelerator during rollouts
+    offload_during_rollout: bool = False
 
     def __post_init__(self) -> None:
         for name in ("tp", "pp", "cp", "ep", "etp"):
@@ -42,6 +49,11 @@ class ParallelConfig:
                 raise ValueError(f"parallel.{name}={value} must be >= 1")
         if self.sequence_parallel and self.tp == 1:
             raise ValueError("parallel.sequence_parallel=true needs parallel.tp > 1; set it to false")
+        if self.teacher_fp32 == "sharded" and not self.distributed_optimizer:
+            raise ValueError(
+                "parallel.teacher_fp32=sharded shards the EMA copy like the distributed optimizer's main "
+                "params: set parallel.distributed_optimizer=true, or teacher_fp32=full"
+            )
 
 
 _CPU = torch.device("cpu")

@@ -28,6 +28,7 @@ from srpo_megatron.trainer.config import TrainConfig
 from srpo_megatron.trainer.evaluation import BudgetClock, evaluate_policy
 from srpo_megatron.trainer.learning import learn
 from srpo_megatron.trainer.metrics import MetricsLogger
+from srpo_megatron.trainer.offload import save_while_offloaded
 from srpo_megatron.trainer.policy import Policy
 from srpo_megatron.trainer.preflight import check_layout, check_rewards, data_summary
 from srpo_megatron.trainer.resume import resume_point
@@ -65,6 +66,7 @@ def train(cfg: TrainConfig) -> dict:
         step, version, history = state["step"], state["weight_version"], state["history"]
         sampler.load_state_dict(state["sampler"])
         clock = BudgetClock(state.get("budget_clock_s", 0.0))
+    policy.offload.before_rollouts()  # parallel.offload_during_rollout (trainer/offload.py)
     rollouts.sync(version)  # the engine serves exactly the trainer's weights from here on
     logger = MetricsLogger(run_dir, cfg.run, total=cfg.train.steps, start=step) if rank0 else None
     if rank0:
@@ -79,16 +81,19 @@ def train(cfg: TrainConfig) -> dict:
         batch = rollouts.collect(
             [train_set[i] for i in sampler.next_indices(cfg.rollout.prompts_per_step)], step
         )
+        rollout_memory = policy.offload.after_rollouts()  # the engine released its memory: take it back
         mine = rank_share(batch.samples, cfg.train.mini_batches, groups.dp_size, groups.dp_rank)
         scored = score_rollouts(policy, mine)  # π_old, top-K ids, teacher: once, before any optimizer step
         learned = learn(policy, scored, cfg.train.mini_batches)
         policy.update_teacher()
         version += 1
+        policy.offload.before_rollouts()
         sync_s = rollouts.sync(version)
         step += 1
         stats = gather_stats(reduce_stats([scored.stats, learned]), groups.host)
         metrics = step_metrics(batch, stats, sync_s, time.monotonic() - t0)
         metrics["engine/restarts"] = float(rollouts.restarts)
+        metrics.update(rollout_memory)
         history["sdpo_fracs"].append(metrics["route/sdpo_frac"])
         if rank0:
             logger.log(step, metrics)
@@ -96,8 +101,17 @@ def train(cfg: TrainConfig) -> dict:
             evaluate()
         if (cfg.run.save_every and step % cfg.run.save_every == 0) or step == cfg.train.steps:
             state = {"weight_version": version, "sampler": sampler.state_dict(), "history": history}
-            save_checkpoint(
-                policy, run_dir, step, {**state, "budget_clock_s": clock.elapsed()}, cfg.run.keep_last
+            state["budget_clock_s"] = clock.elapsed()
+            save_while_offloaded(  # save_checkpoint with the offloaded state back (trainer/offload.py)
+                policy.offload,
+                rollouts,
+                version,
+                save_checkpoint,
+                policy,
+                run_dir,
+                step,
+                state,
+                cfg.run.keep_last,
             )
     if cfg.train.eval_at_ends:
         evaluate()

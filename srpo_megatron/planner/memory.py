@@ -15,14 +15,15 @@ Two phases share each GPU when the SGLang engine is colocated (``rollout.placeme
 Options (``PlanSettings``), and which the trainer implements today:
 
 - implemented: ``tp``, ``pp``, ``distributed_optimizer``, bf16/fp32 params, the EMA teacher with a full
-  (unsharded) fp32 copy (``teacher_fp32: full``), colocated SGLang that releases its memory for training,
-  no activation recompute (``recompute: none``), micro-batches padded to ``model.max_sequence_length``,
-  ``cp`` (each rank holds 1/CP of every packed sequence; the trainer needs packing for it);
-- modelled ahead of the trainer (other work in progress): ``ep``/``etp`` (MoE), ``recompute:
-  selective|full``, ``sequence_parallel``, ``teacher_fp32: sharded`` (the fp32 copy sharded over DP like
-  the main params), ``teacher_offload`` (the bf16 teacher in host memory between its forwards),
-  ``offload_during_rollout`` (grads, optimizer state and teacher leave the GPU while the engine runs),
-  and ``optimizer_offload`` (megatron's CPU optimizer: the optimizer state lives in host memory).
+  or DP-sharded fp32 copy (``teacher_fp32: full|sharded``, trainer/ema_shard.py), ``teacher_offload``
+  (the bf16 teacher in host memory between its forwards) and ``offload_during_rollout`` (grads,
+  optimizer state and teacher leave the GPU while the engine runs; trainer/offload.py, whose resident
+  bytes per component equal this plan's, tests/dist/test_offload.py), colocated SGLang that releases its
+  memory for training, no activation recompute (``recompute: none``), micro-batches padded to
+  ``model.max_sequence_length``, ``cp`` (each rank holds 1/CP of every packed sequence; the trainer needs
+  packing for it), ``ep``/``etp`` (MoE, trainer/moe_routing.py);
+- modelled ahead of the trainer: ``recompute: selective|full``, ``sequence_parallel``, and
+  ``optimizer_offload`` (megatron's CPU optimizer: the optimizer state lives in host memory).
 
 Activations per layer and token follow what megatron's local layer spec saves for backward (measured
 with saved-tensor hooks in tests/unit/test_planner.py): 6·H for the norms and residual branch (÷TP with

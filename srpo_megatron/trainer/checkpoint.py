@@ -25,6 +25,7 @@ pickles: load only checkpoints from a source you trust, as torch says for ``torc
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -55,6 +56,7 @@ from srpo_megatron.trainer.checkpoint_files import (
     write_manifest,
     write_text_durably,
 )
+from srpo_megatron.trainer.ema_shard import load_teacher_fp32, teacher_fp32_state
 
 TEACHER_PREFIX = "teacher."
 STATE_FILE = "trainer_state.json"
@@ -79,12 +81,85 @@ def latest_checkpoint(run_dir: str | Path) -> Path | None:
     return path if path.is_dir() else None
 
 
+def _load_tensors(runtime: Any, path: Path) -> None:
+    """Policy, teacher (and its fp32 EMA copy when saved) and optimizer state from ``path``."""
+    from megatron.core import dist_checkpointing
+
+    sharded = _sharded_state(runtime, loading=True)
+    stored = stored_sharded_keys(str(path))
+    fp32 = sharded.get("teacher_fp32", {})
+    if fp32 and any(sh.key not in stored for sh in fp32.values()):
+        del sharded["teacher_fp32"]  # saved before the fp32 copy was checkpointed: rebuilt from bf16
+    for part in ("model", "teacher"):  # saved without TE, resumed with TE: see drop_absent_extra_state
+        if part in sharded:
+            drop_absent_extra_state(sharded[part], stored, str(path))
+    try:
+        loaded = dist_checkpointing.load(sharded, str(path))
+    except Exception as e:  # megatron/torch name neither the directory nor what to do
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0][:300]
+        raise CheckpointError(
+            f"{path}: loading the model/optimizer shards failed ({type(e).__name__}: {first}); the recipe's "
+            "model must match the checkpoint's (see its recipe.yaml)"
+        ) from e
+    strip = lambda sd, p: {k[len(p) :] if k.startswith(p) else k: v for k, v in sd.items()}  # noqa: E731
+    runtime.model.load_state_dict(strip(loaded["model"], POLICY_PREFIX), strict=False)
+    if runtime.teacher is not None:
+        runtime.teacher.module.load_state_dict(strip(loaded["teacher"], TEACHER_PREFIX), strict=False)
+        runtime.teacher.reset_master()
+        if "teacher_fp32" in loaded:  # the exact EMA; without it one bf16 rounding (older checkpoints)
+            load_teacher_fp32(runtime.teacher, loaded["teacher_fp32"])
+    with _keep_torch_adam_step(runtime.optimizer):
+        runtime.optimizer.load_state_dict(loaded["optimizer"])
+
+
+@contextlib.contextmanager
+def _keep_torch_adam_step(optimizer: Any):
+    """Shim for megatron-core 0.16's fully_reshardable load with torch Adam (no Apex/TE, i.e. CPU).
+
+    ``DistributedOptimizer.load_state_dict`` restores torch Adam's per-parameter ``step`` from the param
+    groups, then ``_set_main_param_and_optimizer_states`` copies every state key of the parameter from
+    the loaded tensors, which never carry ``step`` (KeyError). The shim hands it the restored ``step``
+    itself (a copy onto itself). FusedAdam (GPU) keeps ``step`` in the param groups and never needs it.
+    """
+    patched = []
+    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
+        if not hasattr(opt, "_set_main_param_and_optimizer_states"):
+            continue
+        original = opt._set_main_param_and_optimizer_states
+
+        def with_step(model_param, tensors, opt=opt, original=original):
+            group, order = opt.model_param_group_index_map[model_param]
+            state = opt.optimizer.state[opt.optimizer.param_groups[group]["params"][order]]
+            if "step" in state and "step" not in tensors:
+                tensors = {**tensors, "step": state["step"]}
+            return original(model_param, tensors)
+
+        opt._set_main_param_and_optimizer_states = with_step
+        patched.append(opt)
+    try:
+        yield
+    finally:
+        for opt in patched:
+            del opt._set_main_param_and_optimizer_states  # back to the class's method
+
+
 def _sharded_state(runtime: Any, loading: bool) -> dict[str, Any]:
     model_sd = runtime.model.sharded_state_dict(prefix=POLICY_PREFIX)
     state: dict[str, Any] = {"model": model_sd}
     if runtime.teacher is not None:
         state["teacher"] = runtime.teacher.module.sharded_state_dict(prefix=TEACHER_PREFIX)
-    state["optimizer"] = runtime.optimizer.sharded_state_dict(model_sd, is_loading=loading)
+        fp32 = teacher_fp32_state(runtime.teacher, runtime.model, model_sd, loading)  # ema_shard.py
+        if fp32:
+            state["teacher_fp32"] = fp32
+    # The distributed optimizer's default format (fully_sharded_model_space) builds flattened_range
+    # tensors, which megatron-core 0.16 refuses on save; fully_reshardable stores model-shaped state
+    # (gathered on DP rank 0) and reshards over DP, TP and PP on load. Other optimizers ignore it.
+    meta = {"distrib_optim_sharding_type": "fully_reshardable"}
+    if loading:  # its sharded_state_dict reads the moments' step: give a fresh optimizer states to load into
+        for opt in getattr(runtime.optimizer, "chained_optimizers", [runtime.optimizer]):
+            if hasattr(opt, "_init_optimizer_states_with_dummy_values") and not opt.optimizer.state:
+                opt._init_optimizer_states_with_dummy_values()  # overwritten by the load
+    state["optimizer"] = runtime.optimizer.sharded_state_dict(model_sd, is_loading=loading, metadata=meta)
     return state
 
 
@@ -159,7 +234,8 @@ def save_checkpoint(
         shutil.rmtree(tmp, ignore_errors=True)
         (tmp / "rng").mkdir(parents=True)
     _barrier()
-    dist_checkpointing.save(_sharded_state(runtime, loading=False), str(tmp))
+    with runtime.offload.all_on_device():  # host-resident teacher (trainer/offload.py)
+        dist_checkpointing.save(_sharded_state(runtime, loading=False), str(tmp))
     torch.save(_rng_state(), tmp / "rng" / f"rank_{_rank():05d}.pt")
     if _rank() == 0:
         import yaml
@@ -190,28 +266,9 @@ def load_checkpoint(runtime: Any, path: str | Path, log=print) -> dict:
 
     ``path`` must have passed :func:`~srpo_megatron.trainer.checkpoint_files.verify_checkpoint`.
     """
-    from megatron.core import dist_checkpointing
-
     path = Path(path)
-    sharded = _sharded_state(runtime, loading=True)
-    stored = stored_sharded_keys(str(path))
-    for part in ("model", "teacher"):  # saved without TE, resumed with TE: see drop_absent_extra_state
-        if part in sharded:
-            drop_absent_extra_state(sharded[part], stored, str(path))
-    try:
-        loaded = dist_checkpointing.load(sharded, str(path))
-    except Exception as e:  # megatron/torch name neither the directory nor what to do
-        first = (str(e).strip().splitlines() or [type(e).__name__])[0][:300]
-        raise CheckpointError(
-            f"{path}: loading the model/optimizer shards failed ({type(e).__name__}: {first}); the recipe's "
-            "model must match the checkpoint's (see its recipe.yaml)"
-        ) from e
-    strip = lambda sd, p: {k[len(p) :] if k.startswith(p) else k: v for k, v in sd.items()}  # noqa: E731
-    runtime.model.load_state_dict(strip(loaded["model"], POLICY_PREFIX), strict=False)
-    if runtime.teacher is not None:
-        runtime.teacher.module.load_state_dict(strip(loaded["teacher"], TEACHER_PREFIX), strict=False)
-        runtime.teacher.reset_master()
-    runtime.optimizer.load_state_dict(loaded["optimizer"])
+    with runtime.offload.all_on_device():  # the host-resident teacher loads in place (trainer/offload.py)
+        _load_tensors(runtime, path)
     state = json.loads((path / STATE_FILE).read_text())
     runtime.scheduler.load_state_dict(state["scheduler"])
     rng = path / "rng" / f"rank_{_rank():05d}.pt"

@@ -26,6 +26,8 @@ from srpo_megatron.models.policy import build_policy
 from srpo_megatron.parallel import ParallelGroups
 from srpo_megatron.trainer.config import TrainConfig
 from srpo_megatron.trainer.moe_routing import check_replay_config
+from srpo_megatron.trainer.ema_shard import ShardedEmaTeacher
+from srpo_megatron.trainer.offload import Offloader
 from srpo_megatron.trainer.teacher import EmaTeacher, fp32_main_params
 
 
@@ -59,6 +61,7 @@ class Policy:
             context_parallel_size=groups.cp_size,  # CP attention (TE on GPU, SDPA + K/V gather on CPU)
             **overrides,
         )
+        self.build_module = build  # another module of the policy's architecture (the teacher, tests)
         torch.manual_seed(cfg.run.seed)
         self.model = build()
         self._load_initial(self.model)
@@ -76,12 +79,14 @@ class Policy:
             perf_choice.optimizer_config(cfg.optim, dtype=dtype, ddp=ddp_config), [self.ddp]
         )
         self.scheduler = self._build_scheduler()
-        self.teacher: EmaTeacher | None = None
+        self.teacher: EmaTeacher | ShardedEmaTeacher | None = None
         if cfg.loss.mode != "grpo":
             module = build()
             module.load_state_dict(self.model.state_dict())
             module.to(self.device)
-            self.teacher = EmaTeacher(module, cfg.teacher.kind, cfg.teacher.ema_alpha)
+            self.teacher = _build_teacher(module, cfg, self.optimizer, self.model)
+        par = cfg.parallel  # colocated offload and the host-resident teacher (trainer/offload.py)
+        self.offload = Offloader(self, par.offload_during_rollout, par.teacher_offload)
         # Padded vocabulary rows (TP·128 multiple) are not tokens: mask them out of every softmax.
         v_pad = padded_vocab_size(self.arch.vocab_size, groups.tp_size)
         shard = v_pad // groups.tp_size
@@ -129,5 +134,18 @@ class Policy:
 
     def update_teacher(self) -> None:
         """EMA teacher update from the fp32 main params (see ``trainer/teacher.py``)."""
-        if self.teacher is not None and self.teacher.kind == "ema":
-            self.teacher.update(fp32_main_params(self.optimizer, self.model, self.device))
+        if self.teacher is None or self.teacher.kind != "ema":
+            return
+        with self.offload.teacher_on_device():
+            if isinstance(self.teacher, ShardedEmaTeacher):
+                self.teacher.update()  # reads its shards of the main params (trainer/ema_shard.py)
+            else:
+                self.teacher.update(fp32_main_params(self.optimizer, self.model, self.device))
+
+
+def _build_teacher(module: torch.nn.Module, cfg: TrainConfig, optimizer, model: torch.nn.Module):
+    """The EMA teacher with a full fp32 copy, or sharded over DP (``parallel.teacher_fp32``)."""
+    t = cfg.teacher
+    if cfg.parallel.teacher_fp32 == "sharded" and t.kind == "ema":
+        return ShardedEmaTeacher(module, t.kind, t.ema_alpha, optimizer, model)
+    return EmaTeacher(module, t.kind, t.ema_alpha)

@@ -47,6 +47,9 @@ MAY_CHANGE_ON_RESUME: dict[str, str] = {
     "train.max_tokens_per_micro_batch": "memory only: packing leaves the objective unchanged",
     "train.eval_at_start": "evaluation only",
     "performance.*": "kernels, recompute and overlap: the same maths",
+    "parallel.teacher_offload": "memory only: where the bf16 teacher waits between its forwards",
+    "parallel.offload_during_rollout": "memory only: where the trainer's state waits during rollouts",
+    "parallel.teacher_fp32": "the fp32 EMA is saved whole per parameter: full and sharded load it alike",
 }
 # Why the rest is refused, by section (for the error message).
 _FIXED_BECAUSE = {

@@ -104,7 +104,8 @@ def score_rollouts(policy: Policy, samples: list[Sample]) -> ScoredBatch:
             tokens.teacher_token_logp[rows] = ts.token_logp.float()
             tokens.teacher[every] = True
 
-        run_schedule(policy.teacher.module, t_micro, on_teacher, policy.vocab_pad, forward_only=True)
+        with policy.offload.teacher_on_device():  # parallel.teacher_offload: on host otherwise
+            run_schedule(policy.teacher.module, t_micro, on_teacher, policy.vocab_pad, forward_only=True)
         if g.is_last_stage:
             cpar.gather_rows(tokens, cpar.TEACHER_FIELDS, g.cp)
     stats = StepStats(
