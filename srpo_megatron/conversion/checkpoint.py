@@ -200,7 +200,7 @@ def hf_to_megatron(
                 groups.setdefault(ptr, []).append(sh)
         done, mapped = [0], [0]
 
-        def data_of(group: list) -> list[torch.Tensor]:
+        def data_of(group: list) -> list[list[torch.Tensor]]:
             local_name, param = params[group[0].data.untyped_storage().data_ptr()]
             name = rank_param_name(table, local_name, 0)
             hf = {h: reader.get(h) for h in table.hf_names_for(name)}
@@ -211,22 +211,21 @@ def hf_to_megatron(
             if mapped[0] >= largest:
                 reader.close()
                 mapped[0] = 0
-            hf = {h: t.to(dtype) for h, t in hf.items()}
-            full = table.to_megatron(name, hf)
-            # The param's dtype (megatron keeps e.g. norm weights in fp32 in a bf16 model), as copy_ would.
-            full = full.to(param.dtype)
-            if full.shape != param.shape:
+            if table.full_shape(name) != tuple(param.shape):
                 raise ConversionError(
-                    f"shape mismatch for {local_name}: expected {tuple(param.shape)}, got {tuple(full.shape)}"
+                    f"shape mismatch for {local_name}: expected {tuple(param.shape)}, "
+                    f"got {table.full_shape(name)}"
                 )
+            # The full tensor as pieces (views of the mmapped HF tensors unless a dtype changes), never
+            # concatenated: each chunk is written straight from them. The dtype steps are the ones a
+            # built tensor would take: HF -> conversion dtype -> the param's (megatron keeps e.g. norm
+            # weights in fp32 in a bf16 model), as copy_ would.
+            hf = {h: t.to(dtype) for h, t in hf.items()}
+            pieces = [p.to(param.dtype) for p in table.to_megatron_pieces(name, hf)]
             done[0] += 1
             if done[0] % 50 == 0 or done[0] == len(groups):
                 progress(f"converted {done[0]}/{len(groups)} megatron tensors")
-            base = param.storage_offset()
-            return [
-                full.as_strided(sh.data.shape, sh.data.stride(), sh.data.storage_offset() - base)
-                for sh in group
-            ]
+            return [_chunk_pieces(pieces, sh.data, param) for sh in group]
 
         progress(f"saving dist_checkpointing checkpoint ({arch.model_type}, {dtype}) to {out_dir}")
         write_streamed_checkpoint(tmp, sharded, common, data_of, list(groups.values()))
@@ -236,6 +235,26 @@ def hf_to_megatron(
         _copy_assets(hf_dir, tmp / HF_ASSETS_DIR)
     progress(f"done: {out_dir}")
     return Path(out_dir)
+
+
+def _chunk_pieces(pieces: list[torch.Tensor], view: torch.Tensor, param: torch.Tensor) -> list[torch.Tensor]:
+    """The elements of ``view`` (a ShardedTensor's view of ``param``) taken from the full tensor's pieces.
+
+    A contiguous view is a range of the full tensor's row-major elements: the overlapping slices of the
+    pieces (views, no copy). Otherwise the full tensor is built and the view's strides applied to it.
+    """
+    start = view.storage_offset() - param.storage_offset()
+    if not view.is_contiguous():
+        full = torch.cat([p.reshape(-1) for p in pieces])
+        return [full.as_strided(view.shape, view.stride(), start).contiguous()]
+    end, pos, out = start + view.numel(), 0, []
+    for p in pieces:
+        n = p.numel()
+        lo, hi = max(start - pos, 0), min(end - pos, n)
+        if lo < hi:
+            out.append(p.reshape(-1)[lo:hi])
+        pos += n
+    return out
 
 
 def stored_policy_dtype(ckpt_dir: str | Path) -> torch.dtype:
