@@ -18,9 +18,14 @@ layout (SwiGLU fc1 split into gate/up chunks, tied-embedding replicas, padded vo
 hand-written layout logic can drift. The skeleton's parameters are never filled: ``hf_to_megatron``
 streams one table row at a time (read the HF tensors, build the full megatron tensor, write its chunks)
 through ``conversion.stream_writer``, which writes the same torch_dist files ``dist_checkpointing.save``
-would. Peak memory is a few of the largest tensors; ``tools/bench_conversion.py`` measures it. The vocab
-is padded for TP1 (a multiple of 128); loading at TP>1 zero-fills the extra padded rows
-(``allow_shape_mismatch``).
+would. Each row is handed to the writer as pieces (``ConversionTable.to_megatron_pieces``: views of the
+mmapped HF tensors) and written with no full tensor built. Peak memory is a few of the largest tensors;
+``tools/bench_conversion.py`` measures it. The vocab is padded for TP1 (a multiple of 128); loading at
+TP>1 zero-fills the extra padded rows (``allow_shape_mismatch``).
+
+Export streams the same way in reverse: the skeleton's ShardedTensors name the checkpoint regions of each
+parameter, ``dist_reader.TorchDistReader`` reads just those chunks, and ``PlannedSafetensorsWriter``
+writes the HF tensors at offsets planned from the table, so the whole model is never in memory.
 """
 
 from __future__ import annotations
