@@ -149,7 +149,7 @@ def _bench(name: str, config, work: Path, repeats: int) -> dict:
             sizes += [h.get_slice(k).get_shape() for k in h.keys()]  # noqa: SIM118
     sizes = [4 * _prod(shape) for shape in sizes]  # fp32
     total, largest = sum(sizes), max(sizes)
-    print(f"{name}: {total / 1e6:.1f} MB in {len(sizes)} tensors, largest {largest / 1e6:.1f} MB")
+    print(f"{name}: {total / 1e6:.1f} MB in {len(sizes)} tensors, largest {largest / 1e6:.1f} MB", flush=True)
     # The export stage reads a converted checkpoint: made once, outside the timings.
     _run_child("convert", src, work / "megatron_src")
 
@@ -160,6 +160,8 @@ def _bench(name: str, config, work: Path, repeats: int) -> dict:
         runs["copy"].append(_run_child("copy", src, work / "copy"))
         runs["convert"].append(_run_child("convert", src, work / "megatron"))
         runs["export"].append(_run_child("export", work / "megatron_src", work / "export"))
+        seconds = {stage: round(rs[-1]["seconds"], 2) for stage, rs in runs.items()}
+        print(f"{name} run: {seconds} s, load average {os.getloadavg()[0]:.1f}", flush=True)
     best = {
         stage: {
             "seconds": min(r["seconds"] for r in rs),
