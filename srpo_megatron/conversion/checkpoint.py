@@ -16,7 +16,7 @@ Why a TP1/PP1 skeleton on import: megatron's own ``sharded_state_dict`` then pro
 layout (SwiGLU fc1 split into gate/up chunks, tied-embedding replicas, padded vocab flagged
 ``allow_shape_mismatch``), so the checkpoint loads at ANY TP/PP with megatron's resharding and no
 hand-written layout logic can drift. The skeleton's parameters are never filled: ``hf_to_megatron``
-streams one table row at a time (read the HF tensors, build the full megatron tensor, write its chunks)
+streams one table row at a time (read the HF tensors, write the chunks of the full megatron tensor)
 through ``conversion.stream_writer``, which writes the same torch_dist files ``dist_checkpointing.save``
 would. Each row is handed to the writer as pieces (``ConversionTable.to_megatron_pieces``: views of the
 mmapped HF tensors) and written with no full tensor built. Peak memory is a few of the largest tensors;
