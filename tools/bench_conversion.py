@@ -1,23 +1,29 @@
 #!/usr/bin/env python3
-"""Benchmark HF -> megatron conversion against a plain safetensors read+write of the same bytes.
+"""Benchmark HF <-> megatron conversion against a plain safetensors read+write of the same bytes.
 
-Builds a random HF checkpoint (default: SmolLM2-135M's shapes, fp32), then, each in a fresh child
-process (so the peak-RSS numbers are not polluted by each other), ``--repeats`` times alternately:
+Builds two random HF checkpoints (fp32): a dense one (default: SmolLM2-135M's shapes, 273 tensors) and a
+Qwen3-MoE one with many small experts (default: 8 layers x 128 experts, ~3,100 tensors). For each, in a
+fresh child process per run (so the peak-RSS numbers are not polluted by each other), ``--repeats`` times
+in turn:
   1. copy:    read every tensor with ``safe_open`` and write them all with ``save_file``;
-  2. convert: ``srpo_megatron.conversion.checkpoint.hf_to_megatron`` (dist_checkpointing output).
-Prints per-stage lines, then one JSON object as the last line with
-``throughput_vs_copy`` (best copy seconds / best convert seconds, same bytes) and
-``peak_rss_vs_largest_tensor`` ((peak RSS - RSS after imports) / largest tensor bytes, worst run) for the
-conversion. Peak RSS is the kernel's VmHWM, restarted after the imports. Goals (issue #4): >= 0.5 and
-<= 3; this script reports them, it does not assert them.
+  2. convert: ``srpo_megatron.conversion.checkpoint.hf_to_megatron`` (torch_dist output, fsynced);
+  3. export:  ``megatron_to_hf`` of a converted checkpoint back to HF safetensors (fsynced).
+Dirty pages are flushed (``os.sync``) before every run, so no run pays for the previous one's writeback.
+Prints per-stage lines, then one JSON object as the last line with, per checkpoint (``dense``, ``moe``):
+``throughput_vs_copy`` / ``export_throughput_vs_copy`` (best copy seconds / best convert or export
+seconds, same bytes) and ``peak_rss_vs_largest_tensor`` / ``export_peak_rss_vs_largest_tensor`` ((peak
+RSS - RSS after imports) / largest tensor bytes, worst run). Peak RSS is the kernel's VmHWM, restarted
+after the imports. Goals (issues #4, #13): throughput >= 0.5, peak <= 3; reported, not asserted.
 
-    tools/bench_conversion.py [--layers 30] [--hidden 576] [--vocab 49152] [--repeats 5] [--workdir DIR]
+    tools/bench_conversion.py [--layers 30] [--hidden 576] [--vocab 49152] [--moe-experts 128]
+                              [--only dense|moe] [--repeats 5] [--workdir DIR]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -57,7 +63,7 @@ def _child(mode: str, src: str, dst: str) -> None:
     import srpo_megatron.conversion.stream_writer
     import srpo_megatron.models.policy
     import srpo_megatron.parallel  # noqa: F401
-    from srpo_megatron.conversion.checkpoint import hf_to_megatron
+    from srpo_megatron.conversion.checkpoint import hf_to_megatron, megatron_to_hf
 
     baseline = _rss_now()
     _reset_peak_rss()
@@ -69,16 +75,20 @@ def _child(mode: str, src: str, dst: str) -> None:
                 tensors.update({k: h.get_tensor(k) for k in h.keys()})  # noqa: SIM118
         Path(dst).mkdir(parents=True, exist_ok=True)
         save_file(tensors, str(Path(dst) / "model.safetensors"))
-    else:
+    elif mode == "convert":
         hf_to_megatron(src, dst, progress=lambda _: None)
+    else:
+        megatron_to_hf(src, dst, progress=lambda _: None)
     seconds = time.perf_counter() - start
     peak = _peak_rss()
     print(json.dumps({"seconds": seconds, "peak_above_baseline": peak - baseline}))
 
 
 def _run_child(mode: str, src: Path, dst: Path) -> dict:
-    # Both stages start from no output: removing a previous run's files is not part of either.
+    # Every stage starts from no output and no dirty pages: removing a previous run's files and writing
+    # back what it left in the page cache are not part of the next run.
     shutil.rmtree(dst, ignore_errors=True)
+    os.sync()
     out = subprocess.run(
         [sys.executable, __file__, "--child", mode, str(src), str(dst)],
         capture_output=True,
@@ -90,28 +100,10 @@ def _run_child(mode: str, src: Path, dst: Path) -> dict:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(description="HF->megatron conversion throughput and peak memory")
-    p.add_argument("--layers", type=int, default=30)
-    p.add_argument("--hidden", type=int, default=576)
-    p.add_argument("--intermediate", type=int, default=1536)
-    p.add_argument("--heads", type=int, default=9)
-    p.add_argument("--kv-heads", type=int, default=3)
-    p.add_argument("--vocab", type=int, default=49152)
-    p.add_argument("--repeats", type=int, default=5, help="runs of each stage (best time, worst peak)")
-    p.add_argument("--workdir", default=None, help="scratch directory (default: a temp dir)")
-    p.add_argument("--child", nargs=3, help=argparse.SUPPRESS)
-    args = p.parse_args()
-    if args.child:
-        _child(*args.child)
-        return
+def _dense_config(args):
+    from transformers import LlamaConfig
 
-    import torch
-    from transformers import AutoModelForCausalLM, LlamaConfig
-
-    work = Path(args.workdir or tempfile.mkdtemp(prefix="bench_conversion_"))
-    src = work / "hf"
-    config = LlamaConfig(
+    return LlamaConfig(
         hidden_size=args.hidden,
         intermediate_size=args.intermediate,
         num_hidden_layers=args.layers,
@@ -120,37 +112,117 @@ def main() -> None:
         vocab_size=args.vocab,
         tie_word_embeddings=False,
     )
+
+
+def _moe_config(args):
+    from transformers import Qwen3MoeConfig
+
+    return Qwen3MoeConfig(
+        hidden_size=args.moe_hidden,
+        intermediate_size=2 * args.moe_hidden,
+        moe_intermediate_size=args.moe_intermediate,
+        num_experts=args.moe_experts,
+        num_experts_per_tok=8,
+        num_hidden_layers=args.moe_layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=64,
+        vocab_size=args.moe_vocab,
+        tie_word_embeddings=False,
+    )
+
+
+def _bench(name: str, config, work: Path, repeats: int) -> dict:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    src = work / "hf"
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     model.save_pretrained(src, max_shard_size="200MB")
-    sizes = [t.numel() * t.element_size() for t in model.state_dict().values()]
-    total, largest = sum(sizes), max(sizes)
     del model
-    print(f"checkpoint: {total / 1e6:.1f} MB in {len(sizes)} tensors, largest {largest / 1e6:.1f} MB")
+    from safetensors import safe_open
 
-    # Alternate the two stages and keep each one's best time (and worst peak): on a shared machine a
-    # single run of either can be slowed by others' load, which would bias the ratio either way.
-    runs: dict[str, list[dict]] = {"copy": [], "convert": []}
-    for _ in range(args.repeats):
+    sizes = []
+    for f in sorted(src.glob("*.safetensors")):
+        with safe_open(f, framework="pt") as h:
+            sizes += [h.get_slice(k).get_shape() for k in h.keys()]  # noqa: SIM118
+    sizes = [4 * _prod(shape) for shape in sizes]  # fp32
+    total, largest = sum(sizes), max(sizes)
+    print(f"{name}: {total / 1e6:.1f} MB in {len(sizes)} tensors, largest {largest / 1e6:.1f} MB", flush=True)
+    # The export stage reads a converted checkpoint: made once, outside the timings.
+    _run_child("convert", src, work / "megatron_src")
+
+    # Alternate the stages and keep each one's best time (and worst peak): on a shared machine a single
+    # run of any of them can be slowed by others' load, which would bias the ratios either way.
+    runs: dict[str, list[dict]] = {"copy": [], "convert": [], "export": []}
+    for _ in range(repeats):
         runs["copy"].append(_run_child("copy", src, work / "copy"))
         runs["convert"].append(_run_child("convert", src, work / "megatron"))
-    copy, conv = (
-        {
-            "seconds": min(r["seconds"] for r in stage),
-            "peak_above_baseline": max(r["peak_above_baseline"] for r in stage),
+        runs["export"].append(_run_child("export", work / "megatron_src", work / "export"))
+        seconds = {stage: round(rs[-1]["seconds"], 2) for stage, rs in runs.items()}
+        print(f"{name} run: {seconds} s, load average {os.getloadavg()[0]:.1f}", flush=True)
+    best = {
+        stage: {
+            "seconds": min(r["seconds"] for r in rs),
+            "peak_above_baseline": max(r["peak_above_baseline"] for r in rs),
         }
-        for stage in (runs["copy"], runs["convert"])
-    )
-    for name, stage in (("plain copy", copy), ("conversion", conv)):
-        rate = total / stage["seconds"] / 1e6
-        print(f"{name}: {stage['seconds']:.2f} s, {rate:.0f} MB/s (best of {args.repeats})")
-    result = {
-        "throughput_vs_copy": round(copy["seconds"] / conv["seconds"], 3),
-        "peak_rss_vs_largest_tensor": round(conv["peak_above_baseline"] / largest, 3),
-        "copy_peak_rss_vs_largest_tensor": round(copy["peak_above_baseline"] / largest, 3),
-        "model_bytes_vs_largest_tensor": round(total / largest, 3),
-        "checkpoint_mb": round(total / 1e6, 1),
+        for stage, rs in runs.items()
     }
+    for stage, b in best.items():
+        rate = total / b["seconds"] / 1e6
+        print(f"{name} {stage}: {b['seconds']:.2f} s, {rate:.0f} MB/s (best of {repeats})")
+    copy = best["copy"]["seconds"]
+    return {
+        "throughput_vs_copy": round(copy / best["convert"]["seconds"], 3),
+        "export_throughput_vs_copy": round(copy / best["export"]["seconds"], 3),
+        "peak_rss_vs_largest_tensor": round(best["convert"]["peak_above_baseline"] / largest, 3),
+        "export_peak_rss_vs_largest_tensor": round(best["export"]["peak_above_baseline"] / largest, 3),
+        "copy_peak_rss_vs_largest_tensor": round(best["copy"]["peak_above_baseline"] / largest, 3),
+        "model_bytes_vs_largest_tensor": round(total / largest, 3),
+        "copy_seconds": round(copy, 3),
+        "convert_seconds": round(best["convert"]["seconds"], 3),
+        "export_seconds": round(best["export"]["seconds"], 3),
+        "checkpoint_mb": round(total / 1e6, 1),
+        "tensors": len(sizes),
+    }
+
+
+def _prod(shape) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description="HF<->megatron conversion throughput and peak memory")
+    p.add_argument("--layers", type=int, default=30)
+    p.add_argument("--hidden", type=int, default=576)
+    p.add_argument("--intermediate", type=int, default=1536)
+    p.add_argument("--heads", type=int, default=9)
+    p.add_argument("--kv-heads", type=int, default=3)
+    p.add_argument("--vocab", type=int, default=49152)
+    p.add_argument("--moe-layers", type=int, default=8)
+    p.add_argument("--moe-experts", type=int, default=128)
+    p.add_argument("--moe-hidden", type=int, default=256)
+    p.add_argument("--moe-intermediate", type=int, default=128)
+    p.add_argument("--moe-vocab", type=int, default=32000)
+    p.add_argument("--only", choices=["dense", "moe"], help="benchmark one checkpoint only")
+    p.add_argument("--repeats", type=int, default=5, help="runs of each stage (best time, worst peak)")
+    p.add_argument("--workdir", default=None, help="scratch directory (default: a temp dir)")
+    p.add_argument("--child", nargs=3, help=argparse.SUPPRESS)
+    args = p.parse_args()
+    if args.child:
+        _child(*args.child)
+        return
+
+    work = Path(args.workdir or tempfile.mkdtemp(prefix="bench_conversion_"))
+    result = {}
+    for name, config in (("dense", _dense_config(args)), ("moe", _moe_config(args))):
+        if args.only in (None, name):
+            shutil.rmtree(work / name, ignore_errors=True)
+            result[name] = _bench(name, config, work / name, args.repeats)
     print(json.dumps(result))
 
 

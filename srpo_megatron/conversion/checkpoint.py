@@ -16,11 +16,16 @@ Why a TP1/PP1 skeleton on import: megatron's own ``sharded_state_dict`` then pro
 layout (SwiGLU fc1 split into gate/up chunks, tied-embedding replicas, padded vocab flagged
 ``allow_shape_mismatch``), so the checkpoint loads at ANY TP/PP with megatron's resharding and no
 hand-written layout logic can drift. The skeleton's parameters are never filled: ``hf_to_megatron``
-streams one table row at a time (read the HF tensors, build the full megatron tensor, write its chunks)
+streams one table row at a time (read the HF tensors, write the chunks of the full megatron tensor)
 through ``conversion.stream_writer``, which writes the same torch_dist files ``dist_checkpointing.save``
-would. Peak memory is a few of the largest tensors; ``tools/bench_conversion.py`` measures it. The vocab
-is padded for TP1 (a multiple of 128); loading at TP>1 zero-fills the extra padded rows
-(``allow_shape_mismatch``).
+would. Each row is handed to the writer as pieces (``ConversionTable.to_megatron_pieces``: views of the
+mmapped HF tensors) and written with no full tensor built. Peak memory is a few of the largest tensors;
+``tools/bench_conversion.py`` measures it. The vocab is padded for TP1 (a multiple of 128); loading at
+TP>1 zero-fills the extra padded rows (``allow_shape_mismatch``).
+
+Export streams the same way in reverse: the skeleton's ShardedTensors name the checkpoint regions of each
+parameter, ``dist_reader.TorchDistReader`` reads just those chunks, and ``PlannedSafetensorsWriter``
+writes the HF tensors at offsets planned from the table, so the whole model is never in memory.
 """
 
 from __future__ import annotations
@@ -37,7 +42,8 @@ from pathlib import Path
 
 import torch
 
-from srpo_megatron.conversion.safetensors_io import HFCheckpointReader, ShardedSafetensorsWriter
+from srpo_megatron.conversion.dist_reader import TorchDistReader
+from srpo_megatron.conversion.safetensors_io import HFCheckpointReader, PlannedSafetensorsWriter
 from srpo_megatron.conversion.table import ConversionError, ConversionTable, canonical_name
 from srpo_megatron.models.architecture import Architecture, load_hf_config_dict
 from srpo_megatron.trainer.checkpoint_files import fsync_dir, fsync_tree
@@ -163,10 +169,6 @@ def hf_to_megatron(
 
     Must run in a process with an ``if __name__ == "__main__":`` guard (dist_checkpointing spawns).
     """
-    from megatron.core.dist_checkpointing.dict_utils import nested_values
-    from megatron.core.dist_checkpointing.mapping import ShardedTensor, is_main_replica
-    from megatron.core.dist_checkpointing.state_dict_utils import save_preprocess
-
     from srpo_megatron.conversion.stream_writer import write_streamed_checkpoint
     from srpo_megatron.conversion.weights import rank_param_name
 
@@ -185,22 +187,10 @@ def hf_to_megatron(
         # sharded_state_dict only supplies the checkpoint layout, and each ShardedTensor's data is a view
         # of one parameter, so its values are that view's slice of the table's full tensor.
         model = _skeleton(arch, dtype)
-        # One process holds the whole TP1 model, so every shard is its own main replica: megatron's
-        # cross-rank access-integrity check (an all-gather of all shard metadata) has nothing to find.
-        sharded, common = save_preprocess(
-            model.sharded_state_dict(prefix=POLICY_PREFIX), validate_access_integrity=False
-        )
-        params = {p.untyped_storage().data_ptr(): (n, p) for n, p in model.named_parameters()}
-        groups: dict[int, list] = {}
-        for sh in nested_values(sharded):
-            if isinstance(sh, ShardedTensor) and is_main_replica(sh.replica_id):
-                ptr = sh.data.untyped_storage().data_ptr()
-                if ptr not in params:
-                    raise ConversionError(f"checkpoint tensor {sh.key} is not a policy parameter")
-                groups.setdefault(ptr, []).append(sh)
+        sharded, common, params, groups = _sharded_layout(model)
         done, mapped = [0], [0]
 
-        def data_of(group: list) -> list[torch.Tensor]:
+        def data_of(group: list) -> list[list[torch.Tensor]]:
             local_name, param = params[group[0].data.untyped_storage().data_ptr()]
             name = rank_param_name(table, local_name, 0)
             hf = {h: reader.get(h) for h in table.hf_names_for(name)}
@@ -211,22 +201,21 @@ def hf_to_megatron(
             if mapped[0] >= largest:
                 reader.close()
                 mapped[0] = 0
-            hf = {h: t.to(dtype) for h, t in hf.items()}
-            full = table.to_megatron(name, hf)
-            # The param's dtype (megatron keeps e.g. norm weights in fp32 in a bf16 model), as copy_ would.
-            full = full.to(param.dtype)
-            if full.shape != param.shape:
+            if table.full_shape(name) != tuple(param.shape):
                 raise ConversionError(
-                    f"shape mismatch for {local_name}: expected {tuple(param.shape)}, got {tuple(full.shape)}"
+                    f"shape mismatch for {local_name}: expected {tuple(param.shape)}, "
+                    f"got {table.full_shape(name)}"
                 )
+            # The full tensor as pieces (views of the mmapped HF tensors unless a dtype changes), never
+            # concatenated: each chunk is written straight from them. The dtype steps are the ones a
+            # built tensor would take: HF -> conversion dtype -> the param's (megatron keeps e.g. norm
+            # weights in fp32 in a bf16 model), as copy_ would.
+            hf = {h: t.to(dtype) for h, t in hf.items()}
+            pieces = [p.to(param.dtype) for p in table.to_megatron_pieces(name, hf)]
             done[0] += 1
             if done[0] % 50 == 0 or done[0] == len(groups):
                 progress(f"converted {done[0]}/{len(groups)} megatron tensors")
-            base = param.storage_offset()
-            return [
-                full.as_strided(sh.data.shape, sh.data.stride(), sh.data.storage_offset() - base)
-                for sh in group
-            ]
+            return [_chunk_pieces(pieces, sh.data, param) for sh in group]
 
         progress(f"saving dist_checkpointing checkpoint ({arch.model_type}, {dtype}) to {out_dir}")
         write_streamed_checkpoint(tmp, sharded, common, data_of, list(groups.values()))
@@ -236,6 +225,68 @@ def hf_to_megatron(
         _copy_assets(hf_dir, tmp / HF_ASSETS_DIR)
     progress(f"done: {out_dir}")
     return Path(out_dir)
+
+
+def _sharded_layout(model: torch.nn.Module) -> tuple[dict, dict, dict[int, tuple], dict[int, list]]:
+    """A TP1/PP1 skeleton's checkpoint layout: (sharded part, common state) as ``save_preprocess`` makes
+    them, the parameters by storage pointer ``{ptr: (local name, param)}``, and per parameter the
+    ShardedTensors that are views of it ``{ptr: [sh, ...]}`` (SwiGLU fc1 has two: gate and up)."""
+    from megatron.core.dist_checkpointing.dict_utils import nested_values
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor, is_main_replica
+    from megatron.core.dist_checkpointing.state_dict_utils import save_preprocess
+
+    # One process holds the whole TP1 model, so every shard is its own main replica: megatron's
+    # cross-rank access-integrity check (an all-gather of all shard metadata) has nothing to find.
+    sharded, common = save_preprocess(
+        model.sharded_state_dict(prefix=POLICY_PREFIX), validate_access_integrity=False
+    )
+    params = {p.untyped_storage().data_ptr(): (n, p) for n, p in model.named_parameters()}
+    groups: dict[int, list] = {}
+    for sh in nested_values(sharded):
+        if isinstance(sh, ShardedTensor) and is_main_replica(sh.replica_id):
+            ptr = sh.data.untyped_storage().data_ptr()
+            if ptr not in params:
+                raise ConversionError(f"checkpoint tensor {sh.key} is not a policy parameter")
+            groups.setdefault(ptr, []).append(sh)
+    return sharded, common, params, groups
+
+
+def _chunk_pieces(pieces: list[torch.Tensor], view: torch.Tensor, param: torch.Tensor) -> list[torch.Tensor]:
+    """The elements of ``view`` (a ShardedTensor's view of ``param``) taken from the full tensor's pieces.
+
+    A contiguous view is a range of the full tensor's row-major elements: the overlapping slices of the
+    pieces (views, no copy). Otherwise the full tensor is built and the view's strides applied to it.
+    """
+    start = view.storage_offset() - param.storage_offset()
+    if not view.is_contiguous():
+        full = torch.cat([p.reshape(-1) for p in pieces])
+        return [full.as_strided(view.shape, view.stride(), start).contiguous()]
+    end, pos, out = start + view.numel(), 0, []
+    for p in pieces:
+        n = p.numel()
+        lo, hi = max(start - pos, 0), min(end - pos, n)
+        if lo < hi:
+            out.append(p.reshape(-1)[lo:hi])
+        pos += n
+    return out
+
+
+def _read_param(reader: TorchDistReader, param: torch.Tensor, group: list) -> torch.Tensor:
+    """``param``'s value in the checkpoint (its dtype, as ``load_state_dict``'s copy_ gives it), read from
+    the regions its ShardedTensors ``group`` name; the param itself is not touched."""
+    regions = [
+        reader.read(sh.key, sh.global_offset, (1,) * sh.prepend_axis_num + tuple(sh.local_shape))
+        for sh in group
+    ]
+    view = group[0].data
+    if len(group) == 1 and view.is_contiguous() and view.numel() == param.numel():
+        return regions[0].reshape(param.shape).to(param.dtype)
+    full = torch.empty(param.shape, dtype=param.dtype)
+    base = param.storage_offset()
+    for sh, region in zip(group, regions, strict=True):
+        offset = sh.data.storage_offset() - base
+        full.as_strided(sh.data.shape, sh.data.stride(), offset).copy_(region.reshape(sh.data.shape))
+    return full
 
 
 def stored_policy_dtype(ckpt_dir: str | Path) -> torch.dtype:
@@ -296,19 +347,28 @@ def megatron_to_hf(
     with atomic_output_dir(out_dir, force) as tmp, single_process_megatron():
         stored = stored_policy_dtype(ckpt_dir)
         out_dtype = dtype or stored
+        # As on import, the skeleton's parameters are never filled: its sharded_state_dict only says which
+        # checkpoint regions make each parameter, and each parameter is read, converted and written on
+        # its own (peak memory: a few of the largest tensors, not the model).
         model = _skeleton(arch, stored)
-        progress(f"loading {ckpt_dir} ({arch.model_type}, {stored})")
-        load_policy_checkpoint(model, ckpt_dir)
-        writer = ShardedSafetensorsWriter(tmp, max_shard_bytes)
-        params = dict(model.named_parameters())
-        for i, name in enumerate(table.megatron_names()):
-            local = name if name in params else None
-            if local is None:
-                raise ConversionError(f"policy has no parameter {name} (table and model disagree)")
-            for hf_name, tensor in table.to_hf(name, params[local].detach()):
-                writer.add(hf_name, tensor.to(out_dtype))
-            if (i + 1) % 50 == 0:
-                progress(f"exported {i + 1}/{len(params)} megatron tensors")
+        _, _, params, groups = _sharded_layout(model)
+        by_name = {params[ptr][0]: (params[ptr][1], group) for ptr, group in groups.items()}
+        progress(f"exporting {ckpt_dir} ({arch.model_type}, {stored} -> {out_dtype})")
+        reader = TorchDistReader(ckpt_dir)
+        plan = [(h, table.hf_shape(h)) for n in table.megatron_names() for h in table.hf_names_for(n)]
+        writer = PlannedSafetensorsWriter(tmp, plan, out_dtype, max_shard_bytes)
+        try:
+            for i, name in enumerate(table.megatron_names()):
+                if name not in by_name:
+                    raise ConversionError(f"policy has no parameter {name} (table and model disagree)")
+                param, group = by_name[name]
+                full = _read_param(reader, param, group)
+                for hf_name, tensor in table.to_hf(name, full):
+                    writer.write(hf_name, tensor.to(out_dtype))
+                if (i + 1) % 50 == 0:
+                    progress(f"exported {i + 1}/{len(by_name)} megatron tensors")
+        finally:
+            reader.close()
         writer.close()
         config = _with_dtype(config, out_dtype)
         (tmp / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
@@ -316,7 +376,7 @@ def megatron_to_hf(
         if assets.is_dir():
             for f in assets.iterdir():
                 shutil.copy2(f, tmp / f.name)
-        del model, params
+        del model, params, groups, by_name
     progress(f"done: {out_dir}")
     return Path(out_dir)
 

@@ -4,17 +4,23 @@
 a conversion holds only the tensors of the table row in flight. ``ShardedSafetensorsWriter`` buffers
 tensors until ``max_shard_bytes`` and flushes a shard; shards are named ``model-XXXXX-of-YYYYY`` once the
 count is known (or ``model.safetensors`` when there is one), with ``model.safetensors.index.json``.
+``PlannedSafetensorsWriter`` writes the same files from the list of (name, shape) known in advance, each
+tensor straight to its place in its shard, so it holds no shard in memory (the streamed export).
 """
 
 from __future__ import annotations
 
 import json
+import math
+import os
 import re
 from pathlib import Path
 
 import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
+
+from srpo_megatron.conversion.torch_save_format import tensor_bytes
 
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"
@@ -115,3 +121,123 @@ class ShardedSafetensorsWriter:
             weight_map.update(dict.fromkeys(names, final))
         index = {"metadata": {"total_size": self.total_bytes}, "weight_map": weight_map}
         (self.dir / INDEX_NAME).write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
+
+
+# safetensors' dtype names (the header's "dtype" field).
+_SAFETENSORS_DTYPES = {
+    torch.float64: "F64",
+    torch.float32: "F32",
+    torch.float16: "F16",
+    torch.bfloat16: "BF16",
+    torch.int64: "I64",
+    torch.int32: "I32",
+    torch.int16: "I16",
+    torch.int8: "I8",
+    torch.uint8: "U8",
+    torch.bool: "BOOL",
+}
+
+
+def _shard_header(names_shapes: list[tuple[str, tuple[int, ...]]], dtype: torch.dtype) -> tuple[bytes, dict]:
+    """(header bytes incl. the 8-byte length, {name: data offset}) as ``save_file(..., metadata={"format":
+    "pt"})`` lays out one dtype: tensors sorted by name, the JSON header padded with spaces to 8 bytes."""
+    header: dict = {"__metadata__": {"format": "pt"}}
+    offsets, pos = {}, 0
+    for name, shape in sorted(names_shapes):
+        nbytes = math.prod(shape) * dtype.itemsize
+        header[name] = {
+            "dtype": _SAFETENSORS_DTYPES[dtype],
+            "shape": list(shape),
+            "data_offsets": [pos, pos + nbytes],
+        }
+        offsets[name] = pos
+        pos += nbytes
+    text = json.dumps(header, separators=(",", ":")).encode()
+    text += b" " * (-len(text) % 8)
+    return len(text).to_bytes(8, "little") + text, offsets
+
+
+class PlannedSafetensorsWriter:
+    """The files :class:`ShardedSafetensorsWriter` writes for ``plan`` (``(name, shape)`` in ``add`` order,
+    one ``dtype``), written tensor by tensor at precomputed offsets: memory is the tensor being written.
+
+    Shards are cut where ``ShardedSafetensorsWriter`` cuts them (a tensor never splits; a new shard when
+    the next tensor would pass ``max_shard_bytes``), and each shard's header and order are ``save_file``'s,
+    so the output is byte-identical (``tests/unit/test_conversion_io.py``). ``write`` takes the tensors in
+    any order; ``close`` checks that every planned tensor was written once and writes the index.
+    """
+
+    def __init__(
+        self,
+        out_dir: str | Path,
+        plan: list[tuple[str, tuple[int, ...]]],
+        dtype: torch.dtype,
+        max_shard_bytes: int = 5 * 10**9,
+    ):
+        if dtype not in _SAFETENSORS_DTYPES:
+            raise ValueError(f"no safetensors dtype for {dtype}")
+        self.dir, self.dtype = Path(out_dir), dtype
+        shards: list[list[tuple[str, tuple[int, ...]]]] = [[]]
+        size = 0
+        for name, shape in plan:
+            nbytes = math.prod(shape) * dtype.itemsize
+            if shards[-1] and size + nbytes > max_shard_bytes:
+                shards.append([])
+                size = 0
+            shards[-1].append((name, tuple(shape)))
+            size += nbytes
+        n = len(shards)
+        self.files = (
+            [SINGLE_NAME] if n == 1 else [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
+        )
+        self._where: dict[str, tuple[int, int, tuple[int, ...]]] = {}  # name -> (fd, offset, shape)
+        self._fds: list[int] = []
+        self.total_bytes = sum(math.prod(shape) * dtype.itemsize for _, shape in plan)
+        self._weight_map = {}
+        for file, shard in zip(self.files, shards, strict=True):
+            header, offsets = _shard_header(shard, dtype)
+            fd = os.open(self.dir / file, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+            self._fds.append(fd)
+            _pwrite_all(fd, memoryview(header), 0)
+            data_bytes = sum(math.prod(shape) * dtype.itemsize for _, shape in shard)
+            os.ftruncate(fd, len(header) + data_bytes)
+            for name, shape in shard:
+                if name in self._where:
+                    raise ValueError(f"tensor {name} planned twice")
+                self._where[name] = (fd, len(header) + offsets[name], shape)
+                self._weight_map[name] = file
+        self._written: set[str] = set()
+
+    def write(self, name: str, tensor: torch.Tensor) -> None:
+        if name not in self._where:
+            raise ValueError(f"tensor {name} is not in the plan")
+        if name in self._written:
+            raise ValueError(f"tensor {name} written twice")
+        fd, offset, shape = self._where[name]
+        if tuple(tensor.shape) != shape or tensor.dtype != self.dtype:
+            raise ValueError(
+                f"tensor {name}: planned {shape} {self.dtype}, got {tuple(tensor.shape)} {tensor.dtype}"
+            )
+        if tensor.numel():
+            _pwrite_all(fd, tensor_bytes(tensor.contiguous()), offset)
+        self._written.add(name)
+
+    def close(self) -> None:
+        """Check every planned tensor was written, close the shards, write the index (when sharded)."""
+        missing = [n for n in self._where if n not in self._written]
+        for fd in self._fds:
+            os.close(fd)
+        self._fds = []
+        if missing:
+            raise ValueError(f"planned tensors never written: {missing[:10]} ({len(missing)} in all)")
+        if len(self.files) > 1:
+            index = {"metadata": {"total_size": self.total_bytes}, "weight_map": self._weight_map}
+            (self.dir / INDEX_NAME).write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
+
+
+def _pwrite_all(fd: int, data: memoryview, offset: int) -> None:
+    """``os.pwrite`` until done (one call writes at most ~2 GiB on Linux)."""
+    data = data.cast("B")
+    while data.nbytes:
+        n = os.pwrite(fd, data, offset)
+        data, offset = data[n:], offset + n

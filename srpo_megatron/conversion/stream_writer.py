@@ -5,8 +5,9 @@ plans/writes through torch DCP's collective machinery, which is slow on CPU. Thi
 directory from a *preprocessed* sharded state dict (``save_preprocess`` output: ``ShardedTensor`` and
 ``ShardedObject`` leaves), but pulls each tensor's data on demand and writes it immediately:
 
-    __0_0.distcp    every item serialised as torch DCP's ``TORCH_SAVE`` format does it (one
-                    ``torch.save`` per tensor chunk; ``ShardedObject`` s as ``torch.save([data])``,
+    __0_0.distcp    every item serialised as torch DCP's ``TORCH_SAVE`` format does it (the bytes of
+                    one ``torch.save`` per tensor chunk, spliced from a cached envelope and the chunk's
+                    pieces, see ``torch_save_format``; ``ShardedObject`` s as ``torch.save([data])``,
                     exactly megatron's ``_mcore_to_torch_sharded_object``)
     .metadata       a torch DCP ``Metadata`` (pickled like ``FileSystemWriter.finish``): per key the
                     global shape, dtype and chunks (``(1,) * prepend_axis_num + local_shape`` at
@@ -24,7 +25,11 @@ TP1 model state dict never has, are refused.
 
 from __future__ import annotations
 
+import io
+import math
+import os
 import pickle
+import threading
 from collections.abc import Callable
 from pathlib import Path
 
@@ -44,6 +49,7 @@ from torch.distributed.checkpoint.metadata import (
 )
 
 from srpo_megatron.compat.mcore import save_writes_common_pt
+from srpo_megatron.conversion.torch_save_format import TorchSaveEnvelopes, tensor_bytes
 
 DATA_FILE = "__0_0.distcp"
 DCP_METADATA_FILE = ".metadata"
@@ -69,14 +75,16 @@ def write_streamed_checkpoint(
     out_dir: str | Path,
     sharded_part: dict,
     common_state: dict,
-    data_of: Callable[[list[ShardedTensor]], list[torch.Tensor]],
+    data_of: Callable[[list[ShardedTensor]], list[torch.Tensor | list[torch.Tensor]]],
     groups: list[list[ShardedTensor]] | None = None,
 ) -> None:
     """Write the checkpoint of ``sharded_part`` (``save_preprocess`` output) into ``out_dir``.
 
-    ``data_of(group)`` returns the data of each ShardedTensor of ``group`` (shape ``local_shape``,
-    the dtype written in the metadata); it is called once per group, in order, and the tensors are
-    dropped after writing, so peak memory is one group's data.
+    ``data_of(group)`` returns the data of each ShardedTensor of ``group``: a tensor of shape
+    ``local_shape``, or a list of tensors whose row-major elements, concatenated, are that chunk's
+    (written one after the other, never concatenated in memory), in the dtype written in the metadata.
+    It is called once per group, in order, and the tensors are dropped after writing, so peak memory is
+    one group's data.
     ``groups`` (default: one group per ShardedTensor) lets a caller produce tensors that share a source
     together; every main-replica ShardedTensor must be in exactly one group.
     """
@@ -92,34 +100,27 @@ def write_streamed_checkpoint(
     state_md: dict[str, TensorStorageMetadata | BytesStorageMetadata] = {}
     storage: dict[MetadataIndex, _StorageInfo] = {}
     # torch DCP's reader (torch.load) does not check the zip CRC32s, and computing them costs more than
-    # the write itself (~100 MB/s measured): switch them off for this write only.
+    # the write itself (~100 MB/s measured): switch them off for this write only. With them off, a
+    # tensor's torch.save bytes are a (dtype, shape) envelope around its raw bytes (torch_save_format).
     crc32 = torch.serialization.get_crc32_options()
     torch.serialization.set_crc32_options(False)
     try:
-        with open(out / DATA_FILE, "wb") as f:
-
-            def put(index: MetadataIndex, item: torch.Tensor | list) -> None:
-                start = f.tell()
-                torch.save(item, f)
-                storage[index] = _StorageInfo(DATA_FILE, start, f.tell() - start)
-
+        with _DataFile(out / DATA_FILE) as f:
             for obj in objects:
                 state_md[obj.unique_key] = BytesStorageMetadata()
-                put(MetadataIndex(obj.unique_key), [obj.data])
-
-            def write_group(group: list[ShardedTensor], chunks: list[torch.Tensor]) -> None:
-                for sh, chunk in zip(group, chunks, strict=True):
-                    md = state_md.setdefault(
-                        sh.key,
-                        TensorStorageMetadata(TensorProperties(chunk.dtype), torch.Size(sh.global_shape), []),
-                    )
-                    if md.properties.dtype != chunk.dtype:
-                        raise ValueError(f"{sh.key}: chunks disagree on dtype")
-                    md.chunks.append(ChunkStorageMetadata(torch.Size(sh.global_offset), chunk.shape))
-                    put(MetadataIndex(sh.key, torch.Size(sh.global_offset)), chunk)
+                storage[MetadataIndex(obj.unique_key)] = f.put_object(obj.data)
 
             for group in groups:
-                write_group(group, [_chunk(sh, d) for sh, d in zip(group, data_of(group), strict=True)])
+                for sh, data in zip(group, data_of(group), strict=True):
+                    pieces, dtype = _pieces(sh, data)
+                    size = torch.Size(sh.global_shape)
+                    md = state_md.setdefault(sh.key, TensorStorageMetadata(TensorProperties(dtype), size, []))
+                    if md.properties.dtype != dtype:
+                        raise ValueError(f"{sh.key}: chunks disagree on dtype")
+                    shape = torch.Size((1,) * sh.prepend_axis_num + tuple(sh.local_shape))
+                    md.chunks.append(ChunkStorageMetadata(torch.Size(sh.global_offset), shape))
+                    index = MetadataIndex(sh.key, torch.Size(sh.global_offset))
+                    storage[index] = f.put_tensor(dtype, shape, pieces)
     finally:
         torch.serialization.set_crc32_options(crc32)
     metadata = Metadata(state_md, None, storage, StorageMeta(), CURRENT_DCP_VERSION)
@@ -133,18 +134,137 @@ def write_streamed_checkpoint(
     save_config(CheckpointingConfig("torch_dist"), str(out))
 
 
-def _chunk(sh: ShardedTensor, data: torch.Tensor) -> torch.Tensor:
-    """``data`` as the DCP chunk of ``sh``: ``[1]*prepend_axis_num + local_shape``, owning its storage."""
-    if tuple(data.shape) != tuple(sh.local_shape):
-        raise ValueError(f"{sh.key}: data {tuple(data.shape)} != local shape {tuple(sh.local_shape)}")
-    data = data.detach().contiguous()
+def _pieces(
+    sh: ShardedTensor, data: torch.Tensor | list[torch.Tensor]
+) -> tuple[list[torch.Tensor], torch.dtype]:
+    """Contiguous pieces whose row-major bytes are the chunk of ``sh`` (``local_shape``), and their dtype.
+    ``data``: that chunk as one tensor, or already as pieces (``ConversionTable.to_megatron_pieces``)."""
+    if isinstance(data, torch.Tensor):
+        if tuple(data.shape) != tuple(sh.local_shape):
+            raise ValueError(f"{sh.key}: data {tuple(data.shape)} != local shape {tuple(sh.local_shape)}")
+        data = [data]
+    pieces = [p.detach().contiguous() for p in data]
+    dtypes = {p.dtype for p in pieces}
+    if len(dtypes) != 1:
+        raise ValueError(f"{sh.key}: pieces have dtypes {sorted(map(str, dtypes))}")
+    numel = sum(p.numel() for p in pieces)
+    if numel != math.prod(sh.local_shape):
+        raise ValueError(f"{sh.key}: pieces hold {numel} elements, local shape {tuple(sh.local_shape)}")
+    return pieces, pieces[0].dtype
+
+
+class _DataFile:
+    """The ``__0_0.distcp`` file: items appended as ``torch.save`` writes them, through one large buffer.
+
+    A tensor item is its cached torch.save envelope around its pieces' bytes (``torch_save_format``), so
+    no full chunk is built and each item costs a few buffered writes; items torch.save would not write
+    that way (see ``envelope``) and ShardedObjects go through ``torch.save`` itself.
+    """
+
+    _BUFFER = 8 << 20  # coalesces the many small items of an MoE checkpoint into large writes
+
+    def __init__(self, path: Path):
+        self.path = path
+        self._envelopes = TorchSaveEnvelopes()
+        self._objects: dict[str, bytes] = {}
+
+    def __enter__(self) -> _DataFile:
+        self._f = open(self.path, "wb", buffering=self._BUFFER)  # closed in __exit__
+        self._pos = 0  # tracked here: tell() on a buffered file is a seek system call
+        self._behind = _WriteBehind(self._f.fileno())
+        return self
+
+    def __exit__(self, *exc) -> None:
+        try:
+            self._behind.close()
+        finally:
+            self._f.close()
+
+    def _write(self, data: bytes | memoryview) -> None:
+        self._f.write(data)
+        n = memoryview(data).nbytes
+        self._pos += n
+        self._behind.wrote(n)
+
+    def put_tensor(self, dtype: torch.dtype, shape: torch.Size, pieces: list[torch.Tensor]) -> _StorageInfo:
+        start = self._pos
+        env = self._envelopes.get(dtype, tuple(shape))
+        if env is None:
+            chunk = pieces[0] if len(pieces) == 1 else torch.cat([p.reshape(-1) for p in pieces])
+            buf = io.BytesIO()
+            torch.save(_owning(chunk.reshape(shape)), buf)
+            self._write(buf.getbuffer())
+        else:
+            self._write(env[0])
+            for p in pieces:
+                if p.numel():
+                    self._write(tensor_bytes(p))
+            self._write(env[1])
+        return _StorageInfo(DATA_FILE, start, self._pos - start)
+
+    def put_object(self, data: object) -> _StorageInfo:
+        """``torch.save([data])``, exactly megatron's ``_mcore_to_torch_sharded_object``; the bytes of
+        ``None`` (every TE ``_extra_state`` of a converted model: one per expert in MoE) are cached."""
+        start = self._pos
+        if data is None and "None" in self._objects:
+            self._write(self._objects["None"])
+        else:
+            buf = io.BytesIO()
+            torch.save([data], buf)
+            if data is None:
+                self._objects["None"] = buf.getvalue()
+            self._write(buf.getbuffer())
+        return _StorageInfo(DATA_FILE, start, self._pos - start)
+
+
+class _WriteBehind:
+    """Start the disk writes of the data file while the conversion goes on: every ``every`` bytes, a
+    thread ``fdatasync`` s what was written so far. The checkpoint is fsynced before it is renamed into
+    place (``checkpoint.atomic_output_dir``); without this, that fsync wrote the whole file at the end,
+    as long as the rest of the conversion again. The system call runs without the GIL."""
+
+    def __init__(self, fd: int, every: int = 64 << 20):
+        self.fd, self.every, self._since = fd, every, 0
+        self._wake, self._stop = threading.Event(), False
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name="conversion-write-behind", daemon=True)
+        self._thread.start()
+
+    def wrote(self, n: int) -> None:
+        self._since += n
+        if self._since >= self.every:
+            self._since = 0
+            self._wake.set()
+
+    def _run(self) -> None:
+        while True:
+            self._wake.wait()
+            self._wake.clear()
+            if self._stop:
+                return
+            try:
+                os.fdatasync(self.fd)
+            except BaseException as e:  # reported by close(), in the writing thread
+                self._error = e
+                return
+
+    def close(self) -> None:
+        self._stop = True
+        self._wake.set()
+        self._thread.join()
+        if self._error is not None:
+            raise self._error
+
+
+def _owning(data: torch.Tensor) -> torch.Tensor:
+    """``data`` with a storage of exactly its bytes (torch.save writes a view's whole storage): a slice of
+    the same memory (it keeps the parent storage alive), not a copy."""
+    data = data.contiguous()
     if data.untyped_storage().nbytes() != data.nbytes:
-        # torch.save writes a view's whole storage: give the chunk a storage of exactly its bytes, a
-        # slice of the same memory (it keeps the parent storage alive), rather than a copy.
         start = data.storage_offset() * data.element_size()
         storage = data.untyped_storage()[start : start + data.nbytes]
         data = torch.empty(0, dtype=data.dtype).set_(storage, 0, data.shape)
-    return data.view((1,) * sh.prepend_axis_num + tuple(sh.local_shape))
+    return data
 
 
 __all__ = ["write_streamed_checkpoint"]

@@ -103,17 +103,45 @@ def _vocab_out(arch: Architecture, t: torch.Tensor) -> list[torch.Tensor]:
     return [t[: arch.vocab_size].contiguous()]
 
 
+# The same ``to_megatron`` results as row-major pieces: the full tensor's bytes are the pieces' bytes in
+# order, so a checkpoint writer can stream them without building (allocating, copying) the full tensor.
+def _identity_pieces(arch: Architecture, ts: list[torch.Tensor], tp: int) -> list[torch.Tensor]:
+    return [ts[0]]
+
+
+def _qkv_pieces(arch: Architecture, ts: list[torch.Tensor], tp: int) -> list[torch.Tensor]:
+    """Per query group ``g``: q rows of ``g``, then its k rows, then its v rows (see ``_qkv_in``)."""
+    q, k, v = ts
+    ng, d = arch.num_kv_heads, arch.head_dim
+    rest = q.shape[1:]
+    q = q.reshape(ng, (arch.num_heads // ng) * d, *rest)
+    k, v = k.reshape(ng, d, *rest), v.reshape(ng, d, *rest)
+    return [part[g] for g in range(ng) for part in (q, k, v)]
+
+
+def _gate_up_pieces(arch: Architecture, ts: list[torch.Tensor], tp: int) -> list[torch.Tensor]:
+    return list(ts)
+
+
+def _vocab_pieces(arch: Architecture, ts: list[torch.Tensor], tp: int) -> list[torch.Tensor]:
+    t = ts[0]
+    pad = padded_vocab_size(arch.vocab_size, tp) - t.shape[0]
+    return [t, t.new_zeros(pad, *t.shape[1:])] if pad else [t]
+
+
 @dataclasses.dataclass(frozen=True)
 class Transform:
     name: str  # shown in errors and docs
     to_megatron: Callable[[Architecture, list[torch.Tensor], int], torch.Tensor]
     to_hf: Callable[[Architecture, torch.Tensor], list[torch.Tensor]]
+    # to_megatron as row-major pieces: cat([p.reshape(-1) for p in pieces]) == to_megatron(...).reshape(-1)
+    pieces: Callable[[Architecture, list[torch.Tensor], int], list[torch.Tensor]]
 
 
-IDENTITY = Transform("identity", _identity_in, _identity_out)
-FUSE_QKV = Transform("fuse_qkv_grouped", _qkv_in, _qkv_out)
-FUSE_GATE_UP = Transform("fuse_gate_up", _gate_up_in, _gate_up_out)
-PAD_VOCAB = Transform("pad_vocab", _vocab_in, _vocab_out)
+IDENTITY = Transform("identity", _identity_in, _identity_out, _identity_pieces)
+FUSE_QKV = Transform("fuse_qkv_grouped", _qkv_in, _qkv_out, _qkv_pieces)
+FUSE_GATE_UP = Transform("fuse_gate_up", _gate_up_in, _gate_up_out, _gate_up_pieces)
+PAD_VOCAB = Transform("pad_vocab", _vocab_in, _vocab_out, _vocab_pieces)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -289,6 +317,9 @@ class ConversionTable:
                         row.partition,
                     )
                     self._rows[concrete.megatron] = concrete
+        # HF name -> its row: MoE tables have tens of thousands of names, so lookups must not scan rows.
+        self._hf_rows: dict[str, Row] = {h: row for row in self._rows.values() for h in row.hf}
+        self._hf_shapes: dict[str, tuple[int, ...]] = {}
 
     # -------------------------------------------------------------------------------------- lookup
     def megatron_names(self) -> list[str]:
@@ -297,9 +328,11 @@ class ConversionTable:
 
     def hf_names(self) -> list[str]:
         """All HF tensor names the table produces / consumes."""
-        return [h for row in self._rows.values() for h in row.hf]
+        return list(self._hf_rows)
 
     def row(self, megatron_name: str) -> Row:
+        if megatron_name in self._rows:  # already global and canonical (the common case in conversions)
+            return self._rows[megatron_name]
         name = canonical_name(megatron_name)
         try:
             return self._rows[name]
@@ -345,11 +378,17 @@ class ConversionTable:
 
     def hf_shape(self, hf_name: str) -> tuple[int, ...]:
         """Expected HF shape of ``hf_name`` (derived by sending a meta tensor through ``to_hf``)."""
-        for row in self._rows.values():
-            if hf_name in row.hf:
-                meta = torch.empty(self.full_shape(row.megatron), device="meta")
-                return tuple(row.transform.to_hf(self.arch, meta)[row.hf.index(hf_name)].shape)
-        raise ConversionError(f"HF tensor {hf_name!r} is not in the {self.arch.model_type} conversion table")
+        if hf_name in self._hf_shapes:
+            return self._hf_shapes[hf_name]
+        row = self._hf_rows.get(hf_name)
+        if row is None:
+            raise ConversionError(
+                f"HF tensor {hf_name!r} is not in the {self.arch.model_type} conversion table"
+            )
+        meta = torch.empty(self.full_shape(row.megatron), device="meta")
+        for h, t in zip(row.hf, row.transform.to_hf(self.arch, meta), strict=True):
+            self._hf_shapes[h] = tuple(t.shape)
+        return self._hf_shapes[hf_name]
 
     # ---------------------------------------------------------------------------------- transforms
     def to_hf(self, megatron_name: str, full: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
@@ -369,6 +408,19 @@ class ConversionTable:
         self, megatron_name: str, hf_tensors: Mapping[str, torch.Tensor], tp: int = 1
     ) -> torch.Tensor:
         """FULL megatron tensor (vocab padded for ``tp``) from the HF tensors of that row."""
+        row = self._checked_row(megatron_name, hf_tensors)
+        return row.transform.to_megatron(self.arch, [hf_tensors[h] for h in row.hf], tp)
+
+    def to_megatron_pieces(
+        self, megatron_name: str, hf_tensors: Mapping[str, torch.Tensor], tp: int = 1
+    ) -> list[torch.Tensor]:
+        """:meth:`to_megatron` as pieces (views of the HF tensors where possible) whose row-major bytes,
+        concatenated, are the full tensor's: ``cat([p.reshape(-1) for p in pieces])`` is
+        ``to_megatron(...).reshape(-1)``. Lets a writer stream a row without building the full tensor."""
+        row = self._checked_row(megatron_name, hf_tensors)
+        return row.transform.pieces(self.arch, [hf_tensors[h] for h in row.hf], tp)
+
+    def _checked_row(self, megatron_name: str, hf_tensors: Mapping[str, torch.Tensor]) -> Row:
         row = self.row(megatron_name)
         missing = [h for h in row.hf if h not in hf_tensors]
         if missing:
@@ -377,7 +429,7 @@ class ConversionTable:
             want, got = self.hf_shape(h), tuple(hf_tensors[h].shape)
             if want != got:
                 raise ConversionError(f"shape mismatch for {h}: expected {want}, got {got}")
-        return row.transform.to_megatron(self.arch, [hf_tensors[h] for h in row.hf], tp)
+        return row
 
     def check_hf_names(self, names: set[str] | list[str]) -> None:
         """Raise listing every missing and unexpected HF tensor (``lm_head.weight`` tolerated when tied)."""
@@ -397,7 +449,7 @@ class ConversionTable:
         bad = [
             f"{name}: expected {self.hf_shape(name)}, got {tuple(shape)}"
             for name, shape in shapes.items()
-            if name in set(self.hf_names()) and self.hf_shape(name) != tuple(shape)
+            if name in self._hf_rows and self.hf_shape(name) != tuple(shape)
         ]
         if bad:
             raise ConversionError("shape mismatch: " + "; ".join(bad))

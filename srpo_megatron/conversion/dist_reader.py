@@ -1,0 +1,115 @@
+"""Read regions of a megatron-core ``torch_dist`` checkpoint one stored chunk at a time.
+
+``dist_checkpointing.load`` fills a whole state dict at once, so exporting a model through it holds the
+model in memory. ``TorchDistReader.read(key, offset, shape)`` returns one region of one tensor, built
+from only the stored chunks that overlap it, each read with ``torch.load`` from its byte range of the
+``.distcp`` file, as torch DCP's ``FileSystemReader.read_data`` reads it (``weights_only=True``, CPU). Peak
+memory is the region plus one stored chunk.
+
+Coordinates are the checkpoint's global ones: a ShardedTensor with ``prepend_axis_num`` p stores chunks of
+shape ``(1,) * p + local_shape`` at ``global_offset`` (see ``stream_writer``). A region the stored chunks
+do not cover (rows of a vocab padded further than the checkpoint's, ``allow_shape_mismatch``) is zeros,
+like megatron's resharding leaves them.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+from pathlib import Path
+
+import torch
+from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.metadata import MetadataIndex, TensorStorageMetadata
+
+
+class _Window(io.RawIOBase):
+    """``[offset, offset + length)`` of an open file as a seekable stream of its own (for torch.load)."""
+
+    def __init__(self, f, offset: int, length: int):
+        super().__init__()
+        self._f, self._start, self._len, self._pos = f, offset, length, 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def seek(self, pos: int, whence: int = os.SEEK_SET) -> int:
+        base = {os.SEEK_SET: 0, os.SEEK_CUR: self._pos, os.SEEK_END: self._len}[whence]
+        self._pos = min(max(base + pos, 0), self._len)
+        return self._pos
+
+    def tell(self) -> int:
+        return self._pos
+
+    def readinto(self, b) -> int:
+        view = memoryview(b).cast("B")[: self._len - self._pos]
+        self._f.seek(self._start + self._pos)
+        n = self._f.readinto(view)
+        self._pos += n
+        return n
+
+
+class TorchDistReader:
+    """Tensor regions of a torch_dist checkpoint directory, read chunk by chunk."""
+
+    def __init__(self, ckpt_dir: str | Path):
+        self.dir = Path(ckpt_dir)
+        self.metadata = FileSystemReader(str(self.dir)).read_metadata()
+        self._files: dict[str, object] = {}
+        self._chunks: dict[str, dict[tuple[int, ...], tuple[int, ...]]] = {}
+
+    def tensor_metadata(self, key: str) -> TensorStorageMetadata:
+        md = self.metadata.state_dict_metadata.get(key)
+        if not isinstance(md, TensorStorageMetadata):
+            raise KeyError(f"{self.dir}: no tensor {key!r} in the checkpoint")
+        return md
+
+    def read(self, key: str, offset: tuple[int, ...], shape: tuple[int, ...]) -> torch.Tensor:
+        """Region ``[offset, offset + shape)`` of tensor ``key`` (the stored dtype)."""
+        md = self.tensor_metadata(key)
+        offset, shape = tuple(offset), tuple(shape)
+        if key not in self._chunks:  # per key: stored chunk by offset (MoE keys have thousands)
+            self._chunks[key] = {tuple(c.offsets): tuple(c.sizes) for c in md.chunks}
+        chunks = self._chunks[key]
+        if chunks.get(offset) == shape:
+            return self._load(key, offset, shape)  # the common case: the region is one stored chunk
+        out = torch.zeros(shape, dtype=md.properties.dtype)
+        for c_off, c_size in chunks.items():
+            lo = [max(a, b) for a, b in zip(offset, c_off, strict=True)]
+            hi = [min(a + n, b + m) for a, n, b, m in zip(offset, shape, c_off, c_size, strict=True)]
+            if any(x >= y for x, y in zip(lo, hi, strict=True)):
+                continue
+            stored = self._load(key, c_off, c_size)
+            dst = tuple(slice(a - o, b - o) for a, b, o in zip(lo, hi, offset, strict=True))
+            src = tuple(slice(a - c, b - c) for a, b, c in zip(lo, hi, c_off, strict=True))
+            out[dst] = stored[src]
+        return out
+
+    def _load(self, key: str, offset: tuple[int, ...], sizes: tuple[int, ...]) -> torch.Tensor:
+        info = self.metadata.storage_data[MetadataIndex(key, torch.Size(offset))]
+        if getattr(info, "transform_descriptors", None):
+            raise NotImplementedError(
+                f"{self.dir}: {key} is stored with transforms {info.transform_descriptors}; "
+                "export it with dist_checkpointing.load instead"
+            )
+        f = self._files.get(info.relative_path)
+        if f is None:
+            f = self._files[info.relative_path] = open(self.dir / info.relative_path, "rb")  # noqa: SIM115
+        tensor = torch.load(_Window(f, info.offset, info.length), map_location="cpu", weights_only=True)
+        if tuple(tensor.shape) != sizes:
+            raise ValueError(
+                f"{self.dir}: stored chunk {key} at {offset} has shape {tuple(tensor.shape)}, "
+                f"its metadata says {sizes}"
+            )
+        return tensor
+
+    def close(self) -> None:
+        for f in self._files.values():
+            f.close()
+        self._files.clear()
+
+
+__all__ = ["TorchDistReader"]
