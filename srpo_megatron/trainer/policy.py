@@ -25,8 +25,8 @@ from srpo_megatron.models.performance import Accelerators
 from srpo_megatron.models.policy import build_policy
 from srpo_megatron.parallel import ParallelGroups
 from srpo_megatron.trainer.config import TrainConfig
-from srpo_megatron.trainer.moe_routing import check_replay_config
 from srpo_megatron.trainer.ema_shard import ShardedEmaTeacher
+from srpo_megatron.trainer.moe_routing import check_replay_config
 from srpo_megatron.trainer.offload import Offloader
 from srpo_megatron.trainer.teacher import EmaTeacher, fp32_main_params
 
