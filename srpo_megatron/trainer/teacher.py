@@ -12,8 +12,9 @@ SDPO reference keeps its teacher in fp32 as well. In fp32 runs the module's own 
 Main parameters come from megatron's optimizer: with bf16 params the mixed-precision optimizer holds
 fp32 copies (``fp32_from_float16_groups``); the distributed optimizer holds only this DP rank's shard of
 each (``shard_fp32_from_float16_groups``), so ``fp32_main_params`` all-reduces the disjoint shards into a
-full fp32 copy per rank (a full teacher per rank; sharding the teacher over DP is left for later).
-After a checkpoint resume the fp32 copy restarts from the saved teacher module (one rounding, no drift).
+full fp32 copy per rank (``parallel.teacher_fp32: full``; ``sharded`` keeps only this rank's shard:
+trainer/ema_shard.py). Checkpoints save the fp32 copy (trainer/ema_shard.py), so a resume restores it
+exactly; checkpoints written before that restart it from the saved teacher module (one rounding).
 """
 
 from __future__ import annotations
