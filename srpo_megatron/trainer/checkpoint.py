@@ -110,6 +110,31 @@ def _load_tensors(runtime: Any, path: Path) -> None:
             load_teacher_fp32(runtime.teacher, loaded["teacher_fp32"])
     with _keep_torch_adam_step(runtime.optimizer):
         runtime.optimizer.load_state_dict(loaded["optimizer"])
+    untie_torch_adam_steps(runtime.optimizer)
+
+
+def untie_torch_adam_steps(optimizer: Any) -> int:
+    """Give every torch-Adam parameter state its own ``step`` tensor; return how many were shared.
+
+    Shim for megatron-core's ``DistributedOptimizer.load_state_dict`` without Apex/TE (0.16.1 and 0.19.2):
+    it assigns ONE ``step`` tensor to every parameter's state, and torch Adam increments each state's
+    step in place, so the first step after a resume counted P increments for P parameters and every
+    bias correction after it was wrong (a resumed DP2 run drifted by ~5e-3 after one step). FusedAdam
+    (GPU, TE/Apex) keeps ``step`` in the param groups and never takes this path.
+    tests/dist/test_distopt_resume.py fails without it, and fails once megatron stops sharing the tensor.
+    """
+    shared = 0
+    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
+        inner = getattr(opt, "optimizer", None)
+        seen: set[int] = set()
+        for state in getattr(inner, "state", {}).values():
+            step = state.get("step")
+            if isinstance(step, torch.Tensor):
+                if id(step) in seen:
+                    shared += 1
+                seen.add(id(step))
+                state["step"] = step.detach().clone()
+    return shared
 
 
 @contextlib.contextmanager
