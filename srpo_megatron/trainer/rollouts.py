@@ -213,7 +213,8 @@ class RolloutService:
         else:
             size = cfg.rollout.engine_size()
             if cfg.rollout.engine == "hf" and not cfg.rollout.gpus_per_engine:
-                size = cfg.parallel.tp  # the CPU engine has no TP size: one engine per TP group
+                # the CPU engine has no TP size: one engine per TP x CP group (CP ranks share one replica)
+                size = cfg.parallel.tp * cfg.parallel.cp
             self.layout = EngineLayout(world, min(size, world))
         # separate + weight_sync=distributed: this stage sender's broadcast group with every server
         self._broadcaster: Any = None

@@ -36,9 +36,15 @@ from srpo_megatron.weights.sync import (
 
 
 def grid(groups: ParallelGroups) -> list[tuple[int, int, int]]:
-    """``(dp, pp, tp)`` of every global rank (a collective over the gloo host group)."""
+    """``(dp, pp, tp)`` of every global rank (a collective over the gloo host group).
+
+    Under context parallelism a replica's stage is a TP x CP group whose CP ranks hold the same weights
+    and only CP rank 0 exports them (weights/export.py), so the "tp" reported here is the rank within
+    the TP x CP group (``tp + cp * TP``, megatron's tp-fastest order): its rank 0 is the stage sender.
+    """
     everyone: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, (groups.dp_rank, groups.pp_rank, groups.tp_rank), group=groups.host)
+    within = groups.tp_rank + groups.cp_rank * groups.tp_size
+    dist.all_gather_object(everyone, (groups.dp_rank, groups.pp_rank, within), group=groups.host)
     return [tuple(x) for x in everyone]
 
 
@@ -55,7 +61,8 @@ def engine_feeds(
         if t != 0:
             raise WeightSyncError(
                 f"engine {k} is hosted on rank {h}, which is TP rank {t}: rollout.gpus_per_engine="
-                f"{layout.size} must be a multiple of parallel.tp so each engine starts on a TP rank 0"
+                f"{layout.size} must be a multiple of parallel.tp x parallel.cp so each engine starts on the "
+                "first rank of a TP x CP group"
             )
         feeds[k] = [sender[(d, p)] for p in range(pp_size)]
     return feeds
