@@ -310,7 +310,8 @@ def main() -> None:
     if args.placement == "colocated":
         return main_colocated(args, hf_config(args), args.bucket_mb * 1024**2)
 
-    from srpo_megatron.testing.distributed import free_port, run_distributed
+    from srpo_megatron.ports import free_port
+    from srpo_megatron.testing.distributed import run_distributed
 
     config = hf_config(args)
     bucket_bytes = args.bucket_mb * 1024**2

@@ -10,18 +10,12 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import queue
-import socket
 import time
 
 from srpo_megatron.doctor.report import Check, fail, ok
+from srpo_megatron.ports import free_port
 
 NUMEL = 1 << 20  # 4 MiB of fp32: big enough to use the real transport, small enough to be instant
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _worker(rank: int, world: int, port: int, backend: str, results: mp.Queue) -> None:
@@ -60,7 +54,7 @@ def run_allreduce(
     name = f"{backend} all-reduce"
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
-    port = _free_port()
+    port = free_port("127.0.0.1")
     procs = [
         ctx.Process(target=_worker, args=(r, world, port, backend, results), daemon=True)
         for r in range(world if start_ranks is None else start_ranks)

@@ -21,21 +21,16 @@ import io
 import multiprocessing as mp
 import os
 import queue
-import socket
 import time
 import traceback
 from collections.abc import Callable
 from typing import Any
 
+from srpo_megatron.ports import free_port
+
 
 class RankFailed(RuntimeError):
     """A rank raised; the message carries its traceback."""
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 # Imported once by the forkserver; a module missing here is skipped by multiprocessing (ImportError).

@@ -34,6 +34,7 @@ import torch.distributed as dist
 
 from srpo_megatron.conversion.table import ConversionTable
 from srpo_megatron.parallel import ParallelGroups
+from srpo_megatron.ports import free_port
 from srpo_megatron.rollout.base import EngineError
 from srpo_megatron.rollout.gate import head, missing_names, validated_stream
 from srpo_megatron.rollout.sglang.protocol import (
@@ -82,12 +83,6 @@ def init_weights_group(
 def sync_address() -> str:
     """The address the servers reach this sender at: ``SRPO_SYNC_HOST``, else this host's IP."""
     return os.environ.get("SRPO_SYNC_HOST") or socket.gethostbyname(socket.gethostname())
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("", 0))
-        return int(sock.getsockname()[1])
 
 
 def _threads(fns: list[Callable[[], Any]]) -> list[threading.Thread]:

@@ -14,7 +14,8 @@ import multiprocessing as mp
 import torch
 import torch.distributed as dist
 
-from srpo_megatron.testing.distributed import free_port, run_distributed
+from srpo_megatron.ports import free_port
+from srpo_megatron.testing.distributed import run_distributed
 from tests.dist.test_models_tp import lm_loss, tiny_hf_model
 
 TP, PP = 2, 2

@@ -115,7 +115,7 @@ def _connect_broadcast(eng):
     """Trainer side of the NCCL group: rank 0, the engine's single TP rank is rank 1."""
     from sglang.srt.utils import init_custom_process_group
 
-    from srpo_megatron.testing.distributed import free_port
+    from srpo_megatron.ports import free_port
 
     port = free_port()
     waiter = eng.init_broadcast_group("127.0.0.1", port, world_size=2, group_name="srpo_sync")
