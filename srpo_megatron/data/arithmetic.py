@@ -11,6 +11,12 @@ Difficulty levels (``difficulty``):
 - 4: level 0's one operation on numbers 1..50 (``What is 37 + 18?``): between levels 0 and 1, and with
   about 380 held-out problems (level 0 has only ~60), enough for a ≥256-problem evaluation.
   Numbered 4 so the existing levels keep their numbers.
+- 5: level 0's problems (one + / − on 1..20) with half of the problem space held out (~300 held-out and
+  ~300 train problems) instead of 10 %: level 0's difficulty with enough held-out problems for a
+  ≥256-problem evaluation. Measured with SmolLM2-135M-Instruct and reasoning at 64 new tokens (README "A
+  fair CPU study"): level 0 samples right 24 % of the time at temperature 0.6 and 9 % at 1.0, level 4
+  5 % and 4 %: level 4 is too hard for that model to give mixed groups. The keys carry the level, so its
+  split is drawn independently of level 0's.
 
 ``reasoning=True`` replaces the suffix "Answer with just the number." by "Think step by step, then give
 the final number." so the model writes a short derivation before the answer (room for credit
@@ -31,6 +37,7 @@ from typing import Literal
 
 Split = Literal["train", "test"]
 HELD_OUT_PER_MILLE = 100  # share of the problem space reserved for held-out evaluation
+HELD_OUT_PER_MILLE_BY_LEVEL = {5: 500}  # levels whose space is too small for 10 % to give 256 problems
 
 _SUFFIX = " Answer with just the number."
 REASONING_SUFFIX = " Think step by step, then give the final number."
@@ -53,9 +60,12 @@ _NAMES = (("Tom", "He", "he"), ("Anna", "She", "she"), ("Ravi", "He", "he"), ("M
 
 
 def problem_split(key: str) -> Split:
-    """The split a problem (by canonical key) belongs to; stable across seeds, runs and machines."""
+    """The split a problem (by canonical key ``"{level}/{expression}"``) belongs to; stable across seeds,
+    runs and machines."""
+    level = key.split("/", 1)[0]
+    share = HELD_OUT_PER_MILLE_BY_LEVEL.get(int(level), HELD_OUT_PER_MILLE) if level.isdigit() else None
     h = int.from_bytes(hashlib.sha256(key.encode()).digest()[:8], "big")
-    return "test" if h % 1000 < HELD_OUT_PER_MILLE else "train"
+    return "test" if h % 1000 < (HELD_OUT_PER_MILLE if share is None else share) else "train"
 
 
 def _one_op(rng: random.Random, lo: int, hi: int, wordings=_ONE_OP_WORDINGS) -> tuple[str, str, int]:
@@ -98,6 +108,7 @@ _LEVELS: dict[int, Callable[[random.Random], tuple[str, str, int]]] = {
     2: _two_ops,
     3: _word,
     4: lambda rng: _one_op(rng, 1, 50, _ONE_OP_WORDINGS[:1]),
+    5: lambda rng: _one_op(rng, 1, 20, _ONE_OP_WORDINGS[:1]),
 }
 
 

@@ -18,8 +18,10 @@ class ArithmeticTaskConfig:
     reasoning: bool = False  # "Think step by step, then give the final number." instead of the number only
 
     def __post_init__(self) -> None:
-        if not 0 <= self.difficulty <= 4:
-            raise ValueError(f"arithmetic.difficulty={self.difficulty} is not valid; choose 0, 1, 2, 3 or 4")
+        if not 0 <= self.difficulty <= 5:
+            raise ValueError(
+                f"arithmetic.difficulty={self.difficulty} is not valid; choose 0, 1, 2, 3, 4 or 5"
+            )
         if self.num_train < 0 or self.num_eval < 0:
             raise ValueError("arithmetic.num_train and num_eval must be >= 0 (they count prompts)")
 

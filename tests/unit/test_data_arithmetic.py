@@ -27,7 +27,7 @@ def reference_answer(prompt: str) -> int:
     raise AssertionError(f"unrecognised prompt {prompt!r}")
 
 
-@pytest.mark.parametrize("difficulty", [0, 1, 2, 3, 4])
+@pytest.mark.parametrize("difficulty", [0, 1, 2, 3, 4, 5])
 def test_answers_are_exact_and_verifiable(difficulty):
     rows = generate_arithmetic_rows("train", 200, difficulty, seed=5)
     assert len(rows) == 200
@@ -38,7 +38,7 @@ def test_answers_are_exact_and_verifiable(difficulty):
         assert get_reward_fn("arithmetic")(r["answer"], r["answer"]) == 1.0
 
 
-@pytest.mark.parametrize("difficulty", [0, 1, 2, 3, 4])
+@pytest.mark.parametrize("difficulty", [0, 1, 2, 3, 4, 5])
 def test_train_and_held_out_never_overlap(difficulty):
     train_keys, test_keys = set(), set()
     for seed in range(4):
@@ -80,3 +80,21 @@ def test_level4_holds_enough_distinct_held_out_problems_for_the_study():
     assert len({r["key"] for r in rows}) == 300
     assert max(int(r["answer"]) for r in rows) <= 100
     assert len({r["key"] for r in generate_arithmetic_rows("test", 300, 0, seed=0)}) < 100
+
+
+def test_level5_is_level0s_problems_with_half_held_out():
+    """Level 0's difficulty (operands 1..20) with >= 256 distinct held-out problems; its own split."""
+    test = generate_arithmetic_rows("test", 256, 5, seed=0)
+    train = generate_arithmetic_rows("train", 256, 5, seed=0)
+    assert len({r["key"] for r in test}) == 256 and len({r["key"] for r in train}) == 256
+    nums = [int(x) for r in test + train for x in re.findall(r"\d+", r["prompt"])]
+    assert max(nums) <= 20 and min(nums) >= 1
+    space = {
+        r["key"].split("/", 1)[1]
+        for s in range(8)
+        for sp in ("train", "test")
+        for r in generate_arithmetic_rows(sp, 300, 5, s)
+    }
+    held = sum(problem_split(f"5/{k}") == "test" for k in space)
+    assert 0.4 < held / len(space) < 0.6  # planted 10 % (level 0's share) gives ~0.1
+    assert held / len(space) > 2 * sum(problem_split(f"0/{k}") == "test" for k in space) / len(space)
