@@ -25,6 +25,7 @@ from srpo_megatron.losses import Normalizers, global_normalizers, routed_loss
 from srpo_megatron.models import performance as perf_choice
 from srpo_megatron.trainer import context_parallel as cpar
 from srpo_megatron.trainer.batches import ScoredBatch, micro_batches_for, student_sequences
+from srpo_megatron.trainer.lockstep import lockstep
 from srpo_megatron.trainer.moe_routing import policy_routing
 from srpo_megatron.trainer.policy import Policy
 from srpo_megatron.trainer.schedule import run_schedule
@@ -50,6 +51,8 @@ def train_mini_batch(policy: Policy, scored: ScoredBatch) -> StepStats:
     )
     last = g.is_last_stage
     batches = [scored.micro_tokens(mb.members) for mb in micro] if last else []  # all rows, every CP rank
+    # EP > 1: fillers (no rows, so never in ``batches`` nor scored) keep the expert collectives in step
+    micro = lockstep(micro, g, t.micro_batch_size, t.max_tokens_per_micro_batch, layout)
     normalizers = (
         global_normalizers(batches, cfg.loss.beta, g.dp if g.dp_size > 1 else None)
         if last

@@ -82,6 +82,8 @@ def router_token_map(
         member = torch.full((s, 1), -1, dtype=torch.long)
         position = torch.zeros(s, 1, dtype=torch.long)
         for j, m in enumerate(mb.members):
+            if m is None:  # a filler (trainer/lockstep.py): padding only
+                continue
             member[cu[j] : cu[j + 1], 0] = m
             position[cu[j] : cu[j + 1], 0] = torch.arange(cu[j + 1] - cu[j])
     member, position = member.reshape(-1).clone(), position.reshape(-1).clone()

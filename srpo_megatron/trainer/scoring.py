@@ -30,6 +30,7 @@ from srpo_megatron.trainer.batches import (
     student_sequences,
     teacher_sequences,
 )
+from srpo_megatron.trainer.lockstep import lockstep
 from srpo_megatron.trainer.moe_routing import policy_routing
 from srpo_megatron.trainer.policy import Policy
 from srpo_megatron.trainer.rollouts import Sample
@@ -49,7 +50,7 @@ def score_rollouts(policy: Policy, samples: list[Sample]) -> ScoredBatch:
     seqs = student_sequences(samples)
     budget = cfg.train.max_tokens_per_micro_batch
     layout = cpar.micro_batch_layout(g, policy.tconfig.sequence_parallel)
-    micro = micro_batches_for(seqs, mbs, budget, g.pp_size, dev, **layout)
+    micro = lockstep(micro_batches_for(seqs, mbs, budget, g.pp_size, dev, **layout), g, mbs, budget, layout)
     scored = ScoredBatch(samples, offsets, tokens, StepStats())
 
     def on_student(row_logits: torch.Tensor, k: int) -> None:
@@ -74,9 +75,12 @@ def score_rollouts(policy: Policy, samples: list[Sample]) -> ScoredBatch:
 
     teacher_runs = 0
     wanted = [i for i, s in enumerate(samples) if s.needs_teacher]
-    if wanted and policy.teacher is not None:
+    t_micro = []
+    if policy.teacher is not None:  # EP > 1: a DP rank without teacher samples still runs fillers
         t_seqs = teacher_sequences([samples[i] for i in wanted])
-        t_micro = micro_batches_for(t_seqs, mbs, budget, g.pp_size, dev, **layout)
+        t_micro = micro_batches_for(t_seqs, mbs, budget, g.pp_size, dev, **layout) if wanted else []
+        t_micro = lockstep(t_micro, g, mbs, budget, layout)
+    if t_micro:
         mix = cfg.teacher.kind == "trust_region"
         student_logits: dict[int, torch.Tensor] = {}
         if mix:  # log q = (1−α) log q_ref + α log q_θ  ⇔  logits mix (the log-normaliser is shared)
