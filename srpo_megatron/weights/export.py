@@ -201,38 +201,59 @@ def _runs(part: TPPartition, tp: int, rank: int, full_len: int) -> tuple[tuple[i
     return tuple(runs)
 
 
+def _point_to_point(groups: ParallelGroups) -> bool:
+    """Shards travel point-to-point on gloo, whose ``gather`` stages all shards in one more temporary
+    on the root. NCCL's ``gather`` writes each shard straight into its output through the TP group's
+    own communicator, where point-to-point would open one more communicator per rank pair."""
+    return dist.get_backend(groups.tp) == "gloo"
+
+
 def _send_shard(param: torch.Tensor, part: TPPartition, groups: ParallelGroups) -> None:
-    """TP rank r > 0: send this rank's shard to TP rank 0, one message per run along dim 0 (each lands
-    in its place there), or whole for a row-parallel weight."""
+    """TP rank r > 0: send this rank's shard to TP rank 0 (see ``_receive_shards``)."""
     root = dist.get_global_rank(groups.tp, 0)
-    if part.dim != 0:
+    if not _point_to_point(groups):
+        dist.gather(param.contiguous(), None, dst=root, group=groups.tp)
+    elif part.dim != 0:
         dist.send(param.contiguous(), dst=root, group=groups.tp)
-        return
-    full_len = param.shape[0] * groups.tp_size
-    for _, at, n in _runs(part, groups.tp_size, groups.tp_rank, full_len):
-        dist.send(param.narrow(0, at, n).contiguous(), dst=root, group=groups.tp)
+    else:  # one message per run along dim 0: each lands in its place on the root
+        full_len = param.shape[0] * groups.tp_size
+        for _, at, n in _runs(part, groups.tp_size, groups.tp_rank, full_len):
+            dist.send(param.narrow(0, at, n).contiguous(), dst=root, group=groups.tp)
 
 
 def _receive_shards(full: torch.Tensor, param: torch.Tensor, part: TPPartition, groups: ParallelGroups):
-    """TP rank 0: assemble ``full`` from every rank's shard, in place: point-to-point receives straight
-    into its dim-0 runs (no gather buffer: gloo's gather stages all shards in one more temporary), or for
-    a row-parallel weight into one shard-sized buffer copied into the columns. Rank 0's own shard is a
-    local copy."""
+    """TP rank 0: assemble ``full`` from every rank's shard, in place. A shard that is one dim-0 run
+    (column-parallel) is received straight into its rows; others (gated: two runs; row-parallel: columns)
+    go through shard-sized buffers copied into their runs: one at a time point-to-point (gloo), all of
+    them for NCCL's ``gather`` (one parameter). Rank 0's own shard is a local copy."""
     d, tp = part.dim, groups.tp_size
+    runs = [_runs(part, tp, r, full.shape[d]) for r in range(tp)]
+    if not _point_to_point(groups):
+        direct = d == 0 and all(len(rr) == 1 for rr in runs)
+        outputs = (
+            [full.narrow(0, rr[0][0], rr[0][2]) for rr in runs]
+            if direct
+            else [torch.empty_like(param) for _ in range(tp)]
+        )
+        dist.gather(param.contiguous(), outputs, dst=dist.get_global_rank(groups.tp, 0), group=groups.tp)
+        if not direct:
+            for shard, rr in zip(outputs, runs, strict=True):
+                for at, src, n in rr:
+                    full.narrow(d, at, n).copy_(shard.narrow(d, src, n))
+        return
     staging = torch.empty_like(param) if d != 0 else None
     for r in range(tp):
-        runs = _runs(part, tp, r, full.shape[d])
         if r == 0:
-            for at, src, n in runs:
+            for at, src, n in runs[0]:
                 full.narrow(d, at, n).copy_(param.narrow(d, src, n))
             continue
         peer = dist.get_global_rank(groups.tp, r)
         if staging is None:
-            for at, _, n in runs:
+            for at, _, n in runs[r]:
                 dist.recv(full.narrow(0, at, n), src=peer, group=groups.tp)
             continue
         dist.recv(staging, src=peer, group=groups.tp)
-        for at, src, n in runs:
+        for at, src, n in runs[r]:
             full.narrow(d, at, n).copy_(staging.narrow(d, src, n))
 
 

@@ -9,7 +9,8 @@ engine as a view (planted) keeps that bucket alive while the next one is built, 
 
 Exactness covers each way a shard reaches the bucket (``weights.export._fetch``): received in place
 (gated fc1 runs, row-parallel columns), via a temporary full tensor (the per-group QKV split, the
-vocab-padded embedding, the bf16 cast), and unsharded (norms).
+vocab-padded embedding, the bf16 cast), and unsharded (norms); shards travel point-to-point (gloo) or by
+``dist.gather`` (what NCCL uses, run here on gloo).
 """
 
 from __future__ import annotations
@@ -67,7 +68,7 @@ def colocated_worker(rank, world, hf_config, state, dtype, plant):
     from srpo_megatron.models.policy import build_policy
     from srpo_megatron.parallel import initialize_model_parallel
     from srpo_megatron.rollout.placement import EngineLayout
-    from srpo_megatron.weights import buckets, engine_sync, sync
+    from srpo_megatron.weights import buckets, engine_sync, export, sync
 
     groups = initialize_model_parallel(TP, PP, seed=1)
     arch = Architecture.from_hf(hf_config)
@@ -81,6 +82,8 @@ def colocated_worker(rank, world, hf_config, state, dtype, plant):
     buckets.FlatBucket.from_meta = lambda meta, device="cpu": live.track(from_meta(meta, device))
     if plant == "last_tensor_as_view":
         engine_sync.streamed_views = sync.streamed_views = lambda b: iter(b.views())
+    if plant == "gather":  # the path NCCL takes (dist.gather), run on gloo
+        export._point_to_point = lambda groups: False
     layout = EngineLayout(world, 2)
     engine = RecordingEngine(live) if layout.is_host(rank) else None
     engine_sync.sync_engines(model, table, groups, engine, 1, layout, bucket_bytes=BUCKET_BYTES, dtype=dtype)
@@ -94,9 +97,13 @@ def _run(dtype, plant=None):
     return state, run_distributed(colocated_worker, TP * PP, config, state, dtype, plant, timeout=600)
 
 
-@pytest.mark.parametrize("dtype", [None, torch.bfloat16], ids=["fp32", "bf16"])
-def test_colocated_sync_holds_one_bucket_per_rank_and_is_bit_exact(dtype):
-    state, ranks = _run(dtype)
+@pytest.mark.parametrize(
+    "dtype, path",
+    [(None, None), (torch.bfloat16, None), (None, "gather")],
+    ids=["fp32-p2p", "bf16-p2p", "fp32-gather"],
+)
+def test_colocated_sync_holds_one_bucket_per_rank_and_is_bit_exact(dtype, path):
+    state, ranks = _run(dtype, path)
     want = {k: v if dtype is None else v.to(dtype) for k, v in state.items() if k != "lm_head.weight"}
     hosts = [r for r in ranks if r["got"] is not None]
     assert len(hosts) == 2
