@@ -14,11 +14,16 @@ process holds the CPU ``HFEngine`` of the same architecture. Measured in the sam
 - **plain copy**: the same number of bytes per stage, sent over the same channels in bucket-sized
   chunks of one reused buffer and received into fresh buffers (no gather, no conversion, no install).
 
-Throughput ratio = plain-copy time / sync time (same bytes). Peak extra memory per trainer rank = the peak
-RSS during the sync above the RSS right before it (sampled every 2 ms). The engine's extra memory is
-printed too (the CPU engine stages a full version before installing it, by design: atomic updates).
+Throughput ratio = plain-copy time / sync time (same bytes). Colocated mode runs a warm-up copy, then
+``--repeats`` sync/copy pairs back to back (each pair sees the same machine load) and reports the median
+pair ratio, the load average before and after, and per trainer rank the worst sync's peak extra memory
+two ways: resident (the kernel's exact high-water mark ``VmHWM``, reset before each sync: what the
+machine must have, glibc's retained free memory included) and live allocations (glibc's in-use bytes,
+sampled every 1 ms: what the sync holds). The separate mode samples RSS every 2 ms and also prints the
+engine's extra memory (the CPU engine stages a full version before installing it, by design: atomic
+updates).
 
-Usage: ``python tools/bench_weight_sync.py [--layers 10 --hidden 1536 --bucket-mb 512 --repeats 2]``;
+Usage: ``python tools/bench_weight_sync.py [--layers 10 --hidden 1536 --bucket-mb 512 --repeats 3]``;
 the last line is one JSON object.
 """
 

@@ -3,16 +3,21 @@
 The one place that turns the trainer's sharded parameters into what a rollout engine loads:
 
 - each PP stage exports only its own layers (global layer index = local + the stage's layer offset);
-- TP shards of a parameter are *gathered* on the TP group onto TP rank 0 (``dist.gather``, not all-gather:
-  only the sender holds the full tensor) and merged with ``merge_tp_shards`` (gated ``linear_fc1`` halves
-  handled), then split into HF tensors with ``ConversionTable.to_hf``;
+- TP shards of a parameter are *gathered* on the TP group onto TP rank 0 only (not all-gathered) and
+  assembled in place: where each shard lies in the full tensor comes from ``split_tp_shard`` (gated
+  ``linear_fc1`` halves included), then ``ConversionTable.to_hf`` gives the HF tensors. On gloo the
+  shards travel point-to-point (gloo's ``gather`` would stage them all in one more buffer), on NCCL by
+  ``dist.gather``;
 - exactly one rank per stage sends: TP rank 0 of data-parallel rank 0 and context-parallel rank 0
   (``is_stage_sender``); other DP and CP replicas (CP ranks hold identical weights) do nothing;
-- the stream is lazy, one megatron parameter at a time, and announces each parameter's HF byte size
-  before gathering it, so ``bucketize_pending`` sends the current bucket first when the next parameter
-  would overflow it: a sender holds at most ``bucket_bytes`` plus one gathered parameter (column-parallel
-  shards are gathered straight into the full tensor; row/gated ones need one merge copy) — never a full
-  model copy.
+- the stream is lazy, one megatron parameter at a time, and announces each parameter's HF tensors
+  (``TensorSpec``: name, dtype, shape) before gathering it. ``buckets.flat_buckets`` plans a bucket from
+  them, allocates it as one flat buffer and has each parameter written into its slots (``fetch_into``):
+  where the HF tensors are the full tensor's consecutive pieces in the slots' dtype (embedding, gate/up,
+  row-parallel weights) the shards land straight in the bucket; otherwise (the per-group QKV split, a
+  cast, vocab padding) in one temporary full tensor converted into the slots. A sender holds at most
+  ``bucket_bytes`` plus one full parameter — never a full model copy. ``fetch()`` (list consumers)
+  returns separately allocated tensors.
 
 The tied ``output_layer`` of the last stage is skipped: the embedding (first stage) carries it.
 
