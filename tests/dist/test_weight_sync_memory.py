@@ -119,3 +119,50 @@ def test_colocated_sync_holds_one_bucket_per_rank_and_is_bit_exact(dtype, path):
 def test_the_bucket_count_catches_a_bucket_kept_alive_by_the_engine():
     _, ranks = _run(None, plant="last_tensor_as_view")
     assert max(r["max_alive"] for r in ranks) >= 2, [r["max_alive"] for r in ranks]
+
+
+def test_flat_buckets_plan_before_fetching_align_slots_and_send_an_oversized_parameter_alone():
+    """Hand-worked, 1024-byte buckets: parameters of 100, 600, 300, 2000 and 40 bytes (fp32) take
+    256-byte aligned slots of 256, 768, 512, 2048 and 256 bytes, so the buckets are [p0, p1], [p2],
+    [p3] (alone, over the bound) and [p4]; each bucket is built (its parameters fetched) only after
+    the previous one was handed out, and every tensor arrives intact at its slot."""
+    from srpo_megatron.weights.buckets import ALIGN, PendingParam, TensorSpec, flat_buckets, streamed_views
+
+    log = []
+    sizes = [100, 600, 300, 2000, 40]
+
+    def value(k):
+        return torch.arange(sizes[k] // 4, dtype=torch.float32) + 1000 * k
+
+    def fetch_into(k, out):
+        log.append(f"fetch{k}")
+        out[0].copy_(value(k))
+
+    pending = [
+        PendingParam(
+            f"p{k}",
+            n,
+            None,
+            (TensorSpec(f"p{k}", torch.float32, (n // 4,)),),
+            lambda o, k=k: fetch_into(k, o),
+        )
+        for k, n in enumerate(sizes)
+    ]
+    got = {}
+    for bucket in flat_buckets(pending, bucket_bytes=1024):
+        assert all(o % ALIGN == 0 for o in bucket.offsets)
+        log.append(f"send {bucket.flat.numel()}")
+        got.update(streamed_views(bucket))
+    assert log == [
+        "fetch0",
+        "fetch1",
+        "send 1024",
+        "fetch2",
+        "send 512",
+        "fetch3",
+        "send 2048",
+        "fetch4",
+        "send 256",
+    ]
+    for k in range(len(sizes)):
+        assert torch.equal(got[f"p{k}"], value(k))
