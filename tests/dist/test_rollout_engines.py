@@ -215,7 +215,7 @@ def test_srpo_train_stops_on_a_second_engine_failure_naming_engine_gpus_and_vers
     assert "again after a restart; giving up" in msg
 
 
-def _separate(rank, world, tiny, run_dir, urls):
+def _separate(rank, world, tiny, run_dir, urls, pp=1):
     import os
 
     from srpo_megatron.data.dataset import build_datasets
@@ -228,13 +228,14 @@ def _separate(rank, world, tiny, run_dir, urls):
 
     os.environ["SRPO_ENGINE_URLS"], os.environ["SRPO_SYNC_HOST"] = ",".join(urls), "127.0.0.1"
     register_reward("coin", "srpo_megatron.testing.tiny:coin_reward")
-    groups = initialize_model_parallel(1, 1, seed=1)
+    groups = initialize_model_parallel(1, pp, seed=1)
     _, hf, _ = tiny
     cfg = _cfg(
         tiny,
         run_dir,
         [
             "parallel.tp=1",
+            f"parallel.pp={pp}",
             "rollout.engine=sglang",
             "rollout.placement=separate",
             "rollout.engine_nodes=1",
@@ -274,5 +275,34 @@ def test_separate_placement_syncs_by_broadcast_and_serves_rollouts_from_the_serv
         assert all(torch.equal(got[n], t) for n, t in res["sent"].items()), "the server holds the policy"
         paths = [p for p, _ in server.bodies]
         assert "/init_weights_update_group" in paths and "/update_weights_from_distributed" in paths
+    finally:
+        server.close()
+
+
+def test_separate_placement_pp2_both_stage_senders_broadcast_into_the_server(tiny, tmp_path):
+    """The same at world 2, PP2, into a TP2 stand-in server: each stage's sender builds its own group
+    (``srpo-pp0-g0``, ``srpo-pp1-g0``, world 1 + 2) and broadcasts its stage; the server ends holding the
+    whole policy (zeroed before: a stage that did not send leaves zeros) at v1 and serves the rollouts."""
+    from transformers import AutoModelForCausalLM
+
+    from tests.unit.test_sglang_contract import SGLangStandInServer
+
+    server = SGLangStandInServer(AutoModelForCausalLM.from_pretrained(tiny[1]), tp_size=2)
+    with torch.no_grad():
+        for p in server.model.parameters():
+            p.zero_()
+    try:
+        res = run_distributed(_separate, 2, tiny, str(tmp_path), [server.url], 2, timeout=600)
+        assert [r["versions"] for r in res] == [[1], [1]] and server.version == "1"
+        assert res[0]["metrics"]["rollout/engines"] == 1.0 and res[0]["samples"] == res[1]["samples"] == 8
+        stage0, stage1 = res[0]["sent"], res[1]["sent"]
+        assert stage0 and stage1 and not set(stage0) & set(stage1), "each stage sends its own tensors"
+        got = dict(server.model.named_parameters())
+        sent = {**stage0, **stage1}
+        assert set(got) <= set(sent) | {"lm_head.weight"}, "the server got every tensor of the policy"
+        assert all(torch.equal(got[n], t) for n, t in sent.items() if n in got), "the server holds the policy"
+        groups = {b["group_name"] for p, b in server.bodies if p == "/update_weights_from_distributed"}
+        inits = [b for p, b in server.bodies if p == "/init_weights_update_group"]
+        assert groups == {"srpo-pp0-g0", "srpo-pp1-g0"} and {b["world_size"] for b in inits} == {3}
     finally:
         server.close()
