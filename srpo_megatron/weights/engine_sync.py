@@ -8,8 +8,10 @@ No replica feeds another replica's engine and nothing funnels through global ran
 ``size`` = the replica's ranks, each engine is fed entirely by its own ranks.
 
 Collective over all trainer ranks. ``targets`` limits the sync to some engines (a restarted engine is
-resynced alone); replicas that feed no target do nothing. A sender holds at most one bucket plus one
-gathered parameter; it sends each bucket to every target host of its replica before making the next.
+resynced alone); replicas that feed no target do nothing. A sender holds at most one bucket plus what
+gathering one parameter needs: each bucket is one flat buffer (``buckets.flat_buckets``) that the
+gathered, converted parameters are written into, sent as one tensor to every target host of its replica
+(which receives it into one buffer) and handed to its own engine as views, before the next is made.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ import torch.distributed as dist
 from srpo_megatron.conversion.table import ConversionTable
 from srpo_megatron.parallel import ParallelGroups
 from srpo_megatron.rollout.placement import EngineLayout
-from srpo_megatron.weights.buckets import bucketize_pending
+from srpo_megatron.weights.buckets import flat_buckets, streamed_views
 from srpo_megatron.weights.export import iter_stage_params
 from srpo_megatron.weights.sync import (
     DEFAULT_BUCKET_BYTES,
@@ -109,12 +111,12 @@ def sync_engines(
 
     def my_stage() -> Iterator[tuple[str, torch.Tensor]]:
         nonlocal sent
-        for bucket in bucketize_pending(pending, bucket_bytes):
+        for bucket in flat_buckets(pending, bucket_bytes, groups.device):
             for h in remote:
                 _send_bucket(P2PChannel(h, groups.host), bucket, version)
-                sent += sum(t.numel() * t.element_size() for _, t in bucket)
+                sent += bucket.nbytes
             if me in receivers:
-                yield from bucket
+                yield from streamed_views(bucket)  # the local engine installs from views of the bucket
             del bucket  # release it before the next one is gathered
         for h in remote:
             _send_done(P2PChannel(h, groups.host))

@@ -3,16 +3,21 @@
 The one place that turns the trainer's sharded parameters into what a rollout engine loads:
 
 - each PP stage exports only its own layers (global layer index = local + the stage's layer offset);
-- TP shards of a parameter are *gathered* on the TP group onto TP rank 0 (``dist.gather``, not all-gather:
-  only the sender holds the full tensor) and merged with ``merge_tp_shards`` (gated ``linear_fc1`` halves
-  handled), then split into HF tensors with ``ConversionTable.to_hf``;
+- TP shards of a parameter are *gathered* on the TP group onto TP rank 0 only (not all-gathered) and
+  assembled in place: where each shard lies in the full tensor comes from ``split_tp_shard`` (gated
+  ``linear_fc1`` halves included), then ``ConversionTable.to_hf`` gives the HF tensors. On gloo the
+  shards travel point-to-point (gloo's ``gather`` would stage them all in one more buffer), on NCCL by
+  ``dist.gather``;
 - exactly one rank per stage sends: TP rank 0 of data-parallel rank 0 and context-parallel rank 0
   (``is_stage_sender``); other DP and CP replicas (CP ranks hold identical weights) do nothing;
-- the stream is lazy, one megatron parameter at a time, and announces each parameter's HF byte size
-  before gathering it, so ``bucketize_pending`` sends the current bucket first when the next parameter
-  would overflow it: a sender holds at most ``bucket_bytes`` plus one gathered parameter (column-parallel
-  shards are gathered straight into the full tensor; row/gated ones need one merge copy) — never a full
-  model copy.
+- the stream is lazy, one megatron parameter at a time, and announces each parameter's HF tensors
+  (``TensorSpec``: name, dtype, shape) before gathering it. ``buckets.flat_buckets`` plans a bucket from
+  them, allocates it as one flat buffer and has each parameter written into its slots (``fetch_into``):
+  where the HF tensors are the full tensor's consecutive pieces in the slots' dtype (embedding, gate/up,
+  row-parallel weights) the shards land straight in the bucket; otherwise (the per-group QKV split, a
+  cast, vocab padding) in one temporary full tensor converted into the slots. A sender holds at most
+  ``bucket_bytes`` plus one full parameter — never a full model copy. ``fetch()`` (list consumers)
+  returns separately allocated tensors.
 
 The tied ``output_layer`` of the last stage is skipped: the embedding (first stage) carries it.
 
@@ -34,10 +39,10 @@ from collections.abc import Iterator
 import torch
 import torch.distributed as dist
 
-from srpo_megatron.conversion.table import ConversionTable, merge_tp_shards
+from srpo_megatron.conversion.table import ConversionTable, TPPartition, merge_tp_shards, split_tp_shard
 from srpo_megatron.conversion.weights import rank_param_name, stage_expert_offset, stage_layer_offset
 from srpo_megatron.parallel import ParallelGroups
-from srpo_megatron.weights.buckets import PendingParam
+from srpo_megatron.weights.buckets import PendingParam, TensorSpec
 
 
 def is_stage_sender(groups: ParallelGroups) -> bool:
@@ -89,44 +94,196 @@ def iter_stage_params(
         if (not all_replicas and dp_like != 0) or (not expert and groups.cp_rank != 0):
             continue
         param = params[local_name].detach()
-        nbytes = 0
-        if groups.tp_rank == 0 and (all_replicas or groups.dp_rank == 0):
-            size = (dtype or param.dtype).itemsize
-            nbytes = sum(math.prod(table.hf_shape(h)) * size for h in table.hf_names_for(name))
-            nbytes *= groups.ep_size if expert else 1
-        fetch = functools.partial(_fetch_expert, all_replicas=all_replicas) if expert else _fetch
-        yield PendingParam(name, nbytes, functools.partial(fetch, table, groups, name, param, dtype))
+        specs = _specs(table, groups, name, param, dtype, expert, all_replicas)
+        nbytes = sum(s.nbytes for s in specs)
+        if expert:
+            fetch = functools.partial(
+                _fetch_expert, table, groups, name, param, dtype, all_replicas=all_replicas
+            )
+            yield PendingParam(name, nbytes, fetch, specs)
+            continue
+        fetch = functools.partial(_fetch, table, groups, name, param, dtype)
+        yield PendingParam(name, nbytes, fetch, specs, functools.partial(_fetch_into, fetch))
+
+
+def _specs(
+    table: ConversionTable,
+    groups: ParallelGroups,
+    name: str,
+    param: torch.Tensor,
+    dtype: torch.dtype | None,
+    expert: bool,
+    all_replicas: bool,
+) -> tuple[TensorSpec, ...]:
+    """What ``_fetch`` / ``_fetch_expert`` return on this rank (nothing off the rank that receives)."""
+    dtype = dtype or param.dtype
+    if not expert:
+        names = [name] if groups.tp_rank == 0 else []
+    else:
+        if all_replicas:
+            receives = groups.tp_rank == 0
+        else:
+            receives = (groups.etp_size == 1 or groups.etp_rank == 0) and (
+                groups.ep_size == 1 or groups.ep_rank == 0
+            )
+        names = _expert_names(table, groups, name) if receives else []
+    return tuple(TensorSpec(h, dtype, table.hf_shape(h)) for n in names for h in table.hf_names_for(n))
+
+
+def _expert_names(table: ConversionTable, groups: ParallelGroups, name: str) -> list[str]:
+    """Global names of the expert parameter ``name`` (local index j) on every EP rank, in EP rank order:
+    rank r holds global expert ``j + r * E / ep``; ``name`` carries this rank's."""
+    per_rank = table.arch.num_experts // groups.ep_size
+    prefix, rest = name.split(".local_experts.")
+    mine, suffix = rest.split(".", 1)
+    first = int(mine) - groups.ep_rank * per_rank
+    return [f"{prefix}.local_experts.{first + r * per_rank}.{suffix}" for r in range(groups.ep_size)]
 
 
 @torch.no_grad()
 def _fetch(
-    table: ConversionTable, groups: ParallelGroups, name: str, param: torch.Tensor, dtype: torch.dtype | None
+    table: ConversionTable,
+    groups: ParallelGroups,
+    name: str,
+    param: torch.Tensor,
+    dtype: torch.dtype | None,
+    out: list[torch.Tensor] | None = None,
 ) -> list[tuple[str, torch.Tensor]]:
+    """Gather ``param`` onto TP rank 0 and convert it: its HF tensors there, ``[]`` elsewhere. With
+    ``out`` (views of a flat bucket, one per HF tensor, on TP rank 0) the tensors are written into ``out``
+    (cast on the way) and nothing is returned. Where the HF tensors are the full tensor's consecutive
+    pieces laid out like the bucket's slots (embedding, gate/up, row-parallel weights) the shards are
+    received straight into the bucket; otherwise (the per-group QKV split, a cast, vocab padding) into
+    one temporary full tensor that is then converted into the slots."""
     part = table.partition(name)
     dst_is_me = groups.tp_rank == 0
-    if part.dim is not None and groups.tp_size > 1:
-        full_shape = list(param.shape)
-        full_shape[part.dim] *= groups.tp_size
-        full = shards = None
-        if dst_is_me and part.dim == 0 and not part.gated:
-            # Column-parallel: gather straight into the rows of the full tensor (no merge copy).
-            full = torch.empty(full_shape, dtype=param.dtype, device=param.device)
-            shards = list(full.chunk(groups.tp_size, dim=0))
-        elif dst_is_me:
-            shards = [torch.empty_like(param) for _ in range(groups.tp_size)]
-        dist.gather(param.contiguous(), shards, dst=dist.get_global_rank(groups.tp, 0), group=groups.tp)
-        if not dst_is_me:
-            return []
-        if full is None:
-            full = merge_tp_shards(shards, part)
-        del shards
-    elif not dst_is_me:
+    tp = groups.tp_size if part.dim is not None else 1
+    full_shape = list(param.shape)
+    if tp > 1:
+        full_shape[part.dim] *= tp
+    if not dst_is_me:
+        if tp > 1:
+            _send_shard(param, part, groups)
         return []
-    else:
+    if tp == 1:
         full = param
+    else:
+        in_place = out is not None and _tiles(table, name, full_shape, param.dtype, out)
+        full = (
+            _region(out, full_shape)
+            if in_place
+            else torch.empty(full_shape, dtype=param.dtype, device=param.device)
+        )
+        _receive_shards(full, param, part, groups)
+        if in_place:
+            return []
     converted = table.to_hf(name, full)
     del full  # fused tensors were split into copies: keep alive only what is returned
+    if out is not None:
+        for dst, (_, t) in zip(out, converted, strict=True):
+            dst.copy_(t)  # casts to the bucket's dtype
+        return []
     return [(h, (t if dtype is None else t.to(dtype)).contiguous()) for h, t in converted]
+
+
+def _fetch_into(fetch: functools.partial, out: list[torch.Tensor]) -> None:
+    fetch(out=out)
+
+
+@functools.lru_cache(maxsize=4096)
+def _runs(part: TPPartition, tp: int, rank: int, full_len: int) -> tuple[tuple[int, int, int], ...]:
+    """Where TP rank ``rank``'s shard lies in the full tensor along ``part.dim``: ``(full_start,
+    shard_start, length)`` runs of consecutive slices, derived from ``split_tp_shard`` itself (one run for
+    column/row-parallel, two for gated ``[gate_r; up_r]``). Host-side, from shapes only."""
+    shape = [1] * (part.dim + 1)
+    shape[part.dim] = full_len
+    index = split_tp_shard(torch.arange(full_len).view(shape), part, tp, rank).reshape(-1).tolist()
+    runs, start = [], 0
+    for k in range(1, len(index) + 1):
+        if k == len(index) or index[k] != index[k - 1] + 1:
+            runs.append((index[start], start, k - start))
+            start = k
+    return tuple(runs)
+
+
+def _point_to_point(groups: ParallelGroups) -> bool:
+    """Shards travel point-to-point on gloo, whose ``gather`` stages all shards in one more temporary
+    on the root. NCCL's ``gather`` writes each shard straight into its output through the TP group's
+    own communicator, where point-to-point would open one more communicator per rank pair."""
+    return dist.get_backend(groups.tp) == "gloo"
+
+
+def _send_shard(param: torch.Tensor, part: TPPartition, groups: ParallelGroups) -> None:
+    """TP rank r > 0: send this rank's shard to TP rank 0 (see ``_receive_shards``)."""
+    root = dist.get_global_rank(groups.tp, 0)
+    if not _point_to_point(groups):
+        dist.gather(param.contiguous(), None, dst=root, group=groups.tp)
+    elif part.dim != 0:
+        dist.send(param.contiguous(), dst=root, group=groups.tp)
+    else:  # one message per run along dim 0: each lands in its place on the root
+        full_len = param.shape[0] * groups.tp_size
+        for _, at, n in _runs(part, groups.tp_size, groups.tp_rank, full_len):
+            dist.send(param.narrow(0, at, n).contiguous(), dst=root, group=groups.tp)
+
+
+def _receive_shards(full: torch.Tensor, param: torch.Tensor, part: TPPartition, groups: ParallelGroups):
+    """TP rank 0: assemble ``full`` from every rank's shard, in place. A shard that is one dim-0 run
+    (column-parallel) is received straight into its rows; others (gated: two runs; row-parallel: columns)
+    go through shard-sized buffers copied into their runs: one at a time point-to-point (gloo), all of
+    them for NCCL's ``gather`` (one parameter). Rank 0's own shard is a local copy."""
+    d, tp = part.dim, groups.tp_size
+    runs = [_runs(part, tp, r, full.shape[d]) for r in range(tp)]
+    if not _point_to_point(groups):
+        direct = d == 0 and all(len(rr) == 1 for rr in runs)
+        outputs = (
+            [full.narrow(0, rr[0][0], rr[0][2]) for rr in runs]
+            if direct
+            else [torch.empty_like(param) for _ in range(tp)]
+        )
+        dist.gather(param.contiguous(), outputs, dst=dist.get_global_rank(groups.tp, 0), group=groups.tp)
+        if not direct:
+            for shard, rr in zip(outputs, runs, strict=True):
+                for at, src, n in rr:
+                    full.narrow(d, at, n).copy_(shard.narrow(d, src, n))
+        return
+    staging = torch.empty_like(param) if d != 0 else None
+    for r in range(tp):
+        if r == 0:
+            for at, src, n in runs[0]:
+                full.narrow(d, at, n).copy_(param.narrow(d, src, n))
+            continue
+        peer = dist.get_global_rank(groups.tp, r)
+        if staging is None:
+            for at, _, n in runs[r]:
+                dist.recv(full.narrow(0, at, n), src=peer, group=groups.tp)
+            continue
+        dist.recv(staging, src=peer, group=groups.tp)
+        for at, src, n in runs[r]:
+            full.narrow(d, at, n).copy_(staging.narrow(d, src, n))
+
+
+def _region(out: list[torch.Tensor], shape: list[int]) -> torch.Tensor:
+    """The bucket memory that starts at slot ``out[0]`` (consecutive slots, see ``_tiles``) as one
+    contiguous tensor of ``shape``."""
+    strides = torch.empty(shape, device="meta").stride()
+    return out[0].as_strided(shape, strides)
+
+
+def _tiles(
+    table: ConversionTable, name: str, full_shape: list[int], dtype: torch.dtype, out: list[torch.Tensor]
+) -> bool:
+    """Whether the full tensor, placed at ``out[0]``, IS the HF tensors: ``to_hf`` returns contiguous,
+    consecutive pieces of it, in order (checked on a meta tensor), of the slots' dtype, and the slots are
+    consecutive in the bucket (no alignment gap)."""
+    hf = table.to_hf(name, torch.empty(full_shape, dtype=dtype, device="meta"))
+    at, ptr = 0, out[0].data_ptr()
+    for (_, t), slot in zip(hf, out, strict=True):
+        if slot.dtype != dtype or slot.shape != t.shape or not t.is_contiguous():
+            return False
+        if t.storage_offset() != at or slot.data_ptr() != ptr + at * t.element_size():
+            return False
+        at += t.numel()
+    return at == math.prod(full_shape)
 
 
 def _collect(
@@ -173,14 +330,8 @@ def _fetch_expert(
     del full
     if all_replicas and groups.tp_rank != 0:
         return []
-    # This rank's name carries its EP rank's global expert index j + ep_rank*E/ep; rank r has j + r*E/ep.
-    per_rank = table.arch.num_experts // groups.ep_size
-    mine = int(name.split(".local_experts.")[1].split(".")[0])
-    first = mine - groups.ep_rank * per_rank
-    prefix, suffix = name.split(".local_experts.")[0], name.split(".local_experts.")[1].split(".", 1)[1]
     out = []
-    for r, tensor in enumerate(experts):
-        global_name = f"{prefix}.local_experts.{first + r * per_rank}.{suffix}"
+    for global_name, tensor in zip(_expert_names(table, groups, name), experts, strict=True):
         out.extend(
             (h, (t if dtype is None else t.to(dtype)).contiguous())
             for h, t in table.to_hf(global_name, tensor)

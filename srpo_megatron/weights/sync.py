@@ -15,11 +15,13 @@ validates every name and shape before copying; SGLang refuses to serve after a p
   reader never sees a half-written version.
 
 Wire format for the p2p / broadcast transports, per bucket: an int64 ``[2]`` header (JSON length, done
-flag), the JSON ``{"version", "names", "dtypes", "shapes"}`` as uint8, then each tensor. Headers and JSON
+flag), the JSON ``{"version", "names", "dtypes", "shapes"}`` as uint8, then each tensor; a flat bucket
+(``buckets.FlatBucket``, what the trainer's stage senders send) adds ``"offsets"`` and ``"flat_bytes"``
+to the JSON and is followed by its ONE flat uint8 buffer, received into one buffer. Headers and JSON
 are host tensors and travel over gloo (``send_meta``); the weight tensors are on the runtime's device
 and travel over the data group (NCCL on GPU) into receive buffers on the receiver's device. A final
 header with ``done = 1`` ends a stage's stream. The bucket bound (default 512 MiB) caps what a sender holds
-beyond one full parameter.
+beyond the gather of one parameter.
 """
 
 from __future__ import annotations
@@ -35,7 +37,13 @@ import torch.distributed as dist
 
 from srpo_megatron.conversion.table import ConversionTable
 from srpo_megatron.parallel import ParallelGroups
-from srpo_megatron.weights.buckets import bucketize, bucketize_pending
+from srpo_megatron.weights.buckets import (
+    FlatBucket,
+    bucketize,
+    bucketize_pending,
+    flat_buckets,
+    streamed_views,
+)
 from srpo_megatron.weights.export import is_stage_sender, iter_stage_hf_tensors, iter_stage_params
 
 DEFAULT_BUCKET_BYTES = 512 * 1024**2
@@ -114,30 +122,57 @@ class StageChannel:
         return int(t)
 
 
-def _send_bucket(ch, bucket: list[tuple[str, torch.Tensor]], version: int) -> None:
-    meta = {
-        "version": version,
-        "names": [n for n, _ in bucket],
-        "dtypes": [str(t.dtype).removeprefix("torch.") for _, t in bucket],
-        "shapes": [list(t.shape) for _, t in bucket],
-    }
+def _send_bucket(ch, bucket: list[tuple[str, torch.Tensor]] | FlatBucket, version: int) -> None:
+    """One bucket: header, JSON, then the tensors (a ``FlatBucket``: its one flat buffer)."""
+    if isinstance(bucket, FlatBucket):
+        meta = {"version": version, **bucket.meta()}
+    else:
+        meta = {
+            "version": version,
+            "names": [n for n, _ in bucket],
+            "dtypes": [str(t.dtype).removeprefix("torch.") for _, t in bucket],
+            "shapes": [list(t.shape) for _, t in bucket],
+        }
     blob = torch.frombuffer(bytearray(json.dumps(meta).encode()), dtype=torch.uint8)
     ch.send_meta(torch.tensor([blob.numel(), 0], dtype=torch.int64))
     ch.send_meta(blob)
+    if isinstance(bucket, FlatBucket):
+        ch.send(bucket.flat)
+        return
     for _, t in bucket:
         ch.send(t.contiguous())
+
+
+def _bucket_bytes(bucket: list[tuple[str, torch.Tensor]] | FlatBucket) -> int:
+    if isinstance(bucket, FlatBucket):
+        return bucket.nbytes
+    return sum(t.numel() * t.element_size() for _, t in bucket)
+
+
+def _read_bucket(ch, meta: dict, device: torch.device | str) -> Iterator[tuple[str, torch.Tensor]]:
+    """The tensors of a bucket whose metadata arrived: received into one buffer (flat buckets: its last
+    tensor a copy, see ``streamed_views``) or one buffer per tensor."""
+    if "offsets" in meta:
+        bucket = FlatBucket.from_meta(meta, device)
+        ch.recv(bucket.flat)
+        yield from streamed_views(bucket)
+        return
+    for name, dtype, shape in zip(meta["names"], meta["dtypes"], meta["shapes"], strict=True):
+        t = torch.empty(shape, dtype=getattr(torch, dtype), device=device)
+        ch.recv(t)
+        yield name, t
 
 
 def _send_done(ch) -> None:
     ch.send_meta(torch.tensor([0, 1], dtype=torch.int64))
 
 
-def send_buckets(ch, buckets: Iterable[list[tuple[str, torch.Tensor]]], version: int) -> int:
+def send_buckets(ch, buckets: Iterable[list[tuple[str, torch.Tensor]] | FlatBucket], version: int) -> int:
     """Send buckets over ``ch``, then the done marker; returns the bytes sent."""
     sent = 0
     for bucket in buckets:
         _send_bucket(ch, bucket, version)
-        sent += sum(t.numel() * t.element_size() for _, t in bucket)
+        sent += _bucket_bytes(bucket)
         del bucket  # release it before the generator materialises the next one
     _send_done(ch)
     return sent
@@ -164,10 +199,7 @@ def receive_stream(
         meta = json.loads(bytes(blob.tolist()).decode())
         if version is not None and meta["version"] != version:
             raise WeightSyncError(f"bucket of version {meta['version']} arrived during the sync of {version}")
-        for name, dtype, shape in zip(meta["names"], meta["dtypes"], meta["shapes"], strict=True):
-            t = torch.empty(shape, dtype=getattr(torch, dtype), device=device)
-            ch.recv(t)
-            yield name, t
+        yield from _read_bucket(ch, meta, device)
 
 
 def _peek_version(
@@ -183,10 +215,7 @@ def _peek_version(
     meta = json.loads(bytes(blob.tolist()).decode())
 
     def stream():
-        for name, dtype, shape in zip(meta["names"], meta["dtypes"], meta["shapes"], strict=True):
-            t = torch.empty(shape, dtype=getattr(torch, dtype), device=device)
-            ch.recv(t)
-            yield name, t
+        yield from _read_bucket(ch, meta, device)
         yield from receive_stream(ch, meta["version"], device)
 
     return int(meta["version"]), stream
@@ -237,7 +266,8 @@ def sync_in_process(
         return
     pending = iter_stage_params(model, table, groups, dtype)
     if me in senders:
-        send_buckets(P2PChannel(engine_rank, groups.host), bucketize_pending(pending, bucket_bytes), version)
+        buckets = flat_buckets(pending, bucket_bytes, groups.device)
+        send_buckets(P2PChannel(engine_rank, groups.host), buckets, version)
     else:
         for p in pending:  # join this stage's TP gathers
             p.fetch()
@@ -263,7 +293,7 @@ def send_stage(
     if is_stage_sender(groups):
         if channel is None:
             raise WeightSyncError("this rank is its stage's sender but has no StageChannel to the engine")
-        sent = send_buckets(channel, bucketize_pending(pending, bucket_bytes), version)
+        sent = send_buckets(channel, flat_buckets(pending, bucket_bytes, groups.device), version)
         served = channel.wait_ack()
         if served != version:
             raise WeightSyncError(f"engine serves version {served} after the sync of version {version}")

@@ -4,18 +4,21 @@ Two transformers engines (the CPU stand-in for two SGLang engines) are hosted on
 by its own TP group. Checked against a one-engine run of the same job (``gpus_per_engine=4``): the
 prompts split evenly, both engines serve the same version after every sync, rollouts are token-identical,
 and an engine that dies is restarted alone (the other engine object survives) and the job continues.
-A second test runs two SRPO steps of ``srpo train`` and reads ``rollout/engines`` from metrics.jsonl.
+Two SRPO steps of ``srpo train`` report ``rollout/engines`` in metrics.jsonl; the same run with engine 1
+killed during step 2's rollouts restarts it alone, resynced to the current version, and then matches the
+fault-free run token for token and metric for metric; a second failure stops the job naming the engine.
 """
 
 from __future__ import annotations
 
 import json
+from collections import Counter
 from pathlib import Path
 
 import pytest
 import torch
 
-from srpo_megatron.testing.distributed import run_distributed
+from srpo_megatron.testing.distributed import RankFailed, run_distributed
 
 REPO = Path(__file__).resolve().parents[2]
 RECIPE = REPO / "examples" / "tiny_cpu_test.yaml"
@@ -109,23 +112,110 @@ def test_two_engines_serve_split_prompts_same_version_same_tokens_and_restart_al
     assert res[0]["samples_after"] == (16, 16)
 
 
-def _train_rank(rank, world, tiny, run_dir):
+_GENERATED: list[dict] = []  # this rank process's generate calls: engine, build, version served, tokens
+
+
+def _record_engines(fault: str) -> Counter:
+    """Wrap ``build_engine`` in this rank process: every engine records what it generates, and with
+    ``fault`` engine 1 dies the way a crashed engine process does (shut down: it refuses to generate, the
+    call raises ``EngineError``) — ``"once"``: its first build at its second call (step 2's rollouts);
+    ``"always"``: every build at its first call. Returns the builds per engine index (filled as they come)."""
+    from srpo_megatron.rollout import factory
+
+    real, builds = factory.build_engine, Counter()
+
+    def build(rollout, model_path, *, engine_index=0, **kw):
+        engine = real(rollout, model_path, engine_index=engine_index, **kw)
+        builds[engine_index] += 1
+        nth, calls, generate = builds[engine_index], [0], engine.generate
+
+        def recorded(prompts, params):
+            calls[0] += 1
+            dies = fault == "always" or (fault == "once" and nth == 1 and calls[0] == 2)
+            if engine_index == 1 and dies:
+                engine.shutdown()
+            out = generate(prompts, params)
+            tokens = [[c.token_ids for c in g] for g in out]
+            _GENERATED.append(
+                {"engine": engine_index, "build": nth, "version": engine.weight_version, "tokens": tokens}
+            )
+            return out
+
+        engine.generate = recorded
+        return engine
+
+    factory.build_engine = build  # RolloutService._build imports it at call time
+    return builds
+
+
+def _train_rank(rank, world, tiny, run_dir, fault=""):
+    import contextlib
+    import io
+
     from srpo_megatron.train import train
 
-    return train(_cfg(tiny, run_dir, ["rollout.gpus_per_engine=2", "train.steps=2", "run.save_every=0"]))
+    builds, log = _record_engines(fault), io.StringIO()
+    cfg = _cfg(tiny, run_dir, ["rollout.gpus_per_engine=2", "train.steps=2", "run.save_every=0"])
+    with contextlib.redirect_stdout(log):  # the rank's [srpo] lines: the restart must be logged
+        train(cfg)
+    return {"builds": dict(builds), "generated": list(_GENERATED), "log": log.getvalue()}
 
 
-def test_srpo_train_two_steps_on_two_engines(tiny, tmp_path):
-    run_distributed(_train_rank, 4, tiny, str(tmp_path / "run"), timeout=1200)
-    rows = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+@pytest.fixture(scope="module")
+def clean_run(tiny, tmp_path_factory):
+    """Two SRPO steps of ``srpo train`` on two engines, no fault: the reference for the restart test."""
+    run_dir = tmp_path_factory.mktemp("clean") / "run"
+    res = run_distributed(_train_rank, 4, tiny, str(run_dir), timeout=1200)
+    return res, [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_srpo_train_two_steps_on_two_engines(clean_run):
+    res, rows = clean_run
     assert len(rows) == 2
     for row in rows:
-        assert row["rollout/engines"] == 2.0
+        assert row["rollout/engines"] == 2.0 and row["engine/restarts"] == 0.0
         assert row["rollout/samples_per_engine_min"] == row["rollout/samples_per_engine_max"]
         assert row["rollout/engine_seconds_max"] > 0 and row["rollout/sync_s"] > 0
+    assert [r["builds"] for r in res] == [{0: 1}, {}, {1: 1}, {}]
 
 
-def _separate(rank, world, tiny, run_dir, urls):
+# Timings differ between runs; everything else in a step's metrics is a function of the rollouts and weights.
+_TIMED = ("time/", "perf/", "rollout/engine_seconds_max", "rollout/sync_s", "engine/restarts")
+
+
+def test_srpo_train_restarts_an_engine_killed_mid_rollout_alone_and_continues(tiny, tmp_path, clean_run):
+    """Engine 1 (ranks 2-3) dies during step 2's rollouts: it alone is rebuilt, resynced to v2 and its
+    prompts retried; the run then matches the fault-free run token for token and metric for metric, and
+    metrics.jsonl / the log show the restart."""
+    res = run_distributed(_train_rank, 4, tiny, str(tmp_path / "run"), "once", timeout=1200)
+    rows = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    ref, ref_rows = clean_run
+    assert [r["builds"] for r in res] == [{0: 1}, {}, {1: 2}, {}], "only the failed engine is rebuilt"
+    assert [(g["build"], g["version"]) for g in res[2]["generated"]] == [(1, 1), (2, 2)], (
+        "the restarted engine serves the current version"
+    )
+    retry, reference = res[2]["generated"][1], ref[2]["generated"][1]
+    assert retry["tokens"] == reference["tokens"], "the retried prompts give the fault-free rollouts"
+    assert res[0]["generated"] == ref[0]["generated"], "engine 0 is untouched"
+    assert [r["engine/restarts"] for r in rows] == [0.0, 1.0]
+    assert len(rows) == 2 and all(
+        r[k] == c[k] for r, c in zip(rows, ref_rows, strict=True) for k in c if not k.startswith(_TIMED)
+    ), "training continues exactly as without the fault"
+    log = res[0]["log"]
+    assert "[srpo] engine 1 (trainer ranks / GPUs 2-3, weights v2) failed at step 2" in log
+    assert "restarting it alone and resyncing" in log
+
+
+def test_srpo_train_stops_on_a_second_engine_failure_naming_engine_gpus_and_version(tiny, tmp_path):
+    """Engine 1 dies again after its restart (step 1's rollouts): the job stops, naming it."""
+    with pytest.raises(RankFailed) as err:
+        run_distributed(_train_rank, 4, tiny, str(tmp_path / "run"), "always", timeout=1200)
+    msg = str(err.value)
+    assert "EngineError: engine 1 (trainer ranks / GPUs 2-3, weights v1) failed at step 1" in msg
+    assert "again after a restart; giving up" in msg
+
+
+def _separate(rank, world, tiny, run_dir, urls, pp=1):
     import os
 
     from srpo_megatron.data.dataset import build_datasets
@@ -138,13 +228,14 @@ def _separate(rank, world, tiny, run_dir, urls):
 
     os.environ["SRPO_ENGINE_URLS"], os.environ["SRPO_SYNC_HOST"] = ",".join(urls), "127.0.0.1"
     register_reward("coin", "srpo_megatron.testing.tiny:coin_reward")
-    groups = initialize_model_parallel(1, 1, seed=1)
+    groups = initialize_model_parallel(1, pp, seed=1)
     _, hf, _ = tiny
     cfg = _cfg(
         tiny,
         run_dir,
         [
             "parallel.tp=1",
+            f"parallel.pp={pp}",
             "rollout.engine=sglang",
             "rollout.placement=separate",
             "rollout.engine_nodes=1",
@@ -184,5 +275,34 @@ def test_separate_placement_syncs_by_broadcast_and_serves_rollouts_from_the_serv
         assert all(torch.equal(got[n], t) for n, t in res["sent"].items()), "the server holds the policy"
         paths = [p for p, _ in server.bodies]
         assert "/init_weights_update_group" in paths and "/update_weights_from_distributed" in paths
+    finally:
+        server.close()
+
+
+def test_separate_placement_pp2_both_stage_senders_broadcast_into_the_server(tiny, tmp_path):
+    """The same at world 2, PP2, into a TP2 stand-in server: each stage's sender builds its own group
+    (``srpo-pp0-g0``, ``srpo-pp1-g0``, world 1 + 2) and broadcasts its stage; the server ends holding the
+    whole policy (zeroed before: a stage that did not send leaves zeros) at v1 and serves the rollouts."""
+    from transformers import AutoModelForCausalLM
+
+    from tests.unit.test_sglang_contract import SGLangStandInServer
+
+    server = SGLangStandInServer(AutoModelForCausalLM.from_pretrained(tiny[1]), tp_size=2)
+    with torch.no_grad():
+        for p in server.model.parameters():
+            p.zero_()
+    try:
+        res = run_distributed(_separate, 2, tiny, str(tmp_path), [server.url], 2, timeout=600)
+        assert [r["versions"] for r in res] == [[1], [1]] and server.version == "1"
+        assert res[0]["metrics"]["rollout/engines"] == 1.0 and res[0]["samples"] == res[1]["samples"] == 8
+        stage0, stage1 = res[0]["sent"], res[1]["sent"]
+        assert stage0 and stage1 and not set(stage0) & set(stage1), "each stage sends its own tensors"
+        got = dict(server.model.named_parameters())
+        sent = {**stage0, **stage1}
+        assert set(got) <= set(sent) | {"lm_head.weight"}, "the server got every tensor of the policy"
+        assert all(torch.equal(got[n], t) for n, t in sent.items() if n in got), "the server holds the policy"
+        groups = {b["group_name"] for p, b in server.bodies if p == "/update_weights_from_distributed"}
+        inits = [b for p, b in server.bodies if p == "/init_weights_update_group"]
+        assert groups == {"srpo-pp0-g0", "srpo-pp1-g0"} and {b["world_size"] for b in inits} == {3}
     finally:
         server.close()
