@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import math
+import mmap
 import os
 import re
 from pathlib import Path
@@ -38,7 +39,12 @@ def parse_size(text: str | int) -> int:
 
 
 class HFCheckpointReader:
-    """Tensor-by-tensor access to the safetensors weights of an HF model folder."""
+    """Tensor-by-tensor access to the safetensors weights of an HF model folder.
+
+    A tensor is a view of its shard, mapped copy-on-write (:class:`_MappedShard`): no read until its pages
+    are touched, and writing into it never reaches the file. ``close`` drops the maps; tensors already
+    handed out keep theirs alive until they go.
+    """
 
     def __init__(self, hf_dir: str | Path):
         self.dir = Path(hf_dir)
@@ -46,15 +52,14 @@ class HFCheckpointReader:
         if index.is_file():
             weight_map = json.loads(index.read_text())["weight_map"]
         elif (self.dir / SINGLE_NAME).is_file():
-            with safe_open(self.dir / SINGLE_NAME, framework="pt") as f:
-                weight_map = dict.fromkeys(f.keys(), SINGLE_NAME)
+            weight_map = dict.fromkeys(_MappedShard(self.dir / SINGLE_NAME).names(), SINGLE_NAME)
         else:
             raise FileNotFoundError(
                 f"no {SINGLE_NAME} or {INDEX_NAME} in {self.dir}: "
                 "pass an HF model folder saved with safetensors"
             )
         self.weight_map: dict[str, str] = weight_map
-        self._handles: dict[str, object] = {}
+        self._handles: dict[str, _MappedShard] = {}
 
     def names(self) -> list[str]:
         return list(self.weight_map)
@@ -64,14 +69,14 @@ class HFCheckpointReader:
 
     def shape(self, name: str) -> tuple[int, ...]:
         """Shape from the safetensors header (no data read)."""
-        self.get_handle(name)
-        return tuple(self._handles[self.weight_map[name]].get_slice(name).get_shape())
+        return self.get_handle(name).shape(name)
 
-    def get_handle(self, name: str):
+    def get_handle(self, name: str) -> _MappedShard:
         file = self.weight_map[name]
-        if file not in self._handles:
-            self._handles[file] = safe_open(self.dir / file, framework="pt")
-        return self._handles[file]
+        handle = self._handles.get(file)
+        if handle is None:
+            handle = self._handles[file] = _MappedShard(self.dir / file)
+        return handle
 
     def dtype(self) -> torch.dtype:
         """dtype of the first tensor (checkpoints are uniform in practice)."""
@@ -79,6 +84,60 @@ class HFCheckpointReader:
 
     def close(self) -> None:
         self._handles.clear()
+
+
+class _MappedShard:
+    """One safetensors file: its header, and its bytes mapped copy-on-write (``MAP_PRIVATE``).
+
+    ``get_tensor`` is ``torch.frombuffer`` at the header's offsets: a few microseconds, where
+    ``safe_open(...).get_tensor`` costs ~100 us of Python and bindings per tensor, which a 128-expert MoE
+    checkpoint (thousands of small tensors) pays thousands of times. The header is the format's
+    (8-byte little-endian length, then JSON); a tensor outside the file is refused, and a dtype torch
+    cannot view is read through ``safe_open``. ``tests/unit/test_conversion_io.py`` compares every tensor
+    with safetensors' own reader.
+    """
+
+    def __init__(self, path: Path):
+        self.path = path
+        with open(path, "rb") as f:
+            size = os.fstat(f.fileno()).st_size
+            n = int.from_bytes(f.read(8), "little")
+            if size < 8 or n > size - 8:
+                raise ValueError(f"{path}: not a safetensors file (header length {n}, file size {size})")
+            header = json.loads(f.read(n))
+            # Copy-on-write: views handed out are writable (torch.frombuffer wants that), the file is not.
+            self._map = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY) if size > 8 + n else None
+        header.pop("__metadata__", None)
+        self._base, self._size, self._header = 8 + n, size - 8 - n, header
+
+    def names(self) -> list[str]:
+        return list(self._header)
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return tuple(self._info(name)["shape"])
+
+    def _info(self, name: str) -> dict:
+        info = self._header.get(name)
+        if info is None:
+            raise KeyError(f"{self.path}: no tensor {name!r}")
+        return info
+
+    def get_tensor(self, name: str) -> torch.Tensor:
+        info = self._info(name)
+        dtype = _TORCH_DTYPES.get(info["dtype"])
+        if dtype is None:  # e.g. float8: let safetensors decide
+            with safe_open(self.path, framework="pt") as f:
+                return f.get_tensor(name)
+        shape, (start, end) = tuple(info["shape"]), info["data_offsets"]
+        count = math.prod(shape)
+        if not 0 <= start <= end <= self._size or end - start != count * dtype.itemsize:
+            raise ValueError(
+                f"{self.path}: tensor {name} has data offsets {[start, end]} for shape {list(shape)} "
+                f"{info['dtype']} in a {self._size}-byte data section: the file is truncated or corrupt"
+            )
+        if count == 0:
+            return torch.empty(shape, dtype=dtype)
+        return torch.frombuffer(self._map, dtype=dtype, count=count, offset=self._base + start).view(shape)
 
 
 class ShardedSafetensorsWriter:
@@ -136,6 +195,8 @@ _SAFETENSORS_DTYPES = {
     torch.uint8: "U8",
     torch.bool: "BOOL",
 }
+
+_TORCH_DTYPES = {name: dtype for dtype, name in _SAFETENSORS_DTYPES.items()}
 
 
 def _shard_header(names_shapes: list[tuple[str, tuple[int, ...]]], dtype: torch.dtype) -> tuple[bytes, dict]:
