@@ -4,8 +4,8 @@
 model in memory. ``TorchDistReader.read(key, offset, shape)`` returns one region of one tensor, built
 from only the stored chunks that overlap it, each read with ``torch.load`` from its byte range of the
 ``.distcp`` file, as torch DCP's ``FileSystemReader.read_data`` reads it (``weights_only=True``, CPU), or,
-when the chunk is byte for byte torch's envelope around raw data (``stream_writer`` output), read straight
-into the tensor. Peak memory is the region plus one stored chunk.
+when the chunk is byte for byte torch's envelope around raw data (``stream_writer`` output), as a view of
+its bytes of the file, mapped. Peak memory is the region plus one stored chunk.
 
 Coordinates are the checkpoint's global ones: a ShardedTensor with ``prepend_axis_num`` p stores chunks of
 shape ``(1,) * p + local_shape`` at ``global_offset`` (see ``stream_writer``). A region the stored chunks
@@ -15,18 +15,17 @@ like megatron's resharding leaves them.
 
 from __future__ import annotations
 
-import contextlib
 import io
 import math
+import mmap
 import os
-from collections.abc import Iterator
 from pathlib import Path
 
 import torch
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.metadata import MetadataIndex, TensorStorageMetadata
 
-from srpo_megatron.conversion.torch_save_format import TorchSaveEnvelopes, tensor_bytes
+from srpo_megatron.conversion.torch_save_format import TorchSaveEnvelopes
 
 
 class _Window(io.RawIOBase):
@@ -56,17 +55,6 @@ class _Window(io.RawIOBase):
         n = self._f.readinto(view)
         self._pos += n
         return n
-
-
-@contextlib.contextmanager
-def _crc32_off() -> Iterator[None]:
-    """CRC32s off for ``torch.save`` in the block (an envelope exists only then; see torch_save_format)."""
-    crc32 = torch.serialization.get_crc32_options()
-    torch.serialization.set_crc32_options(False)
-    try:
-        yield
-    finally:
-        torch.serialization.set_crc32_options(crc32)
 
 
 class TorchDistReader:
@@ -131,30 +119,30 @@ class TorchDistReader:
         self, f, offset: int, length: int, dtype, sizes: tuple[int, ...]
     ) -> torch.Tensor | None:
         """The chunk at ``[offset, offset + length)`` when its bytes are the torch.save envelope of a
-        ``dtype`` tensor of ``sizes`` around its raw data (what ``stream_writer`` writes, CRC32s off), read
-        straight into the result with one system call; else None (e.g. CRCs on, as megatron's own save
-        writes them), and the caller runs ``torch.load``.
+        ``dtype`` tensor of ``sizes`` around its raw data (what ``stream_writer`` writes, CRC32s off): a
+        view of those bytes of the file, mapped copy-on-write (no read, no copy; the map goes with the
+        tensor); else None (e.g. CRCs on, as megatron's own save writes them), and the caller runs
+        ``torch.load``.
 
         Exactly what torch.load returns: the envelope is payload-independent and torch's own
         (``torch_save_format``), and prefix and suffix are compared byte for byte, so a chunk that
         matches decodes to this dtype, shape and contiguous layout, with these bytes as its data.
-        ``torch.load`` costs ~1 ms of zip and unpickler work per chunk: seconds for an MoE's thousands."""
-        with _crc32_off():
-            env = self._envelopes.get(dtype, sizes)
+        ``torch.load`` costs ~1 ms of zip and unpickler work per chunk (seconds for an MoE's thousands)
+        and copies the data into fresh memory."""
+        env = self._envelopes.get(dtype, sizes)
         if env is None:
             return None
         prefix, suffix = env
-        if length != len(prefix) + math.prod(sizes) * dtype.itemsize + len(suffix):
+        count = math.prod(sizes)
+        start, nbytes = offset + len(prefix), count * dtype.itemsize
+        if length != len(prefix) + nbytes + len(suffix):
             return None
         fd = f.fileno()
-        if os.pread(fd, len(prefix), offset) != prefix:
+        if os.pread(fd, len(prefix), offset) != prefix or os.pread(fd, len(suffix), start + nbytes) != suffix:
             return None
-        tensor = torch.empty(sizes, dtype=dtype)
-        tail = bytearray(len(suffix))
-        views = [tensor_bytes(tensor), memoryview(tail)]
-        if os.preadv(fd, views, offset + len(prefix)) != tensor.nbytes + len(suffix) or tail != suffix:
-            return None
-        return tensor
+        base = start - start % mmap.ALLOCATIONGRANULARITY
+        region = mmap.mmap(fd, start + nbytes - base, access=mmap.ACCESS_COPY, offset=base)
+        return torch.frombuffer(region, dtype=dtype, count=count, offset=start - base).view(sizes)
 
     def close(self) -> None:
         for f in self._files.values():

@@ -22,6 +22,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from srpo_megatron.conversion.torch_save_format import tensor_bytes
+from srpo_megatron.conversion.write_behind import WriteBehind
 
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"
@@ -253,12 +254,14 @@ class PlannedSafetensorsWriter:
         )
         self._where: dict[str, tuple[int, int, tuple[int, ...]]] = {}  # name -> (fd, offset, shape)
         self._fds: list[int] = []
+        self._behind: dict[int, WriteBehind] = {}  # per shard: its writeback overlaps the export
         self.total_bytes = sum(math.prod(shape) * dtype.itemsize for _, shape in plan)
         self._weight_map = {}
         for file, shard in zip(self.files, shards, strict=True):
             header, offsets = _shard_header(shard, dtype)
             fd = os.open(self.dir / file, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
             self._fds.append(fd)
+            self._behind[fd] = WriteBehind(fd)
             _pwrite_all(fd, memoryview(header), 0)
             data_bytes = sum(math.prod(shape) * dtype.itemsize for _, shape in shard)
             os.ftruncate(fd, len(header) + data_bytes)
@@ -281,14 +284,19 @@ class PlannedSafetensorsWriter:
             )
         if tensor.numel():
             _pwrite_all(fd, tensor_bytes(tensor.contiguous()), offset)
+            self._behind[fd].wrote(tensor.nbytes)
         self._written.add(name)
 
     def close(self) -> None:
         """Check every planned tensor was written, close the shards, write the index (when sharded)."""
         missing = [n for n in self._where if n not in self._written]
-        for fd in self._fds:
-            os.close(fd)
-        self._fds = []
+        try:
+            for behind in self._behind.values():
+                behind.close()
+        finally:
+            for fd in self._fds:
+                os.close(fd)
+            self._fds, self._behind = [], {}
         if missing:
             raise ValueError(f"planned tensors never written: {missing[:10]} ({len(missing)} in all)")
         if len(self.files) > 1:

@@ -29,7 +29,6 @@ import io
 import math
 import os
 import pickle
-import threading
 from collections.abc import Callable
 from pathlib import Path
 
@@ -50,6 +49,7 @@ from torch.distributed.checkpoint.metadata import (
 
 from srpo_megatron.compat.mcore import save_writes_common_pt
 from srpo_megatron.conversion.torch_save_format import TorchSaveEnvelopes, tensor_bytes
+from srpo_megatron.conversion.write_behind import WriteBehind
 
 DATA_FILE = "__0_0.distcp"
 DCP_METADATA_FILE = ".metadata"
@@ -177,7 +177,7 @@ class _DataFile:
         self._pos = 0  # offset of the next item (queued bytes included)
         self._queue: list[memoryview] = []
         self._queued = 0
-        self._behind = _WriteBehind(self._fd)
+        self._behind = WriteBehind(self._fd)
         return self
 
     def __exit__(self, exc_type, *exc) -> None:
@@ -243,45 +243,6 @@ class _DataFile:
                 self._objects["None"] = buf.getvalue()
             self._write(buf.getbuffer())
         return _StorageInfo(DATA_FILE, start, self._pos - start)
-
-
-class _WriteBehind:
-    """Start the disk writes of the data file while the conversion goes on: every ``every`` bytes, a
-    thread ``fdatasync`` s what was written so far. The checkpoint is fsynced before it is renamed into
-    place (``checkpoint.atomic_output_dir``); without this, that fsync wrote the whole file at the end,
-    as long as the rest of the conversion again. The system call runs without the GIL."""
-
-    def __init__(self, fd: int, every: int = 64 << 20):
-        self.fd, self.every, self._since = fd, every, 0
-        self._wake, self._stop = threading.Event(), False
-        self._error: BaseException | None = None
-        self._thread = threading.Thread(target=self._run, name="conversion-write-behind", daemon=True)
-        self._thread.start()
-
-    def wrote(self, n: int) -> None:
-        self._since += n
-        if self._since >= self.every:
-            self._since = 0
-            self._wake.set()
-
-    def _run(self) -> None:
-        while True:
-            self._wake.wait()
-            self._wake.clear()
-            if self._stop:
-                return
-            try:
-                os.fdatasync(self.fd)
-            except BaseException as e:  # reported by close(), in the writing thread
-                self._error = e
-                return
-
-    def close(self) -> None:
-        self._stop = True
-        self._wake.set()
-        self._thread.join()
-        if self._error is not None:
-            raise self._error
 
 
 def _owning(data: torch.Tensor) -> torch.Tensor:
