@@ -33,7 +33,6 @@ from __future__ import annotations
 import contextlib
 import gc
 import json
-import math
 import os
 import shutil
 import sys
@@ -213,26 +212,20 @@ def hf_to_megatron(
     shapes = {name: reader.shape(name) for name in table.hf_names()}
     table.check_hf_shapes(shapes)
     dtype = dtype or reader.dtype()
-    largest = max(math.prod(shape) for shape in shapes.values()) * reader.dtype().itemsize
     with gc_paused(), atomic_output_dir(out_dir, force) as tmp, single_process_megatron():
         # The skeleton's parameters are never written (their pages stay unallocated): megatron's own
         # sharded_state_dict only supplies the checkpoint layout, and each ShardedTensor's data is a view
         # of one parameter, so its values are that view's slice of the table's full tensor.
         model = _skeleton(arch, dtype)
         sharded, common, params, groups = _sharded_layout(model)
-        done, mapped = [0], [0]
+        done = [0]
 
         def data_of(group: list) -> list[list[torch.Tensor]]:
             local_name, param = params[group[0].data.untyped_storage().data_ptr()]
             name = rank_param_name(table, local_name, 0)
             hf = {h: reader.get(h) for h in table.hf_names_for(name)}
-            # safetensors tensors are views of the mmapped shards, whose pages stay resident while the
-            # shard is open: dropping the handles once a largest tensor's worth was read unmaps the
-            # pages with their tensors (resident <= ~2 largest tensors), without reopening every row.
-            mapped[0] += sum(t.nbytes for t in hf.values())
-            if mapped[0] >= largest:
-                reader.close()
-                mapped[0] = 0
+            # Each HF tensor is a view of its own map of the shard (HFCheckpointReader), unmapped when the
+            # tensor goes: resident file pages are those of the rows in flight.
             if table.full_shape(name) != tuple(param.shape):
                 raise ConversionError(
                     f"shape mismatch for {local_name}: expected {tuple(param.shape)}, "

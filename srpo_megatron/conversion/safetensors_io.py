@@ -15,6 +15,7 @@ import math
 import mmap
 import os
 import re
+import weakref
 from pathlib import Path
 
 import torch
@@ -88,7 +89,7 @@ class HFCheckpointReader:
 
 
 class _MappedShard:
-    """One safetensors file: its header, and its bytes mapped copy-on-write (``MAP_PRIVATE``).
+    """One safetensors file: its header, and its tensors as views of their bytes mapped copy-on-write.
 
     ``get_tensor`` is ``torch.frombuffer`` at the header's offsets: a few microseconds, where
     ``safe_open(...).get_tensor`` costs ~100 us of Python and bindings per tensor, which a 128-expert MoE
@@ -106,8 +107,8 @@ class _MappedShard:
             if size < 8 or n > size - 8:
                 raise ValueError(f"{path}: not a safetensors file (header length {n}, file size {size})")
             header = json.loads(f.read(n))
-            # Copy-on-write: views handed out are writable (torch.frombuffer wants that), the file is not.
-            self._map = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY) if size > 8 + n else None
+            self._fd = os.dup(f.fileno())
+        self._close = weakref.finalize(self, os.close, self._fd)
         header.pop("__metadata__", None)
         self._base, self._size, self._header = 8 + n, size - 8 - n, header
 
@@ -138,7 +139,13 @@ class _MappedShard:
             )
         if count == 0:
             return torch.empty(shape, dtype=dtype)
-        return torch.frombuffer(self._map, dtype=dtype, count=count, offset=self._base + start).view(shape)
+        # One map per tensor, gone with the tensor: the pages a write touches stay resident only while
+        # their tensor lives (a whole-shard map would keep every page it ever touched). Copy-on-write:
+        # the view is writable (torch.frombuffer wants that), the file is not.
+        lo, hi = self._base + start, self._base + end
+        page = lo - lo % mmap.ALLOCATIONGRANULARITY
+        region = mmap.mmap(self._fd, hi - page, access=mmap.ACCESS_COPY, offset=page)
+        return torch.frombuffer(region, dtype=dtype, count=count, offset=lo - page).view(shape)
 
 
 class ShardedSafetensorsWriter:
