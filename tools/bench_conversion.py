@@ -4,16 +4,21 @@
 Builds two random HF checkpoints (fp32): a dense one (default: SmolLM2-135M's shapes, 273 tensors) and a
 Qwen3-MoE one with many small experts (default: 8 layers x 128 experts, ~3,100 tensors). For each, in a
 fresh child process per run (so the peak-RSS numbers are not polluted by each other), ``--repeats`` times
-in turn:
-  1. copy:    read every tensor with ``safe_open`` and write them all with ``save_file``;
+in turn (copy, convert and export interleaved, so a burst of load from other jobs hits all three alike):
+  1. copy:    read every tensor with ``safe_open``, write them all with ``save_file``, and fsync the file
+              and its directory: the same durability as the converter, whose output is fsynced before it
+              is renamed into place (a copy left in the page cache would measure memory, not the disk);
   2. convert: ``srpo_megatron.conversion.checkpoint.hf_to_megatron`` (torch_dist output, fsynced);
   3. export:  ``megatron_to_hf`` of a converted checkpoint back to HF safetensors (fsynced).
 Dirty pages are flushed (``os.sync``) before every run, so no run pays for the previous one's writeback.
 Prints per-stage lines, then one JSON object as the last line with, per checkpoint (``dense``, ``moe``):
-``throughput_vs_copy`` / ``export_throughput_vs_copy`` (best copy seconds / best convert or export
-seconds, same bytes) and ``peak_rss_vs_largest_tensor`` / ``export_peak_rss_vs_largest_tensor`` ((peak
-RSS - RSS after imports) / largest tensor bytes, worst run). Peak RSS is the kernel's VmHWM, restarted
-after the imports. Goals (issues #4, #13): throughput >= 0.5, peak <= 3; reported, not asserted.
+``throughput_vs_copy`` / ``export_throughput_vs_copy`` (median copy seconds / median convert or export
+seconds, same bytes), the same from the best runs (``*_best``), ``cpu_vs_copy`` / ``export_cpu_vs_copy``
+(median CPU seconds of the copy / of the conversion or export: user + system time of the child, all
+threads; less sensitive to other jobs' load than wall time), the load average over the runs, and
+``peak_rss_vs_largest_tensor`` / ``export_peak_rss_vs_largest_tensor`` ((peak RSS - RSS after imports) /
+largest tensor bytes, worst run). Peak RSS is the kernel's VmHWM, restarted after the imports. Goals
+(issues #4, #13): throughput >= 0.5, peak <= 3; reported, not asserted.
 
     tools/bench_conversion.py [--layers 30] [--hidden 576] [--vocab 49152] [--moe-experts 128]
                               [--only dense|moe] [--repeats 5] [--workdir DIR]
@@ -25,6 +30,7 @@ import argparse
 import json
 import os
 import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -64,9 +70,11 @@ def _child(mode: str, src: str, dst: str) -> None:
     import srpo_megatron.models.policy
     import srpo_megatron.parallel  # noqa: F401
     from srpo_megatron.conversion.checkpoint import hf_to_megatron, megatron_to_hf
+    from srpo_megatron.trainer.checkpoint_files import fsync_dir, fsync_file
 
     baseline = _rss_now()
     _reset_peak_rss()
+    cpu0 = os.times()
     start = time.perf_counter()
     if mode == "copy":
         tensors = {}
@@ -75,16 +83,22 @@ def _child(mode: str, src: str, dst: str) -> None:
                 tensors.update({k: h.get_tensor(k) for k in h.keys()})  # noqa: SIM118
         Path(dst).mkdir(parents=True, exist_ok=True)
         save_file(tensors, str(Path(dst) / "model.safetensors"))
+        # What the converter's atomic_output_dir does before its rename: the data, then the entries.
+        fsync_file(Path(dst) / "model.safetensors")
+        fsync_dir(Path(dst))
+        fsync_dir(Path(dst).parent)
     elif mode == "convert":
         hf_to_megatron(src, dst, progress=lambda _: None)
     else:
         megatron_to_hf(src, dst, progress=lambda _: None)
     seconds = time.perf_counter() - start
+    cpu1 = os.times()
+    cpu = (cpu1.user - cpu0.user) + (cpu1.system - cpu0.system)
     peak = _peak_rss()
-    print(json.dumps({"seconds": seconds, "peak_above_baseline": peak - baseline}))
+    print(json.dumps({"seconds": seconds, "cpu_seconds": cpu, "peak_above_baseline": peak - baseline}))
 
 
-def _run_child(mode: str, src: Path, dst: Path) -> dict:
+def _run_child(mode: str, src: Path, dst: Path, keep: bool = False) -> dict:
     # Every stage starts from no output and no dirty pages: removing a previous run's files and writing
     # back what it left in the page cache are not part of the next run.
     shutil.rmtree(dst, ignore_errors=True)
@@ -95,6 +109,8 @@ def _run_child(mode: str, src: Path, dst: Path) -> dict:
         text=True,
         check=False,
     )
+    if not keep:  # the next stages do not need it: keep the disk footprint to one output
+        shutil.rmtree(dst, ignore_errors=True)
     if out.returncode:
         raise SystemExit(f"{mode} child failed:\n{out.stderr[-4000:]}")
     return json.loads(out.stdout.strip().splitlines()[-1])
@@ -151,38 +167,54 @@ def _bench(name: str, config, work: Path, repeats: int) -> dict:
     total, largest = sum(sizes), max(sizes)
     print(f"{name}: {total / 1e6:.1f} MB in {len(sizes)} tensors, largest {largest / 1e6:.1f} MB", flush=True)
     # The export stage reads a converted checkpoint: made once, outside the timings.
-    _run_child("convert", src, work / "megatron_src")
+    _run_child("convert", src, work / "megatron_src", keep=True)
 
-    # Alternate the stages and keep each one's best time (and worst peak): on a shared machine a single
-    # run of any of them can be slowed by others' load, which would bias the ratios either way.
+    # Interleave the stages and report medians: on a shared machine a single run of any of them can be
+    # slowed by others' load, which would bias the ratios either way.
     runs: dict[str, list[dict]] = {"copy": [], "convert": [], "export": []}
+    loads = []
     for _ in range(repeats):
         runs["copy"].append(_run_child("copy", src, work / "copy"))
         runs["convert"].append(_run_child("convert", src, work / "megatron"))
         runs["export"].append(_run_child("export", work / "megatron_src", work / "export"))
+        loads.append(os.getloadavg()[0])
         seconds = {stage: round(rs[-1]["seconds"], 2) for stage, rs in runs.items()}
-        print(f"{name} run: {seconds} s, load average {os.getloadavg()[0]:.1f}", flush=True)
-    best = {
+        print(f"{name} run: {seconds} s, load average {loads[-1]:.1f}", flush=True)
+    stats = {
         stage: {
-            "seconds": min(r["seconds"] for r in rs),
+            "seconds": statistics.median(r["seconds"] for r in rs),
+            "best": min(r["seconds"] for r in rs),
+            "cpu": statistics.median(r["cpu_seconds"] for r in rs),
             "peak_above_baseline": max(r["peak_above_baseline"] for r in rs),
         }
         for stage, rs in runs.items()
     }
-    for stage, b in best.items():
+    for stage, b in stats.items():
         rate = total / b["seconds"] / 1e6
-        print(f"{name} {stage}: {b['seconds']:.2f} s, {rate:.0f} MB/s (best of {repeats})")
-    copy = best["copy"]["seconds"]
+        print(
+            f"{name} {stage}: {b['seconds']:.2f} s median ({b['best']:.2f} best), {rate:.0f} MB/s, "
+            f"{b['cpu']:.2f} CPU s (median of {repeats})"
+        )
+    copy, conv, exp = stats["copy"], stats["convert"], stats["export"]
     return {
-        "throughput_vs_copy": round(copy / best["convert"]["seconds"], 3),
-        "export_throughput_vs_copy": round(copy / best["export"]["seconds"], 3),
-        "peak_rss_vs_largest_tensor": round(best["convert"]["peak_above_baseline"] / largest, 3),
-        "export_peak_rss_vs_largest_tensor": round(best["export"]["peak_above_baseline"] / largest, 3),
-        "copy_peak_rss_vs_largest_tensor": round(best["copy"]["peak_above_baseline"] / largest, 3),
+        "throughput_vs_copy": round(copy["seconds"] / conv["seconds"], 3),
+        "export_throughput_vs_copy": round(copy["seconds"] / exp["seconds"], 3),
+        "throughput_vs_copy_best": round(copy["best"] / conv["best"], 3),
+        "export_throughput_vs_copy_best": round(copy["best"] / exp["best"], 3),
+        "cpu_vs_copy": round(copy["cpu"] / conv["cpu"], 3),
+        "export_cpu_vs_copy": round(copy["cpu"] / exp["cpu"], 3),
+        "peak_rss_vs_largest_tensor": round(conv["peak_above_baseline"] / largest, 3),
+        "export_peak_rss_vs_largest_tensor": round(exp["peak_above_baseline"] / largest, 3),
+        "copy_peak_rss_vs_largest_tensor": round(copy["peak_above_baseline"] / largest, 3),
         "model_bytes_vs_largest_tensor": round(total / largest, 3),
-        "copy_seconds": round(copy, 3),
-        "convert_seconds": round(best["convert"]["seconds"], 3),
-        "export_seconds": round(best["export"]["seconds"], 3),
+        "copy_seconds": round(copy["seconds"], 3),
+        "convert_seconds": round(conv["seconds"], 3),
+        "export_seconds": round(exp["seconds"], 3),
+        "copy_cpu_seconds": round(copy["cpu"], 3),
+        "convert_cpu_seconds": round(conv["cpu"], 3),
+        "export_cpu_seconds": round(exp["cpu"], 3),
+        "load_average": [round(min(loads), 1), round(max(loads), 1)],
+        "repeats": repeats,
         "checkpoint_mb": round(total / 1e6, 1),
         "tensors": len(sizes),
     }
@@ -209,7 +241,7 @@ def main() -> None:
     p.add_argument("--moe-intermediate", type=int, default=128)
     p.add_argument("--moe-vocab", type=int, default=32000)
     p.add_argument("--only", choices=["dense", "moe"], help="benchmark one checkpoint only")
-    p.add_argument("--repeats", type=int, default=5, help="runs of each stage (best time, worst peak)")
+    p.add_argument("--repeats", type=int, default=5, help="runs of each stage (median time, worst peak)")
     p.add_argument("--workdir", default=None, help="scratch directory (default: a temp dir)")
     p.add_argument("--child", nargs=3, help=argparse.SUPPRESS)
     args = p.parse_args()
@@ -223,6 +255,7 @@ def main() -> None:
         if args.only in (None, name):
             shutil.rmtree(work / name, ignore_errors=True)
             result[name] = _bench(name, config, work / name, args.repeats)
+            shutil.rmtree(work / name, ignore_errors=True)  # ~2x the checkpoint, regenerated every time
     print(json.dumps(result))
 
 

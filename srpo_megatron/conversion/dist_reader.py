@@ -3,8 +3,9 @@
 ``dist_checkpointing.load`` fills a whole state dict at once, so exporting a model through it holds the
 model in memory. ``TorchDistReader.read(key, offset, shape)`` returns one region of one tensor, built
 from only the stored chunks that overlap it, each read with ``torch.load`` from its byte range of the
-``.distcp`` file, as torch DCP's ``FileSystemReader.read_data`` reads it (``weights_only=True``, CPU). Peak
-memory is the region plus one stored chunk.
+``.distcp`` file, as torch DCP's ``FileSystemReader.read_data`` reads it (``weights_only=True``, CPU), or,
+when the chunk is byte for byte torch's envelope around raw data (``stream_writer`` output), as a view of
+its bytes of the file, mapped. Peak memory is the region plus one stored chunk.
 
 Coordinates are the checkpoint's global ones: a ShardedTensor with ``prepend_axis_num`` p stores chunks of
 shape ``(1,) * p + local_shape`` at ``global_offset`` (see ``stream_writer``). A region the stored chunks
@@ -15,12 +16,16 @@ like megatron's resharding leaves them.
 from __future__ import annotations
 
 import io
+import math
+import mmap
 import os
 from pathlib import Path
 
 import torch
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.metadata import MetadataIndex, TensorStorageMetadata
+
+from srpo_megatron.conversion.torch_save_format import TorchSaveEnvelopes
 
 
 class _Window(io.RawIOBase):
@@ -60,6 +65,7 @@ class TorchDistReader:
         self.metadata = FileSystemReader(str(self.dir)).read_metadata()
         self._files: dict[str, object] = {}
         self._chunks: dict[str, dict[tuple[int, ...], tuple[int, ...]]] = {}
+        self._envelopes = TorchSaveEnvelopes()
 
     def tensor_metadata(self, key: str) -> TensorStorageMetadata:
         md = self.metadata.state_dict_metadata.get(key)
@@ -98,13 +104,45 @@ class TorchDistReader:
         f = self._files.get(info.relative_path)
         if f is None:
             f = self._files[info.relative_path] = open(self.dir / info.relative_path, "rb")  # noqa: SIM115
-        tensor = torch.load(_Window(f, info.offset, info.length), map_location="cpu", weights_only=True)
+        dtype = self.metadata.state_dict_metadata[key].properties.dtype
+        tensor = self._load_spliced(f, info.offset, info.length, dtype, sizes)
+        if tensor is None:
+            tensor = torch.load(_Window(f, info.offset, info.length), map_location="cpu", weights_only=True)
         if tuple(tensor.shape) != sizes:
             raise ValueError(
                 f"{self.dir}: stored chunk {key} at {offset} has shape {tuple(tensor.shape)}, "
                 f"its metadata says {sizes}"
             )
         return tensor
+
+    def _load_spliced(
+        self, f, offset: int, length: int, dtype, sizes: tuple[int, ...]
+    ) -> torch.Tensor | None:
+        """The chunk at ``[offset, offset + length)`` when its bytes are the torch.save envelope of a
+        ``dtype`` tensor of ``sizes`` around its raw data (what ``stream_writer`` writes, CRC32s off): a
+        view of those bytes of the file, mapped copy-on-write (no read, no copy; the map goes with the
+        tensor); else None (e.g. CRCs on, as megatron's own save writes them), and the caller runs
+        ``torch.load``.
+
+        Exactly what torch.load returns: the envelope is payload-independent and torch's own
+        (``torch_save_format``), and prefix and suffix are compared byte for byte, so a chunk that
+        matches decodes to this dtype, shape and contiguous layout, with these bytes as its data.
+        ``torch.load`` costs ~1 ms of zip and unpickler work per chunk (seconds for an MoE's thousands)
+        and copies the data into fresh memory."""
+        env = self._envelopes.get(dtype, sizes)
+        if env is None:
+            return None
+        prefix, suffix = env
+        count = math.prod(sizes)
+        start, nbytes = offset + len(prefix), count * dtype.itemsize
+        if length != len(prefix) + nbytes + len(suffix):
+            return None
+        fd = f.fileno()
+        if os.pread(fd, len(prefix), offset) != prefix or os.pread(fd, len(suffix), start + nbytes) != suffix:
+            return None
+        base = start - start % mmap.ALLOCATIONGRANULARITY
+        region = mmap.mmap(fd, start + nbytes - base, access=mmap.ACCESS_COPY, offset=base)
+        return torch.frombuffer(region, dtype=dtype, count=count, offset=start - base).view(sizes)
 
     def close(self) -> None:
         for f in self._files.values():

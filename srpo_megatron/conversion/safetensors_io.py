@@ -12,8 +12,10 @@ from __future__ import annotations
 
 import json
 import math
+import mmap
 import os
 import re
+import weakref
 from pathlib import Path
 
 import torch
@@ -21,6 +23,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from srpo_megatron.conversion.torch_save_format import tensor_bytes
+from srpo_megatron.conversion.write_behind import WriteBehind
 
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"
@@ -38,7 +41,12 @@ def parse_size(text: str | int) -> int:
 
 
 class HFCheckpointReader:
-    """Tensor-by-tensor access to the safetensors weights of an HF model folder."""
+    """Tensor-by-tensor access to the safetensors weights of an HF model folder.
+
+    A tensor is a view of its shard, mapped copy-on-write (:class:`_MappedShard`): no read until its pages
+    are touched, and writing into it never reaches the file. ``close`` drops the maps; tensors already
+    handed out keep theirs alive until they go.
+    """
 
     def __init__(self, hf_dir: str | Path):
         self.dir = Path(hf_dir)
@@ -46,15 +54,14 @@ class HFCheckpointReader:
         if index.is_file():
             weight_map = json.loads(index.read_text())["weight_map"]
         elif (self.dir / SINGLE_NAME).is_file():
-            with safe_open(self.dir / SINGLE_NAME, framework="pt") as f:
-                weight_map = dict.fromkeys(f.keys(), SINGLE_NAME)
+            weight_map = dict.fromkeys(_MappedShard(self.dir / SINGLE_NAME).names(), SINGLE_NAME)
         else:
             raise FileNotFoundError(
                 f"no {SINGLE_NAME} or {INDEX_NAME} in {self.dir}: "
                 "pass an HF model folder saved with safetensors"
             )
         self.weight_map: dict[str, str] = weight_map
-        self._handles: dict[str, object] = {}
+        self._handles: dict[str, _MappedShard] = {}
 
     def names(self) -> list[str]:
         return list(self.weight_map)
@@ -64,14 +71,14 @@ class HFCheckpointReader:
 
     def shape(self, name: str) -> tuple[int, ...]:
         """Shape from the safetensors header (no data read)."""
-        self.get_handle(name)
-        return tuple(self._handles[self.weight_map[name]].get_slice(name).get_shape())
+        return self.get_handle(name).shape(name)
 
-    def get_handle(self, name: str):
+    def get_handle(self, name: str) -> _MappedShard:
         file = self.weight_map[name]
-        if file not in self._handles:
-            self._handles[file] = safe_open(self.dir / file, framework="pt")
-        return self._handles[file]
+        handle = self._handles.get(file)
+        if handle is None:
+            handle = self._handles[file] = _MappedShard(self.dir / file)
+        return handle
 
     def dtype(self) -> torch.dtype:
         """dtype of the first tensor (checkpoints are uniform in practice)."""
@@ -79,6 +86,66 @@ class HFCheckpointReader:
 
     def close(self) -> None:
         self._handles.clear()
+
+
+class _MappedShard:
+    """One safetensors file: its header, and its tensors as views of their bytes mapped copy-on-write.
+
+    ``get_tensor`` is ``torch.frombuffer`` at the header's offsets: a few microseconds, where
+    ``safe_open(...).get_tensor`` costs ~100 us of Python and bindings per tensor, which a 128-expert MoE
+    checkpoint (thousands of small tensors) pays thousands of times. The header is the format's
+    (8-byte little-endian length, then JSON); a tensor outside the file is refused, and a dtype torch
+    cannot view is read through ``safe_open``. ``tests/unit/test_conversion_io.py`` compares every tensor
+    with safetensors' own reader.
+    """
+
+    def __init__(self, path: Path):
+        self.path = path
+        with open(path, "rb") as f:
+            size = os.fstat(f.fileno()).st_size
+            n = int.from_bytes(f.read(8), "little")
+            if size < 8 or n > size - 8:
+                raise ValueError(f"{path}: not a safetensors file (header length {n}, file size {size})")
+            header = json.loads(f.read(n))
+            self._fd = os.dup(f.fileno())
+        self._close = weakref.finalize(self, os.close, self._fd)
+        header.pop("__metadata__", None)
+        self._base, self._size, self._header = 8 + n, size - 8 - n, header
+
+    def names(self) -> list[str]:
+        return list(self._header)
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return tuple(self._info(name)["shape"])
+
+    def _info(self, name: str) -> dict:
+        info = self._header.get(name)
+        if info is None:
+            raise KeyError(f"{self.path}: no tensor {name!r}")
+        return info
+
+    def get_tensor(self, name: str) -> torch.Tensor:
+        info = self._info(name)
+        dtype = _TORCH_DTYPES.get(info["dtype"])
+        if dtype is None:  # e.g. float8: let safetensors decide
+            with safe_open(self.path, framework="pt") as f:
+                return f.get_tensor(name)
+        shape, (start, end) = tuple(info["shape"]), info["data_offsets"]
+        count = math.prod(shape)
+        if not 0 <= start <= end <= self._size or end - start != count * dtype.itemsize:
+            raise ValueError(
+                f"{self.path}: tensor {name} has data offsets {[start, end]} for shape {list(shape)} "
+                f"{info['dtype']} in a {self._size}-byte data section: the file is truncated or corrupt"
+            )
+        if count == 0:
+            return torch.empty(shape, dtype=dtype)
+        # One map per tensor, gone with the tensor: the pages a write touches stay resident only while
+        # their tensor lives (a whole-shard map would keep every page it ever touched). Copy-on-write:
+        # the view is writable (torch.frombuffer wants that), the file is not.
+        lo, hi = self._base + start, self._base + end
+        page = lo - lo % mmap.ALLOCATIONGRANULARITY
+        region = mmap.mmap(self._fd, hi - page, access=mmap.ACCESS_COPY, offset=page)
+        return torch.frombuffer(region, dtype=dtype, count=count, offset=lo - page).view(shape)
 
 
 class ShardedSafetensorsWriter:
@@ -137,6 +204,8 @@ _SAFETENSORS_DTYPES = {
     torch.bool: "BOOL",
 }
 
+_TORCH_DTYPES = {name: dtype for dtype, name in _SAFETENSORS_DTYPES.items()}
+
 
 def _shard_header(names_shapes: list[tuple[str, tuple[int, ...]]], dtype: torch.dtype) -> tuple[bytes, dict]:
     """(header bytes incl. the 8-byte length, {name: data offset}) as ``save_file(..., metadata={"format":
@@ -192,12 +261,14 @@ class PlannedSafetensorsWriter:
         )
         self._where: dict[str, tuple[int, int, tuple[int, ...]]] = {}  # name -> (fd, offset, shape)
         self._fds: list[int] = []
+        self._behind: dict[int, WriteBehind] = {}  # per shard: its writeback overlaps the export
         self.total_bytes = sum(math.prod(shape) * dtype.itemsize for _, shape in plan)
         self._weight_map = {}
         for file, shard in zip(self.files, shards, strict=True):
             header, offsets = _shard_header(shard, dtype)
             fd = os.open(self.dir / file, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
             self._fds.append(fd)
+            self._behind[fd] = WriteBehind(fd)
             _pwrite_all(fd, memoryview(header), 0)
             data_bytes = sum(math.prod(shape) * dtype.itemsize for _, shape in shard)
             os.ftruncate(fd, len(header) + data_bytes)
@@ -220,14 +291,19 @@ class PlannedSafetensorsWriter:
             )
         if tensor.numel():
             _pwrite_all(fd, tensor_bytes(tensor.contiguous()), offset)
+            self._behind[fd].wrote(tensor.nbytes)
         self._written.add(name)
 
     def close(self) -> None:
         """Check every planned tensor was written, close the shards, write the index (when sharded)."""
         missing = [n for n in self._where if n not in self._written]
-        for fd in self._fds:
-            os.close(fd)
-        self._fds = []
+        try:
+            for behind in self._behind.values():
+                behind.close()
+        finally:
+            for fd in self._fds:
+                os.close(fd)
+            self._fds, self._behind = [], {}
         if missing:
             raise ValueError(f"planned tensors never written: {missing[:10]} ({len(missing)} in all)")
         if len(self.files) > 1:

@@ -29,7 +29,6 @@ import io
 import math
 import os
 import pickle
-import threading
 from collections.abc import Callable
 from pathlib import Path
 
@@ -50,6 +49,7 @@ from torch.distributed.checkpoint.metadata import (
 
 from srpo_megatron.compat.mcore import save_writes_common_pt
 from srpo_megatron.conversion.torch_save_format import TorchSaveEnvelopes, tensor_bytes
+from srpo_megatron.conversion.write_behind import WriteBehind
 
 DATA_FILE = "__0_0.distcp"
 DCP_METADATA_FILE = ".metadata"
@@ -154,14 +154,18 @@ def _pieces(
 
 
 class _DataFile:
-    """The ``__0_0.distcp`` file: items appended as ``torch.save`` writes them, through one large buffer.
+    """The ``__0_0.distcp`` file: items appended as ``torch.save`` writes them, gathered into large writes.
 
     A tensor item is its cached torch.save envelope around its pieces' bytes (``torch_save_format``), so
-    no full chunk is built and each item costs a few buffered writes; items torch.save would not write
-    that way (see ``envelope``) and ShardedObjects go through ``torch.save`` itself.
+    no full chunk is built; items torch.save would not write that way (see ``envelope``) and
+    ShardedObjects go through ``torch.save`` itself. Items are queued as buffers (views of the pieces,
+    e.g. of the mmapped HF shards, never copied in user space) and written with one ``writev`` per
+    ``_GATHER`` bytes or ``_MAX_IOV`` buffers: the thousands of small items of an MoE checkpoint cost a
+    few hundred system calls, and no buffer copy (a buffered file would memcpy every small item).
     """
 
-    _BUFFER = 8 << 20  # coalesces the many small items of an MoE checkpoint into large writes
+    _GATHER = 8 << 20
+    _MAX_IOV = 512  # below Linux's IOV_MAX (1024)
 
     def __init__(self, path: Path):
         self.path = path
@@ -169,22 +173,46 @@ class _DataFile:
         self._objects: dict[str, bytes] = {}
 
     def __enter__(self) -> _DataFile:
-        self._f = open(self.path, "wb", buffering=self._BUFFER)  # closed in __exit__
-        self._pos = 0  # tracked here: tell() on a buffered file is a seek system call
-        self._behind = _WriteBehind(self._f.fileno())
+        self._fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)  # closed in __exit__
+        self._pos = 0  # offset of the next item (queued bytes included)
+        self._queue: list[memoryview] = []
+        self._queued = 0
+        self._behind = WriteBehind(self._fd)
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, exc_type, *exc) -> None:
         try:
+            if exc_type is None:
+                self._flush()
             self._behind.close()
         finally:
-            self._f.close()
+            os.close(self._fd)
 
     def _write(self, data: bytes | memoryview) -> None:
-        self._f.write(data)
-        n = memoryview(data).nbytes
-        self._pos += n
-        self._behind.wrote(n)
+        view = memoryview(data).cast("B")  # keeps its source alive until written
+        if not view.nbytes:
+            return
+        self._queue.append(view)
+        self._queued += view.nbytes
+        self._pos += view.nbytes
+        if self._queued >= self._GATHER or len(self._queue) >= self._MAX_IOV:
+            self._flush()
+
+    def _flush(self) -> None:
+        if not self._queue:
+            return
+        n = os.writev(self._fd, self._queue)
+        if n < self._queued:  # a short write (signal, > 2 GiB): write what is left in order
+            for view in self._queue:
+                if n >= view.nbytes:
+                    n -= view.nbytes
+                    continue
+                view = view[n:]
+                n = 0
+                while view.nbytes:
+                    view = view[os.write(self._fd, view) :]
+        self._behind.wrote(self._queued)
+        self._queue, self._queued = [], 0
 
     def put_tensor(self, dtype: torch.dtype, shape: torch.Size, pieces: list[torch.Tensor]) -> _StorageInfo:
         start = self._pos
@@ -215,45 +243,6 @@ class _DataFile:
                 self._objects["None"] = buf.getvalue()
             self._write(buf.getbuffer())
         return _StorageInfo(DATA_FILE, start, self._pos - start)
-
-
-class _WriteBehind:
-    """Start the disk writes of the data file while the conversion goes on: every ``every`` bytes, a
-    thread ``fdatasync`` s what was written so far. The checkpoint is fsynced before it is renamed into
-    place (``checkpoint.atomic_output_dir``); without this, that fsync wrote the whole file at the end,
-    as long as the rest of the conversion again. The system call runs without the GIL."""
-
-    def __init__(self, fd: int, every: int = 64 << 20):
-        self.fd, self.every, self._since = fd, every, 0
-        self._wake, self._stop = threading.Event(), False
-        self._error: BaseException | None = None
-        self._thread = threading.Thread(target=self._run, name="conversion-write-behind", daemon=True)
-        self._thread.start()
-
-    def wrote(self, n: int) -> None:
-        self._since += n
-        if self._since >= self.every:
-            self._since = 0
-            self._wake.set()
-
-    def _run(self) -> None:
-        while True:
-            self._wake.wait()
-            self._wake.clear()
-            if self._stop:
-                return
-            try:
-                os.fdatasync(self.fd)
-            except BaseException as e:  # reported by close(), in the writing thread
-                self._error = e
-                return
-
-    def close(self) -> None:
-        self._stop = True
-        self._wake.set()
-        self._thread.join()
-        if self._error is not None:
-            raise self._error
 
 
 def _owning(data: torch.Tensor) -> torch.Tensor:

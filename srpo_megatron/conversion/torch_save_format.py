@@ -68,9 +68,15 @@ class TorchSaveEnvelopes:
         self._cache: dict[tuple[torch.dtype, tuple[int, ...]], tuple[bytes, bytes] | None] = {}
 
     def get(self, dtype: torch.dtype, shape: tuple[int, ...]) -> tuple[bytes, bytes] | None:
+        """The envelope of torch.save with CRC32s off (whatever the caller's setting is)."""
         key = (dtype, tuple(shape))
         if key not in self._cache:
-            self._cache[key] = envelope(dtype, key[1])
+            crc32 = torch.serialization.get_crc32_options()
+            torch.serialization.set_crc32_options(False)
+            try:
+                self._cache[key] = envelope(dtype, key[1])
+            finally:
+                torch.serialization.set_crc32_options(crc32)
         return self._cache[key]
 
 

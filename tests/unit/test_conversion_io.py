@@ -55,3 +55,39 @@ def test_single_shard_is_model_safetensors(tmp_path):
 def test_reader_names_the_missing_weights(tmp_path):
     with pytest.raises(FileNotFoundError, match=r"no model\.safetensors"):
         HFCheckpointReader(tmp_path)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.int64, torch.bool])
+def test_mapped_reader_equals_safetensors_own_reader(tmp_path, dtype):
+    """The mmap + frombuffer reader returns exactly what safe_open returns, for every tensor of a file
+    with mixed shapes (empty and 0-d included), and writing into a tensor never reaches the file."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    g = torch.Generator().manual_seed(0)
+    shapes = {"a": (3, 5), "b": (7,), "c": (0, 4), "d": (), "e": (2, 3, 4)}
+    tensors = {k: (torch.randn(s, generator=g) * 10).to(dtype) for k, s in shapes.items()}
+    tensors["f32"] = torch.randn(4, 4, generator=g)  # a second dtype in the same file
+    save_file(tensors, str(tmp_path / "model.safetensors"))
+    reader = HFCheckpointReader(tmp_path)
+    with safe_open(tmp_path / "model.safetensors", framework="pt") as f:
+        for name in tensors:
+            want, have = f.get_tensor(name), reader.get(name)
+            assert have.dtype == want.dtype and have.shape == want.shape, name
+            assert torch.equal(have, want), name
+            assert reader.shape(name) == tuple(want.shape), name
+    reader.get("a").fill_(1)  # copy-on-write: the file keeps its bytes
+    reader.close()
+    assert torch.equal(HFCheckpointReader(tmp_path).get("a"), tensors["a"])
+
+
+def test_mapped_reader_refuses_a_truncated_file(tmp_path):
+    from safetensors.torch import save_file
+
+    path = tmp_path / "model.safetensors"
+    save_file({"w": torch.ones(64), "v": torch.ones(64)}, str(path))
+    path.write_bytes(path.read_bytes()[:-16])
+    reader = HFCheckpointReader(tmp_path)
+    name = max(["w", "v"], key=lambda n: reader.get_handle(n)._info(n)["data_offsets"][1])
+    with pytest.raises(ValueError, match=rf"model\.safetensors: tensor {name} has data offsets .* truncated"):
+        reader.get(name)

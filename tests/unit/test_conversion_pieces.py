@@ -128,3 +128,77 @@ def test_planned_writer_refuses_what_the_plan_does_not_say(tmp_path):
         w.write("a", torch.zeros(2))
     with pytest.raises(ValueError, match=r"never written: \['b'\]"):
         w.close()
+
+
+@pytest.mark.parametrize("short", [False, True])
+def test_data_file_gathers_items_in_order(tmp_path, monkeypatch, short):
+    """The data file's gathered writes (many small items per writev, flushed by size and by count) put
+    every item at the offset it reports, also when the kernel writes only part of a writev."""
+    import os
+
+    from srpo_megatron.conversion import stream_writer
+
+    monkeypatch.setattr(stream_writer._DataFile, "_GATHER", 1000)
+    monkeypatch.setattr(stream_writer._DataFile, "_MAX_IOV", 5)
+    if short:  # the kernel may stop a writev early (signals, > 2 GiB): here it leaves 7 bytes each time
+
+        def short_writev(fd, buffers):
+            data = b"".join(bytes(b) for b in buffers)
+            return os.write(fd, data[: max(len(data) - 7, 1)])
+
+        monkeypatch.setattr(stream_writer.os, "writev", short_writev)
+    g = torch.Generator().manual_seed(0)
+    torch.serialization.set_crc32_options(False)
+    try:
+        items, path = [], tmp_path / "data.distcp"
+        with stream_writer._DataFile(path) as f:
+            for i in range(40):
+                t = torch.randn(1 + i % 7, 3 + i % 5, generator=g)
+                pieces = [t.reshape(-1)[:5], t.reshape(-1)[5:]] if i % 3 else [t]
+                items.append((t, f.put_tensor(t.dtype, t.shape, pieces)))
+                if i % 10 == 0:
+                    items.append((None, f.put_object(None)))
+    finally:
+        torch.serialization.set_crc32_options(True)
+    raw = path.read_bytes()
+    assert len(raw) == items[-1][1].offset + items[-1][1].length
+    for want, info in items:
+        got = torch.load(io.BytesIO(raw[info.offset : info.offset + info.length]), weights_only=False)
+        if want is None:
+            assert got == [None]
+        else:
+            assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("crc_on", [False, True])
+def test_dist_reader_reads_spliced_chunks_without_torch_load(tmp_path, monkeypatch, crc_on):
+    """Chunks the stream writer spliced (CRC32s off) are read straight into the tensor, no torch.load;
+    chunks torch.save wrote with CRC32s on (as megatron's own save does) do not match the envelope and
+    go through torch.load. Both read back exactly."""
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor
+
+    from srpo_megatron.conversion import dist_reader, stream_writer
+
+    g = torch.Generator().manual_seed(0)
+    tensors = {
+        "a": torch.randn(5, 3, generator=g),
+        "b": torch.randn(7, generator=g).to(torch.bfloat16),
+        "c": torch.randn(2, 3, 4, generator=g).to(torch.float16),
+    }
+    sharded = {k: ShardedTensor.from_rank_offsets(k, t) for k, t in tensors.items()}
+    # common state as a ShardedObject (0.19's layout): common.pt would need a process group here
+    monkeypatch.setattr(stream_writer, "save_writes_common_pt", lambda: False)
+    if crc_on:  # every item through torch.save itself, CRCs left on
+        monkeypatch.setattr(stream_writer.TorchSaveEnvelopes, "get", lambda self, dtype, shape: None)
+        monkeypatch.setattr(stream_writer.torch.serialization, "set_crc32_options", lambda on: None)
+    stream_writer.write_streamed_checkpoint(tmp_path, sharded, {}, lambda group: [sh.data for sh in group])
+    monkeypatch.undo()
+    loads = []
+    real_load = torch.load
+    monkeypatch.setattr(dist_reader.torch, "load", lambda *a, **k: loads.append(1) or real_load(*a, **k))
+    reader = dist_reader.TorchDistReader(tmp_path)
+    for k, t in tensors.items():
+        got = reader.read(k, (0,) * t.dim(), tuple(t.shape))
+        assert got.dtype == t.dtype and torch.equal(got, t), k
+    reader.close()
+    assert len(loads) == (len(tensors) if crc_on else 0)
