@@ -46,13 +46,17 @@ def train_mini_batch(policy: Policy, scored: ScoredBatch) -> StepStats:
     seqs = student_sequences(scored.samples)
     t = cfg.train
     layout = cpar.micro_batch_layout(g, policy.tconfig.sequence_parallel)
-    micro = micro_batches_for(
-        seqs, t.micro_batch_size, t.max_tokens_per_micro_batch, g.pp_size, policy.device, **layout
-    )
+
+    def build(pass_seqs):
+        return micro_batches_for(
+            pass_seqs, t.micro_batch_size, t.max_tokens_per_micro_batch, g.pp_size, policy.device, **layout
+        )
+
+    micro = build(seqs)
     last = g.is_last_stage
     batches = [scored.micro_tokens(mb.members) for mb in micro] if last else []  # all rows, every CP rank
     # EP > 1: fillers (no rows, so never in ``batches`` nor scored) keep the expert collectives in step
-    micro = lockstep(micro, g, t.micro_batch_size, t.max_tokens_per_micro_batch, layout)
+    micro = lockstep(micro, g, build)
     normalizers = (
         global_normalizers(batches, cfg.loss.beta, g.dp if g.dp_size > 1 else None)
         if last

@@ -21,13 +21,15 @@ reducing over the DP group equalises every EP group.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.distributed as dist
 
 from srpo_megatron.parallel import ParallelGroups
-from srpo_megatron.trainer.batches import MicroBatch, Sequence, micro_batches_for
+from srpo_megatron.trainer.batches import MicroBatch, Sequence
 
-_FILLER_TOKENS = 8  # a filler's length where no other micro-batch fixes its shape
+Build = Callable[[list[Sequence]], list[MicroBatch]]  # the pass's own ``micro_batches_for`` call
 
 
 def needs_lockstep(groups: ParallelGroups) -> bool:
@@ -35,50 +37,19 @@ def needs_lockstep(groups: ParallelGroups) -> bool:
     return groups.ep_size > 1 and groups.dp_size > 1
 
 
-def filler_micro_batch(
-    like: list[MicroBatch],
-    micro_batch_size: int,
-    max_tokens: int,
-    pp_size: int,
-    device: torch.device,
-    *,
-    multiple: int = 1,
-    cp_size: int = 1,
-    cp_rank: int = 0,
-) -> MicroBatch:
-    """A micro-batch of padding only (``members`` all None, no logit row), shaped like ``like[0]`` where
-    the schedule needs equal shapes (PP's p2p: right-padded passes share a length, packed ones are padded
-    to the budget); built by the same ``micro_batches_for`` as the real ones."""
-    if like and like[0].packed is None:
-        length = like[0].tokens.shape[1]
-    else:
-        length = max(multiple, 1) * max(1, -(-_FILLER_TOKENS // max(multiple, 1)))
-        if max_tokens > 0:
-            length = min(length, max_tokens)
-    seq = Sequence([0] * length, 0, 0)
-    (mb,) = micro_batches_for(
-        [seq],
-        micro_batch_size,
-        max_tokens,
-        pp_size,
-        device,
-        multiple=multiple,
-        cp_size=cp_size,
-        cp_rank=cp_rank,
-    )
+def filler_micro_batch(like: list[MicroBatch], build: Build) -> MicroBatch:
+    """A micro-batch of padding only (``members`` all None, no logit row), built by the pass's own
+    ``build``, so it has the shapes the schedule needs: right-padded passes share the length of ``like``
+    (PP's p2p), packed ones pad the one-token sequence to the TP/CP multiple, or to the budget under PP."""
+    length = like[0].tokens.shape[1] if like and like[0].packed is None else 1
+    (mb,) = build([Sequence([0] * length, 0, 0)])
     mb.members = [None] * len(mb.members)
     return mb
 
 
-def lockstep(
-    micro: list[MicroBatch],
-    groups: ParallelGroups,
-    micro_batch_size: int,
-    max_tokens: int,
-    layout: dict[str, int],
-) -> list[MicroBatch]:
+def lockstep(micro: list[MicroBatch], groups: ParallelGroups, build: Build) -> list[MicroBatch]:
     """``micro`` padded with fillers to the largest count over the DP group (collective where
-    ``needs_lockstep``; ``micro`` itself elsewhere). ``layout``: ``context_parallel.micro_batch_layout``."""
+    ``needs_lockstep``; ``micro`` itself elsewhere). ``build``: how the pass made ``micro``."""
     if not needs_lockstep(groups):
         return micro
     count = torch.tensor([len(micro)], dtype=torch.int64, device=groups.device)
@@ -86,5 +57,4 @@ def lockstep(
     missing = int(count) - len(micro)
     if missing <= 0:
         return micro
-    fill = filler_micro_batch(micro, micro_batch_size, max_tokens, groups.pp_size, groups.device, **layout)
-    return [*micro, *([fill] * missing)]
+    return [*micro, *([filler_micro_batch(micro, build)] * missing)]

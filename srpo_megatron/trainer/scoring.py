@@ -50,7 +50,11 @@ def score_rollouts(policy: Policy, samples: list[Sample]) -> ScoredBatch:
     seqs = student_sequences(samples)
     budget = cfg.train.max_tokens_per_micro_batch
     layout = cpar.micro_batch_layout(g, policy.tconfig.sequence_parallel)
-    micro = lockstep(micro_batches_for(seqs, mbs, budget, g.pp_size, dev, **layout), g, mbs, budget, layout)
+
+    def build(pass_seqs):
+        return micro_batches_for(pass_seqs, mbs, budget, g.pp_size, dev, **layout)
+
+    micro = lockstep(build(seqs), g, build)
     scored = ScoredBatch(samples, offsets, tokens, StepStats())
 
     def on_student(row_logits: torch.Tensor, k: int) -> None:
@@ -78,8 +82,7 @@ def score_rollouts(policy: Policy, samples: list[Sample]) -> ScoredBatch:
     t_micro = []
     if policy.teacher is not None:  # EP > 1: a DP rank without teacher samples still runs fillers
         t_seqs = teacher_sequences([samples[i] for i in wanted])
-        t_micro = micro_batches_for(t_seqs, mbs, budget, g.pp_size, dev, **layout) if wanted else []
-        t_micro = lockstep(t_micro, g, mbs, budget, layout)
+        t_micro = lockstep(build(t_seqs) if wanted else [], g, build)
     if t_micro:
         mix = cfg.teacher.kind == "trust_region"
         student_logits: dict[int, torch.Tensor] = {}
