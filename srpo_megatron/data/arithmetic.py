@@ -37,7 +37,7 @@ from typing import Literal
 
 Split = Literal["train", "test"]
 HELD_OUT_PER_MILLE = 100  # share of the problem space reserved for held-out evaluation
-HELD_OUT_PER_MILLE_BY_LEVEL = {5: 500}  # levels whose space is too small for 10 % to give 256 problems
+HELD_OUT_PER_MILLE_BY_LEVEL = {"5": 500}  # levels whose space is too small for 10 % to give 256 problems
 
 _SUFFIX = " Answer with just the number."
 REASONING_SUFFIX = " Think step by step, then give the final number."
@@ -62,10 +62,9 @@ _NAMES = (("Tom", "He", "he"), ("Anna", "She", "she"), ("Ravi", "He", "he"), ("M
 def problem_split(key: str) -> Split:
     """The split a problem (by canonical key ``"{level}/{expression}"``) belongs to; stable across seeds,
     runs and machines."""
-    level = key.split("/", 1)[0]
-    share = HELD_OUT_PER_MILLE_BY_LEVEL.get(int(level), HELD_OUT_PER_MILLE) if level.isdigit() else None
+    share = HELD_OUT_PER_MILLE_BY_LEVEL.get(key.split("/", 1)[0], HELD_OUT_PER_MILLE)
     h = int.from_bytes(hashlib.sha256(key.encode()).digest()[:8], "big")
-    return "test" if h % 1000 < (HELD_OUT_PER_MILLE if share is None else share) else "train"
+    return "test" if h % 1000 < share else "train"
 
 
 def _one_op(rng: random.Random, lo: int, hi: int, wordings=_ONE_OP_WORDINGS) -> tuple[str, str, int]:
