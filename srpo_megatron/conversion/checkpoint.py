@@ -144,9 +144,10 @@ def plain_torch_ops() -> Iterator[None]:
     """No ``__torch_function__`` dispatch in the block: neither the CPU-compat mode (``compat.cpu``, which
     rewrites CUDA device arguments for megatron's code) nor ``Parameter``'s subclass handling.
 
-    The streaming loops only view, slice, cast and write CPU tensors of their own, where neither has
-    anything to do, and each costs a Python call per tensor op: ~130k of them (~0.3 s) for a 128-expert
-    MoE. The skeleton is built outside the block, where megatron's code may still need the mode."""
+    The streaming loops only view, slice, cast and write CPU tensors of their own, and the layout and
+    shape checks only handle meta tensors; neither mode has anything to do there, and each costs a Python
+    call per tensor op: ~130k of them (~0.3 s) for a 128-expert MoE. The skeleton is built outside the
+    block: the ``meta`` device context is itself a TorchFunctionMode."""
     with torch._C.DisableTorchFunction():
         yield
 
@@ -168,11 +169,21 @@ def single_process_megatron() -> Iterator[None]:
             dist.destroy_process_group()
 
 
-def _skeleton(arch: Architecture, dtype: torch.dtype):
+def _skeleton(arch: Architecture, dtype: torch.dtype) -> torch.nn.Module:
+    """The TP1/PP1 policy on the ``meta`` device, local spec: shapes, strides and views, no memory.
+
+    Its ``sharded_state_dict`` is the checkpoint layout; no value is ever read from it. The meta device
+    and the explicit local spec make the layout the same on every host: on a GPU host ``build_policy``
+    would otherwise allocate the whole model on one GPU (a 30B MoE does not fit) and pick Transformer
+    Engine's spec. Both specs write the same checkpoint keys (the local spec maps its layer norms onto
+    TE's names), so what is converted here loads into a TE policy.
+    """
     from srpo_megatron.models.policy import build_policy
 
-    # Weights are overwritten, so random initialisation would only cost time.
-    return build_policy(arch, params_dtype=dtype, perform_initialization=False)
+    with torch.device("meta"):  # a TorchFunctionMode: outside plain_torch_ops
+        return build_policy(
+            arch, params_dtype=dtype, perform_initialization=False, use_te=False, use_cpu_initialization=True
+        )
 
 
 def _with_dtype(config: dict, dtype: torch.dtype) -> dict:
@@ -210,18 +221,20 @@ def hf_to_megatron(
     reader = HFCheckpointReader(hf_dir)
     table.check_hf_names(reader.names())
     shapes = {name: reader.shape(name) for name in table.hf_names()}
-    table.check_hf_shapes(shapes)
+    with plain_torch_ops():
+        table.check_hf_shapes(shapes)
     dtype = dtype or reader.dtype()
     with gc_paused(), atomic_output_dir(out_dir, force) as tmp, single_process_megatron():
-        # The skeleton's parameters are never written (their pages stay unallocated): megatron's own
-        # sharded_state_dict only supplies the checkpoint layout, and each ShardedTensor's data is a view
-        # of one parameter, so its values are that view's slice of the table's full tensor.
+        # megatron's own sharded_state_dict of the meta skeleton supplies the checkpoint layout; each
+        # ShardedTensor's data is a (meta) view of one parameter, so its values are that view's slice of
+        # the table's full tensor.
         model = _skeleton(arch, dtype)
-        sharded, common, params, groups = _sharded_layout(model)
+        with plain_torch_ops():
+            sharded, common, params, groups = _sharded_layout(model)
         done = [0]
 
         def data_of(group: list) -> list[list[torch.Tensor]]:
-            local_name, param = params[group[0].data.untyped_storage().data_ptr()]
+            local_name, param = params[_param_id(group[0].data)]
             name = rank_param_name(table, local_name, 0)
             hf = {h: reader.get(h) for h in table.hf_names_for(name)}
             # Each HF tensor is a view of its own map of the shard (HFCheckpointReader), unmapped when the
@@ -253,10 +266,16 @@ def hf_to_megatron(
     return Path(out_dir)
 
 
+def _param_id(data: torch.Tensor) -> int:
+    """Which parameter a ShardedTensor's data is: the parameter itself or a view of it (its ``_base``).
+    By identity, since a meta tensor has no storage address."""
+    return id(data if data._base is None else data._base)
+
+
 def _sharded_layout(model: torch.nn.Module) -> tuple[dict, dict, dict[int, tuple], dict[int, list]]:
     """A TP1/PP1 skeleton's checkpoint layout: (sharded part, common state) as ``save_preprocess`` makes
-    them, the parameters by storage pointer ``{ptr: (local name, param)}``, and per parameter the
-    ShardedTensors that are views of it ``{ptr: [sh, ...]}`` (SwiGLU fc1 has two: gate and up)."""
+    them, the parameters by :func:`_param_id` ``{id: (local name, param)}``, and per parameter the
+    ShardedTensors that are views of it ``{id: [sh, ...]}`` (SwiGLU fc1 has two: gate and up)."""
     from megatron.core.dist_checkpointing.dict_utils import nested_values
     from megatron.core.dist_checkpointing.mapping import ShardedTensor, is_main_replica
     from megatron.core.dist_checkpointing.state_dict_utils import save_preprocess
@@ -266,14 +285,14 @@ def _sharded_layout(model: torch.nn.Module) -> tuple[dict, dict, dict[int, tuple
     sharded, common = save_preprocess(
         model.sharded_state_dict(prefix=POLICY_PREFIX), validate_access_integrity=False
     )
-    params = {p.untyped_storage().data_ptr(): (n, p) for n, p in model.named_parameters()}
+    params = {id(p): (n, p) for n, p in model.named_parameters()}
     groups: dict[int, list] = {}
     for sh in nested_values(sharded):
         if isinstance(sh, ShardedTensor) and is_main_replica(sh.replica_id):
-            ptr = sh.data.untyped_storage().data_ptr()
-            if ptr not in params:
+            pid = _param_id(sh.data)
+            if pid not in params:
                 raise ConversionError(f"checkpoint tensor {sh.key} is not a policy parameter")
-            groups.setdefault(ptr, []).append(sh)
+            groups.setdefault(pid, []).append(sh)
     return sharded, common, params, groups
 
 
@@ -377,11 +396,12 @@ def megatron_to_hf(
         # checkpoint regions make each parameter, and each parameter is read, converted and written on
         # its own (peak memory: a few of the largest tensors, not the model).
         model = _skeleton(arch, stored)
-        _, _, params, groups = _sharded_layout(model)
-        by_name = {params[ptr][0]: (params[ptr][1], group) for ptr, group in groups.items()}
+        with plain_torch_ops():
+            _, _, params, groups = _sharded_layout(model)
+            plan = [(h, table.hf_shape(h)) for n in table.megatron_names() for h in table.hf_names_for(n)]
+        by_name = {params[pid][0]: (params[pid][1], group) for pid, group in groups.items()}
         progress(f"exporting {ckpt_dir} ({arch.model_type}, {stored} -> {out_dtype})")
         reader = TorchDistReader(ckpt_dir)
-        plan = [(h, table.hf_shape(h)) for n in table.megatron_names() for h in table.hf_names_for(n)]
         writer = PlannedSafetensorsWriter(tmp, plan, out_dtype, max_shard_bytes)
         with plain_torch_ops():
             try:

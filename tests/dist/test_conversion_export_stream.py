@@ -25,10 +25,10 @@ def whole_model_export(ckpt_dir, out_dir, max_shard_bytes, dtype=None):
 
     from srpo_megatron.conversion.checkpoint import (
         HF_CONFIG_NAME,
-        _skeleton,
         load_policy_checkpoint,
         stored_policy_dtype,
     )
+    from srpo_megatron.models.policy import build_policy
     from srpo_megatron.conversion.safetensors_io import ShardedSafetensorsWriter
     from srpo_megatron.conversion.table import ConversionTable
     from srpo_megatron.models.architecture import Architecture, load_hf_config_dict
@@ -36,7 +36,7 @@ def whole_model_export(ckpt_dir, out_dir, max_shard_bytes, dtype=None):
     arch = Architecture.from_hf(load_hf_config_dict(Path(ckpt_dir) / HF_CONFIG_NAME))
     table = ConversionTable(arch)
     stored = stored_policy_dtype(ckpt_dir)
-    model = _skeleton(arch, stored)
+    model = build_policy(arch, params_dtype=stored, perform_initialization=False)
     load_policy_checkpoint(model, ckpt_dir)
     Path(out_dir).mkdir()
     writer = ShardedSafetensorsWriter(out_dir, max_shard_bytes)

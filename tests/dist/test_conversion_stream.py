@@ -109,3 +109,54 @@ def assert_common_state_where_this_version_puts_it(folder: Path, items: dict, ve
     in_distcp = ("common_state/shard_0_1", None) in items
     assert (folder / "common.pt").exists() == (expected[version] == "common.pt"), version
     assert in_distcp == (expected[version] == "common_state"), version
+
+
+def skeleton_on_a_gpu_host_worker(rank, world, src):
+    """The conversion skeleton where CUDA and Transformer Engine are reported present, as on a GPU node
+    (here CUDA maps to the host, compat.cpu); also two planted skeletons, the way it was built before."""
+    import torch
+
+    from srpo_megatron.conversion.checkpoint import _skeleton
+    from srpo_megatron.models import policy
+    from srpo_megatron.models.architecture import Architecture
+    from srpo_megatron.parallel import initialize_model_parallel
+
+    initialize_model_parallel(1, 1)
+    arch = Architecture.from_hf(src)
+    policy.torch.cuda.is_available = lambda: True  # this worker process only
+    policy.transformer_engine_available = lambda: True
+
+    def describe(build):
+        try:
+            model = build()
+        except Exception as e:  # the planted TE build: no TE on this host
+            return f"raised {type(e).__name__}"
+        te = sorted({type(m).__name__ for m in model.modules() if type(m).__name__.startswith("TE")})
+        return sorted({p.device.type for p in model.parameters()}), te
+
+    return {
+        "skeleton": describe(lambda: _skeleton(arch, torch.bfloat16)),
+        "planted_device_alloc": describe(
+            lambda: policy.build_policy(
+                arch, params_dtype=torch.bfloat16, perform_initialization=False, use_te=False
+            )
+        ),
+        "planted_default_spec": describe(
+            lambda: policy.build_policy(arch, params_dtype=torch.bfloat16, perform_initialization=False)
+        ),
+    }
+
+
+def test_conversion_skeleton_allocates_nothing_on_a_gpu_host(tmp_path):
+    """On a GPU node ``build_policy`` puts the model on the GPU (no CPU initialisation) with TE's spec: a
+    skeleton built that way would hold a whole 30B MoE on one GPU. The skeleton is on ``meta`` with the
+    local spec wherever it runs; the planted builds show the check sees both mistakes."""
+    src = tmp_path / "hf"
+    tiny_hf_model("qwen3", seed=0).save_pretrained(src)
+    got = run_distributed(skeleton_on_a_gpu_host_worker, 1, str(src), timeout=300)[0]
+    assert got["skeleton"] == (["meta"], []), got
+    devices, _ = got["planted_device_alloc"]
+    assert devices != ["meta"], got  # allocated (on the GPU there; CUDA maps to the host here)
+    planted_te = got["planted_default_spec"]
+    # TE's spec: fails to build here (no TE), has TE modules on a GPU node.
+    assert planted_te[1] if isinstance(planted_te, tuple) else planted_te.startswith("raised "), got
