@@ -195,12 +195,14 @@ def _split_sizes_to_host():
 
     The dispatcher turns its all-to-all split sizes into numpy arrays through
     ``maybe_move_tensor_to_cpu(t, as_numpy=True)``, which converts only CUDA tensors; on the CPU the sizes
-    stay tensors and ``all_to_all_single`` rejects them. This version converts CPU tensors too.
+    stay tensors and ``all_to_all_single`` rejects them. This version converts CPU tensors too. It never
+    records a stream: CPU ops run in program order, and under the strict-device mode (whose tensors answer
+    ``is_cuda``) megatron would pass the CPU layer's stream to ``Tensor.record_stream``, which refuses it.
     """
     from megatron.core.transformer.moe.moe_utils import maybe_move_tensor_to_cpu
 
     def to_host(tensor: Any, as_numpy: bool = False, record_stream: bool = False) -> Any:
-        out = maybe_move_tensor_to_cpu(tensor, as_numpy=as_numpy, record_stream=record_stream)
+        out = maybe_move_tensor_to_cpu(tensor, as_numpy=as_numpy, record_stream=False)
         return out.numpy() if as_numpy and torch.is_tensor(out) else out
 
     return to_host

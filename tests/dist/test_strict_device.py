@@ -1,7 +1,8 @@
 """Strict-device mode (srpo_megatron/testing/strict_device.py): the scoring pass, the training pass, the
 EMA update and the weight sync keep every tensor that reaches the model or a collective on the runtime's
-device, at TP2×PP2 and at DP2 (distributed optimizer, bf16), and the mode catches a planted host tensor
-and the host-tensor collectives the trainer used to issue."""
+device, at TP2×PP2, at DP2 (distributed optimizer, bf16) and with an MoE policy at EP2 (megatron's alltoall
+token dispatcher, the expert-parallel gradient reduction, the gather of the experts for the weight sync),
+and the mode catches a planted host tensor and the host-tensor collectives the trainer used to issue."""
 
 from __future__ import annotations
 
@@ -23,6 +24,13 @@ def tiny(tmp_path_factory):
     from srpo_megatron.testing.tiny import write_tiny_run
 
     return write_tiny_run(tmp_path_factory.mktemp("tiny_strict"), num_prompts=8)
+
+
+@pytest.fixture(scope="module")
+def tiny_moe(tmp_path_factory):
+    from srpo_megatron.testing.tiny import write_tiny_run
+
+    return write_tiny_run(tmp_path_factory.mktemp("tiny_strict_moe"), num_prompts=8, moe=True)
 
 
 def _cfg(tiny, run_dir, extra=()):
@@ -62,7 +70,7 @@ class _Engine:
         self.weight_version = version
 
 
-def _step(rank, world, tiny, run_dir, tp, pp, extra):
+def _step(rank, world, tiny, run_dir, tp, pp, extra, ep=1):
     from srpo_megatron.parallel import initialize_model_parallel
     from srpo_megatron.testing.strict_device import strict_device
     from srpo_megatron.trainer.batches import rank_share
@@ -75,8 +83,8 @@ def _step(rank, world, tiny, run_dir, tp, pp, extra):
     from srpo_megatron.weights.sync import sync_in_process
 
     with strict_device():
-        cfg = _cfg(tiny, run_dir, [f"parallel.tp={tp}", f"parallel.pp={pp}", *extra])
-        groups = initialize_model_parallel(tp, pp, seed=1)
+        cfg = _cfg(tiny, run_dir, [f"parallel.tp={tp}", f"parallel.pp={pp}", f"parallel.ep={ep}", *extra])
+        groups = initialize_model_parallel(tp, pp, seed=1, ep=ep)
         assert groups.device.type == "cuda"  # emulated: mapped to the host, provenance-checked
         policy = Policy(cfg, groups)
         scored = score_rollouts(policy, rank_share(_samples(), 1, groups.dp_size, groups.dp_rank))
@@ -105,15 +113,19 @@ def _step(rank, world, tiny, run_dir, tp, pp, extra):
 
 
 @pytest.mark.parametrize(
-    ("tp", "pp", "world", "extra"),
+    ("tp", "pp", "ep", "world", "extra"),
     [
-        (2, 2, 4, []),
-        (1, 1, 2, ["parallel.distributed_optimizer=true", "model.params_dtype=bf16"]),
+        (2, 2, 1, 4, []),
+        (1, 1, 1, 2, ["parallel.distributed_optimizer=true", "model.params_dtype=bf16"]),
+        pytest.param(
+            1, 1, 2, 2, ["model.params_dtype=bf16"], marks=pytest.mark.moe, id="moe-ep2-alltoall-bf16"
+        ),
     ],
-    ids=["tp2pp2", "dp2-distopt-bf16"],
+    ids=["tp2pp2", "dp2-distopt-bf16", "moe-ep2-alltoall-bf16"],
 )
-def test_a_training_step_keeps_tensors_on_the_device(tiny, tmp_path, tp, pp, world, extra):
-    out = run_distributed(_step, world, tiny, str(tmp_path), tp, pp, extra, timeout=600)
+def test_a_training_step_keeps_tensors_on_the_device(request, tmp_path, tp, pp, ep, world, extra):
+    tiny = request.getfixturevalue("tiny_moe" if ep > 1 else "tiny")
+    out = run_distributed(_step, world, tiny, str(tmp_path), tp, pp, extra, ep, timeout=600)
     assert all(r["teacher_moved"] for r in out), "the EMA teacher must have been updated"
     assert out[0]["synced"][0] == 2 and out[0]["synced"][1] > 0
     assert out[0]["loss"] != 0.0 and out[0]["teacher_runs"] == 4
