@@ -27,7 +27,8 @@ depends on them.
 Metrics (every step, from the scoring pass; ``models/moe_metrics.py``): expert load, router entropy
 (over real tokens, each sequence's last token excluded) and, on response rows (the positions whose
 logits give each response token's log-prob), the share of (token, layer) pairs whose trainer top-k
-differs from the engine's. The DP, TP (under sequence parallelism) and PP groups are summed explicitly.
+differs from the engine's. The DP, CP (each CP rank routes its chunks of every sequence), TP (under
+sequence parallelism) and PP groups are summed explicitly.
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ from srpo_megatron.configs import ConfigError
 from srpo_megatron.models.moe_metrics import RouterRecorder
 from srpo_megatron.rollout.routed_experts import as_token_layer_topk
 from srpo_megatron.trainer.batches import MicroBatch, Sequence
+from srpo_megatron.trainer.packing import cp_index
 
 
 def check_replay_config(cfg, arch) -> None:
@@ -50,11 +52,6 @@ def check_replay_config(cfg, arch) -> None:
         raise ConfigError(
             f"rollout.routing_replay=true but model.hf_dir {cfg.model.hf_dir} is a dense model (no experts); "
             "set rollout.routing_replay=false"
-        )
-    if getattr(cfg.parallel, "cp", 1) > 1:
-        raise ConfigError(
-            "rollout.routing_replay=true does not support parallel.cp > 1 yet (context-parallel chunks are "
-            "not mapped to the engine's positions); set parallel.cp=1 or rollout.routing_replay=false"
         )
     perf = cfg.performance
     if perf.recompute == "full" or (perf.recompute == "selective" and "mlp" in perf.recompute_modules):
@@ -67,12 +64,20 @@ def check_replay_config(cfg, arch) -> None:
 
 
 def router_token_map(
-    mb: MicroBatch, lengths: list[int], tp_rank: int, tp_size: int, sequence_parallel: bool
+    mb: MicroBatch,
+    lengths: list[int],
+    tp_rank: int,
+    tp_size: int,
+    sequence_parallel: bool,
+    cp_rank: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(member [T], position [T]) of each router token of ``mb`` on this rank, host int64: the index into
     the pass's sequences (-1 = padding) and the position in that sequence; ``lengths`` [N] sequence
-    lengths. Order: megatron's ``[s, b]`` flattened, this TP rank's chunk of ``s`` under SP."""
+    lengths. Order: megatron's ``[s, b]`` flattened; under context parallelism (``mb.cp_size`` > 1, packed)
+    this CP rank's chunks of every sequence (``packing.cp_index``), which is what ``mb.tokens`` holds; then
+    this TP rank's chunk of ``s`` under SP."""
     b, s = mb.tokens.shape
+    s *= mb.cp_size  # the whole packed micro-batch; this CP rank's chunks are taken below
     if mb.packed is None:
         member = torch.tensor([-1 if m is None else m for m in mb.members], dtype=torch.long).expand(s, b)
         position = torch.arange(s, dtype=torch.long).unsqueeze(1).expand(s, b)
@@ -86,6 +91,9 @@ def router_token_map(
                 continue
             member[cu[j] : cu[j + 1], 0] = m
             position[cu[j] : cu[j + 1], 0] = torch.arange(cu[j + 1] - cu[j])
+        if mb.cp_size > 1:
+            index = cp_index(torch.tensor(cu), mb.cp_size, cp_rank)
+            member, position = member[index], position[index]
     member, position = member.reshape(-1).clone(), position.reshape(-1).clone()
     length = torch.tensor([*lengths, 0], dtype=torch.long)[member]  # member -1 -> the appended 0
     member[position >= length] = -1
@@ -114,7 +122,7 @@ class MoERouting(contextlib.AbstractContextManager):
         self.replay, self.num_layers, self.top_k = replay, arch.num_layers, arch.moe_top_k
         self.routers = [m for n, m in policy.model.named_modules() if n.endswith("mlp.router")]
         self.sp = bool(policy.tconfig.sequence_parallel)
-        self.tp_rank, self.tp_size = g.tp_rank, g.tp_size
+        self.tp_rank, self.tp_size, self.cp_rank = g.tp_rank, g.tp_size, g.cp_rank
         missing = [i for i, r in enumerate(routed) if r is None]
         if replay and missing:
             raise RuntimeError(
@@ -151,7 +159,7 @@ class MoERouting(contextlib.AbstractContextManager):
     def before_forward(self, k: int) -> None:
         """Set micro-batch ``k``'s replay targets and metric context (runs just before its forward)."""
         member, position = router_token_map(
-            self.micro[k], [len(s.ids) for s in self.seqs], self.tp_rank, self.tp_size, self.sp
+            self.micro[k], [len(s.ids) for s in self.seqs], self.tp_rank, self.tp_size, self.sp, self.cp_rank
         )
         t = member.numel()
         # int16 on the host and over the copy (-1 = no report; ids < 32768), int64 only per layer on device.
@@ -184,10 +192,10 @@ class MoERouting(contextlib.AbstractContextManager):
             )
 
     def summary(self) -> dict[str, float]:
-        """The pass's routing metrics, identical on every rank (collective over DP, TP under SP, PP)."""
+        """The pass's routing metrics, identical on every rank (collective over DP, CP, TP under SP, PP)."""
         assert self.recorder is not None
         g = self.policy.groups
-        groups = [g.dp, g.pp, *([g.tp] if self.sp else [])]
+        groups = [g.dp, g.cp, g.pp, *([g.tp] if self.sp else [])]
         return self.recorder.summary(groups)
 
 

@@ -116,6 +116,18 @@ def perturbed_runs(tiny):
     )
 
 
+@pytest.fixture(scope="module")
+def cp_replay_runs(tiny):
+    """One packed step with replay against the perturbed engine, at CP1 (world 1) and CP2 (world 2)."""
+    packed = {"train.steps": 1, "rollout.routing_replay": "true", "train.max_tokens_per_micro_batch": 64}
+    return tuple(
+        _metrics(
+            _run(tiny, f"replay_cp{cp}", cp, _train_rank_perturbed_engine, **packed, **{"parallel.cp": cp})
+        )[0]
+        for cp in (1, 2)
+    )
+
+
 def _check_three_steps(tiny, run_dir: Path, tmp_path: Path) -> list[dict]:
     from srpo_megatron.conversion.checkpoint import megatron_to_hf
 
@@ -182,3 +194,18 @@ def test_replay_uses_the_engines_experts_and_the_metric_sees_a_perturbed_router(
     assert on["moe/router_disagreement_share"] > 0.0
     assert on["logprob/gap_mean"] <= off["logprob/gap_mean"]
     assert on["logprob/gap_max"] <= off["logprob/gap_max"] + 1e-6
+
+
+def test_replay_and_routing_metrics_at_context_parallel_2(cp_replay_runs):
+    """At CP2 each rank routes its two chunks of every packed sequence: replay must give those tokens the
+    engine's experts for their own positions, and the metrics must sum over the CP group. Same rollouts,
+    same step as CP1 (the CP2 scoring pass used to fail on a map of the whole micro-batch)."""
+    cp1, cp2 = cp_replay_runs
+    assert cp2["reward/mean"] == cp1["reward/mean"], "same engine, same seed: the same rollouts"
+    assert cp1["moe/topk_mismatch_share"] == 0.0 and cp2["moe/topk_mismatch_share"] == 0.0
+    assert cp1["moe/router_disagreement_share"] > 0.0, "the perturbed engine routes differently"
+    for key in ("moe/expert_load_max_over_mean", "moe/router_entropy", "moe/router_disagreement_share"):
+        assert cp2[key] == pytest.approx(cp1[key], rel=1e-6), key
+    assert cp2["logprob/gap_mean"] == pytest.approx(cp1["logprob/gap_mean"], rel=1e-4)
+    assert cp2["loss/total"] == pytest.approx(cp1["loss/total"], abs=1e-5)
+    assert cp2["grad_norm"] == pytest.approx(cp1["grad_norm"], rel=1e-4)

@@ -90,6 +90,34 @@ def test_router_token_map_packed_follows_cu_seqlens():
     assert seen == {(m, p) for m, s in enumerate(seqs) for p in range(len(s.ids))}
 
 
+@pytest.mark.parametrize("tp", [1, 2])
+def test_router_token_map_packed_context_parallel_is_this_cp_ranks_chunks(tp):
+    """At CP2 a rank's micro-batch holds chunks ``r`` and ``3 - r`` of every packed sequence (then split over
+    TP under SP): the map names exactly the tokens the rank holds, and the CP ranks together every token
+    once. The map as written before CP (the whole packed micro-batch) is planted: it fails, as the MoE
+    scoring pass at CP2 did."""
+    import dataclasses
+
+    seqs = _seqs()
+    lengths = [len(s.ids) for s in seqs]
+    cp, seen = 2, []
+    for cp_rank in range(cp):
+        micro = make_packed_micro_batches(
+            seqs, 32, 2 * cp * tp, False, torch.device("cpu"), cp_size=cp, cp_rank=cp_rank
+        )
+        for mb in micro:
+            flat = mb.tokens.t().reshape(-1)  # this CP rank's tokens, as megatron's router sees them
+            n = flat.numel() // tp
+            for rank in range(tp):
+                member, position = router_token_map(mb, lengths, rank, tp, tp > 1, cp_rank=cp_rank)
+                assert member.numel() == n
+                _check_against_token_ids(flat[rank * n : (rank + 1) * n], member, position, seqs)
+                seen += [(m, p) for m, p in zip(member.tolist(), position.tolist(), strict=True) if m >= 0]
+            with pytest.raises(RuntimeError, match="expanded size"):  # what the scoring pass raised
+                router_token_map(dataclasses.replace(mb, cp_size=1), lengths, 0, 1, False)
+    assert sorted(seen) == sorted((m, p) for m, s in enumerate(seqs) for p in range(len(s.ids)))
+
+
 def test_megatron_router_replay_api_replays_targets_with_the_trainers_scores():
     from megatron.core.transformer.moe.router_replay import RouterReplay, RouterReplayAction
 
