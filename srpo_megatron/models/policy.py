@@ -146,6 +146,28 @@ def layer_spec(
     )
 
 
+def decoder_spec(
+    arch: Architecture,
+    config: TransformerConfig,
+    *,
+    use_te: bool,
+    moe_grouped_gemm: bool | None = None,
+    vp_stage: int | None = None,
+) -> ModuleSpec | TransformerBlockSubmodules:
+    """The decoder's spec for ``config``: :func:`layer_spec`, and under sequence parallelism on the local
+    spec the block too, whose final norm must be SP-aware (the layer count is this stage's, from
+    ``parallel_state``)."""
+    spec = layer_spec(
+        arch, use_te=use_te, sequence_parallel=config.sequence_parallel, moe_grouped_gemm=moe_grouped_gemm
+    )
+    if config.sequence_parallel and not use_te:
+        return TransformerBlockSubmodules(
+            layer_specs=[spec] * get_num_layers_to_build(config, vp_stage=vp_stage),
+            layer_norm=SequenceParallelRMSNorm,
+        )
+    return spec
+
+
 def build_policy(
     hf_config: Any,
     *,
@@ -196,14 +218,7 @@ def build_policy(
         rope["seq_len_interpolation_factor"] = arch.rope_factor
     elif arch.rope_type == "llama3":
         rope.update(rope_scaling=True, rope_scaling_factor=arch.rope_factor)
-    spec: ModuleSpec | TransformerBlockSubmodules = layer_spec(
-        arch, use_te=use_te, sequence_parallel=config.sequence_parallel, moe_grouped_gemm=moe.grouped_gemm
-    )
-    if config.sequence_parallel and not use_te:  # the block's final norm must be SP-aware too
-        spec = TransformerBlockSubmodules(
-            layer_specs=[spec] * get_num_layers_to_build(config, vp_stage=vp_stage),
-            layer_norm=SequenceParallelRMSNorm,
-        )
+    spec = decoder_spec(arch, config, use_te=use_te, moe_grouped_gemm=moe.grouped_gemm, vp_stage=vp_stage)
     model = GPTModel(
         config=config,
         transformer_layer_spec=spec,

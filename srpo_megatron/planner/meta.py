@@ -5,12 +5,11 @@ tensor's shape. Any world size works on one CPU process: torch's ``fake`` proces
 in for NCCL (no collective runs during construction), and megatron's ``parallel_state`` is initialised
 for the layout with the calling rank placed on the wanted pipeline stage.
 
-Dense models use the project's builder (``srpo_megatron.models.policy``: TransformerConfig and layer
-spec); MoE layers use megatron-core's own MoE support (``num_moe_experts``, ``moe_ffn_hidden_size``,
-``moe_router_topk``, ``moe_layer_freq``) through :func:`moe_config_overrides`, the one place to point at
-the project's MoE model builder once it exists. Context parallelism does not change weights, so the model
-is built at CP = 1 (megatron's local attention refuses CP without Transformer Engine). The token
-dispatcher is ``allgather`` because ``alltoall`` creates CUDA streams; dispatchers own no parameters.
+The model is the trainer's: the project's TransformerConfig, MoE fields and local layer spec
+(``srpo_megatron.models.policy`` and ``models.moe``), on the meta device. Context parallelism does not
+change weights, so the model is built at CP = 1. The token dispatcher is ``allgather`` because
+``alltoall`` creates CUDA streams; dispatchers own no parameters. Uneven pipeline stages, which the
+planner plans, are given to megatron explicitly.
 """
 
 from __future__ import annotations
@@ -23,36 +22,20 @@ from srpo_megatron.models.architecture import load_hf_config_dict, padded_vocab_
 from srpo_megatron.planner.model import Layout, ModelShape, ParamTensor, stage_layers
 
 
-def moe_config_overrides(shape: ModelShape, layout: Layout) -> dict[str, Any]:
-    """TransformerConfig fields of the MoE layers of ``shape`` (empty for dense models)."""
-    if not shape.is_moe:
-        return {}
-    return dict(
-        num_moe_experts=shape.num_experts,
-        moe_ffn_hidden_size=shape.moe_ffn_hidden_size,
-        moe_router_topk=shape.moe_topk,
-        moe_layer_freq=[1 if m else 0 for m in shape.moe_layers],
-        expert_model_parallel_size=layout.ep,
-        expert_tensor_parallel_size=layout.etp,
-        moe_token_dispatcher_type="allgather",
-        moe_grouped_gemm=False,
-    )
-
-
 def meta_stage_params(hf_config: Any, layout: Layout, stage: int) -> list[tuple[str, ParamTensor]]:
     """(name, ParamTensor) of every parameter of pipeline stage ``stage`` on one rank at ``layout``."""
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
     from megatron.core.models.gpt import GPTModel
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     from srpo_megatron.models.architecture import Architecture
-    from srpo_megatron.models.policy import layer_spec, transformer_config_from_hf
+    from srpo_megatron.models.moe import MoEConfig
+    from srpo_megatron.models.policy import decoder_spec, transformer_config_from_hf
 
     cfg = load_hf_config_dict(hf_config)
     shape = ModelShape.from_hf(cfg)
-    arch = Architecture.from_hf({**cfg, "model_type": "qwen3"} if shape.is_moe else cfg)
+    arch = Architecture.from_hf(cfg)
     built = Layout(tp=layout.tp, pp=layout.pp, cp=1, dp=layout.dp * layout.cp, ep=layout.ep, etp=layout.etp)
     if dist.is_initialized():
         ps.destroy_model_parallel()
@@ -80,21 +63,15 @@ def meta_stage_params(hf_config: Any, layout: Layout, stage: int) -> list[tuple[
             tp=built.tp,
             pp=1,
             params_dtype=torch.bfloat16,
+            ep=built.ep,
+            etp=built.etp,
+            moe=MoEConfig(dispatcher="allgather", grouped_gemm=False),
             pipeline_model_parallel_size=built.pp,
             use_cpu_initialization=True,
             perform_initialization=False,  # shapes only: no init kernels on meta tensors
             **uneven,
-            **moe_config_overrides(shape, built),
         )
-        if shape.is_moe:
-            spec = get_gpt_layer_local_spec(
-                num_experts=shape.num_experts,
-                moe_grouped_gemm=False,
-                qk_layernorm=arch.qk_norm,
-                normalization="RMSNorm",
-            )
-        else:
-            spec = layer_spec(arch, use_te=False)
+        spec = decoder_spec(arch, config, use_te=False)
         with torch.device("meta"):
             model = GPTModel(
                 config=config,

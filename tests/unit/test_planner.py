@@ -150,32 +150,21 @@ TINY_MOE = dict(TINY, model_type="qwen3_moe", moe_intermediate_size=48, num_expe
 def _saved_bytes(cfg: dict, recompute: str, b: int, s: int) -> int:
     """Bytes of the distinct storages autograd saves in one forward of the megatron policy (not params)."""
     from megatron.core.models.gpt import GPTModel
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
     from srpo_megatron.models.architecture import Architecture
-    from srpo_megatron.models.attention import SDPACoreAttention
-    from srpo_megatron.models.policy import transformer_config_from_hf
+    from srpo_megatron.models.moe import MoEConfig
+    from srpo_megatron.models.policy import layer_spec, transformer_config_from_hf
     from srpo_megatron.parallel import initialize_model_parallel
-    from srpo_megatron.planner.meta import moe_config_overrides
 
     initialize_model_parallel(1, 1)
-    shape = ModelShape.from_hf(cfg)
-    arch = Architecture.from_hf({**cfg, "model_type": "qwen3"})
+    arch = Architecture.from_hf(cfg)
     extra = {}
     if recompute == "full":
         extra = dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
-    config = transformer_config_from_hf(arch, **moe_config_overrides(shape, Layout()), **extra)
-    spec = get_gpt_layer_local_spec(
-        num_experts=shape.num_experts or None,
-        moe_grouped_gemm=False,
-        qk_layernorm=True,
-        normalization="RMSNorm",
+    config = transformer_config_from_hf(
+        arch, moe=MoEConfig(dispatcher="allgather", grouped_gemm=False), **extra
     )
-    att = spec.submodules.self_attention
-    att = dataclasses.replace(
-        att, submodules=dataclasses.replace(att.submodules, core_attention=SDPACoreAttention)
-    )
-    spec = dataclasses.replace(spec, submodules=dataclasses.replace(spec.submodules, self_attention=att))
+    spec = layer_spec(arch, use_te=False)  # the trainer's local spec: SDPA core attention
     torch.manual_seed(0)
     model = GPTModel(config, spec, vocab_size=512, max_sequence_length=1024, position_embedding_type="rope")
     params = {p.untyped_storage().data_ptr() for p in model.parameters()}
