@@ -21,14 +21,16 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from srpo_megatron.losses import TokenBatch
 from srpo_megatron.trainer import packing
-from srpo_megatron.trainer.rollouts import Sample
 from srpo_megatron.trainer.stats import StepStats
+
+if TYPE_CHECKING:  # rollouts ships batches through batch_shipping, which uses rank_share from here
+    from srpo_megatron.trainer.rollouts import Sample
 
 
 @dataclass(frozen=True)

@@ -1,8 +1,9 @@
 """method §1 steps 1–4: rollouts, rewards, routing and the teacher's context, as one ``RolloutBatch``.
 
 Rollouts run data-parallel over every colocated engine (``RolloutService``); the completions are gathered
-on global rank 0, which scores and routes them, and ``broadcast_batch`` ships the plain-Python result to
-every trainer rank, so all ranks agree on routing and advantages.
+on global rank 0, which scores and routes them, and ``batch_shipping.ship_batch`` ships the plain-Python
+result to every trainer rank, so all ranks agree on routing and advantages (an MoE batch's routed experts
+go to their DP share only).
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from srpo_megatron.rollout.base import EngineError, RolloutEngine, SamplingParam
 from srpo_megatron.rollout.config import RolloutConfig
 from srpo_megatron.rollout.placement import EngineLayout, engine_urls, separate_layout, split_prompts
 from srpo_megatron.rollout.routed_experts import compact_ids
+from srpo_megatron.trainer.batch_shipping import ship_batch
 from srpo_megatron.trainer.config import TeacherConfig
 
 _THINK = re.compile(r"<think>.*?</think>", re.DOTALL)
@@ -164,16 +166,6 @@ def score_rollouts(
         **scored.metrics(),
     }
     return RolloutBatch(samples, metrics)
-
-
-def broadcast_batch(batch: Any, src: int = 0, group: Any = None) -> Any:
-    """Ship the batch (a host object) from ``src`` to every rank over the gloo ``group`` (a collective)."""
-    if not dist.is_initialized() or dist.get_world_size() == 1:
-        assert batch is not None
-        return batch
-    box = [batch]
-    dist.broadcast_object_list(box, src=src, group=group)
-    return box[0]
 
 
 @dataclass
@@ -447,7 +439,14 @@ class RolloutService:
                 self.tokenizer, prompts, completions, c.rollout, c.loss, c.teacher, self.rewards, t_gen
             )
             batch.metrics.update(engine_metrics(list(shares.values()), self.last_sync_s))
-        return broadcast_batch(batch, group=self.host_group)
+        g = self.groups
+        return ship_batch(
+            batch,
+            dp_rank=g.dp_rank,
+            dp_size=g.dp_size,
+            mini_batches=self.cfg.train.mini_batches,
+            group=self.host_group,
+        )
 
     def close(self) -> None:
         if self.rewards is not None:
