@@ -10,9 +10,14 @@ from __future__ import annotations
 from pathlib import Path
 
 
-def write_tiny_qwen3(out_dir: str | Path, seed: int = 0, num_layers: int = 2) -> Path:
+def _write_tiny(out_dir: str | Path, config_class: str, seed: int, num_layers: int, **fields) -> Path:
+    """A random ``transformers.<config_class>`` model (the shared tiny Qwen3 sizes, plus ``fields``) with the
+    real Qwen tokenizer, saved as an HF folder; an existing folder is reused. MoE routers are drawn with std
+    0.5, wider than the default init, so that routing is decided by the weights, not by float noise
+    between near-tied experts."""
     import torch
-    from transformers import AutoModelForCausalLM, Qwen3Config
+    import transformers
+    from transformers import AutoModelForCausalLM
 
     from srpo_megatron.testing.assets import qwen3_tokenizer
 
@@ -20,7 +25,7 @@ def write_tiny_qwen3(out_dir: str | Path, seed: int = 0, num_layers: int = 2) ->
     if (out / "config.json").is_file() and (out / "tokenizer_config.json").is_file():
         return out
     tok = qwen3_tokenizer()
-    config = Qwen3Config(
+    config = getattr(transformers, config_class)(
         vocab_size=len(tok),
         hidden_size=64,
         intermediate_size=128,
@@ -34,13 +39,22 @@ def write_tiny_qwen3(out_dir: str | Path, seed: int = 0, num_layers: int = 2) ->
         eos_token_id=tok.convert_tokens_to_ids("<|im_end|>"),
         bos_token_id=None,
         pad_token_id=tok.convert_tokens_to_ids("<|endoftext|>"),
+        **fields,
     )
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("mlp.gate.weight"):  # MoE routers only (dense MLPs have gate_proj)
+                p.normal_(0.0, 0.5)
     out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out)
     tok.save_pretrained(out)
     return out
+
+
+def write_tiny_qwen3(out_dir: str | Path, seed: int = 0, num_layers: int = 2) -> Path:
+    return _write_tiny(out_dir, "Qwen3Config", seed, num_layers)
 
 
 def coin_reward(response: str, answer: str) -> float:
@@ -61,46 +75,17 @@ def zero_reward(response: str, answer: str) -> float:
 
 def write_tiny_qwen3_moe(out_dir: str | Path, seed: int = 0, num_experts: int = 4, top_k: int = 2) -> Path:
     """A 2-layer random Qwen3-MoE (``num_experts`` experts, ``top_k`` routed, normalised top-k probabilities)
-    with the real Qwen vocabulary and chat template. Router rows are drawn wider than the default init
-    (std 0.5) so that routing is decided by the weights, not by float noise between near-tied experts."""
-    import torch
-    from transformers import AutoModelForCausalLM, Qwen3MoeConfig
-
-    from srpo_megatron.testing.assets import qwen3_tokenizer
-
-    out = Path(out_dir)
-    if (out / "config.json").is_file() and (out / "tokenizer_config.json").is_file():
-        return out
-    tok = qwen3_tokenizer()
-    config = Qwen3MoeConfig(
-        vocab_size=len(tok),
-        hidden_size=64,
-        intermediate_size=128,
+    with the real Qwen vocabulary and chat template."""
+    return _write_tiny(
+        out_dir,
+        "Qwen3MoeConfig",
+        seed,
+        2,
         moe_intermediate_size=32,
         num_experts=num_experts,
         num_experts_per_tok=top_k,
         norm_topk_prob=True,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        max_position_embeddings=1024,
-        tie_word_embeddings=False,
-        rms_norm_eps=1e-6,
-        eos_token_id=tok.convert_tokens_to_ids("<|im_end|>"),
-        bos_token_id=None,
-        pad_token_id=tok.convert_tokens_to_ids("<|endoftext|>"),
     )
-    torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("mlp.gate.weight"):
-                p.normal_(0.0, 0.5)
-    out.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(out)
-    tok.save_pretrained(out)
-    return out
 
 
 def write_tiny_run(root: str | Path, num_prompts: int = 16, moe: bool = False) -> tuple[Path, Path, Path]:
