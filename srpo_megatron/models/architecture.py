@@ -143,6 +143,29 @@ class Architecture:
         )
 
 
+def pipeline_stage_layers(num_layers: int, pp: int) -> list[int]:
+    """Decoder layers per pipeline stage, the one split rule of the trainer and the planner: equal when
+    ``pp`` divides ``num_layers``; otherwise ceil(L/PP) in every middle stage and the rest split between the
+    first and the last stage, which also hold the embedding and the output layer (Qwen3-235B's 94 layers at
+    PP8: 11 / 12 × 6 / 11, the anchors' layout)."""
+    if not 1 <= pp <= num_layers:
+        raise ValueError(f"pipeline parallel size {pp} must be between 1 and num_hidden_layers={num_layers}")
+    if num_layers % pp == 0:
+        return [num_layers // pp] * pp
+    if pp == 2:
+        first = num_layers // 2
+        return [first, num_layers - first]
+    middle = -(-num_layers // pp)
+    rest = num_layers - (pp - 2) * middle
+    first = rest // 2
+    if first < 1:
+        raise ValueError(
+            f"{num_layers} layers cannot be split over pipeline parallel size {pp} (the middle stages take "
+            f"{middle} each, leaving {rest} for the first and last); use a pipeline size that divides them"
+        )
+    return [first] + [middle] * (pp - 2) + [rest - first]
+
+
 def load_hf_config_dict(config: Any) -> dict[str, Any]:
     """Plain dict of an HF config given a folder, a config.json path, a dict or a PretrainedConfig."""
     if isinstance(config, dict):

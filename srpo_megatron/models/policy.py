@@ -33,7 +33,7 @@ from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
 from megatron.core.transformer.transformer_config import TransformerConfig
 
-from srpo_megatron.models.architecture import Architecture, padded_vocab_size
+from srpo_megatron.models.architecture import Architecture, padded_vocab_size, pipeline_stage_layers
 from srpo_megatron.models.attention import SDPACoreAttention
 from srpo_megatron.models.moe import MoEConfig, apply_router_controls, moe_config_overrides
 from srpo_megatron.models.norms import SequenceParallelRMSNorm
@@ -67,9 +67,14 @@ def transformer_config_from_hf(
             f"tensor parallel size {tp} must divide num_key_value_heads={arch.num_kv_heads} "
             "(each TP rank holds whole query groups)"
         )
-    if arch.num_layers % pp:
-        raise ValueError(f"pipeline parallel size {pp} must divide num_hidden_layers={arch.num_layers}")
+    stages = pipeline_stage_layers(arch.num_layers, pp)
+    uneven: dict[str, Any] = {}
+    if len(set(stages)) > 1:  # megatron places first/last counts; the middle stages share the rest evenly
+        uneven = dict(
+            num_layers_in_first_pipeline_stage=stages[0], num_layers_in_last_pipeline_stage=stages[-1]
+        )
     kwargs: dict[str, Any] = dict(
+        **uneven,
         num_layers=arch.num_layers,
         hidden_size=arch.hidden_size,
         ffn_hidden_size=arch.intermediate_size,

@@ -8,8 +8,7 @@ for the layout with the calling rank placed on the wanted pipeline stage.
 The model is the trainer's: the project's TransformerConfig, MoE fields and local layer spec
 (``srpo_megatron.models.policy`` and ``models.moe``), on the meta device. Context parallelism does not
 change weights, so the model is built at CP = 1. The token dispatcher is ``allgather`` because
-``alltoall`` creates CUDA streams; dispatchers own no parameters. Uneven pipeline stages, which the
-planner plans, are given to megatron explicitly.
+``alltoall`` creates CUDA streams; dispatchers own no parameters.
 """
 
 from __future__ import annotations
@@ -19,7 +18,7 @@ from typing import Any
 import torch
 
 from srpo_megatron.models.architecture import load_hf_config_dict, padded_vocab_size
-from srpo_megatron.planner.model import Layout, ModelShape, ParamTensor, stage_layers
+from srpo_megatron.planner.model import Layout, ParamTensor
 
 
 def meta_stage_params(hf_config: Any, layout: Layout, stage: int) -> list[tuple[str, ParamTensor]]:
@@ -34,7 +33,6 @@ def meta_stage_params(hf_config: Any, layout: Layout, stage: int) -> list[tuple[
     from srpo_megatron.models.policy import decoder_spec, transformer_config_from_hf
 
     cfg = load_hf_config_dict(hf_config)
-    shape = ModelShape.from_hf(cfg)
     arch = Architecture.from_hf(cfg)
     built = Layout(tp=layout.tp, pp=layout.pp, cp=1, dp=layout.dp * layout.cp, ep=layout.ep, etp=layout.etp)
     if dist.is_initialized():
@@ -51,25 +49,16 @@ def meta_stage_params(hf_config: Any, layout: Layout, stage: int) -> list[tuple[
             expert_tensor_parallel_size=built.etp,
             create_gloo_process_groups=False,
         )
-        layers = stage_layers(shape.num_layers, built.pp)
-        uneven: dict[str, Any] = {}
-        if len(set(layers)) > 1:
-            uneven = dict(
-                num_layers_in_first_pipeline_stage=layers[0], num_layers_in_last_pipeline_stage=layers[-1]
-            )
-        # transformer_config_from_hf checks PP | L; uneven stages are passed explicitly instead.
         config = transformer_config_from_hf(
             arch,
             tp=built.tp,
-            pp=1,
+            pp=built.pp,  # uneven stages: the trainer's split (pipeline_stage_layers)
             params_dtype=torch.bfloat16,
             ep=built.ep,
             etp=built.etp,
             moe=MoEConfig(dispatcher="allgather", grouped_gemm=False),
-            pipeline_model_parallel_size=built.pp,
             use_cpu_initialization=True,
             perform_initialization=False,  # shapes only: no init kernels on meta tensors
-            **uneven,
         )
         spec = decoder_spec(arch, config, use_te=False)
         with torch.device("meta"):

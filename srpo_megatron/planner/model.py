@@ -24,7 +24,12 @@ import functools
 import math
 from dataclasses import dataclass
 
-from srpo_megatron.models.architecture import Architecture, load_hf_config_dict, padded_vocab_size
+from srpo_megatron.models.architecture import (
+    Architecture,
+    load_hf_config_dict,
+    padded_vocab_size,
+    pipeline_stage_layers,
+)
 
 
 class PlanError(ValueError):
@@ -152,20 +157,11 @@ class Layout:
 
 
 def stage_layers(num_layers: int, pp: int) -> list[int]:
-    """Layers per pipeline stage: even when PP divides L, else ceil(L/PP) in the middle, rest at the ends."""
-    if pp > num_layers:
-        raise PlanError(f"PP {pp} exceeds the {num_layers} layers; use PP <= {num_layers}")
-    if num_layers % pp == 0:
-        return [num_layers // pp] * pp
-    if pp == 2:
-        first = num_layers // 2
-        return [first, num_layers - first]
-    middle = math.ceil(num_layers / pp)
-    rest = num_layers - (pp - 2) * middle
-    first = rest // 2
-    if first < 1:
-        raise PlanError(f"{num_layers} layers cannot be split over PP {pp}; use a PP that divides them")
-    return [first] + [middle] * (pp - 2) + [rest - first]
+    """Layers per pipeline stage: the trainer's split (``models.architecture.pipeline_stage_layers``)."""
+    try:
+        return pipeline_stage_layers(num_layers, pp)
+    except ValueError as e:
+        raise PlanError(str(e)) from None
 
 
 @dataclass(frozen=True)

@@ -22,13 +22,13 @@ MICRO_BATCH_SIZE = 2
 LAYOUTS = [(1, 1), (2, 1), (1, 2), (2, 2)]  # (tp, pp)
 
 
-def tiny_hf_config(model_type: str):
+def tiny_hf_config(model_type: str, num_layers: int = 4):
     from transformers import LlamaConfig, Qwen2Config, Qwen3Config
 
     kw = dict(
         hidden_size=64,
         intermediate_size=96,
-        num_hidden_layers=4,
+        num_hidden_layers=num_layers,
         num_attention_heads=4,
         num_key_value_heads=2,
         vocab_size=VOCAB,
@@ -49,12 +49,12 @@ def tiny_hf_config(model_type: str):
     return Qwen3Config(**kw, head_dim=24, rope_parameters={"rope_type": "default", "rope_theta": 1e6})
 
 
-def tiny_hf_model(model_type: str, seed: int = 0):
+def tiny_hf_model(model_type: str, seed: int = 0, num_layers: int = 4):
     """Random HF model with non-trivial norm weights and biases (so a mis-mapping shows)."""
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(tiny_hf_config(model_type), dtype=torch.float32)
+    model = AutoModelForCausalLM.from_config(tiny_hf_config(model_type, num_layers), dtype=torch.float32)
     with torch.no_grad():
         for name, p in model.named_parameters():
             if "norm" in name:
@@ -217,3 +217,34 @@ def test_logits_and_grads_match_hf_at_every_layout():
             for name, want in ref_grads.items():
                 diff = (grads[name] - want).abs().max().item()
                 assert diff <= 1e-5, f"{model_type} TP{tp}xPP{pp} grad {name} differs by {diff}"
+
+
+def _convert(rank, world, src, out):
+    from srpo_megatron.conversion.checkpoint import hf_to_megatron
+
+    hf_to_megatron(src, out, progress=lambda _: None)
+
+
+def test_uneven_pipeline_stages_match_hf(tmp_path):
+    """Layer counts PP does not divide, as the 235B anchors' layouts need (94 layers at PP4 or PP8): 3 layers
+    at PP2 (1 / 2) and 4 at PP3 (1 / 2 / 1), weights from HF tensors and, at PP2, from a converted
+    checkpoint. Logits and every gradient (named through megatron's stage layer offset) equal HF's."""
+    for layers, pp in [(3, 2), (4, 3)]:
+        hf = tiny_hf_model("qwen3", seed=layers, num_layers=layers)
+        gen = torch.Generator().manual_seed(layers)
+        batches = [torch.randint(0, VOCAB, (MICRO_BATCH_SIZE, SEQ), generator=gen) for _ in range(2)]
+        ref_logits, ref_grads = hf_reference(hf, batches)
+        state = {k: v.detach().clone() for k, v in hf.state_dict().items()}
+        cases = [(hf.config.to_dict(), batches, state, None)]
+        if pp == 2:
+            hf.save_pretrained(tmp_path / "hf")
+            run_distributed(_convert, 1, str(tmp_path / "hf"), str(tmp_path / "mg"), timeout=300)
+            cases.append((hf.config.to_dict(), batches, None, str(tmp_path / "mg")))
+        for i, (logits, grads) in enumerate(run_layout(1, pp, cases)):
+            for got, want in zip(logits, ref_logits, strict=True):
+                diff = (got[..., :VOCAB] - want).abs().max().item()
+                assert diff <= 1e-5, f"{layers} layers PP{pp} case {i}: logits differ by {diff}"
+            assert sorted(grads) == sorted(ref_grads), f"{layers} layers PP{pp} case {i}: gradient names"
+            for name, want in ref_grads.items():
+                diff = (grads[name] - want).abs().max().item()
+                assert diff <= 1e-5, f"{layers} layers PP{pp} case {i}: grad {name} differs by {diff}"

@@ -109,6 +109,7 @@ def _step(rank, world, tiny, run_dir, tp, pp, extra, ep=1):
         "main_gap": main_gap,
         "fp32_values": fp32_values,
         "synced": None if engine is None else (engine.weight_version, len(engine.names)),
+        "synced_names": None if engine is None else sorted(engine.names),
     }
 
 
@@ -132,6 +133,25 @@ def test_a_training_step_keeps_tensors_on_the_device(request, tmp_path, tp, pp, 
     for r in out:  # the EMA's source is the optimizer's fp32 main copy (gathered over DP when sharded)
         assert r["main_gap"] <= 2**-8, r["main_gap"]
         assert r["fp32_values"] == ("model.params_dtype=bf16" in extra)
+
+
+def test_a_training_step_at_uneven_pipeline_stages(tmp_path):
+    """A 3-layer policy at PP2 (stages of 1 and 2 layers, the split the 235B anchors' PP4/PP8 need): the
+    step runs in strict-device mode and the weight sync sends every HF tensor once, each layer under its
+    global index (the second stage's layers are 1 and 2)."""
+    from srpo_megatron.testing.tiny import write_tiny_qwen3, write_tiny_run
+
+    root, _, data = write_tiny_run(tmp_path / "run", num_prompts=8)
+    hf = write_tiny_qwen3(tmp_path / "qwen3_3_layers", num_layers=3)
+    out = run_distributed(_step, 2, (root, hf, data), str(tmp_path / "r"), 1, 2, [], timeout=600)
+    from safetensors import safe_open
+
+    assert not (hf / "model.safetensors.index.json").exists()  # one file holds every tensor
+    with safe_open(str(hf / "model.safetensors"), framework="pt") as f:
+        want = sorted(f.keys())
+    names = out[0]["synced_names"]
+    assert names == want, sorted(set(names) ^ set(want))
+    assert out[0]["loss"] != 0.0 and all(r["teacher_moved"] for r in out)
 
 
 def _planted(rank, world, tiny, run_dir):

@@ -40,8 +40,24 @@ def test_layouts_that_cannot_split_raise():
     )
     with pytest.raises(ValueError, match="must divide num_key_value_heads=1"):
         transformer_config_from_hf(arch, tp=2)
-    with pytest.raises(ValueError, match="must divide num_hidden_layers=4"):
-        transformer_config_from_hf(Architecture.from_hf(QWEN3), pp=3)
+    with pytest.raises(ValueError, match="between 1 and num_hidden_layers=4"):
+        transformer_config_from_hf(Architecture.from_hf(QWEN3), pp=5)
+
+
+def test_uneven_pipeline_stages_take_the_planners_split():
+    """PP3 over 4 layers: 1 / 2 / 1 (megatron is given the first and last counts); PP2 divides evenly."""
+    from srpo_megatron.models.architecture import pipeline_stage_layers
+
+    config = transformer_config_from_hf(Architecture.from_hf(QWEN3), pp=3)
+    assert (config.num_layers_in_first_pipeline_stage, config.num_layers_in_last_pipeline_stage) == (1, 1)
+    assert (
+        transformer_config_from_hf(Architecture.from_hf(QWEN3), pp=2).num_layers_in_first_pipeline_stage
+        is None
+    )
+    assert pipeline_stage_layers(94, 8) == [11, 12, 12, 12, 12, 12, 12, 11]  # Qwen3-235B-A22B at PP8
+    assert pipeline_stage_layers(94, 4) == [23, 24, 24, 23] and pipeline_stage_layers(3, 2) == [1, 2]
+    with pytest.raises(ValueError, match="cannot be split"):
+        pipeline_stage_layers(5, 4)  # middle stages of 2 leave 1 layer for the first and last
 
 
 def test_local_spec_uses_sdpa_core_attention_and_qk_norm():
