@@ -15,6 +15,7 @@ from typing import Any
 import torch.distributed as dist
 
 from srpo_megatron.configs import ConfigError
+from srpo_megatron.models.architecture import pipeline_stage_layers
 
 
 def check_layout(cfg: Any, world_size: int, hf_config: dict) -> None:
@@ -34,7 +35,6 @@ def check_layout(cfg: Any, world_size: int, hf_config: dict) -> None:
     checks = [
         (heads, tp, "attention heads", "parallel.tp"),
         (kv, tp, "key/value heads (GQA groups)", "parallel.tp"),
-        (layers, pp, "layers", "parallel.pp"),
         (experts, getattr(cfg.parallel, "ep", 1), "experts", "parallel.ep"),
     ]
     for count, size, what, key in checks:
@@ -43,6 +43,11 @@ def check_layout(cfg: Any, world_size: int, hf_config: dict) -> None:
                 f"model.hf_dir {cfg.model.hf_dir}: {count} {what} do not divide by {key}={size}; pick a "
                 f"{key} that divides {count}"
             )
+    if layers:  # PP need not divide the layers: the first and last stages take fewer (pipeline_stage_layers)
+        try:
+            pipeline_stage_layers(layers, pp)
+        except ValueError as e:
+            raise ConfigError(f"model.hf_dir {cfg.model.hf_dir}: {e}; change parallel.pp") from None
     samples = cfg.rollout.prompts_per_step * cfg.rollout.group_size
     parts = cfg.train.mini_batches * dp
     if samples % parts:

@@ -154,3 +154,27 @@ def test_tp2_checkpoint_resumes_at_tp1(tiny, tp2_run, tmp_path):
     assert [r["step"] for r in rows] == [1, 2, 3, 4]
     assert rows[-1]["logprob/gap_max"] < 1e-4, "the engine got the resumed TP1 weights"
     assert rows[-1]["train/skipped_steps"] == 0.0
+
+
+def test_uneven_pipeline_stages_train_like_pp1(tmp_path):
+    """A 3-layer policy at PP2 (stages of 1 and 2 layers) through ``srpo train``: the layout check lets it
+    through, the first step equals PP1's (same rollouts, loss, grad norm), and its checkpoint exports every
+    HF tensor."""
+    from srpo_megatron.testing.tiny import write_tiny_qwen3, write_tiny_run
+
+    root, _, data = write_tiny_run(tmp_path / "run", num_prompts=8)
+    hf = write_tiny_qwen3(tmp_path / "qwen3_3_layers", num_layers=3)
+    tiny3 = (root, hf, data)
+    rows = {}
+    for pp in (1, 2):
+        run_dir = tmp_path / f"pp{pp}"
+        extra = {"train.steps": 2 if pp == 2 else 1, "parallel.pp": pp}
+        run_distributed(_train_rank, pp, _overrides(tiny3, run_dir, **extra), timeout=600)
+        rows[pp] = _metrics(run_dir)
+    pp1, pp2 = rows[1][0], rows[2][0]
+    assert pp1["reward/mean"] == pp2["reward/mean"], "same seed, same weights: same rollouts"
+    assert pp1["loss/total"] == pytest.approx(pp2["loss/total"], abs=1e-5)
+    assert pp1["grad_norm"] == pytest.approx(pp2["grad_norm"], rel=1e-4)
+    assert all(r["logprob/gap_max"] < 1e-4 for r in rows[2]), "the engine got every stage's weights"
+    final = _export(tmp_path / "pp2" / "checkpoints" / "step_000002", tmp_path / "final")
+    assert final.keys() == load_file(str(hf / "model.safetensors")).keys()

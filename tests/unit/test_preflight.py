@@ -31,7 +31,7 @@ def _cfg(tp=1, pp=1, prompts=4, group=4, mini=1) -> SimpleNamespace:
     [
         (_cfg(tp=2), 3, "3 processes cannot be split into parallel.tp=2"),
         (_cfg(tp=4), 4, "2 key/value heads (GQA groups) do not divide by parallel.tp=4"),
-        (_cfg(pp=4), 4, "2 layers do not divide by parallel.pp=4"),
+        (_cfg(pp=4), 4, "pipeline parallel size 4 must be between 1 and num_hidden_layers=2"),
         (
             _cfg(prompts=3, group=2, mini=2),
             2,
@@ -47,6 +47,8 @@ def test_layouts_that_do_not_divide_are_refused_before_the_model(cfg, world, mes
 
 def test_layouts_that_divide_pass():
     check_layout(_cfg(tp=2, pp=2, prompts=4, group=4, mini=2), 8, QWEN3_TINY)  # DP 2: 16 % 4 == 0
+    # PP need not divide the layers: 3 layers at PP2 are stages of 1 and 2 (pipeline_stage_layers).
+    check_layout(_cfg(pp=2), 2, {**QWEN3_TINY, "num_hidden_layers": 3})
 
 
 @pytest.fixture
