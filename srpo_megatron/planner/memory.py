@@ -14,7 +14,9 @@ Two phases share each GPU when the SGLang engine is colocated (``rollout.placeme
 
 Options (``PlanSettings``), and which the trainer implements today:
 
-- implemented: ``tp``, ``pp``, ``distributed_optimizer``, bf16/fp32 params, the EMA teacher with a full
+- implemented: ``tp``, ``pp`` (also layer counts it does not divide: the shared
+  ``models.architecture.pipeline_stage_layers`` split), ``distributed_optimizer``, bf16/fp32 params,
+  the EMA teacher with a full
   or DP-sharded fp32 copy (``teacher_fp32: full|sharded``, trainer/ema_shard.py), ``teacher_offload``
   (the bf16 teacher in host memory between its forwards) and ``offload_during_rollout`` (grads,
   optimizer state and teacher leave the GPU while the engine runs; trainer/offload.py, whose resident
