@@ -19,8 +19,8 @@ Throughput ratio = plain-copy time / sync time (same bytes). Colocated mode runs
 pair ratio, the load average before and after, and per trainer rank the worst sync's peak extra memory
 two ways: resident (the kernel's exact high-water mark ``VmHWM``, reset before each sync: what the
 machine must have, glibc's retained free memory included) and live allocations (glibc's in-use bytes,
-sampled every 1 ms: what the sync holds). The separate mode samples RSS every 2 ms and also prints the
-engine's extra memory (the CPU engine stages a full version before installing it, by design: atomic
+sampled every 1 ms: what the sync holds). The separate mode reports the same resident peak and also prints
+the engine's extra memory (the CPU engine stages a full version before installing it, by design: atomic
 updates).
 
 Usage: ``python tools/bench_weight_sync.py [--layers 10 --hidden 1536 --bucket-mb 512 --repeats 3]``;
@@ -57,36 +57,6 @@ def hf_config(args) -> dict:
         max_position_embeddings=2048,
         tie_word_embeddings=True,
     )
-
-
-class PeakRSS:
-    """Peak resident memory of this process above the level at ``start``, sampled in a thread."""
-
-    def __init__(self, period_s: float = 0.002) -> None:
-        self.proc = psutil.Process()
-        self.period_s = period_s
-
-    def __enter__(self):
-        self.base = self.proc.memory_info().rss
-        self.peak = self.base
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-        self._thread.start()
-        return self
-
-    def _run(self):
-        while not self._stop.is_set():
-            self.peak = max(self.peak, self.proc.memory_info().rss)
-            time.sleep(self.period_s)
-
-    def __exit__(self, *exc):
-        self._stop.set()
-        self._thread.join()
-        self.peak = max(self.peak, self.proc.memory_info().rss)
-
-    @property
-    def extra(self) -> int:
-        return self.peak - self.base
 
 
 _MALLINFO2_FIELDS = "arena ordblks smblks hblks hblkhd usmblks fsmblks uordblks fordblks keepcost"
@@ -169,7 +139,7 @@ def engine_main(config: dict, ports: list[int], schedule: list[str], out) -> Non
     channels = [StageChannel("127.0.0.1", p, rank=1, timeout_s=1800) for p in ports]
     extra = []
     for kind in schedule:
-        with PeakRSS() as mem:
+        with PeakMemory() as mem:
             if kind == "copy":
                 for ch in channels:
                     for _ in receive_stream(ch):
@@ -178,7 +148,7 @@ def engine_main(config: dict, ports: list[int], schedule: list[str], out) -> Non
                     ch.ack(engine.weight_version)
             else:
                 receive_update(engine, channels)
-        extra.append(mem.extra)
+        extra.append(mem.rss_extra)
     out.put({"engine_version": engine.weight_version, "engine_peak_extra_bytes": max(extra)})
 
 
@@ -209,9 +179,9 @@ def trainer_main(rank, world, config, ports, schedule, bucket_bytes):
         t0 = time.perf_counter()
         if kind == "sync":
             version += 1
-            with PeakRSS() as mem:
+            with PeakMemory() as mem:
                 sent = send_stage(model, table, groups, channel, version, bucket_bytes=bucket_bytes)
-            extra.append(mem.extra)
+            extra.append(mem.rss_extra)
             assert sent in (0, stage_bytes), (sent, stage_bytes)
         else:
             if sender:
