@@ -507,3 +507,87 @@ def test_sglang_real_load_weights_consumes_the_gates_names(tiny_folders, kind):
     if kind == "moe":
         w13 = {(s, e) for n, s, e in log if n.endswith("layers.0.mlp.experts.w13_weight")}
         assert w13 == {(s, e) for e in range(experts) for s in ("w1", "w3")}
+
+
+# ------------------------------------------------------------- payloads from the megatron policy itself
+
+
+def policy_sync_worker(rank, world, folder, url, tensors_names):
+    """World 1: the megatron policy loaded from ``folder`` syncs into the SGLang stand-in through the
+    colocated path (``engine_sync.sync_engines``: export -> flat buckets -> ``SGLangEngine``), fp32 as
+    version 1 and bf16 as version 2; the payloads are SGLang's classes' (``sglang_import.load()``)."""
+    from safetensors import safe_open
+
+    from srpo_megatron.conversion.table import ConversionTable
+    from srpo_megatron.conversion.weights import load_hf_weights
+    from srpo_megatron.models.architecture import Architecture
+    from srpo_megatron.models.policy import build_policy
+    from srpo_megatron.parallel import initialize_model_parallel
+    from srpo_megatron.rollout.placement import EngineLayout
+    from srpo_megatron.weights import engine_sync
+
+    sglang_import.load()
+    groups = initialize_model_parallel(1, 1, seed=1)
+    arch = Architecture.from_hf(folder)
+    table = ConversionTable(arch)
+    model = build_policy(arch)
+    files = {}
+    for f in sorted(Path(folder).glob("*.safetensors")):
+        with safe_open(str(f), framework="pt") as h:
+            files.update({k: h.get_tensor(k) for k in h.keys()})  # noqa: SIM118 - not a mapping
+    load_hf_weights(model, table, files.__getitem__)
+    cfg = SGLangEngineConfig(mode="http", url=url, model_path=folder, weight_sync="tensor")
+    manifest = {n: tuple(files[n].shape) for n in tensors_names}
+    engine = SGLangEngine(cfg, manifest=manifest, tied_aliases=())
+    for version, dtype in ((1, torch.float32), (2, torch.bfloat16)):
+        engine_sync.sync_engines(
+            model, table, groups, engine, version, EngineLayout(1, 1), bucket_bytes=4 * 1024**2, dtype=dtype
+        )
+    return engine.weight_version
+
+
+@pytest.mark.parametrize("kind", ["dense", "moe"])
+def test_sglang_real_decodes_the_policys_sync_bit_for_bit(tiny_folders, kind):
+    """The megatron policy's colocated sync (fp32, then bf16) into a TP2 stand-in: SGLang's decoder gives
+    every TP rank the checkpoint's tensors bit for bit (bf16: the checkpoint cast to bf16)."""
+    from transformers import AutoModelForCausalLM
+
+    from srpo_megatron.testing.distributed import run_distributed
+    from srpo_megatron.testing.sglang_standin import SGLangStandInServer
+
+    need("utils"), need("tensor_bucket")
+    folder = tiny_folders[kind]
+    files = file_tensors(folder)
+    server = SGLangStandInServer(AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32), tp_size=2)
+    try:
+        (served,) = run_distributed(
+            policy_sync_worker, 1, str(folder), server.url, sorted(files), timeout=600
+        )
+        assert served == 2 and server.version == "2"
+        by_version: dict[str, list] = {"1": [], "2": []}
+        versions = [b["weight_version"] for p, b in server.bodies if p == "/update_weights_from_tensor"]
+        for version, update in zip(versions, server.tensor_updates, strict=True):
+            by_version[version].append(update)
+        for version, dtype in (("1", torch.float32), ("2", torch.bfloat16)):
+            for rank in range(2):
+                got = {n: t for update in by_version[version] for n, t in update[rank]}
+                assert set(got) == set(files), f"v{version} rank {rank}: {sorted(set(got) ^ set(files))[:4]}"
+                for name, t in got.items():
+                    want = files[name].to(dtype)
+                    assert t.dtype == dtype and torch.equal(t.view(torch.uint8), want.view(torch.uint8)), name
+    finally:
+        server.close()
+
+
+def test_sglang_real_standin_checks_bodies_with_sglangs_request_classes(colocated_engine):
+    """The stand-in builds SGLang's io_struct class from every body (as SGLang's HTTP server does): the
+    engine's own traffic passes, a body with a field SGLang does not know is refused with 400."""
+    need("io_struct")
+    engine, server, tensors = colocated_engine
+    engine.update_weights(tensors.items(), version=1)
+    engine.generate([[5, 6]], SamplingParams(max_new_tokens=2, seed=0))
+    assert not server.rejected
+    body = protocol.build_generate_request([[5]], SamplingParams(max_new_tokens=1))[0]
+    with pytest.raises(EngineError):
+        engine._transport.call("generate", {**body, "return_logprobs": True})  # planted typo
+    assert server.rejected and server.rejected[0][0] == "/generate" and not server.dead
