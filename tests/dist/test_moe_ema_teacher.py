@@ -1,4 +1,4 @@
-"""The full fp32 EMA teacher of an MoE policy under expert parallelism and the distributed optimizer.
+"""The fp32 EMA teacher of an MoE policy under expert parallelism and the distributed optimizer.
 
 Megatron's distributed optimizer cuts each grad buffer over that buffer's data-parallel group: dense
 parameters over dense DP, experts over *expert* DP (``get_megatron_optimizer`` builds the chained
@@ -10,14 +10,14 @@ here) sums rank 0's experts with rank 1's.
 Each rank drives three real trainer steps (``learn`` + ``Policy.update_teacher``) and, after each, gathers
 the policy's fp32 main params by megatron's own code, ``DistributedOptimizer.get_parameter_state_dp_zero``
 (each optimizer's gloo group, its own bucket layout), and accumulates a float64 EMA from them, starting
-from the policy's own initial weights. The
-teacher's fp32 copy must equal it within 1e-6 (bf16 params, the MoE recipes' dtype: the bf16 weights'
-fp32 copies and the fp32 norms' own shards both count), and the teacher must lag the policy.
+from the policy's own initial weights. The teacher's fp32 copy must equal it within 1e-6 (bf16 params,
+the MoE recipes' dtype: the bf16 weights' fp32 copies and the fp32 norms' own shards both count), and the
+teacher must lag the policy.
 
 At TP2×EP2 on four ranks (expert TP 1) the dense and the expert DP groups hold the same ranks ({0, 2},
 {1, 3}), so the planted bug happens to give the right answer there (seen); it is planted at EP2 on two
 ranks and at DP4×EP2 on four (dense DP 4, expert DP 2: the groups differ in size, and the shards too).
-``teacher_fp32: sharded`` (trainer/ema_shard.py) is held to the same reference at EP2.
+``teacher_fp32: sharded`` (trainer/ema_shard.py) is held to the same reference and plant at EP2.
 """
 
 from __future__ import annotations
@@ -139,9 +139,12 @@ def test_fp32_teacher_is_the_float64_ema_of_megatron_main_params(tiny, tmp_path,
     assert all(r["lag"] > 1e-4 for r in out), "the teacher must lag the policy (EMA, not a copy)"
 
 
-@pytest.mark.parametrize("layout", ["ep2", "dp4_ep2"])
-def test_experts_reduced_over_the_dense_dp_group_are_caught(tiny, tmp_path, layout):
+PLANTED = [("ep2", "full"), ("dp4_ep2", "full"), ("ep2", "sharded")]
+
+
+@pytest.mark.parametrize(("layout", "mode"), PLANTED, ids=[f"{lay}-{mode}" for lay, mode in PLANTED])
+def test_experts_reduced_over_the_dense_dp_group_are_caught(tiny, tmp_path, layout, mode):
     world, tp, ep = LAYOUTS[layout]
-    out = run_distributed(_run, world, tiny, str(tmp_path), tp, ep, "full", True, timeout=1200)
+    out = run_distributed(_run, world, tiny, str(tmp_path), tp, ep, mode, True, timeout=1200)
     assert _worst(out, experts=True) > 1e-3, "the planted group choice must mix the ranks' experts"
     assert _worst(out, experts=False) <= 1e-6, "dense parameters are sharded over dense DP: unaffected"
