@@ -138,9 +138,32 @@ def serialize_bucket_per_tp_rank(
     ], flat_tensor
 
 
-def build_memory_occupation_request(tags: Sequence[str] | None = None) -> dict[str, Any]:
-    """``/release_memory_occupation`` / ``/resume_memory_occupation``; ``None`` = weights and KV cache."""
-    return {"tags": list(tags) if tags is not None else None}
+# SGLang's ``GPU_MEMORY_ALL_TYPES`` (``sglang/srt/constants.py``; the same list in 0.5.15.post1 and 0.5.23),
+# for machines where sglang does not import. tests/unit/test_sglang_engine_memory.py checks it against the
+# real constant wherever sglang imports.
+PINNED_MEMORY_TAGS = ("kv_cache", "weights", "cuda_graph")
+
+
+def memory_tags() -> tuple[str, ...]:
+    """Every GPU memory type SGLang can release: its own constant when importable, else the pinned list."""
+    try:
+        from sglang.srt.constants import GPU_MEMORY_ALL_TYPES
+    except ImportError:
+        return PINNED_MEMORY_TAGS
+    return tuple(GPU_MEMORY_ALL_TYPES)
+
+
+def build_memory_occupation_request(tags: Sequence[str]) -> dict[str, Any]:
+    """``/release_memory_occupation`` / ``/resume_memory_occupation`` for exactly ``tags``.
+
+    SGLang reads ``tags=None`` *and* ``tags=[]`` as every type in ``GPU_MEMORY_ALL_TYPES``, so the engine
+    always names its tags: what it releases is then exactly what it records and later resumes."""
+    if not tags:
+        raise EngineError(
+            "a memory occupation request needs explicit tags: SGLang reads none as every memory type, "
+            f"{list(memory_tags())}"
+        )
+    return {"tags": [str(t) for t in tags]}
 
 
 # ------------------------------------------------------------------------------------ response parsing
