@@ -249,13 +249,15 @@ def parse_update_response(resp: Any, what: str) -> None:
 
 
 def hf_manifest(model_path: str) -> dict[str, tuple[int, ...]]:
-    """HF parameter names and shapes of the served model, built on the meta device (no memory)."""
-    from transformers import AutoConfig, AutoModelForCausalLM
+    """The checkpoint FILE names and shapes of the served model (per-expert for MoE), from the conversion
+    table: what the trainer streams and what SGLang's ``load_weights`` expects. Not transformers' in-memory
+    names, which differ from the files for fused modules (transformers >= 5 fuses MoE experts into
+    ``mlp.experts.gate_up_proj`` / ``down_proj``)."""
+    from srpo_megatron.conversion.table import ConversionTable
+    from srpo_megatron.models.architecture import Architecture
+    from srpo_megatron.weights.export import hf_manifest as table_manifest
 
-    config = AutoConfig.from_pretrained(model_path)
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config)
-    return {name: tuple(p.shape) for name, p in model.named_parameters()}
+    return table_manifest(ConversionTable(Architecture.from_hf(model_path)))
 
 
 def server_tp_size(transport: Any, default: int) -> int:
