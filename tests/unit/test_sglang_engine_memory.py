@@ -164,6 +164,20 @@ def test_a_failed_update_leaves_nothing_paused_twice():
     engine.generate([[1]], SamplingParams(max_new_tokens=1))
 
 
+def test_a_released_engine_takes_its_served_version_again():
+    """A checkpoint save releases the engines and re-pushes the same version (trainer/offload.py)."""
+    engine, rules = _engine()
+    engine.update_weights(WEIGHTS.items(), version=3)
+    with pytest.raises(EngineError, match="not newer"):
+        engine.update_weights(WEIGHTS.items(), version=3)  # serving: the same version is a trainer bug
+    engine.release_memory()
+    with pytest.raises(EngineError, match="not newer"):
+        engine.update_weights(WEIGHTS.items(), version=2)  # released: still never backwards
+    engine.update_weights(WEIGHTS.items(), version=3)
+    assert not rules.paused and not rules.dead
+    assert engine.generate([[1]], SamplingParams(max_new_tokens=1))[0][0].weight_version == 3
+
+
 class _PlantedOldRelease(SGLangEngine):
     """The defect (issue 24, D2): release with tags=None (every type inside SGLang) while the engine
     records only weights and KV cache, so the CUDA graphs stay paused."""

@@ -217,8 +217,8 @@ class SGLangEngine:
         """Stream HF-named tensors into SGLang in buckets and serve them as ``version`` (see module doc)."""
         if self._shut_down:
             raise EngineError("the SGLang engine was shut down; start a new one and resync its weights")
-        check_version(version, self._version, self._inconsistent)
-        # Colocated: weights must be resident to receive; the KV cache comes back after the update.
+        check_version(version, self._version, self._inconsistent, released="weights" in self._released)
+        # Colocated: weights must be resident to receive; the other tags come back after the update.
         self.resume_memory(("weights",))
         sync = self.cfg.weight_sync
         seen: set[str] = set()
