@@ -52,16 +52,22 @@ from srpo_megatron.rollout.sglang.transports import ChildEngineTransport, HttpTr
 from srpo_megatron.weights.buckets import bucketize
 
 
-def offline_engine_kwargs(cfg: SGLangEngineConfig, colocated: bool, base_gpu_id: int = 0) -> dict[str, Any]:
+def offline_engine_kwargs(
+    cfg: SGLangEngineConfig, colocated: bool, base_gpu_id: int = 0, routed_experts: bool = False
+) -> dict[str, Any]:
     """``sglang.Engine`` arguments with the GPU defaults of this project (explicit ``engine_kwargs`` win):
     deterministic inference only when asked (slow); the memory saver when colocated (release/resume need
-    it); ``base_gpu_id`` = the first device of this engine's rank group."""
+    it); ``base_gpu_id`` = the first device of this engine's rank group; ``routed_experts``
+    (``rollout.routing_replay``): the engine reports each token's experts, which SGLang does only when
+    started with ``enable_return_routed_experts``."""
     kwargs: dict[str, Any] = {"model_path": cfg.model_path, "skip_tokenizer_init": True}
     kwargs["base_gpu_id"] = int(base_gpu_id)
     if cfg.deterministic:
         kwargs["enable_deterministic_inference"] = True
     if cfg.memory_saver if cfg.memory_saver is not None else colocated:
         kwargs["enable_memory_saver"] = True
+    if routed_experts:
+        kwargs["enable_return_routed_experts"] = True
     kwargs.update(cfg.engine_kwargs)
     return kwargs
 
@@ -112,7 +118,7 @@ class SGLangEngine:
         elif cfg.mode == "http":
             self._transport = HttpTransport(url or cfg.url.split(",")[0], cfg.request_timeout_s)
         else:
-            kwargs = offline_engine_kwargs(cfg, colocated, base_gpu_id)
+            kwargs = offline_engine_kwargs(cfg, colocated, base_gpu_id, routed_experts)
             self._transport = ChildEngineTransport(kwargs, cfg.startup_timeout_s, cfg.request_timeout_s)
 
     @property
