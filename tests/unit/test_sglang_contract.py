@@ -151,8 +151,7 @@ def test_sglang_contract_weight_sync_requests():
         "load_format": None,
         "weight_version": "3",
     }
-    assert build_memory_occupation_request() == {"tags": None}
-    assert build_memory_occupation_request(["kv_cache"]) == {"tags": ["kv_cache"]}
+    assert build_memory_occupation_request(["kv_cache"]) == {"tags": ["kv_cache"]}  # tags always named
 
 
 def test_sglang_contract_update_responses():
@@ -527,9 +526,9 @@ def test_sglang_contract_release_comes_before_resume(tensor_engine_factory, weig
     engine.update_weights(weight_sets[0].items(), version=2)
     mem = [(p, b.get("tags")) for p, b in server.bodies if "memory_occupation" in p]
     assert mem == [
-        ("/release_memory_occupation", None),
+        ("/release_memory_occupation", ["kv_cache", "weights", "cuda_graph"]),  # GPU_MEMORY_ALL_TYPES
         ("/resume_memory_occupation", ["weights"]),  # weights back before the first bucket ...
-        ("/resume_memory_occupation", ["kv_cache"]),  # ... KV cache after the last
+        ("/resume_memory_occupation", ["kv_cache", "cuda_graph"]),  # ... the rest after the last
     ]
     first_update = server.calls.index(
         "/update_weights_from_tensor", server.calls.index("/release_memory_occupation")
