@@ -13,10 +13,10 @@ SGLang's convention (``/init_weights_update_group`` + ``/update_weights_from_dis
   after all servers answered;
 - each tensor passes the shared gate (``rollout.gate``: the model's names and shapes, each once) before
   it is broadcast; after the sync every stage's names are gathered and checked for completeness;
-- every bucket goes with ``flush_cache=False``, as slime's do (SGLang's default flushes after each bucket,
-  and one stage's last bucket is not the sync's: other stages may still be sending). Once all stages are done,
-  global rank 0 posts ``/flush_cache`` to every server, once per sync: cached prefixes hold KV and routed
-  experts computed by the old weights. slime flushes just before its buckets, inside
+- every bucket goes with ``flush_cache=False``, as slime's do (SGLang's default flushes after each
+  bucket, and one stage's last bucket is not the sync's: other stages may still be sending). Once all
+  stages are done, global rank 0 posts ``/flush_cache`` to every server, once per sync: cached prefixes
+  hold KV and routed experts computed by the old weights. slime flushes just before its buckets, inside
   ``pause_generation``; here nothing generates during a sync (it runs between rollouts), and flushing
   after the last bucket leaves no window in which a request could refill the cache from old weights.
 

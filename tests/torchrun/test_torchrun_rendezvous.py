@@ -33,13 +33,6 @@ def _run(*args: str, nprocs: int = 1) -> list[dict]:
     return _results(check(run_torchrun(cmd, nprocs, TIMEOUT_S)))
 
 
-def test_the_launch_line_is_torchrun_with_the_local_cluster_settings():
-    argv, env = srpo_launch_argv(JobCommand("tests.torchrun.workers", ("weights-group",)), 2)
-    assert argv[0] == "torchrun" and argv[argv.index("--nproc-per-node") + 1] == "2"
-    assert argv[argv.index("-m") :] == ["-m", "tests.torchrun.workers", "weights-group"]
-    assert env["SRPO_ROLLOUT_PLACEMENT"] == "colocated" and env["LOGLEVEL"] == "WARNING"
-
-
 def test_the_weights_group_listens_under_torchrun_where_a_bare_tcp_rendezvous_does_not():
     (r,) = _run("weights-group")
     assert r["group_world"] == 1, "init_weights_group returned a group"

@@ -6,7 +6,8 @@ from __future__ import annotations
 
 from srpo_megatron.rollout.sglang.transports import torchrun_worker_vars
 
-# What torchrun 2.13's agent exported to a worker of `torchrun --nproc-per-node 2` (seen), plus the job's own.
+# The variables torchrun 2.13's agent added to a worker of `torchrun --nproc-per-node 2` (seen), plus the
+# job's own.
 WORKER_ENV = {
     "RANK": "1",
     "LOCAL_RANK": "1",
@@ -24,6 +25,7 @@ WORKER_ENV = {
     "TORCHELASTIC_RUN_ID": "1234",
     "TORCHELASTIC_USE_AGENT_STORE": "True",
     "TORCHELASTIC_ERROR_FILE": "/tmp/x/error.json",
+    "TORCHELASTIC_SIGNALS_TO_HANDLE": "SIGTERM,SIGINT,SIGHUP,SIGQUIT",
     "TORCH_NCCL_ASYNC_ERROR_HANDLING": "1",
     "OMP_NUM_THREADS": "1",
     "CUDA_VISIBLE_DEVICES": "0,1,2,3",
