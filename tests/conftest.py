@@ -25,9 +25,12 @@ MCORE = _installed_mcore()
 
 def _installed_sglang() -> str | None:
     """The sglang wheel on the path (tools/dev test's sglang tier), read from its metadata, or None."""
-    from srpo_megatron.testing.sglang_import import sglang_version
+    from srpo_megatron.testing.sglang_import import load, sglang_version
 
-    return sglang_version()
+    version = sglang_version()
+    if version is not None:
+        load()  # SGLang's modules (and the torchvision stub they need on CPU) before any test imports them
+    return version
 
 
 @pytest.fixture(autouse=True)

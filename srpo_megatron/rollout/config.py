@@ -112,6 +112,17 @@ class RolloutConfig:
                 "rollout.placement=separate cannot use rollout.sglang.weight_sync=tensor (CUDA IPC needs the "
                 "engine on the trainer's GPUs); use distributed (NCCL broadcast) or disk"
             )
+        if (
+            self.routing_replay
+            and self.sglang is not None
+            and self.sglang.engine_kwargs.get("enable_return_routed_experts", True) is not True
+        ):
+            raise ConfigError(
+                "rollout.routing_replay=true needs the SGLang engine to report routed experts, but "
+                "rollout.sglang.engine_kwargs.enable_return_routed_experts="
+                f"{self.sglang.engine_kwargs['enable_return_routed_experts']!r}; drop that key (routing "
+                "replay turns it on) or set rollout.routing_replay=false"
+            )
         if self.gpus_per_engine < 0:
             raise ConfigError(f"rollout.gpus_per_engine={self.gpus_per_engine} must be >= 0 (0 = engine TP)")
 

@@ -54,7 +54,9 @@ def build_engine(
         cfg = dataclasses.replace(cfg, mode="http", url=url)
         wait_until_healthy(url, cfg.startup_timeout_s)
         return SGLangEngine(cfg, colocated=False, url=url)
-    return SGLangEngine(cfg, colocated=True, base_gpu_id=base_gpu_id, url=url)
+    return SGLangEngine(
+        cfg, colocated=True, base_gpu_id=base_gpu_id, url=url, routed_experts=rollout.routing_replay
+    )
 
 
 def wait_until_healthy(url: str, timeout_s: float, poll_s: float = 5.0) -> None:

@@ -14,13 +14,16 @@ import torch
 from srpo_megatron.rollout.base import EngineError
 
 
-def check_version(version: int, served: int, inconsistent: str = "") -> None:
+def check_version(version: int, served: int, inconsistent: str = "", released: bool = False) -> None:
     """Refuse an update that does not move the served version forward. After a failed partial update
-    (``inconsistent`` non-empty) the same version may be pushed again: that is how an engine recovers."""
-    if version <= served and not inconsistent:
+    (``inconsistent`` non-empty) the same version may be pushed again: that is how an engine recovers.
+    An engine whose weights are released takes the served version again too: its weights are gone, and
+    the trainer re-pushes them unchanged (a checkpoint save between two syncs, ``save_while_offloaded``)."""
+    if not inconsistent and (version < served or (version == served and not released)):
         raise EngineError(
             f"weight version {version} is not newer than the served version {served}; each sync must "
-            "carry a larger version (the trainer's step count)"
+            "carry a larger version (the trainer's step count); only an engine that released its weights "
+            "takes the served version again"
         )
 
 

@@ -212,7 +212,7 @@ class HFEngine:
         """
         with self._lock:
             self._check_alive()
-            check_version(version, self._version, self._inconsistent)
+            check_version(version, self._version, self._inconsistent, released=self._released)
             staged: dict[str, torch.Tensor] = {}
             duplicate, unexpected, misshaped, bad_dtype = [], [], [], []
             try:

@@ -36,6 +36,7 @@ import torch
 import torch.distributed as dist
 
 from srpo_megatron.configs import ConfigError
+from srpo_megatron.trainer import teacher as full_teacher
 
 TEACHER_FP32_PREFIX = "teacher_fp32."
 
@@ -57,11 +58,12 @@ class ShardedEmaTeacher:
         module.requires_grad_(False)
         module.eval()
         twin = dict(zip(policy.parameters(), module.parameters(), strict=True))
-        # (teacher flat buffer [numel of the policy's buffer], the policy's megatron buffer)
-        self.buffers: list[tuple[torch.Tensor, Any]] = []
+        # (teacher flat buffer [numel of the policy's buffer], the policy's megatron buffer, its shard group)
+        self.buffers: list[tuple[torch.Tensor, Any, Any]] = []
         # (policy param, this rank's "param" range, main-param shard [n], teacher view [n], flat buffer)
         self._slices: list[tuple[torch.nn.Parameter, Any, torch.Tensor, torch.Tensor]] = []
-        self._group_of: dict[torch.nn.Parameter, Any] = {}  # policy param -> its buffer's DP group
+        # policy param -> its buffer's shard group: dense DP, or expert DP for experts (EP > 1 differs)
+        self._group_of: dict[torch.nn.Parameter, Any] = {}
         for opt in _chained(optimizer):
             if not hasattr(opt, "shard_fp32_from_float16_groups"):
                 raise ConfigError(
@@ -70,14 +72,15 @@ class ShardedEmaTeacher:
                 )
             flats = []
             for buffer in opt.buffers:
+                group = full_teacher.buffer_group(buffer)
                 flat = torch.zeros_like(buffer.param_data)  # [buffer numel], padding included
                 for p, (start, end, _) in buffer.param_index_map.items():
                     t = twin[p]
                     flat[start:end].copy_(t.detach().view(-1))
                     t.data = flat[start:end].view(t.shape)
-                    self._group_of[p] = buffer.data_parallel_group
+                    self._group_of[p] = group
                 flats.append(flat)
-                self.buffers.append((flat, buffer))
+                self.buffers.append((flat, buffer, group))
             groups = [
                 *zip(opt.model_float16_groups, opt.shard_fp32_from_float16_groups, strict=True),
                 *zip(opt.model_fp32_groups, opt.shard_fp32_groups, strict=True),
@@ -111,9 +114,11 @@ class ShardedEmaTeacher:
 
     @torch.no_grad()
     def full_masters(self, empty: bool = False) -> list[torch.Tensor]:
-        """The fp32 EMA copy of every policy parameter, full shape (collective over DP unless ``empty``).
+        """The fp32 EMA copy of every policy parameter, full shape (collective over each parameter's shard
+        group, dense DP or expert DP, unless ``empty``).
 
-        For checkpoints only: this is the one moment a whole fp32 copy exists (one tensor per parameter).
+        For checkpoints only: this is the one moment a whole fp32 copy exists (one tensor per parameter,
+        so that each is saved on its own storage).
         """
         shards = {p: (r, m) for (p, r, _, _), m in zip(self._slices, self.master, strict=True)}
         out = []
@@ -123,7 +128,7 @@ class ShardedEmaTeacher:
                 if p in shards:
                     r, m = shards[p]
                     full[r.start : r.end] = m
-                # every DP rank joins, owner or not; disjoint slices and zeros: the sum is exact
+                # every rank of the group joins, owner or not; disjoint slices and zeros: the sum is exact
                 dist.all_reduce(full, group=self._group_of[p])
             out.append(full.view(p.shape))
         return out
@@ -156,9 +161,8 @@ class ShardedEmaTeacher:
 
     @torch.no_grad()
     def gather(self) -> None:
-        """All-gather every bucket of the teacher's flat buffers over the buffer's DP group (in place)."""
-        for flat, buffer in self.buffers:
-            group = buffer.data_parallel_group
+        """All-gather every bucket of the teacher's flat buffers over the buffer's shard group (in place)."""
+        for flat, buffer, group in self.buffers:
             size = dist.get_world_size(group)
             if size == 1:
                 continue

@@ -293,8 +293,9 @@ class RolloutService:
         (``weights.broadcast_sync``); a failure fails every engine (one group spans them all)."""
         from srpo_megatron.rollout.sglang.protocol import hf_manifest, server_tp_size
         from srpo_megatron.rollout.sglang.transports import HttpTransport
-        from srpo_megatron.weights.broadcast_sync import StageBroadcaster, broadcast_sync, sync_address
+        from srpo_megatron.weights.broadcast_sync import StageBroadcaster, broadcast_sync
         from srpo_megatron.weights.export import is_stage_sender
+        from srpo_megatron.weights.sync_address import sync_address
 
         sglang = self.cfg.rollout.sglang
         sender = is_stage_sender(self.groups)
@@ -308,7 +309,7 @@ class RolloutService:
                     [server_tp_size(t, sglang.tp_size) for t in transports],
                     f"srpo-pp{self.groups.pp_rank}-g{self._generation}",
                     "nccl" if self.groups.device.type == "cuda" else "gloo",
-                    sync_address(),
+                    sync_address(self.urls),
                     self.groups.device,
                 )
                 self._manifest = hf_manifest(sglang.model_path or self.cfg.model.hf_dir)

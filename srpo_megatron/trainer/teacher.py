@@ -10,11 +10,14 @@ freezes (tests/unit/test_ema_teacher.py plants that update and shows it misses t
 SDPO reference keeps its teacher in fp32 as well. In fp32 runs the module's own parameters are the copy.
 
 Main parameters come from megatron's optimizer: with bf16 params the mixed-precision optimizer holds
-fp32 copies (``fp32_from_float16_groups``); the distributed optimizer holds only this DP rank's shard of
-each (``shard_fp32_from_float16_groups``), so ``fp32_main_params`` all-reduces the disjoint shards into a
-full fp32 copy per rank (``parallel.teacher_fp32: full``; ``sharded`` keeps only this rank's shard:
-trainer/ema_shard.py). Checkpoints save the fp32 copy (trainer/ema_shard.py), so a resume restores it
-exactly; checkpoints written before that restart it from the saved teacher module (one rounding).
+fp32 copies (``fp32_from_float16_groups``); the distributed optimizer holds only this rank's shard of
+each (``shard_fp32_from_float16_groups``; of fp32 params, ``shard_fp32_groups``), cut over the group of
+the param's grad buffer: dense DP for dense params, *expert* DP for experts. ``fp32_main_params``
+all-reduces each group's disjoint shards into a full fp32 copy per rank (``parallel.teacher_fp32:
+full``; ``sharded`` keeps only this rank's shard: trainer/ema_shard.py). Reducing the experts over the
+dense DP group instead sums different experts' weights at EP > 1 (tests/dist/test_moe_ema_teacher.py).
+Checkpoints save the fp32 copy (trainer/ema_shard.py), so a resume restores it exactly; checkpoints
+written before that restart it from the saved teacher module (one rounding).
 """
 
 from __future__ import annotations
@@ -60,54 +63,95 @@ def _chained(optimizer) -> list:
     return list(getattr(optimizer, "chained_optimizers", [optimizer]))
 
 
+def buffer_group(buffer) -> dist.ProcessGroup:
+    """The group a megatron grad buffer is sharded over by the distributed optimizer.
+
+    ``DistributedOptimizer._build_model_gbuf_range`` cuts each bucket over *its buffer's* data-parallel
+    group: dense DP(×CP) for dense parameters, expert DP for experts (``get_megatron_optimizer`` builds
+    the expert half of the chained optimizer over ``intra_expt_dp_group``). At EP > 1 the two differ.
+    """
+    return buffer.data_parallel_group
+
+
+def shard_layout(optimizer) -> tuple[dict, list[tuple[torch.nn.Parameter, torch.Tensor, range]]]:
+    """Where the distributed optimizer keeps the fp32 main params: ``(group_of, shards)``.
+
+    ``group_of[p]``: the group whose ranks together hold ``p``'s main copy (every parameter of every
+    DistributedOptimizer buffer, owned here or not); ``shards``: this rank's ``(p, main shard [n], range
+    in p.view(-1))``, for bf16 params (their fp32 copies) and fp32 params (views of the param itself).
+    Both empty without a DistributedOptimizer.
+    """
+    group_of: dict = {}
+    shards = []
+    for opt in _chained(optimizer):
+        if not hasattr(opt, "shard_fp32_from_float16_groups"):
+            continue
+        for buffer in opt.buffers:
+            for p in buffer.param_index_map:
+                group_of[p] = buffer_group(buffer)
+        pairs = [
+            *zip(opt.model_float16_groups, opt.shard_fp32_from_float16_groups, strict=True),
+            *zip(opt.model_fp32_groups, opt.shard_fp32_groups, strict=True),
+        ]
+        for model_group, main_group in pairs:
+            for p, shard in zip(model_group, main_group, strict=True):
+                rng = opt._get_model_param_range_map(p)["param"]
+                shards.append((p, shard, range(rng.start, rng.end)))
+    return group_of, shards
+
+
 @torch.no_grad()
 def fp32_main_params(optimizer, model: torch.nn.Module, device: torch.device) -> list[torch.Tensor]:
     """The optimizer's fp32 main copy of every parameter of ``model`` (module order, full shape).
 
-    Collective over the distributed optimizer's DP group when it holds bf16 shards.
+    Collective over each group the distributed optimizer shards over (dense DP, expert DP), if any.
+    Parameters no optimizer holds (not trained) are their own, full, copy.
     """
     full: dict[torch.nn.Parameter, torch.Tensor] = {}
-    shards = []
-    distributed = False
     for opt in _chained(optimizer):
-        if hasattr(opt, "shard_fp32_from_float16_groups"):  # DistributedOptimizer
-            distributed = True
-            for mg, sg in zip(opt.model_float16_groups, opt.shard_fp32_from_float16_groups, strict=True):
-                for p, shard in zip(mg, sg, strict=True):
-                    shards.append(
-                        (p, shard, opt._get_model_param_range_map(p)["param"], opt.data_parallel_group)
-                    )
-        elif hasattr(opt, "fp32_from_float16_groups"):  # Float16OptimizerWithFloat16Params
+        if hasattr(opt, "fp32_from_float16_groups"):  # Float16OptimizerWithFloat16Params
             for mg, fg in zip(opt.float16_groups, opt.fp32_from_float16_groups, strict=True):
                 for p, main in zip(mg, fg, strict=True):
                     full[p] = main
     params = list(model.parameters())
-    if distributed:
-        return _gather_shards(params, shards, device)
-    missing = [p for p in params if p.dtype != torch.float32 and p not in full]
+    group_of, shards = shard_layout(optimizer)
+    gathered = assemble_shards(params, group_of, shards, device)
+    missing = [p for p, g in zip(params, gathered, strict=True) if g is None and p.dtype != torch.float32]
+    missing = [p for p in missing if p not in full]
     if missing:
         p = missing[0]
         raise RuntimeError(f"no fp32 main parameter found for a {p.dtype} parameter of shape {list(p.shape)}")
-    return [full.get(p, p).float() for p in params]
+    return [g if g is not None else full.get(p, p).float() for g, p in zip(gathered, params, strict=True)]
 
 
-def _gather_shards(params, shards, device) -> list[torch.Tensor]:
-    """Assemble the distributed optimizer's disjoint fp32 shards into one flat buffer, all-reduced over DP."""
-    from megatron.core import parallel_state as ps
+def assemble_shards(params, group_of: dict, shards, device) -> list[torch.Tensor | None]:
+    """Full fp32 tensors from disjoint flattened shards: one flat buffer and one all-reduce per group.
 
-    starts = [0]
+    ``params``: every parameter, in an order all ranks share; ``group_of[p]``: the group whose ranks
+    together hold ``p``'s shards (``None`` comes back for a ``p`` without one); ``shards``: this rank's
+    ``(p, shard [n], range in p.view(-1))``. The ranks of a group own disjoint ranges and leave the rest
+    zero, so the sum is exact. Groups are reduced in the order of their first parameter, the same on
+    every rank of a group.
+    """
+    by_group: dict = {}
     for p in params:
-        starts.append(starts[-1] + p.numel())
-    flat = torch.zeros(starts[-1], dtype=torch.float32, device=device)
-    where = {p: i for i, p in enumerate(params)}
-    group = shards[0][3] if shards else ps.get_data_parallel_group(with_context_parallel=True)
-    for p, shard, rng, _ in shards:
-        s = starts[where[p]]
-        flat[s + rng.start : s + rng.end] = shard.view(-1)
-    for i, p in enumerate(params):
-        # fp32 model params are full replicas (the optimizer writes them back after each step): only DP
-        # rank 0 adds them so the sum stays exact. bf16 params without a shard here are owned elsewhere.
-        if p.dtype == torch.float32 and dist.get_rank(group) == 0:
-            flat[starts[i] : starts[i + 1]] = p.detach().view(-1)
-    dist.all_reduce(flat, group=group)
-    return [flat[starts[i] : starts[i + 1]].view(p.shape) for i, p in enumerate(params)]
+        if p in group_of:
+            by_group.setdefault(group_of[p], []).append(p)
+    where: dict[torch.nn.Parameter, tuple[torch.Tensor, int]] = {}
+    for members in by_group.values():
+        flat = torch.zeros(sum(p.numel() for p in members), dtype=torch.float32, device=device)
+        start = 0
+        for p in members:
+            where[p] = (flat, start)
+            start += p.numel()
+    for p, shard, rng in shards:
+        flat, s = where[p]
+        flat[s + rng.start : s + rng.stop] = shard.view(-1)
+    for group, members in by_group.items():
+        if dist.get_world_size(group) > 1:
+            dist.all_reduce(where[members[0]][0], group=group)
+    out: list[torch.Tensor | None] = []
+    for p in params:
+        flat, s = where.get(p, (None, 0))
+        out.append(None if flat is None else flat[s : s + p.numel()].view(p.shape))
+    return out

@@ -12,7 +12,13 @@ SGLang's convention (``/init_weights_update_group`` + ``/update_weights_from_dis
   broadcasts the bucket's tensors in that order, then waits for every answer. The bucket is released only
   after all servers answered;
 - each tensor passes the shared gate (``rollout.gate``: the model's names and shapes, each once) before
-  it is broadcast; after the sync every stage's names are gathered and checked for completeness.
+  it is broadcast; after the sync every stage's names are gathered and checked for completeness;
+- every bucket goes with ``flush_cache=False``, as slime's do (SGLang's default flushes after each
+  bucket, and one stage's last bucket is not the sync's: other stages may still be sending). Once all
+  stages are done, global rank 0 posts ``/flush_cache`` to every server, once per sync: cached prefixes
+  hold KV and routed experts computed by the old weights. slime flushes just before its buckets, inside
+  ``pause_generation``; here nothing generates during a sync (it runs between rollouts), and flushing
+  after the last bucket leaves no window in which a request could refill the cache from old weights.
 
 The group is rebuilt (a new generation) after a server restarted: a restarted server knows no group.
 Tensors are on the runtime's device (NCCL on GPU); the tests run the same protocol on gloo against the
@@ -23,8 +29,6 @@ from __future__ import annotations
 
 import contextlib
 import datetime
-import os
-import socket
 import threading
 from collections.abc import Callable
 from typing import Any
@@ -56,33 +60,26 @@ def init_weights_group(
     group_name: str,
     timeout_s: float = 1800.0,
 ) -> dist.ProcessGroup:
-    """A process group outside the job's default world, built the way SGLang's
-    ``init_custom_process_group`` builds the servers' side (TCP rendezvous, store prefixed with the group
-    name, torch's group helper), so both sides meet on the same store keys. Rank 0 hosts the store."""
-    from torch.distributed.distributed_c10d import (
-        Backend,
-        PrefixStore,
-        _new_process_group_helper,
-        _world,
-        rendezvous,
-    )
+    """A process group outside the job's default world that meets SGLang's ``init_custom_process_group``
+    (the servers' side) on the same store keys: one TCP store hosted by rank 0, prefixed with the group
+    name, then torch's group helper. Rank 0 hosts the store.
+
+    The store is built here, not by ``rendezvous("tcp://...")``: under torchrun every worker has
+    ``TORCHELASTIC_USE_AGENT_STORE`` set, and the tcp:// handler then makes *every* rank a client of a
+    store it assumes torchrun's agent hosts, so rank 0 never listens and the servers time out."""
+    from torch.distributed.distributed_c10d import Backend, PrefixStore, _new_process_group_helper, _world
 
     timeout = datetime.timedelta(seconds=timeout_s)
-    store, rank, world_size = next(
-        rendezvous(f"tcp://{master_address}:{master_port}", rank, world_size, timeout=timeout)
+    # The same arguments torch's tcp:// handler gives a store outside torchrun (multi_tenant included).
+    store = dist.TCPStore(
+        master_address, master_port, world_size, is_master=rank == 0, timeout=timeout, multi_tenant=True
     )
-    store.set_timeout(timeout)
     store = PrefixStore(group_name, store)
     pg, _ = _new_process_group_helper(
         world_size, rank, [], Backend(backend), store, group_name=group_name, timeout=timeout
     )
     _world.pg_group_ranks[pg] = {i: i for i in range(world_size)}  # group rank == "global" rank
     return pg
-
-
-def sync_address() -> str:
-    """The address the servers reach this sender at: ``SRPO_SYNC_HOST``, else this host's IP."""
-    return os.environ.get("SRPO_SYNC_HOST") or socket.gethostbyname(socket.gethostname())
 
 
 def _threads(fns: list[Callable[[], Any]]) -> list[threading.Thread]:
@@ -167,6 +164,12 @@ class StageBroadcaster:
             dist.broadcast(tensor.to(self.device).contiguous(), src=0, group=self.group)
         _join(waiting, "update_weights_from_distributed", self.urls)
 
+    def flush_cache(self) -> None:
+        """``/flush_cache`` on every server: their radix caches hold KV (and routed experts) that the old
+        weights computed. SGLang refuses (HTTP 400) while requests run; none do during a sync."""
+        waiting = _threads([(lambda t=t: t.call("flush_cache", {})) for t in self.transports])
+        _join(waiting, "flush_cache", self.urls)
+
     def close(self) -> None:
         for t in self.transports:
             with contextlib.suppress(Exception):  # a dead server has no group left anyway
@@ -217,4 +220,13 @@ def broadcast_sync(
     missing = missing_names(manifest, sent)
     if missing:
         return f"weight sync to version {version} is missing {len(missing)} tensors: {head(missing)}"
-    return ""
+    # Every stage's last bucket is in (the gather above): one flush per sync, from global rank 0 (stage
+    # 0's sender). Each bucket went with flush_cache=False, so nothing flushed a cache in between.
+    flushed = [""]
+    if dist.get_rank() == 0:
+        try:
+            broadcaster.flush_cache()
+        except EngineError as e:
+            flushed[0] = f"after the weight sync to version {version}: {e}"
+    dist.broadcast_object_list(flushed, src=0, group=groups.host)
+    return flushed[0]

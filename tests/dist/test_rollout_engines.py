@@ -275,6 +275,10 @@ def test_separate_placement_syncs_by_broadcast_and_serves_rollouts_from_the_serv
         assert all(torch.equal(got[n], t) for n, t in res["sent"].items()), "the server holds the policy"
         paths = [p for p, _ in server.bodies]
         assert "/init_weights_update_group" in paths and "/update_weights_from_distributed" in paths
+        last_bucket = max(i for i, p in enumerate(paths) if p == "/update_weights_from_distributed")
+        assert paths.count("/flush_cache") == 1 and paths.index("/flush_cache") > last_bucket, (
+            "one sync: one cache flush, after its last bucket"
+        )
     finally:
         server.close()
 
@@ -304,5 +308,6 @@ def test_separate_placement_pp2_both_stage_senders_broadcast_into_the_server(tin
         groups = {b["group_name"] for p, b in server.bodies if p == "/update_weights_from_distributed"}
         inits = [b for p, b in server.bodies if p == "/init_weights_update_group"]
         assert groups == {"srpo-pp0-g0", "srpo-pp1-g0"} and {b["world_size"] for b in inits} == {3}
+        assert [p for p, _ in server.bodies].count("/flush_cache") == 1, "two stages, one sync: one flush"
     finally:
         server.close()

@@ -135,8 +135,7 @@ def test_sglang_contract_weight_sync_requests():
         "load_format": None,
         "weight_version": "3",
     }
-    assert build_memory_occupation_request() == {"tags": None}
-    assert build_memory_occupation_request(["kv_cache"]) == {"tags": ["kv_cache"]}
+    assert build_memory_occupation_request(["kv_cache"]) == {"tags": ["kv_cache"]}  # tags always named
 
 
 def test_sglang_contract_update_responses():

@@ -13,9 +13,14 @@ tensor is checked *before* its bucket leaves, and a failure after the first buck
 inconsistent (``generate`` refuses until a complete update succeeds). Every update request carries
 ``weight_version``; every generate checks the version SGLang stamped on its outputs.
 
-Memory (colocated). ``release_memory`` frees weights and KV cache for training; ``resume_memory`` only
-resumes what was released (SGLang raises on resuming an unreleased tag and then kills its process tree),
-and a resumed engine refuses to serve until the next full sync.
+Memory (colocated). ``release_memory`` frees every memory type SGLang has (``GPU_MEMORY_ALL_TYPES``:
+KV cache, weights, CUDA graphs) for training, naming each tag, and records what it released; it never
+pauses a tag twice. ``resume_memory`` resumes only what was released: SGLang raises on resuming an
+unreleased tag and then kills its process tree, and a CUDA graph replayed while its memory is paused reads
+unmapped memory. A weight update resumes the weights before its first bucket and every other released tag
+after its last one, as slime does (weights -> update -> CUDA graphs and KV cache), so a synced engine
+holds nothing released when it generates; ``generate`` refuses while anything is released. Resumed
+weights are uninitialised: the engine refuses to serve until the next full sync.
 """
 
 from __future__ import annotations
@@ -37,6 +42,7 @@ from srpo_megatron.rollout.sglang.protocol import (
     build_update_weights_from_distributed_request,
     build_update_weights_from_tensor_request,
     hf_manifest,
+    memory_tags,
     parse_generate_response,
     parse_update_response,
     serialize_bucket_per_tp_rank,
@@ -46,16 +52,22 @@ from srpo_megatron.rollout.sglang.transports import ChildEngineTransport, HttpTr
 from srpo_megatron.weights.buckets import bucketize
 
 
-def offline_engine_kwargs(cfg: SGLangEngineConfig, colocated: bool, base_gpu_id: int = 0) -> dict[str, Any]:
+def offline_engine_kwargs(
+    cfg: SGLangEngineConfig, colocated: bool, base_gpu_id: int = 0, routed_experts: bool = False
+) -> dict[str, Any]:
     """``sglang.Engine`` arguments with the GPU defaults of this project (explicit ``engine_kwargs`` win):
     deterministic inference only when asked (slow); the memory saver when colocated (release/resume need
-    it); ``base_gpu_id`` = the first device of this engine's rank group."""
+    it); ``base_gpu_id`` = the first device of this engine's rank group; ``routed_experts``
+    (``rollout.routing_replay``): the engine reports each token's experts, which SGLang does only when
+    started with ``enable_return_routed_experts``."""
     kwargs: dict[str, Any] = {"model_path": cfg.model_path, "skip_tokenizer_init": True}
     kwargs["base_gpu_id"] = int(base_gpu_id)
     if cfg.deterministic:
         kwargs["enable_deterministic_inference"] = True
     if cfg.memory_saver if cfg.memory_saver is not None else colocated:
         kwargs["enable_memory_saver"] = True
+    if routed_experts:
+        kwargs["enable_return_routed_experts"] = True
     kwargs.update(cfg.engine_kwargs)
     return kwargs
 
@@ -84,14 +96,18 @@ class SGLangEngine:
         base_gpu_id: int = 0,
         url: str | None = None,
         serializer: Callable[[Any], str] | None = None,
+        routed_experts: bool = False,
     ) -> None:
         """Start or connect to SGLang. ``transport``, ``manifest`` and ``serializer`` may be given (tests,
-        custom launch); ``url`` picks one server of ``cfg.url`` (http mode)."""
+        custom launch); ``url`` picks one server of ``cfg.url`` (http mode); ``routed_experts``: start the
+        offline engine able to report routed experts (``rollout.routing_replay``; an HTTP server gets the
+        flag from ``servers.server_argv``)."""
         self.cfg = cfg
         self._manifest = manifest if manifest is not None else hf_manifest(cfg.model_path)
         self._aliases = frozenset(a for a in tied_aliases if a not in self._manifest)
         self._version = int(initial_version)
-        self._released: set[str] = set()
+        self._memory_tags = memory_tags()  # SGLang's GPU_MEMORY_ALL_TYPES, in its order
+        self._released: set[str] = set()  # tags paused inside SGLang right now
         self._inconsistent = ""
         self._shut_down = False
         self._serializer = serializer
@@ -102,7 +118,7 @@ class SGLangEngine:
         elif cfg.mode == "http":
             self._transport = HttpTransport(url or cfg.url.split(",")[0], cfg.request_timeout_s)
         else:
-            kwargs = offline_engine_kwargs(cfg, colocated, base_gpu_id)
+            kwargs = offline_engine_kwargs(cfg, colocated, base_gpu_id, routed_experts)
             self._transport = ChildEngineTransport(kwargs, cfg.startup_timeout_s, cfg.request_timeout_s)
 
     @property
@@ -146,21 +162,23 @@ class SGLangEngine:
         self._transport.call("flush_cache", {})
 
     def release_memory(self) -> None:
-        """Free weights and KV cache (colocated training phase). Idempotent."""
-        if self._released:
+        """Free every memory type SGLang has (training phase, colocated). Idempotent: only tags that are
+        not already paused are released (pausing a paused tag fails inside SGLang)."""
+        todo = [t for t in self._memory_tags if t not in self._released]
+        if not todo:
             return
-        body = build_memory_occupation_request()
+        body = build_memory_occupation_request(todo)
         parse_update_response(self._transport.call("release_memory_occupation", body), "release")
-        self._released = {"weights", "kv_cache"}
+        self._released |= set(todo)
 
     def resume_memory(self, tags: Sequence[str] | None = None) -> None:
         """Resume released memory (all of it, or ``tags``); a no-op for what was not released, because
         SGLang raises on an unknown tag. Resumed weights are uninitialised until the next full sync."""
-        want = set(tags) if tags is not None else set(self._released)
-        todo = sorted(want & self._released)
+        want = set(tags) if tags is not None else self._released
+        todo = [t for t in self._memory_tags if t in want and t in self._released]
         if not todo:
             return
-        body = build_memory_occupation_request(todo if tags is not None else None)
+        body = build_memory_occupation_request(todo)
         parse_update_response(self._transport.call("resume_memory_occupation", body), "resume")
         self._released -= set(todo)
         if "weights" in todo:
@@ -205,8 +223,8 @@ class SGLangEngine:
         """Stream HF-named tensors into SGLang in buckets and serve them as ``version`` (see module doc)."""
         if self._shut_down:
             raise EngineError("the SGLang engine was shut down; start a new one and resync its weights")
-        check_version(version, self._version, self._inconsistent)
-        # Colocated: weights must be resident to receive; the KV cache comes back after the update.
+        check_version(version, self._version, self._inconsistent, released="weights" in self._released)
+        # Colocated: weights must be resident to receive; the other tags come back after the update.
         self.resume_memory(("weights",))
         sync = self.cfg.weight_sync
         seen: set[str] = set()
@@ -230,7 +248,7 @@ class SGLangEngine:
             if sync == "disk":
                 sent_any = True
                 self._send_disk(disk_shards, version)
-            self.resume_memory(("kv_cache",))
+            self.resume_memory()  # every other released tag (KV cache, CUDA graphs) before generating
             self._transport.call("flush_cache", {})
         except Exception as e:
             if sent_any:

@@ -155,9 +155,32 @@ def serialize_bucket_per_tp_rank(
     return payload, data["flattened_tensor"]
 
 
-def build_memory_occupation_request(tags: Sequence[str] | None = None) -> dict[str, Any]:
-    """``/release_memory_occupation`` / ``/resume_memory_occupation``; ``None`` = weights and KV cache."""
-    return {"tags": list(tags) if tags is not None else None}
+# SGLang's ``GPU_MEMORY_ALL_TYPES`` (``sglang/srt/constants.py``; the same list in 0.5.15.post1 and 0.5.23),
+# for machines where sglang does not import. tests/unit/test_sglang_engine_memory.py checks it against the
+# real constant wherever sglang imports.
+PINNED_MEMORY_TAGS = ("kv_cache", "weights", "cuda_graph")
+
+
+def memory_tags() -> tuple[str, ...]:
+    """Every GPU memory type SGLang can release: its own constant when importable, else the pinned list."""
+    try:
+        from sglang.srt.constants import GPU_MEMORY_ALL_TYPES
+    except ImportError:
+        return PINNED_MEMORY_TAGS
+    return tuple(GPU_MEMORY_ALL_TYPES)
+
+
+def build_memory_occupation_request(tags: Sequence[str]) -> dict[str, Any]:
+    """``/release_memory_occupation`` / ``/resume_memory_occupation`` for exactly ``tags``.
+
+    SGLang reads ``tags=None`` *and* ``tags=[]`` as every type in ``GPU_MEMORY_ALL_TYPES``, so the engine
+    always names its tags: what it releases is then exactly what it records and later resumes."""
+    if not tags:
+        raise EngineError(
+            "a memory occupation request needs explicit tags: SGLang reads none as every memory type, "
+            f"{list(memory_tags())}"
+        )
+    return {"tags": [str(t) for t in tags]}
 
 
 # ------------------------------------------------------------------------------------ response parsing
@@ -243,13 +266,15 @@ def parse_update_response(resp: Any, what: str) -> None:
 
 
 def hf_manifest(model_path: str) -> dict[str, tuple[int, ...]]:
-    """HF parameter names and shapes of the served model, built on the meta device (no memory)."""
-    from transformers import AutoConfig, AutoModelForCausalLM
+    """The checkpoint FILE names and shapes of the served model (per-expert for MoE), from the conversion
+    table: what the trainer streams and what SGLang's ``load_weights`` expects. Not transformers' in-memory
+    names, which differ from the files for fused modules (transformers >= 5 fuses MoE experts into
+    ``mlp.experts.gate_up_proj`` / ``down_proj``)."""
+    from srpo_megatron.conversion.table import ConversionTable
+    from srpo_megatron.models.architecture import Architecture
+    from srpo_megatron.weights.export import hf_manifest as table_manifest
 
-    config = AutoConfig.from_pretrained(model_path)
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config)
-    return {name: tuple(p.shape) for name, p in model.named_parameters()}
+    return table_manifest(ConversionTable(Architecture.from_hf(model_path)))
 
 
 def server_tp_size(transport: Any, default: int) -> int:

@@ -50,10 +50,13 @@ def _flag(key: str, value: Any) -> list[str]:
     return [flag, str(value)]
 
 
-def server_argv(cfg: SGLangEngineConfig, index: int, python: str = sys.executable) -> list[str]:
+def server_argv(
+    cfg: SGLangEngineConfig, index: int, python: str = sys.executable, routed_experts: bool = False
+) -> list[str]:
     """``sglang.launch_server`` command of server ``index`` on this node. Separate placement: no memory
-    saver (nothing else uses these GPUs), deterministic inference only when asked; the recipe's
-    ``engine_kwargs`` become the matching ``--flags``."""
+    saver (nothing else uses these GPUs), deterministic inference only when asked, routed experts
+    reported when ``routed_experts`` (``rollout.routing_replay``); the recipe's ``engine_kwargs`` become
+    the matching ``--flags``."""
     tp = cfg.tp_size
     argv = [python, "-m", "sglang.launch_server", "--model-path", cfg.model_path]
     argv += ["--host", "0.0.0.0", "--port", str(BASE_PORT + index), "--base-gpu-id", str(index * tp)]
@@ -62,12 +65,23 @@ def server_argv(cfg: SGLangEngineConfig, index: int, python: str = sys.executabl
         argv += ["--enable-deterministic-inference"]
     if cfg.memory_saver:
         argv += ["--enable-memory-saver"]
+    if routed_experts and "enable_return_routed_experts" not in cfg.engine_kwargs:
+        argv += ["--enable-return-routed-experts"]
     for key, value in cfg.engine_kwargs.items():
         argv += _flag(key, value)
     return argv
 
 
-def _rollout_config(recipe: str, overrides: list[str]) -> RolloutConfig:
+def server_commands(rollout: RolloutConfig, gpus: int) -> list[list[str]]:
+    """The ``sglang.launch_server`` commands of one engine node with ``gpus`` GPUs, in engine order."""
+    if rollout.sglang is None:
+        raise ConfigError("rollout.sglang is missing; separate placement runs SGLang servers")
+    per_node = engines_per_node(gpus, rollout.sglang.tp_size)
+    return [server_argv(rollout.sglang, i, routed_experts=rollout.routing_replay) for i in range(per_node)]
+
+
+def recipe_rollout_config(recipe: str, overrides: list[str]) -> RolloutConfig:
+    """The recipe's ``rollout`` section with ``--override`` items applied, as the trainer reads it."""
     from srpo_megatron.configs import apply_overrides, from_dict, load_yaml
 
     data = apply_overrides(load_yaml(recipe), overrides)
@@ -80,16 +94,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--override", action="append", default=[])
     parser.add_argument("--gpus", type=int, default=None, help="GPUs of this node (default: all visible)")
     args = parser.parse_args(argv)
-    rollout = _rollout_config(args.recipe, args.override)
+    rollout = recipe_rollout_config(args.recipe, args.override)
     if rollout.sglang is None:
         raise ConfigError(f"{args.recipe}: rollout.sglang is missing; separate placement runs SGLang servers")
     if args.gpus is None:
         import torch
 
         args.gpus = torch.cuda.device_count()
-    cmds = [
-        server_argv(rollout.sglang, i) for i in range(engines_per_node(args.gpus, rollout.sglang.tp_size))
-    ]
+    cmds = server_commands(rollout, args.gpus)
     procs = [subprocess.Popen(c) for c in cmds]
     restarts = [0] * len(cmds)
     stop = False

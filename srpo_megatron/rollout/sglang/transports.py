@@ -7,11 +7,14 @@ process cannot be re-shared by it.
 
 from __future__ import annotations
 
+import importlib
 import inspect
 import json
+import os
 import threading
 import urllib.error
 import urllib.request
+from collections.abc import Mapping
 from typing import Any
 
 from srpo_megatron.rollout.base import EngineError
@@ -78,15 +81,45 @@ def _offline_update_from_tensor(engine: Any, body: dict[str, Any]) -> Any:
     return result
 
 
-def _engine_child(conn, engine_kwargs: dict[str, Any]) -> None:
-    """Child process: own an ``sglang.Engine`` and execute ``(method, kwargs)`` calls from the parent."""
-    try:
-        import sglang
+# What torchrun's agent (torch.distributed.elastic) exports to each worker, besides every TORCHELASTIC_*
+# variable. A process the worker starts is not a worker, and SGLang's schedulers misread these: the
+# tcp:// rendezvous of their own world makes every rank a store client while TORCHELASTIC_USE_AGENT_STORE
+# is set (nothing listens: a timeout), and SGLang takes MASTER_ADDR/MASTER_PORT (its TCP store, the CPU
+# shared-memory setup) and RANK/WORLD_SIZE (checkpoint-engine updates) from the environment first.
+_TORCHRUN_WORKER_VARS = frozenset(
+    {
+        "RANK",
+        "LOCAL_RANK",
+        "GROUP_RANK",
+        "ROLE_RANK",
+        "ROLE_NAME",
+        "WORLD_SIZE",
+        "LOCAL_WORLD_SIZE",
+        "GROUP_WORLD_SIZE",
+        "ROLE_WORLD_SIZE",
+        "MASTER_ADDR",
+        "MASTER_PORT",
+    }
+)
 
-        engine = sglang.Engine(**engine_kwargs)
+
+def torchrun_worker_vars(env: Mapping[str, str]) -> list[str]:
+    """The torchrun worker variables ``env`` holds, to clear in an engine process the worker starts."""
+    return sorted(k for k in env if k.startswith("TORCHELASTIC_") or k in _TORCHRUN_WORKER_VARS)
+
+
+def _engine_child(conn, engine_kwargs: dict[str, Any], factory: str, clear: list[str]) -> None:
+    """Child process: own an ``sglang.Engine`` (``factory``, "module:attr") and execute ``(method,
+    kwargs)`` calls from the parent. ``clear``: the parent's torchrun variables, dropped before SGLang
+    starts its scheduler processes (they inherit this environment)."""
+    for key in clear:
+        os.environ.pop(key, None)
+    try:
+        module, attr = factory.split(":")
+        engine = getattr(importlib.import_module(module), attr)(**engine_kwargs)
         conn.send(("ready", None))
     except BaseException as e:
-        conn.send(("error", f"sglang.Engine failed to start: {e!r}"))
+        conn.send(("error", f"{factory.replace(':', '.')} failed to start: {e!r}"))
         return
     while True:
         try:
@@ -109,14 +142,26 @@ def _engine_child(conn, engine_kwargs: dict[str, Any]) -> None:
 
 
 class ChildEngineTransport:
-    """An offline ``sglang.Engine`` in a spawned child process; method calls go over a pipe."""
+    """An offline ``sglang.Engine`` in a spawned child process; method calls go over a pipe.
 
-    def __init__(self, engine_kwargs: dict[str, Any], startup_timeout_s: float, timeout_s: float) -> None:
+    ``engine_factory`` ("module:attr", called with ``engine_kwargs``) is SGLang's ``Engine``; the CPU
+    tests put an engine there that does the scheduler's own rendezvous."""
+
+    def __init__(
+        self,
+        engine_kwargs: dict[str, Any],
+        startup_timeout_s: float,
+        timeout_s: float,
+        engine_factory: str = "sglang:Engine",
+    ) -> None:
         import torch.multiprocessing as tmp  # registers CUDA-IPC reductions for tensors sent over the pipe
 
         ctx = tmp.get_context("spawn")
         self._conn, child = ctx.Pipe()
-        self._proc = ctx.Process(target=_engine_child, args=(child, engine_kwargs), daemon=False)
+        clear = torchrun_worker_vars(os.environ)
+        self._proc = ctx.Process(
+            target=_engine_child, args=(child, engine_kwargs, engine_factory, clear), daemon=False
+        )
         self._proc.start()
         self.timeout_s = timeout_s
         self._lock = threading.Lock()
