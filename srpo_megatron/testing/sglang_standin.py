@@ -16,10 +16,11 @@ piece                               SGLang's own code                           
 payload decode (tensor updates)     ``MultiprocessingSerializer`` +             ``flat_wire.decode``
                                     ``FlattenedTensorBucket``
 memory tags                         ``constants.GPU_MEMORY_ALL_TYPES``          ``FALLBACK_MEMORY_TYPES``
-request bodies                      ``io_struct`` request classes               not checked
+request bodies (400 when refused)   ``io_struct`` request classes               not checked
 release/resume bookkeeping          own code, modelled on SGLang's scheduler    (same)
                                     (``offload_tags``) and torch_memory_saver
-generation, weight loading          own code (``HFEngine``, HF names)           (same)
+generation, weight loading          own code (``HFEngine``, HF names; per-      (same)
+                                    expert file names accepted, not loaded)
 distributed update group            own code (gloo, SGLang's store prefixes)    (same)
 ==================================  ==========================================  ============================
 

@@ -5,16 +5,22 @@ unpacked without GPU dependencies, see tools/dev and srpo_megatron/testing/sglan
 sglang wheel on the path every test skips. What is checked, each against SGLang's code:
 
 - payloads: SGLang's ``MultiprocessingSerializer`` + ``FlattenedTensorBucket`` decode what the trainer's
-  weight path sends (flat buckets of ``weights.buckets`` over the ``weights.sync`` wire, re-bucketed by
-  ``SGLangEngine`` and serialized by ``protocol.serialize_bucket_per_tp_rank``) into the HF tensors bit for
-  bit (dense and MoE Qwen3, fp32 and bf16), and the CPU writer (``flat_wire``) writes SGLang's payload;
+  weight path sends (the megatron policy's colocated sync, ``weights.engine_sync``; flat buckets of
+  ``weights.buckets`` over the ``weights.sync`` wire; both re-bucketed by ``SGLangEngine`` and serialized
+  by ``protocol.serialize_bucket_per_tp_rank``) into the HF tensors bit for bit (dense and MoE Qwen3, fp32
+  and bf16) on every TP rank, and the CPU writer (``flat_wire``) writes SGLang's payload;
 - memory tags: every tag of SGLang's ``GPU_MEMORY_ALL_TYPES`` that the engine releases is resumed before
   the next generation, nothing is paused twice (stand-in server with SGLang's constants);
 - server arguments: SGLang's ``ServerArgs`` parses every recipe's engine arguments, as ``server_argv``
   flags and as ``offline_engine_kwargs`` keywords; a mistyped flag fails;
-- request bodies: SGLang's ``io_struct`` classes accept every body ``protocol`` builds;
+- request bodies: SGLang's ``io_struct`` classes accept every body ``protocol`` builds (and the stand-in
+  checks every body it receives with them);
 - weight names: SGLang's own ``load_weights`` consumes every name the gate accepts (per-expert file names
-  for MoE) and fills every parameter of its model.
+  for MoE) and fills every parameter of its model. SGLang's models cannot be built on CPU, so the target
+  parameter names (``sglang_param_names``) are this file's reading of qwen3.py / qwen3_moe.py; SGLang's
+  own renaming must land on them, shard by shard, or the test fails.
+
+Each planted defect is encoded as its own test (``*_planted_*``).
 """
 
 from __future__ import annotations
