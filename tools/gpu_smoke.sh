@@ -12,13 +12,16 @@
 #                  (run_distributed on CUDA: NCCL for CUDA tensors, gloo for host objects)
 #   <v>/train_run  `srpo train` of examples/tiny_cpu_test.yaml on CUDA (transformers rollout engine, bf16,
 #   <v>/train      3 steps, fusions off): losses finite, weights moved, trainer-vs-engine log-prob gap
-#   <v>/bench_losses  tools/bench_losses.py --device cuda (first version of a call only)
+#   <v>/compile    megatron's jit-fused SwiGLU through torch.compile on CUDA (first version of a call only,
+#                  as are the benches): does this image compile it (triton, a C compiler), in how long
+#   <v>/bench_losses  tools/bench_losses.py --device cuda
 #   <v>/bench_mfu  tools/bench_mfu.py: Qwen3-1.7B-shaped random model, local spec, bf16, seq 4096,
-#                  recompute none and full: tokens/s and MFU against PEAK_TFLOPS (first version only)
+#                  recompute none and full: tokens/s and MFU against PEAK_TFLOPS
 # A version that does not fit the budget whole is not started; its parts say how to run it alone.
 # torch.compile: the tests run with TORCH_COMPILE_DISABLE=1 and the train run with performance.fusions=off
-# (a fresh interpreter per test would otherwise compile megatron's jit fusions each time); bench_mfu keeps
-# the fusions and compiles them during its untimed warm-up steps.
+# (a fresh interpreter per test would otherwise compile megatron's jit fusions each time); the compile part
+# checks the compiled fusion once; bench_mfu keeps the fusions and compiles them in its untimed warm-up
+# steps (eager, and "torch_compile": false in its part, when the compile part failed).
 # Without a CUDA GPU it prints one line saying so and exits 0.
 #
 #   bash tools/gpu_smoke.sh            # env: PYTHON (python3), MCORE_VERSIONS ("0.19.2"; e.g. "0.16.1"
@@ -117,6 +120,13 @@ run_part() {  # VERSION NAME CAP
     train)
       part "$v" train "$cap" "$PY" "$CHECKS" train-report "$run" "$tiny/qwen3"
       ;;
+    compile)
+      if [ "$MODE" = rehearsal ]; then  # stubbed: inductor on a CPU builds C++, not the GPU's kernels
+        TORCH_COMPILE_DISABLE=1 part "$v" compile "$cap" "$PY" "$CHECKS" compile-check
+      else
+        part "$v" compile "$cap" "$PY" "$CHECKS" compile-check
+      fi
+      ;;
     bench_losses)
       if [ "$MODE" = rehearsal ]; then
         part "$v" bench_losses "$cap" \
@@ -126,12 +136,17 @@ run_part() {  # VERSION NAME CAP
       fi
       ;;
     bench_mfu)
+      # The fusions compile in the warm-up steps; eager when the compile part failed, so MFU still comes.
+      local compiled=true
+      grep -q '"ok": true' "$WORK/parts/${v}__compile.json" 2>/dev/null || compiled=false
+      [ "$compiled" = true ] || export TORCH_COMPILE_DISABLE=1
       if [ "$MODE" = rehearsal ]; then
         part "$v" bench_mfu "$cap" \
           "$PY" tools/bench_mfu.py --shape tiny --seq 64 --steps 2 --warmup 1 --peak-tflops 1
       else
         part "$v" bench_mfu "$cap" "$PY" tools/bench_mfu.py --peak-tflops "$PEAK_TFLOPS" --steps 5 --warmup 2
       fi
+      "$PY" "$CHECKS" annotate "$WORK/parts/${v}__bench_mfu.json" "torch_compile=$compiled"
       ;;
     *)
       echo "{\"ok\":false,\"error\":\"the plan names an unknown part $name\"}" \

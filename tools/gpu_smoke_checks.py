@@ -7,6 +7,8 @@ missing-deps                      distributions the smoke needs that this interp
 install-deps WHEEL_DIR TARGET     pip-install the missing ones from local wheels into TARGET
 install-mcore V WHEEL_DIR TARGET  megatron-core V from local wheels into TARGET, then mcore-version V
 mcore-version V                   the megatron-core this interpreter imports, checked against V
+compile-check                     megatron's jit-fused SwiGLU compiled on this device: seconds, result
+annotate PART_JSON KEY=JSON...     add fields to a part file
 prepare-tiny DIR                  a tiny Qwen3 HF folder + coin-rewarded prompts under DIR
 train-report RUN_DIR HF_DIR       after `srpo train`: losses finite, weights moved, log-prob gap
 wrap LOG RC SECONDS CAP_S         one part's JSON: the log's last JSON line + exit status, seconds, cap
@@ -37,11 +39,12 @@ VERSION_PARTS = (  # per megatron-core version
     ("install", 20),  # the version's wheel into .smoke/mcore-<v>, then import it and compare the version
     ("tests", 140),  # GPU_TESTS on CUDA (world size 1)
     ("train_run", 75),  # `srpo train` tiny recipe, bf16, 3 steps, fusions off
-    ("train", 30),  # its report: losses, weights moved, log-prob gap
+    ("train", 20),  # its report: losses, weights moved, log-prob gap
 )
 ONCE_PARTS = (  # the first version of a call only: the loss code is ours, MFU is the hardware's figure
+    ("compile", 30),  # megatron's jit-fused SwiGLU through torch.compile: does this image compile it?
     ("bench_losses", 40),
-    ("bench_mfu", 120),
+    ("bench_mfu", 110),  # with the fusions compiled when the compile part passed, eager otherwise
 )
 
 # The GPU subset of the tests: the ones whose code runs on the runtime's device, one rank each (NCCL
@@ -207,6 +210,58 @@ def mcore_version(want: str) -> None:
     print(json.dumps(out))
 
 
+def compile_check() -> None:
+    """megatron's jit-fused SwiGLU (``performance.fusions: auto`` turns it on where CUDA and triton are) run
+    twice, forward and backward: the first call compiles. Seconds of each call and the result against the
+    eager formula. ``"compiled": false`` when ``TORCH_COMPILE_DISABLE=1`` (the rehearsal's stub)."""
+    import time
+
+    import torch
+    import torch.nn.functional as F
+    from megatron.core.fusions.fused_bias_swiglu import bias_swiglu_impl
+
+    cuda = torch.cuda.is_available()
+    device, dtype = ("cuda", torch.bfloat16) if cuda else ("cpu", torch.float32)
+    rows, cols = (4096, 2 * 6144) if cuda else (64, 256)  # Qwen3-1.7B's fc1 output at seq 4096 on CUDA
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(rows, cols, generator=gen).to(device, dtype).requires_grad_()
+    seconds = []
+    for _ in range(2):
+        x.grad = None
+        t0 = time.perf_counter()
+        y = bias_swiglu_impl(x, None)
+        y.float().sum().backward()
+        if cuda:
+            torch.cuda.synchronize()
+        seconds.append(time.perf_counter() - t0)
+    a, b = x.detach().chunk(2, -1)
+    ref = F.silu(a) * b
+    diff = (y.detach().float() - ref.float()).abs().max().item()
+    scale = ref.float().abs().max().item()
+    print(
+        json.dumps(
+            {
+                "ok": diff <= 2e-2 * scale,
+                "device": device,
+                "compiled": not torch._dynamo.config.disable,
+                "first_call_s": round(seconds[0], 3),
+                "second_call_s": round(seconds[1], 4),
+                "max_abs_diff": diff,
+            }
+        )
+    )
+
+
+def annotate(part: str, *pairs: str) -> None:
+    """Add ``KEY=JSON`` fields to a part file (what the script chose around the part's command)."""
+    p = Path(part)
+    value = json.loads(p.read_text())
+    for pair in pairs:
+        key, _, raw = pair.partition("=")
+        value[key] = json.loads(raw)
+    p.write_text(json.dumps(value))
+
+
 def prepare_tiny(root: str) -> None:
     from srpo_megatron.testing.tiny import write_tiny_run
 
@@ -349,6 +404,8 @@ def summary(parts: dict) -> dict:
                 ps.get("train", {}), "steps", "losses", "trainer_engine_logp_gap_mean", "weights_moved"
             ),
         }
+        if "compile" in ps:
+            s["compile"] = _pick(ps["compile"], "ok", "compiled", "first_call_s", "second_call_s")
         if "bench_losses" in ps:
             s["bench_losses"] = _pick(ps["bench_losses"], "time_vs_naive", "extra_mem_vs_shard")
         if "bench_mfu" in ps:
@@ -358,6 +415,7 @@ def summary(parts: dict) -> dict:
                 for mode in ("none", "full")
                 for k in ("mfu", "tokens_per_s")
             }
+            s["bench_mfu"]["torch_compile"] = m.get("torch_compile")
         out[version] = s
     return out
 
@@ -405,6 +463,10 @@ def main() -> None:
         install_mcore(args[0], args[1], args[2])
     elif cmd == "mcore-version":
         mcore_version(args[0])
+    elif cmd == "compile-check":
+        compile_check()
+    elif cmd == "annotate":
+        annotate(*args)
     elif cmd == "prepare-tiny":
         prepare_tiny(args[0])
     elif cmd == "train-report":

@@ -22,7 +22,8 @@ _spec = importlib.util.spec_from_file_location("gpu_smoke_checks", CHECKS)
 smoke = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(smoke)
 
-EVERY_PART = {"install", "tests", "train_run", "train", "bench_losses", "bench_mfu"}
+EVERY_PART = {"install", "tests", "train_run", "train", "compile", "bench_losses", "bench_mfu"}
+ONCE = {"compile", "bench_losses", "bench_mfu"}  # the first version of a call only
 
 
 @pytest.mark.parametrize("script", ["gpu_smoke.sh", "prepare_gpu_wheels.sh"])
@@ -71,7 +72,7 @@ def test_the_container_version_runs_first_and_every_part_fits_the_8_minutes():
     total = sum(cap for _, _, cap in run)
     assert total <= smoke.BUDGET_S < smoke.DEADLINE_S == 480, (total, smoke.BUDGET_S)
     # The other does not fit whole: none of its parts starts, each says how to run it in a call of its own.
-    assert {name for v, name, _ in not_run if v == other} == EVERY_PART - {"bench_losses", "bench_mfu"}
+    assert {name for v, name, _ in not_run if v == other} == EVERY_PART - ONCE
     assert all(f"MCORE_VERSIONS={other}" in reason for _, _, reason in not_run)
     # One version per call: it gets the whole plan, the benches too.
     alone, none_left = smoke.plan([other], smoke.BUDGET_S)
@@ -130,13 +131,10 @@ def test_the_script_records_every_part_even_when_the_budget_stops_them(tmp_path)
     assert out["gpu_smoke"] == "rehearsal" and out["budget_s"] == 30
     assert out["setup"]["deps"]["ok"] is True and out["setup"]["deps"]["cap_s"] == 25
     assert "setup/deps" in out["part_seconds"]
-    assert set(out["0.19.2"]) == EVERY_PART and set(out["0.16.1"]) == EVERY_PART - {
-        "bench_losses",
-        "bench_mfu",
-    }
+    assert set(out["0.19.2"]) == EVERY_PART and set(out["0.16.1"]) == EVERY_PART - ONCE
     assert all(p["ok"] is None and "not run" in p["not_run"] for p in out["0.19.2"].values())
     assert out["ok"] is True  # parts left out by the plan are not failures
-    assert set(out["summary"]["0.19.2"]) == {"tests", "train", "bench_losses", "bench_mfu"}
+    assert set(out["summary"]["0.19.2"]) == {"tests", "train", "compile", "bench_losses", "bench_mfu"}
 
 
 # -------------------------------------------------------------------------------------- the JSON assembly
@@ -149,6 +147,7 @@ def test_parts_combine_into_one_line_with_failures_timeouts_and_a_summary(tmp_pa
     mfu = {"recompute_none": {"tokens_per_s": 12.5, "mfu": 0.41}, "recompute_full": {"mfu": 0.33}}
     ok_log.write_text("progress...\n" + json.dumps(mfu) + "\n")
     (parts / "0.19.2__bench_mfu.json").write_text(_checks("wrap", str(ok_log), "0", "33", "120"))
+    _checks("annotate", str(parts / "0.19.2__bench_mfu.json"), "torch_compile=false")
     slow_log = tmp_path / "slow.log"
     slow_log.write_text("step 1 of 3\n")
     (parts / "0.19.2__train_run.json").write_text(_checks("wrap", str(slow_log), "130", "75", "75"))
@@ -175,6 +174,7 @@ def test_parts_combine_into_one_line_with_failures_timeouts_and_a_summary(tmp_pa
         "cap_s": 120,
         "timed_out": False,
         "ok": True,
+        "torch_compile": False,
     }
     assert out["0.19.2"]["train_run"]["timed_out"] is True and out["0.19.2"]["train_run"]["ok"] is False
     tests = out["0.19.2"]["tests"]
@@ -184,6 +184,7 @@ def test_parts_combine_into_one_line_with_failures_timeouts_and_a_summary(tmp_pa
     summary = out["summary"]["0.19.2"]
     assert summary["tests"] == {"passed": 2, "failed": 1, "skipped": 1}
     assert summary["bench_mfu"]["mfu_none"] == 0.41 and summary["bench_mfu"]["mfu_full"] == 0.33
+    assert summary["bench_mfu"]["torch_compile"] is False
     assert out["part_seconds"]["0.19.2/tests"] == 90 and out["part_seconds"]["0.16.1/tests"] is None
 
 
@@ -209,6 +210,15 @@ def test_a_stopped_pytest_is_counted_from_its_verbose_log(tmp_path):
         "tests/dist/test_b.py::test_w[mcore-0.19.2]",
     ]
     assert got["timed_out"] is True and got["ok"] is False and "counted_from" in got
+
+
+def test_the_compile_check_runs_megatrons_fused_swiglu_and_says_whether_it_compiled():
+    env = dict(os.environ, TORCH_COMPILE_DISABLE="1")  # the rehearsal's stub: eager, seconds not minutes
+    proc = subprocess.run(
+        [sys.executable, str(CHECKS), "compile-check"], capture_output=True, text=True, env=env, timeout=300
+    )
+    got = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert got["ok"] is True and got["compiled"] is False and got["max_abs_diff"] == 0.0, got
 
 
 # --------------------------------------------------------------------------------- the harness's backend
