@@ -4,7 +4,7 @@
 # For a machine with one NVIDIA GPU and a stock PyTorch (no Transformer Engine, no SGLang, no apex, no
 # nemo-run, no network). megatron-core and the project's other dependencies come from .whl/
 # (tools/prepare_gpu_wheels.sh, run where PyPI is reachable) when this interpreter lacks them: megatron-core
-# goes into .smoke/mcore-<v>, put first on PYTHONPATH; missing deps go to .smoke/deps.
+# goes into .cache/smoke/mcore-<v>, put first on PYTHONPATH; missing deps go to .cache/smoke/deps.
 # The plan (tools/gpu_smoke_checks.py: part order and caps, summing within the budget):
 #   setup/deps     missing dependencies from .whl/deps
 #   <v>/install    megatron-core <v>; the container's version (0.19.2) runs first
@@ -26,10 +26,10 @@
 #
 #   bash tools/gpu_smoke.sh            # env: PYTHON (python3), MCORE_VERSIONS ("0.19.2"; e.g. "0.16.1"
 #                                      #      in a second call), PEAK_TFLOPS (790, measured H200 dense
-#                                      #      bf16), SMOKE_BUDGET_S (460), SMOKE_DIR (.smoke)
+#                                      #      bf16), SMOKE_BUDGET_S (460), SMOKE_DIR (.cache/smoke)
 #   SMOKE_REHEARSE=1 bash tools/gpu_smoke.sh   # the same plan on this CPU machine: tests, train and report
 #                                      # run for real, the benches at CPU sizes, megatron-core as installed
-#                                      # (SMOKE_DIR .smoke-rehearsal); the JSON gives each part's seconds
+#                                      # (SMOKE_DIR .cache/smoke-rehearsal); the JSON: each part's seconds
 set -uo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$PWD
@@ -43,11 +43,11 @@ CHECKS=$ROOT/tools/gpu_smoke_checks.py
 
 if [ "$REHEARSE" = 1 ]; then
   MODE=rehearsal
-  WORK=${SMOKE_DIR:-$ROOT/.smoke-rehearsal}
+  WORK=${SMOKE_DIR:-$ROOT/.cache/smoke-rehearsal}  # .cache/ is gitignored
   export SRPO_DIST_START_METHOD=spawn  # a fresh interpreter per rank, as on CUDA (run_distributed)
 else
   MODE=ran
-  WORK=${SMOKE_DIR:-$ROOT/.smoke}
+  WORK=${SMOKE_DIR:-$ROOT/.cache/smoke}
   if ! timeout 60 "$PY" -c 'import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)' \
     >/dev/null 2>&1; then
     echo '{"gpu_smoke":"skipped","reason":"no CUDA GPU visible to torch; nothing was run"}'

@@ -36,7 +36,7 @@ BUDGET_S = 460  # what the parts may use (SMOKE_BUDGET_S); the rest is for start
 # ~45 s, a Qwen3-1.7B-shaped model built twice (recompute none, full) ~80 s with its compile warm-up.
 SETUP_PARTS = (("deps", 25),)  # once per call: missing dependencies from .whl/deps
 VERSION_PARTS = (  # per megatron-core version
-    ("install", 20),  # the version's wheel into .smoke/mcore-<v>, then import it and compare the version
+    ("install", 20),  # the wheel into .cache/smoke/mcore-<v>, then import it and compare the version
     ("tests", 140),  # GPU_TESTS on CUDA (world size 1)
     ("train_run", 75),  # `srpo train` tiny recipe, bf16, 3 steps, fusions off
     ("train", 20),  # its report: losses, weights moved, log-prob gap

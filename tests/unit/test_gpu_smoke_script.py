@@ -42,7 +42,8 @@ def test_without_a_gpu_it_says_so_in_one_line_and_exits_0():
     assert len(lines) == 1, proc.stdout
     line = json.loads(lines[0])
     assert line["gpu_smoke"] == "skipped" and "no CUDA GPU" in line["reason"]
-    assert not (REPO / ".smoke").exists() or not any((REPO / ".smoke" / "parts").glob("*"))
+    parts = REPO / ".cache" / "smoke" / "parts"
+    assert not parts.exists() or not any(parts.glob("*"))
 
 
 def _cuda() -> bool:
