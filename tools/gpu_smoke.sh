@@ -139,7 +139,7 @@ run_part() {  # VERSION NAME CAP
       # The fusions compile in the warm-up steps; eager when the compile part failed, so MFU still comes.
       local compiled=true
       grep -q '"ok": true' "$WORK/parts/${v}__compile.json" 2>/dev/null || compiled=false
-      [ "$compiled" = true ] || export TORCH_COMPILE_DISABLE=1
+      [ "$compiled" = true ] || local -x TORCH_COMPILE_DISABLE=1  # this part only
       if [ "$MODE" = rehearsal ]; then
         part "$v" bench_mfu "$cap" \
           "$PY" tools/bench_mfu.py --shape tiny --seq 64 --steps 2 --warmup 1 --peak-tflops 1
