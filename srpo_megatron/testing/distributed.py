@@ -1,8 +1,8 @@
-"""Run a function on N gloo ranks from pytest (or a benchmark script) and collect the results.
+"""Run a function on N ranks from pytest (or a benchmark script) and collect the results.
 
 ``run_distributed(fn, world_size, *args)`` spawns ``world_size`` processes, initialises
-``torch.distributed`` with the gloo backend on a free loopback port, calls ``fn(rank, world_size, *args)``
-in each, and returns the list of per-rank return values (anything picklable; tensors are fine).
+``torch.distributed`` on a free loopback port, calls ``fn(rank, world_size, *args)`` in each, and
+returns the list of per-rank return values (anything picklable; tensors are fine).
 If any rank raises, the failing rank's full traceback is re-raised in the caller; if the ranks do not
 finish within ``timeout`` seconds, they are killed and a ``TimeoutError`` names the ranks still running.
 ``fn`` must be importable at module level (it is pickled by reference).
@@ -13,6 +13,11 @@ rank and the dist tier starts several hundred ranks. Each rank still gets a fres
 for everything else (it is forked from the server, not from pytest) and the caller's current
 environment, as a spawned process would. With CUDA present the ranks are spawned: a server that imported
 torch next to a CUDA driver is not fork-safe. ``SRPO_DIST_START_METHOD=spawn`` forces spawning.
+
+Backend (:func:`harness_backend`): gloo on CPU. When every rank can have a GPU of its own, rank ``r`` takes
+``cuda:r`` and the default group is ``cpu:gloo,cuda:nccl``, what ``parallel.init_distributed`` gives the
+product under torchrun: CUDA tensors go over NCCL, host objects over gloo. With fewer GPUs than ranks it
+stays gloo (NCCL refuses two ranks on one GPU).
 """
 
 from __future__ import annotations
@@ -61,7 +66,14 @@ def _context() -> mp.context.BaseContext:
     return ctx
 
 
-def _worker(fn, rank, world_size, port, args, kwargs, results, env):
+def harness_backend(world_size: int, cuda_devices: int) -> str:
+    """The default group's backend for ``world_size`` ranks on a machine with ``cuda_devices`` GPUs."""
+    if 0 < world_size <= cuda_devices:
+        return "cpu:gloo,cuda:nccl"
+    return "gloo"
+
+
+def _worker(fn, rank, world_size, port, args, kwargs, results, env, backend):
     # A forked rank inherits the server's environment from when it started: take the caller's instead.
     os.environ.clear()
     os.environ.update(env)
@@ -78,7 +90,9 @@ def _worker(fn, rank, world_size, port, args, kwargs, results, env):
         import torch.distributed as dist
 
         torch.set_num_threads(1)
-        dist.init_process_group("gloo", rank=rank, world_size=world_size)
+        if "nccl" in backend:
+            torch.cuda.set_device(rank)
+        dist.init_process_group(backend, rank=rank, world_size=world_size)
         out = fn(rank, world_size, *args, **kwargs)
         # Serialise to bytes: torch's shared-memory tensor pickling would need this process alive
         # until the parent reads the result.
@@ -105,7 +119,7 @@ def run_distributed(
     env: dict[str, str] | None = None,
     **kwargs: Any,
 ) -> list[Any]:
-    """Run ``fn(rank, world_size, *args, **kwargs)`` on ``world_size`` gloo ranks; return per-rank results.
+    """Run ``fn(rank, world_size, *args, **kwargs)`` on ``world_size`` ranks; return per-rank results.
 
     Under pytest with ``SRPO_TEST_MAX_WORLD_SIZE`` set (the one-GPU smoke check: NCCL cannot put two ranks
     on one GPU), a call for more ranks skips the calling test.
@@ -116,12 +130,17 @@ def run_distributed(
 
         pytest.skip(f"needs {world_size} ranks; SRPO_TEST_MAX_WORLD_SIZE={limit}")
     ctx = _context()
+    import torch
+
+    backend = harness_backend(world_size, torch.cuda.device_count() if torch.cuda.is_available() else 0)
     results = ctx.Queue()
     port = free_port()
     child_env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
     procs = [
         ctx.Process(
-            target=_worker, args=(fn, r, world_size, port, args, kwargs, results, child_env), daemon=False
+            target=_worker,
+            args=(fn, r, world_size, port, args, kwargs, results, child_env, backend),
+            daemon=False,
         )
         for r in range(world_size)
     ]
