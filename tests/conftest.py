@@ -2,7 +2,8 @@
 
 CI runs the megatron tiers twice (megatron-core 0.16.1 from the venv, 0.19.2 put first on PYTHONPATH by
 ``tools/dev test``): each test id carries ``mcore-<version>`` (e.g. ``test_x[mcore-0.19.2]``) and the
-run ends with one line ``megatron-core <version>: N passed, ...`` in the log.
+run ends with one line ``megatron-core <version>: N passed, ...`` in the log. With an sglang wheel on the
+path (the sglang tier) a second line ``sglang <version>: N passed, ...`` counts the ``sglang_real`` tests.
 """
 
 from __future__ import annotations
@@ -20,6 +21,16 @@ def _installed_mcore() -> str:
 
 
 MCORE = _installed_mcore()
+
+
+def _installed_sglang() -> str | None:
+    """The sglang wheel on the path (tools/dev test's sglang tier), read from its metadata, or None."""
+    from srpo_megatron.testing.sglang_import import load, sglang_version
+
+    version = sglang_version()
+    if version is not None:
+        load()  # SGLang's modules (and the torchvision stub they need on CPU) before any test imports them
+    return version
 
 
 @pytest.fixture(autouse=True)
@@ -41,3 +52,13 @@ def pytest_terminal_summary(terminalreporter) -> None:
     counts = {k: len(terminalreporter.stats.get(k, [])) for k in ("passed", "failed", "error", "skipped")}
     counts = {k: v for k, v in counts.items() if v or k == "passed"}
     terminalreporter.write_line(f"megatron-core {MCORE}: " + ", ".join(f"{v} {k}" for k, v in counts.items()))
+    sglang = _installed_sglang()
+    if sglang is not None:  # the sglang tier: how the tests marked sglang_real went on this wheel
+        marked = {
+            k: sum(
+                1 for r in terminalreporter.stats.get(k, []) if "sglang_real" in getattr(r, "keywords", {})
+            )
+            for k in ("passed", "failed", "error", "skipped")
+        }
+        marked = {k: v for k, v in marked.items() if v or k == "passed"}
+        terminalreporter.write_line(f"sglang {sglang}: " + ", ".join(f"{v} {k}" for k, v in marked.items()))

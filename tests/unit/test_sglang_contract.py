@@ -1,32 +1,24 @@
 """SGLang engine on CPU: request building and response parsing checked against SGLang's documented shapes,
 and the HTTP transport + disk weight sync run end to end against a *stand-in* server.
 
-SGLang cannot run here (PLATFORM.md). ``SGLangStandInServer`` is a tiny local HTTP server that speaks the
-subset of SGLang's HTTP API the engine uses (``/generate`` with ``return_logprob``, ``/health``,
-``/flush_cache``, ``/update_weights_from_disk``, ``/release_memory_occupation``,
-``/resume_memory_occupation``, ``/init_weights_update_group``, ``/update_weights_from_distributed``)
-on top of the CPU ``HFEngine``, loading weights *non-atomically* like SGLang
-does. It is a stand-in for SGLang, not SGLang: real-engine checks live in tests/gpu/test_sglang_engine.py.
+SGLang's engine cannot run here (PLATFORM.md). ``SGLangStandInServer`` (srpo_megatron/testing/
+sglang_standin.py, re-exported here) is a tiny local HTTP server that speaks the subset of SGLang's HTTP
+API the engine uses, on SGLang's own modules where they import (payload decoding, memory tags, request
+classes: the sglang tier of ``tools/dev test`` runs this file with an sglang wheel on the path) and on
+named fallbacks otherwise. Real-engine checks live in tests/gpu/test_sglang_engine.py.
 """
 
 from __future__ import annotations
 
-import datetime
 import json
 import math
-import threading
-from concurrent.futures import ThreadPoolExecutor
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 import torch
-from safetensors.torch import load_file
-from torch.distributed.distributed_c10d import PrefixStore, rendezvous
 
 from srpo_megatron.configs import ConfigError
 from srpo_megatron.rollout.base import EngineError, SamplingParams, sample_seed
 from srpo_megatron.rollout.config import SGLangEngineConfig
-from srpo_megatron.rollout.hf_engine import HFEngine
 from srpo_megatron.rollout.sglang.engine import SGLangEngine, offline_engine_kwargs
 from srpo_megatron.rollout.sglang.protocol import (
     build_generate_request,
@@ -41,6 +33,12 @@ from srpo_megatron.rollout.sglang.protocol import (
     serialize_bucket_per_tp_rank,
 )
 from srpo_megatron.rollout.sglang.transports import _offline_update_from_tensor
+from srpo_megatron.testing.sglang_standin import (  # re-exported: other tests import them from here
+    SGLangStandInServer,
+    standin_deserialize,
+    standin_serialize,
+)
+from srpo_megatron.testing.sglang_standin import sglang_output as _sglang_output
 from srpo_megatron.weights.buckets import bucketize
 from tests.unit.test_rollout_contract import RolloutEngineContract, perturbed_copy
 from tests.unit.test_rollout_hf_engine import EOS, initial_weights, tiny_model
@@ -75,20 +73,6 @@ def test_sglang_contract_generate_request_expands_samples():
     seeds = [sp["sampling_seed"] for sp in body["sampling_params"]]
     assert len(set(seeds)) == 4, "each sample needs its own seed or n samples would be identical"
     assert set(body) == {"input_ids", "sampling_params", "return_logprob"}
-
-
-def _sglang_output(ids, lps, finish, version=None):
-    """One /generate output as SGLang documents it (meta_info.output_token_logprobs = [lp, id, text])."""
-    meta = {
-        "id": "abc",
-        "finish_reason": finish,
-        "prompt_tokens": 3,
-        "completion_tokens": len(ids),
-        "output_token_logprobs": [[lp, t, None] for t, lp in zip(ids, lps, strict=True)],
-    }
-    if version is not None:
-        meta["weight_version"] = version
-    return {"text": "", "output_ids": ids, "meta_info": meta}
 
 
 def test_sglang_contract_parse_generate_response():
@@ -181,203 +165,7 @@ def test_sglang_contract_config_errors():
 
 # ------------------------------------------------------------- HTTP transport against a stand-in server
 
-
-def standin_serialize(obj) -> str:
-    """Stand-in for ``MultiprocessingSerializer.serialize(..., output_str=True)`` (CPU tensors, pickled)."""
-    import base64
-    import pickle
-
-    return base64.b64encode(pickle.dumps(obj)).decode()
-
-
-def standin_deserialize(s: str) -> list[tuple[str, torch.Tensor]]:
-    """Stand-in for SGLang's deserialize + ``FlattenedTensorBucket.reconstruct_tensors``."""
-    import base64
-    import pickle
-
-    data = pickle.loads(base64.b64decode(s))
-    flat, out, offset = data["flattened_tensor"], [], 0
-    for name, shape, dtype in data["metadata"]:
-        dt = getattr(torch, dtype.removeprefix("torch."))
-        n = math.prod(shape) * torch.empty((), dtype=dt).element_size()
-        out.append((name, flat[offset : offset + n].view(dt).reshape(shape)))
-        offset += n
-    return out
-
-
-class SGLangStandInServer:
-    """Stand-in for an SGLang HTTP server (see module docstring), backed by a CPU HFEngine."""
-
-    def __init__(self, model: torch.nn.Module, tp_size: int = 1) -> None:
-        self.model = model
-        self.engine = HFEngine(model, max_batch_size=16)
-        self.tp_size = tp_size  # as launched with --tp-size: one payload per scheduler TP rank expected
-        self.released: set[str] = set()
-        self.version = "default"  # SGLang's weight_version before any update
-        self.dead = ""  # SGLang kills its process tree on some errors: every later call fails
-        self.calls: list[str] = []
-        self.bodies: list[tuple[str, dict]] = []
-        self.weight_groups: dict[str, list] = {}  # group name -> one gloo group per scheduler TP rank
-        stand_in = self
-
-        class Handler(BaseHTTPRequestHandler):
-            def log_message(self, *args):
-                pass
-
-            def _reply(self, obj, code=200):
-                data = json.dumps(obj).encode()
-                self.send_response(code)
-                self.send_header("Content-Type", "application/json")
-                self.send_header("Content-Length", str(len(data)))
-                self.end_headers()
-                self.wfile.write(data)
-
-            def do_GET(self):
-                stand_in.calls.append(self.path)
-                if stand_in.dead:
-                    return self._reply({"error": stand_in.dead}, 500)
-                if self.path == "/get_server_info":
-                    return self._reply({"tp_size": stand_in.tp_size, "weight_version": stand_in.version})
-                self._reply({}) if self.path == "/health" else self._reply({"error": "no route"}, 404)
-
-            def do_POST(self):
-                stand_in.calls.append(self.path)
-                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])) or b"{}")
-                stand_in.bodies.append((self.path, body))
-                route = getattr(stand_in, "route_" + self.path.strip("/"), None)
-                if stand_in.dead:
-                    return self._reply({"error": stand_in.dead}, 500)
-                if route is None:
-                    return self._reply({"error": f"no route {self.path}"}, 404)
-                try:
-                    self._reply(route(body))
-                except Exception as e:  # SGLang's scheduler raising = the server's process tree dies
-                    stand_in.dead = repr(e)
-                    self._reply({"error": repr(e)}, 500)
-
-        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
-        self.thread = threading.Thread(target=self.httpd.serve_forever, daemon=True)
-        self.thread.start()
-
-    def route_generate(self, body):
-        outs = []
-        for ids, sp in zip(body["input_ids"], body["sampling_params"], strict=True):
-            params = SamplingParams(
-                temperature=sp["temperature"],
-                top_p=sp["top_p"],
-                top_k=sp["top_k"],
-                max_new_tokens=sp["max_new_tokens"],
-                stop_token_ids=tuple(sp["stop_token_ids"]),
-                seed=sp.get("sampling_seed"),
-            )
-            c = self.engine.generate([ids], params)[0][0]
-            finish = {"type": c.finish_reason}
-            outs.append(_sglang_output(c.token_ids, c.logprobs, finish, self.version))
-        return outs
-
-    def route_update_weights_from_tensor(self, body):
-        # like SGLang's tp_worker: scheduler TP rank i deserializes entry i (IndexError when missing)
-        payloads = body["serialized_named_tensors"]
-        if body.get("load_format") != "flattened_bucket":
-            raise ValueError(f"stand-in expects load_format=flattened_bucket, got {body.get('load_format')}")
-        params = dict(self.model.named_parameters())
-        for rank in range(self.tp_size):
-            bucket = standin_deserialize(payloads[rank])
-            with torch.no_grad():
-                for name, t in bucket:
-                    if rank == 0:  # every rank would load its shard; one copy suffices on CPU
-                        if name not in params or params[name].shape != t.shape:
-                            return {"success": False, "message": f"bad tensor {name}"}
-                        params[name].copy_(t)
-        if body.get("weight_version") is not None:
-            self.version = body["weight_version"]
-        return {"success": True, "message": "Succeeded to update parameter online."}
-
-    def route_flush_cache(self, body):
-        return {}
-
-    # weight_sync=distributed. Like SGLang's init_custom_process_group: scheduler TP rank i joins the
-    # trainer's group as rank rank_offset + i (TCP rendezvous, store prefixed with the group name, then
-    # torch's per-group and per-device prefixes), here as raw gloo groups (no torch registry: the stand-in
-    # lives in the test process).
-    def route_init_weights_update_group(self, body):
-        timeout = datetime.timedelta(seconds=120)
-        name, addr = body["group_name"], f"tcp://{body['master_address']}:{body['master_port']}"
-
-        def join(i):
-            store, rank, world = next(
-                rendezvous(addr, body["rank_offset"] + i, body["world_size"], timeout=timeout)
-            )
-            store = PrefixStore("cpu/", PrefixStore(f"{name}/", PrefixStore(name, store)))
-            return torch.distributed.ProcessGroupGloo(store, rank, world, timeout)
-
-        with ThreadPoolExecutor(self.tp_size) as pool:
-            self.weight_groups[name] = list(pool.map(join, range(self.tp_size)))
-        return {"success": True, "message": "Succeeded to initialize custom process group."}
-
-    def route_update_weights_from_distributed(self, body):
-        ranks = self.weight_groups[body["group_name"]]  # KeyError (server dies) on an unknown group
-
-        def receive(pg):
-            out = []
-            for name, dtype, shape in zip(body["names"], body["dtypes"], body["shapes"], strict=True):
-                t = torch.empty(shape, dtype=getattr(torch, dtype))
-                opts = torch.distributed.BroadcastOptions()
-                opts.rootRank, opts.rootTensor = 0, 0
-                pg.broadcast([t], opts).wait()
-                out.append((name, t))
-            return out
-
-        with ThreadPoolExecutor(len(ranks)) as pool:
-            received = list(pool.map(receive, ranks))  # every TP rank receives every tensor
-        params = dict(self.model.named_parameters())
-        with torch.no_grad():
-            for name, t in received[0]:
-                if name not in params or params[name].shape != t.shape:
-                    return {"success": False, "message": f"bad tensor {name}"}
-                params[name].copy_(t)
-        if body.get("weight_version") is not None:
-            self.version = body["weight_version"]
-        return {"success": True, "message": "Succeeded to update parameter online."}
-
-    def route_destroy_weights_update_group(self, body):
-        self.weight_groups.pop(body["group_name"], None)
-        return {"success": True, "message": ""}
-
-    def route_update_weights_from_disk(self, body):
-        # like SGLang: load whatever the folder holds, tensor by tensor, no atomicity
-        from pathlib import Path
-
-        params = dict(self.model.named_parameters())
-        with torch.no_grad():
-            for f in sorted(Path(body["model_path"]).glob("*.safetensors")):
-                for name, t in load_file(str(f)).items():
-                    if name not in params or params[name].shape != t.shape:
-                        return {"success": False, "message": f"bad tensor {name}"}
-                    params[name].copy_(t)
-        if body.get("weight_version") is not None:
-            self.version = body["weight_version"]
-        return {"success": True, "message": "Succeeded to update model weights."}
-
-    def route_release_memory_occupation(self, body):
-        tags = body.get("tags") or ["weights", "kv_cache"]
-        if set(tags) & self.released:
-            raise AssertionError(f"tags {tags} released twice")
-        self.released |= set(tags)
-        return {}
-
-    def route_resume_memory_occupation(self, body):
-        # SGLang's TorchMemorySaver raises on a tag that was never paused (then the server dies)
-        tags = body.get("tags") or ["weights", "kv_cache"]
-        if not set(tags) <= self.released:
-            raise KeyError(f"resume of tags {sorted(set(tags) - self.released)} that were not released")
-        self.released -= set(tags)
-        return {}
-
-    def close(self):
-        self.httpd.shutdown()
-        self.httpd.server_close()
+__all__ = ["SGLangStandInServer", "standin_deserialize", "standin_serialize"]
 
 
 @pytest.fixture(scope="module")
@@ -495,7 +283,7 @@ def test_sglang_contract_tensor_sync_sends_one_flattened_bucket_per_server_tp_ra
     updates = [b for p, b in server.bodies if p == "/update_weights_from_tensor"]
     assert updates and all(len(b["serialized_named_tensors"]) == 2 for b in updates)  # TP of the server
     assert all(b["load_format"] == "flattened_bucket" and b["weight_version"] == "1" for b in updates)
-    received = {n: t for b in updates for n, t in standin_deserialize(b["serialized_named_tensors"][1])}
+    received = {n: t for ranks in server.tensor_updates for n, t in ranks[1]}  # what rank 1 decoded
     assert set(received) == set(weight_sets[1]), "rank 1's payload must hold the whole bucket too"
     assert all(torch.equal(received[n], weight_sets[1][n]) for n in received)
     # generate checks the version SGLang stamps on each output
@@ -519,24 +307,23 @@ def test_sglang_contract_stale_served_version_is_refused(tensor_engine_factory, 
 
 
 def test_sglang_contract_release_comes_before_resume(tensor_engine_factory, weight_sets):
+    """The colocated cycle on SGLang's memory tags (the stand-in pauses every type of GPU_MEMORY_ALL_TYPES
+    on a null release, refuses a double pause, an unknown resume and a generate while anything is
+    paused): weights are resumed before the first bucket, every released tag before the next generate."""
     engine, server = tensor_engine_factory()
     engine.update_weights(weight_sets[1].items(), version=1)  # first sync: nothing released, no resume
     assert "/resume_memory_occupation" not in server.calls and not server.dead
     engine.release_memory()
+    assert server.paused == set(server.memory_types)
     engine.update_weights(weight_sets[0].items(), version=2)
-    mem = [(p, b.get("tags")) for p, b in server.bodies if "memory_occupation" in p]
-    assert mem == [
-        ("/release_memory_occupation", ["kv_cache", "weights", "cuda_graph"]),  # GPU_MEMORY_ALL_TYPES
-        ("/resume_memory_occupation", ["weights"]),  # weights back before the first bucket ...
-        ("/resume_memory_occupation", ["kv_cache", "cuda_graph"]),  # ... the rest after the last
-    ]
-    first_update = server.calls.index(
-        "/update_weights_from_tensor", server.calls.index("/release_memory_occupation")
-    )
-    assert server.calls.index("/resume_memory_occupation") < first_update
-    assert (
-        not server.dead and engine.generate([[5]], SamplingParams(max_new_tokens=1))[0][0].weight_version == 2
-    )
+    paused = set()
+    for path, body in server.bodies[server.calls.index("/release_memory_occupation") :]:
+        tags = set(body.get("tags") or server.memory_types) if path.endswith("memory_occupation") else set()
+        paused = paused | tags if path == "/release_memory_occupation" else paused - tags
+        if path == "/update_weights_from_tensor":
+            assert "weights" not in paused, "a bucket arrived while the weights were released"
+    assert not server.dead and not server.paused, f"never resumed: {sorted(server.paused)}"
+    assert engine.generate([[5]], SamplingParams(max_new_tokens=1))[0][0].weight_version == 2
 
 
 def test_sglang_contract_planted_resume_without_release_kills_the_stand_in(tensor_engine_factory):

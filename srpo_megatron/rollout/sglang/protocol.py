@@ -23,6 +23,7 @@ import torch
 
 from srpo_megatron.rollout.base import Completion, EngineError, SamplingParams, sample_seed
 from srpo_megatron.rollout.routed_experts import decode_sglang_routed_experts
+from srpo_megatron.rollout.sglang import flat_wire
 
 FLATTENED_BUCKET = "flattened_bucket"
 
@@ -122,20 +123,36 @@ def serialize_bucket_per_tp_rank(
 ) -> tuple[list[str], torch.Tensor]:
     """One ``MultiprocessingSerializer`` string of a ``FlattenedTensorBucket`` per engine TP rank, and the
     flat tensor the strings point at: the caller keeps it alive until SGLang answered the update (the
-    engine copies from it; freeing or reusing it earlier corrupts the weights)."""
-    if serializer is None:  # GPU clusters: SGLang's own classes (not importable on CPU-only machines)
+    engine copies from it; freeing or reusing it earlier corrupts the weights).
+
+    SGLang's own classes make it whenever they import; otherwise ``flat_wire`` writes the same payload
+    (CPU machines). ``serializer`` replaces ``MultiprocessingSerializer.serialize`` (tests)."""
+    offset = 0
+    for name, t in bucket:  # SGLang packs without padding and views each tensor at its byte offset
+        if offset % t.element_size():
+            raise EngineError(
+                f"bucket tensor {name} ({t.dtype}) would start at byte {offset}, not a multiple of its "
+                f"element size {t.element_size()}: SGLang's FlattenedTensorBucket cannot view it there; "
+                "keep one "
+                "dtype per bucket or order the tensors by decreasing element size"
+            )
+        offset += t.numel() * t.element_size()
+    try:
         from sglang.srt.utils import MultiprocessingSerializer
         from sglang.srt.weight_sync.tensor_bucket import FlattenedTensorBucket
-
-        flat = FlattenedTensorBucket(named_tensors=list(bucket))
-        data = {"flattened_tensor": flat.get_flattened_tensor(), "metadata": flat.get_metadata()}
+    except ImportError:  # no SGLang here (CPU): the same wire format, written by the project
+        if serializer is None:
+            return flat_wire.encode(bucket, tp_size)
+        flat_tensor, meta = flat_wire.flatten(bucket)
+        data = {"flattened_tensor": flat_tensor, "metadata": meta}
+        return [serializer(data) for _ in range(tp_size)], flat_tensor
+    flat = FlattenedTensorBucket(named_tensors=list(bucket))
+    data = {"flattened_tensor": flat.get_flattened_tensor(), "metadata": flat.get_metadata()}
+    if serializer is None:
         payload = [MultiprocessingSerializer.serialize(data, output_str=True) for _ in range(tp_size)]
-        return payload, data["flattened_tensor"]
-    flat_tensor = torch.cat([t.detach().reshape(-1).view(torch.uint8) for _, t in bucket])
-    meta = [(n, tuple(t.shape), str(t.dtype)) for n, t in bucket]
-    return [
-        serializer({"flattened_tensor": flat_tensor, "metadata": meta}) for _ in range(tp_size)
-    ], flat_tensor
+    else:
+        payload = [serializer(data) for _ in range(tp_size)]
+    return payload, data["flattened_tensor"]
 
 
 # SGLang's ``GPU_MEMORY_ALL_TYPES`` (``sglang/srt/constants.py``; the same list in 0.5.15.post1 and 0.5.23),

@@ -1,0 +1,348 @@
+"""A stand-in for an SGLang HTTP server on CPU, built on SGLang's own modules wherever they import.
+
+SGLang's engine cannot start without a GPU (PLATFORM: it needs CUDA kernels), so this tiny local HTTP server
+speaks the subset of SGLang's HTTP API the project uses (``/generate`` with ``return_logprob``, ``/health``,
+``/get_server_info``, ``/flush_cache``, ``/update_weights_from_tensor``, ``/update_weights_from_disk``,
+``/init_weights_update_group``, ``/update_weights_from_distributed``, ``/destroy_weights_update_group``,
+``/release_memory_occupation``, ``/resume_memory_occupation``) on top of the CPU ``HFEngine``, loading
+weights non-atomically like SGLang does. Real-engine checks live in tests/gpu/test_sglang_engine.py.
+
+Where the pieces come from (``srpo_megatron.testing.sglang_import.load()``; the fallback is used when the
+module does not import, e.g. in the plain venv without an sglang wheel on the path):
+
+==================================  ==========================================  ============================
+piece                               SGLang's own code                           fallback (own reading)
+==================================  ==========================================  ============================
+payload decode (tensor updates)     ``MultiprocessingSerializer`` +             ``flat_wire.decode``
+                                    ``FlattenedTensorBucket``
+memory tags                         ``constants.GPU_MEMORY_ALL_TYPES``          ``FALLBACK_MEMORY_TYPES``
+request bodies (400 when refused)   ``io_struct`` request classes               not checked
+release/resume bookkeeping          own code, modelled on SGLang's scheduler    (same)
+                                    (``offload_tags``) and torch_memory_saver
+generation, weight loading          own code (``HFEngine``, HF names; per-      (same)
+                                    expert file names accepted, not loaded)
+distributed update group            own code (gloo, SGLang's store prefixes)    (same)
+==================================  ==========================================  ============================
+
+Release/resume, as SGLang's scheduler does it: ``tags`` null or empty means every type of
+``GPU_MEMORY_ALL_TYPES``; release adds each tag to the paused set and pauses it in torch_memory_saver
+(pausing a paused tag is an error here: the saver would pause memory that is already unmapped); resume
+removes each tag (``offload_tags.remove``: a KeyError for a tag that is not paused, after which
+SGLang's process tree dies); a generate while any tag is paused fails (decode would touch unmapped
+memory or replay a CUDA graph whose memory is gone).
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+
+import torch
+from safetensors.torch import load_file
+from torch.distributed.distributed_c10d import PrefixStore, rendezvous
+
+from srpo_megatron.rollout.base import SamplingParams
+from srpo_megatron.rollout.hf_engine import HFEngine
+from srpo_megatron.rollout.sglang import flat_wire
+from srpo_megatron.testing import sglang_import
+
+# SGLang's GPU_MEMORY_ALL_TYPES as read from 0.5.15.post1 and 0.5.23 (used only without an sglang wheel).
+FALLBACK_MEMORY_TYPES = ("kv_cache", "weights", "cuda_graph")
+
+# Route -> SGLang's request class for its body (io_struct), where the project sends one.
+REQUEST_CLASSES = {
+    "/generate": "GenerateReqInput",
+    "/update_weights_from_tensor": "UpdateWeightsFromTensorReqInput",
+    "/update_weights_from_distributed": "UpdateWeightsFromDistributedReqInput",
+    "/update_weights_from_disk": "UpdateWeightFromDiskReqInput",
+    "/init_weights_update_group": "InitWeightsUpdateGroupReqInput",
+    "/destroy_weights_update_group": "DestroyWeightsUpdateGroupReqInput",
+    "/release_memory_occupation": "ReleaseMemoryOccupationReqInput",
+    "/resume_memory_occupation": "ResumeMemoryOccupationReqInput",
+}
+
+
+def memory_types() -> tuple[str, ...]:
+    """SGLang's ``GPU_MEMORY_ALL_TYPES`` (its own constant when it imports)."""
+    real = sglang_import.load()
+    if real is not None and real.constants is not None:
+        return tuple(real.constants.GPU_MEMORY_ALL_TYPES)
+    return FALLBACK_MEMORY_TYPES
+
+
+def request_class(route: str) -> Any | None:
+    """SGLang's io_struct class for ``route``'s body, or None (no io_struct here, or no such class)."""
+    real = sglang_import.load()
+    if real is None or real.io_struct is None or route not in REQUEST_CLASSES:
+        return None
+    return getattr(real.io_struct, REQUEST_CLASSES[route], None)
+
+
+def standin_serialize(obj: Any) -> str:
+    """``MultiprocessingSerializer.serialize(obj, output_str=True)``: SGLang's own when it imports."""
+    real = sglang_import.load()
+    if real is not None and real.utils is not None:
+        return real.utils.MultiprocessingSerializer.serialize(obj, output_str=True)
+    return flat_wire.serialize(obj)
+
+
+def standin_deserialize(payload: str) -> list[tuple[str, torch.Tensor]]:
+    """One TP rank's flattened-bucket payload as named tensors: SGLang's deserialize +
+    ``FlattenedTensorBucket.reconstruct_tensors`` when they import, ``flat_wire.decode`` otherwise."""
+    real = sglang_import.load()
+    if real is None or real.utils is None or real.tensor_bucket is None:
+        return flat_wire.decode(payload)
+    data = real.utils.MultiprocessingSerializer.deserialize(payload)
+    bucket = real.tensor_bucket.FlattenedTensorBucket(
+        flattened_tensor=data["flattened_tensor"], metadata=data["metadata"]
+    )
+    return bucket.reconstruct_tensors()
+
+
+def sglang_output(ids, lps, finish, version=None) -> dict:
+    """One /generate output as SGLang documents it (meta_info.output_token_logprobs = [lp, id, text])."""
+    meta = {
+        "id": "abc",
+        "finish_reason": finish,
+        "prompt_tokens": 3,
+        "completion_tokens": len(ids),
+        "output_token_logprobs": [[lp, t, None] for t, lp in zip(ids, lps, strict=True)],
+    }
+    if version is not None:
+        meta["weight_version"] = version
+    return {"text": "", "output_ids": ids, "meta_info": meta}
+
+
+class SGLangStandInServer:
+    """Stand-in for an SGLang HTTP server (see module docstring), backed by a CPU HFEngine.
+
+    ``paused`` holds the memory tags released and not yet resumed (SGLang's ``offload_tags``);
+    ``memory_log`` every release/resume as ``(route, tags)`` with SGLang's expansion of null."""
+
+    def __init__(self, model: torch.nn.Module, tp_size: int = 1) -> None:
+        self.model = model
+        self.engine = HFEngine(model, max_batch_size=16)
+        self.tp_size = tp_size  # as launched with --tp-size: one payload per scheduler TP rank expected
+        self.memory_types = memory_types()
+        self.paused: set[str] = set()
+        self.memory_log: list[tuple[str, tuple[str, ...]]] = []
+        self.tensor_updates: list[list[list[tuple[str, torch.Tensor]]]] = []  # [update][tp rank] tensors
+        self.rejected: list[tuple[str, str]] = []  # (route, why) bodies SGLang's request class refused
+        self.version = "default"  # SGLang's weight_version before any update
+        self.dead = ""  # SGLang kills its process tree on some errors: every later call fails
+        self.calls: list[str] = []
+        self.bodies: list[tuple[str, dict]] = []
+        self.weight_groups: dict[str, list] = {}  # group name -> one gloo group per scheduler TP rank
+        stand_in = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def log_message(self, *args):
+                pass
+
+            def _reply(self, obj, code=200):
+                data = json.dumps(obj).encode()
+                self.send_response(code)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+            def do_GET(self):
+                stand_in.calls.append(self.path)
+                if stand_in.dead:
+                    return self._reply({"error": stand_in.dead}, 500)
+                if self.path == "/get_server_info":
+                    return self._reply({"tp_size": stand_in.tp_size, "weight_version": stand_in.version})
+                self._reply({}) if self.path == "/health" else self._reply({"error": "no route"}, 404)
+
+            def do_POST(self):
+                stand_in.calls.append(self.path)
+                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])) or b"{}")
+                stand_in.bodies.append((self.path, body))
+                route = getattr(stand_in, "route_" + self.path.strip("/"), None)
+                if stand_in.dead:
+                    return self._reply({"error": stand_in.dead}, 500)
+                if route is None:
+                    return self._reply({"error": f"no route {self.path}"}, 404)
+                cls = request_class(self.path)
+                if cls is not None:
+                    try:  # SGLang's HTTP server builds this class from the JSON body
+                        cls(**body)
+                    except TypeError as e:
+                        stand_in.rejected.append((self.path, str(e)))
+                        return self._reply({"error": f"{cls.__name__} rejects the body: {e}"}, 400)
+                try:
+                    self._reply(route(body))
+                except Exception as e:  # SGLang's scheduler raising = the server's process tree dies
+                    stand_in.dead = repr(e)
+                    self._reply({"error": repr(e)}, 500)
+
+        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
+        self.thread = threading.Thread(target=self.httpd.serve_forever, daemon=True)
+        self.thread.start()
+
+    def route_generate(self, body):
+        if self.paused:
+            raise RuntimeError(f"generate while memory tags {sorted(self.paused)} are released")
+        outs = []
+        for ids, sp in zip(body["input_ids"], body["sampling_params"], strict=True):
+            params = SamplingParams(
+                temperature=sp["temperature"],
+                top_p=sp["top_p"],
+                top_k=sp["top_k"],
+                max_new_tokens=sp["max_new_tokens"],
+                stop_token_ids=tuple(sp["stop_token_ids"]),
+                seed=sp.get("sampling_seed"),
+            )
+            c = self.engine.generate([ids], params)[0][0]
+            finish = {"type": c.finish_reason}
+            outs.append(sglang_output(c.token_ids, c.logprobs, finish, self.version))
+        return outs
+
+    def route_update_weights_from_tensor(self, body):
+        # like SGLang's tp_worker: scheduler TP rank i deserializes entry i (IndexError when missing)
+        payloads = body["serialized_named_tensors"]
+        if body.get("load_format") != "flattened_bucket":
+            raise ValueError(f"stand-in expects load_format=flattened_bucket, got {body.get('load_format')}")
+        params = dict(self.model.named_parameters())
+        # Each payload decodes once (its memory travels as a file descriptor), as in SGLang: what every
+        # rank received is kept (copies) in ``tensor_updates`` for the tests.
+        per_rank = [
+            [(n, t.clone()) for n, t in standin_deserialize(payloads[r])] for r in range(self.tp_size)
+        ]
+        self.tensor_updates.append(per_rank)
+        with torch.no_grad():
+            for name, t in per_rank[0]:  # every rank would load its shard; one copy suffices on CPU
+                if name not in params and self._is_expert_file_name(name):
+                    continue  # SGLang loads it into its FusedMoE; the HF model holds experts fused (below)
+                # Stricter than SGLang, whose load_weights skips a name its model lacks, silently.
+                if name not in params or params[name].shape != t.shape:
+                    return {"success": False, "message": f"bad tensor {name}"}
+                params[name].copy_(t)
+        if body.get("weight_version") is not None:
+            self.version = body["weight_version"]
+        return {"success": True, "message": "Succeeded to update parameter online."}
+
+    def _is_expert_file_name(self, name: str) -> bool:
+        """A per-expert checkpoint name (``model.layers.L.mlp.experts.E.{gate,up,down}_proj.weight``) of an
+        HF model that holds its experts fused (transformers >= 5): SGLang consumes these names; the
+        stand-in accepts them without loading them into its HF model (a named gap: its generations then
+        keep the experts it started with)."""
+        parts = name.split(".")
+        fused = f"model.layers.{parts[2]}.mlp.experts.gate_up_proj" if len(parts) == 8 else ""
+        n_experts = getattr(self.model.config, "num_experts", 0)
+        return (
+            len(parts) == 8
+            and parts[:2] == ["model", "layers"]
+            and parts[3:5] == ["mlp", "experts"]
+            and parts[5].isdigit()
+            and int(parts[5]) < n_experts
+            and parts[6] in ("gate_proj", "up_proj", "down_proj")
+            and parts[7] == "weight"
+            and fused in dict(self.model.named_parameters())
+        )
+
+    def route_flush_cache(self, body):
+        return {}
+
+    # weight_sync=distributed. Like SGLang's init_custom_process_group: scheduler TP rank i joins the
+    # trainer's group as rank rank_offset + i (TCP rendezvous, store prefixed with the group name, then
+    # torch's per-group and per-device prefixes), here as raw gloo groups (no torch registry: the stand-in
+    # lives in the test process).
+    def route_init_weights_update_group(self, body):
+        timeout = datetime.timedelta(seconds=120)
+        name, addr = body["group_name"], f"tcp://{body['master_address']}:{body['master_port']}"
+
+        def join(i):
+            store, rank, world = next(
+                rendezvous(addr, body["rank_offset"] + i, body["world_size"], timeout=timeout)
+            )
+            store = PrefixStore("cpu/", PrefixStore(f"{name}/", PrefixStore(name, store)))
+            return torch.distributed.ProcessGroupGloo(store, rank, world, timeout)
+
+        with ThreadPoolExecutor(self.tp_size) as pool:
+            self.weight_groups[name] = list(pool.map(join, range(self.tp_size)))
+        return {"success": True, "message": "Succeeded to initialize custom process group."}
+
+    def route_update_weights_from_distributed(self, body):
+        ranks = self.weight_groups[body["group_name"]]  # KeyError (server dies) on an unknown group
+
+        def receive(pg):
+            out = []
+            for name, dtype, shape in zip(body["names"], body["dtypes"], body["shapes"], strict=True):
+                t = torch.empty(shape, dtype=getattr(torch, dtype))
+                opts = torch.distributed.BroadcastOptions()
+                opts.rootRank, opts.rootTensor = 0, 0
+                pg.broadcast([t], opts).wait()
+                out.append((name, t))
+            return out
+
+        with ThreadPoolExecutor(len(ranks)) as pool:
+            received = list(pool.map(receive, ranks))  # every TP rank receives every tensor
+        params = dict(self.model.named_parameters())
+        with torch.no_grad():
+            for name, t in received[0]:
+                if name not in params or params[name].shape != t.shape:
+                    return {"success": False, "message": f"bad tensor {name}"}
+                params[name].copy_(t)
+        if body.get("weight_version") is not None:
+            self.version = body["weight_version"]
+        return {"success": True, "message": "Succeeded to update parameter online."}
+
+    def route_destroy_weights_update_group(self, body):
+        self.weight_groups.pop(body["group_name"], None)
+        return {"success": True, "message": ""}
+
+    def route_update_weights_from_disk(self, body):
+        # like SGLang: load whatever the folder holds, tensor by tensor, no atomicity
+        from pathlib import Path
+
+        params = dict(self.model.named_parameters())
+        with torch.no_grad():
+            for f in sorted(Path(body["model_path"]).glob("*.safetensors")):
+                for name, t in load_file(str(f)).items():
+                    if name not in params or params[name].shape != t.shape:
+                        return {"success": False, "message": f"bad tensor {name}"}
+                    params[name].copy_(t)
+        if body.get("weight_version") is not None:
+            self.version = body["weight_version"]
+        return {"success": True, "message": "Succeeded to update model weights."}
+
+    def _tags(self, body) -> tuple[str, ...]:
+        tags = body.get("tags")
+        return tuple(self.memory_types) if not tags else tuple(tags)
+
+    def route_release_memory_occupation(self, body):
+        tags = self._tags(body)
+        self.memory_log.append(("release", tags))
+        twice = sorted(set(tags) & self.paused)
+        if twice:  # torch_memory_saver would pause memory that is already unmapped
+            raise RuntimeError(f"memory tags {twice} paused twice")
+        unknown = sorted(set(tags) - set(self.memory_types))
+        if unknown:
+            raise ValueError(f"unknown memory tags {unknown}; SGLang has {list(self.memory_types)}")
+        self.paused |= set(tags)
+        return {}
+
+    def route_resume_memory_occupation(self, body):
+        tags = self._tags(body)
+        self.memory_log.append(("resume", tags))
+        for tag in tags:  # SGLang: offload_tags.remove(tag), a KeyError that kills the server
+            if tag not in self.paused:
+                raise KeyError(f"resume of memory tag {tag!r} that was not released")
+            self.paused.remove(tag)
+        return {}
+
+    @property
+    def released(self) -> set[str]:
+        """The tags released and not yet resumed (older name of ``paused``)."""
+        return self.paused
+
+    def close(self):
+        self.httpd.shutdown()
+        self.httpd.server_close()
