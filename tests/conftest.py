@@ -54,11 +54,16 @@ def pytest_terminal_summary(terminalreporter) -> None:
     terminalreporter.write_line(f"megatron-core {MCORE}: " + ", ".join(f"{v} {k}" for k, v in counts.items()))
     sglang = _installed_sglang()
     if sglang is not None:  # the sglang tier: how the tests marked sglang_real went on this wheel
-        marked = {
-            k: sum(
-                1 for r in terminalreporter.stats.get(k, []) if "sglang_real" in getattr(r, "keywords", {})
-            )
-            for k in ("passed", "failed", "error", "skipped")
-        }
-        marked = {k: v for k, v in marked.items() if v or k == "passed"}
-        terminalreporter.write_line(f"sglang {sglang}: " + ", ".join(f"{v} {k}" for k, v in marked.items()))
+        terminalreporter.write_line(f"sglang {sglang}: " + _marked_counts(terminalreporter, "sglang_real"))
+    torchrun = _marked_counts(terminalreporter, "torchrun")
+    if not torchrun.startswith("0 passed") or "," in torchrun:  # the tier run through srpo launch's torchrun
+        terminalreporter.write_line(f"torchrun: {torchrun}")
+
+
+def _marked_counts(terminalreporter, marker: str) -> str:
+    """``N passed, M failed, ...`` over the tests carrying ``marker``."""
+    marked = {
+        k: sum(1 for r in terminalreporter.stats.get(k, []) if marker in getattr(r, "keywords", {}))
+        for k in ("passed", "failed", "error", "skipped")
+    }
+    return ", ".join(f"{v} {k}" for k, v in marked.items() if v or k == "passed")
