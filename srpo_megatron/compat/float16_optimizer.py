@@ -19,8 +19,8 @@ loading fails with "Cannot merge two lists with different lengths". The main cop
 stored per group in a dict ``{group index: [...]}``, which keeps its keys, and :func:`load_state_dict`
 turns it back into upstream's list before upstream's method loads it. Tensor keys are upstream's
 (``optimizer.state.fp32_param.*``, ``optimizer.state.exp_avg.*``, ...).
-tests/dist/test_bf16_resume.py checks the resume is exact and fails once upstream saves such a model
-itself (then drop this module).
+tests/dist/test_bf16_resume.py checks the resume is exact, that the layout is upstream's where upstream
+works, and fails once upstream saves such a model itself (then drop this module).
 """
 
 from __future__ import annotations
