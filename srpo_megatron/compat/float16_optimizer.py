@@ -13,9 +13,10 @@ fp32 groups and is not affected.
 the duration of a ``with`` block, by :func:`sharded_state_dict`: upstream's method with the id map built
 from the optimizer's own parameter order (each fp32 main parameter mapped back to its bf16 model
 parameter, each fp32 parameter to itself). A second upstream limit shows on load: a parameter group
-holding only fp32 parameters (the no-weight-decay group of norms) has no fp32 main copies, and
-``dist_checkpointing`` keeps the position of an empty list inside a list of lists only on save, so
-loading fails with "Cannot merge two lists with different lengths". The main copies are therefore
+holding only fp32 parameters (the no-weight-decay group of norms) has no fp32 main copies, and when
+``dist_checkpointing`` splits ``[[tensors], []]`` into tensors and the rest, list positions are lost
+(``[[tensors]]`` and ``[[]]``), so loading fails with "Cannot merge two lists with different lengths"
+(``dict_utils.extract_matching_values``/``merge``). The main copies are therefore
 stored per group in a dict ``{group index: [...]}``, which keeps its keys, and :func:`load_state_dict`
 turns it back into upstream's list before upstream's method loads it. Tensor keys are upstream's
 (``optimizer.state.fp32_param.*``, ``optimizer.state.exp_avg.*``, ...).
