@@ -49,6 +49,15 @@ def _coerce(value: Any, tp: Any, path: str) -> Any:
         raise ConfigError(f"{path}: {value!r} matches none of {', '.join(_type_name(a) for a in args)}")
     if origin is Literal:
         allowed = get_args(tp)
+        if isinstance(value, bool) and value not in allowed:
+            # YAML 1.1 (PyYAML) reads a bare on/off/yes/no/true/false as a boolean: `fusions: off` meant "off"
+            spelled = "on" if value else "off"
+            if spelled in allowed:
+                return spelled
+            raise ConfigError(
+                f"{path}: {str(value).lower()} (YAML reads a bare on/off/yes/no as true/false) is not valid; "
+                f"choose one of {list(allowed)}"
+            )
         if value not in allowed:
             raise ConfigError(f"{path}: {value!r} is not valid; choose one of {list(allowed)}")
         return value

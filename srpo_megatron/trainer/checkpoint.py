@@ -38,6 +38,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from srpo_megatron.compat.float16_optimizer import fix_float16_optimizer_checkpointing
 from srpo_megatron.conversion.checkpoint import HF_CONFIG_NAME, POLICY_PREFIX
 from srpo_megatron.models.architecture import load_hf_config_dict
 from srpo_megatron.models.performance import (
@@ -108,7 +109,7 @@ def _load_tensors(runtime: Any, path: Path) -> None:
         runtime.teacher.reset_master()
         if "teacher_fp32" in loaded:  # the exact EMA; without it one bf16 rounding (older checkpoints)
             load_teacher_fp32(runtime.teacher, loaded["teacher_fp32"])
-    with _keep_torch_adam_step(runtime.optimizer):
+    with _keep_torch_adam_step(runtime.optimizer), fix_float16_optimizer_checkpointing(runtime.optimizer):
         runtime.optimizer.load_state_dict(loaded["optimizer"])
     untie_torch_adam_steps(runtime.optimizer)
 
@@ -184,7 +185,8 @@ def _sharded_state(runtime: Any, loading: bool) -> dict[str, Any]:
         for opt in getattr(runtime.optimizer, "chained_optimizers", [runtime.optimizer]):
             if hasattr(opt, "_init_optimizer_states_with_dummy_values") and not opt.optimizer.state:
                 opt._init_optimizer_states_with_dummy_values()  # overwritten by the load
-    state["optimizer"] = runtime.optimizer.sharded_state_dict(model_sd, is_loading=loading, metadata=meta)
+    with fix_float16_optimizer_checkpointing(runtime.optimizer):  # fp32 norms in a bf16 model (no TE)
+        state["optimizer"] = runtime.optimizer.sharded_state_dict(model_sd, is_loading=loading, metadata=meta)
     return state
 
 

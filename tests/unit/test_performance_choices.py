@@ -177,6 +177,38 @@ def test_bad_choices_name_the_key_and_the_fix(tmp_path):
         load_config(TrainConfig, p)
 
 
+RECIPE = "model: {hf_dir: x}\ndata: {train_files: [a.jsonl]}\n"
+
+
+@pytest.mark.parametrize("spelling", ["off", "no", "false"])
+def test_bare_off_in_a_recipe_and_an_override_means_off(tmp_path, spelling):
+    """YAML reads a bare ``off`` as false: the enum keys take it as the "off" their docs name."""
+    p = tmp_path / "r.yaml"
+    p.write_text(RECIPE + f"performance: {{fusions: {spelling}, overlap_comm: {spelling}}}\n")
+    cfg = load_config(TrainConfig, p).performance
+    assert (cfg.fusions, cfg.overlap_comm) == ("off", "off")
+    p.write_text(RECIPE)
+    ov = [f"performance.fusions={spelling}", f"performance.overlap_comm={spelling}"]
+    cfg = load_config(TrainConfig, p, ov).performance
+    assert (cfg.fusions, cfg.overlap_comm) == ("off", "off")
+    overrides = perf.transformer_overrides(cfg, sequence_parallel=False, acc=GPU_TE_APEX)
+    assert not any(overrides[k] for k in FUSIONS)  # off even where every fusion is available
+    assert load_config(TrainConfig, p, ["performance.fusions='off'"]).performance.fusions == "off"
+
+
+def test_bare_on_means_on_only_where_on_is_a_choice(tmp_path):
+    p = tmp_path / "r.yaml"
+    p.write_text(RECIPE + "performance: {overlap_comm: on}\n")
+    assert load_config(TrainConfig, p).performance.overlap_comm == "on"
+    assert load_config(TrainConfig, p, ["performance.overlap_comm=yes"]).performance.overlap_comm == "on"
+    with pytest.raises(ConfigError) as err:  # fusions has no "on": say what YAML did, list the choices
+        load_config(TrainConfig, p, ["performance.fusions=on"])
+    msg = str(err.value)
+    assert "performance.fusions: true (YAML reads a bare on/off" in msg and "['auto', 'off']" in msg
+    with pytest.raises(ConfigError, match=r"performance.recompute: false .* choose one of \['none'"):
+        load_config(TrainConfig, p, ["performance.recompute=off"])  # no "off" among its choices either
+
+
 @pytest.mark.parametrize(
     "name", ["qwen3_4b_srpo.yaml", "qwen3_8b_srpo.yaml", "qwen3_8b_grpo.yaml", "qwen3_8b_sdpo.yaml"]
 )
