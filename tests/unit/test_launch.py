@@ -182,6 +182,14 @@ def test_local_separate_placement_hands_the_servers_to_the_job(monkeypatch):
     assert build_experiment(local, request)[0].executor.env_vars["SRPO_ENGINE_URLS"] == "http://s:9"
 
 
+def test_the_local_executor_refuses_more_than_one_node():
+    from srpo_megatron.launch.experiment import build_experiment
+
+    two = dataclasses.replace(load_cluster("local"), max_nodes=2)  # a hand-written file allowing more
+    with pytest.raises(ConfigError, match="runs on this one machine; use --nodes 1"):
+        build_experiment(two, LaunchRequest("x", srpo_train_command("r.yaml"), nodes=2))
+
+
 # ---- dry run: the sbatch script -----------------------------------------------------------------------
 
 
