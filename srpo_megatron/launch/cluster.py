@@ -115,7 +115,7 @@ class ClusterConfig:
             raise ConfigError(
                 f"the request needs {nodes} nodes but partition {self.partition or '(default)'} of cluster "
                 f"{self.name!r} allows at most {self.max_nodes} (max_nodes); use --nodes <= {self.max_nodes} "
-                "(with rollout.placement 'separate', rollout.engine_nodes count too)"
+                "(on Slurm with rollout.placement 'separate', rollout.engine_nodes count too)"
             )
         if gpus_per_node is not None and gpus_per_node > self.gpus_per_node:
             raise ConfigError(

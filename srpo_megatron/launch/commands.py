@@ -22,6 +22,7 @@ from srpo_megatron.launch.experiment import (
     JobCommand,
     LaunchRequest,
     RolloutPlacement,
+    local_engine_urls,
     srpo_train_command,
     submit,
 )
@@ -37,7 +38,7 @@ def add_launch_args(parser: argparse.ArgumentParser) -> None:
         required=True,
         help=f"cluster definition YAML or a name in {CLUSTER_DIR.name}/ ({', '.join(cluster_files())})",
     )
-    parser.add_argument("--nodes", type=int, default=1, help="training nodes (engine nodes are added)")
+    parser.add_argument("--nodes", type=int, default=1, help="training nodes (Slurm adds the engine nodes)")
     parser.add_argument("--gpus-per-node", type=int, default=None, help="default: all GPUs of a node")
     parser.add_argument("--dryrun", action="store_true", help="print the sbatch script; submit nothing")
     parser.add_argument("--wait", action="store_true", help="block until the job ends; fail if it fails")
@@ -111,7 +112,7 @@ def launch_main(args: argparse.Namespace) -> int:
         name = check_name(args.name, "--name") if args.name else f"srpo-{name_from_file(recipe_path.stem)}"
         recipe = apply_overrides(load_yaml(recipe_path), list(args.override))
         placement = RolloutPlacement.from_recipe(recipe)
-        cluster.check_request(args.nodes + placement.engine_nodes, args.gpus_per_node)
+        cluster.check_request(args.nodes + placement.engine_nodes_on(cluster.executor), args.gpus_per_node)
         request = LaunchRequest(
             name=name,
             command=_job_command(args, recipe_path, recipe, cluster.code),
@@ -119,6 +120,9 @@ def launch_main(args: argparse.Namespace) -> int:
             placement=placement,
             gpus_per_node=args.gpus_per_node,
         )
+        if cluster.executor == "local" and placement.placement == "separate":
+            urls = local_engine_urls(request)  # refuses here, before the doctor runs, when none is given
+            print(f"# rollout: separate, {len(urls)} running server(s), not started by this job: {urls}")
         from srpo_megatron.planner.command import refuse_unless_fits
 
         refuse_unless_fits(args, cluster)  # memory plan: refuse a recipe that won't fit unless --force
@@ -139,7 +143,7 @@ def launch_main(args: argparse.Namespace) -> int:
             )
             request.setup_lines = (request.setup_lines or "") + lines
         result = submit(cluster, request, dryrun=args.dryrun)
-        if gpus > 0:
+        if gpus > 0 and not (cluster.executor == "local" and placement.placement == "separate"):
             print(f"# {placement.describe(args.nodes, gpus)}")
         if args.dryrun:
             print(result.script)

@@ -12,9 +12,18 @@ and restarts the same command; the trainer resumes from the newest complete chec
 ``max_retries`` in the cluster file additionally requeues a job whose command exited non-zero.
 
 Rollout placement is read from the recipe as plain data (``rollout.placement``: "colocated" |
-"separate", ``rollout.engine_nodes``). With "separate" the job asks for ``nodes + engine_nodes`` nodes
-and torchrun spans all of them; every process gets ``SRPO_ROLLOUT_PLACEMENT``, ``SRPO_TRAIN_NODES`` and
-``SRPO_ENGINE_NODES`` so the trainer can give the last ``engine_nodes`` nodes to SGLang engines.
+"separate", ``rollout.engine_nodes``). With "separate" a Slurm job asks for ``nodes + engine_nodes`` nodes
+and starts the SGLang servers on the last ``engine_nodes`` (``launch/engine_nodes.py``); the local executor
+is this one machine and starts no servers: they must already run, listed in ``SRPO_ENGINE_URLS`` (or
+``rollout.sglang.url``). Every process gets ``SRPO_ROLLOUT_PLACEMENT``, ``SRPO_TRAIN_NODES`` and
+``SRPO_ENGINE_NODES``.
+
+The torchrun line: on Slurm nemo-run's ``Torchrun`` launcher writes it into the sbatch script, where
+bash parses the arguments it shell-quotes. The local executor gets its own line, ``python -m
+torch.distributed.run --standalone ...`` (:func:`local_torchrun_args`): nemo-run 0.11's launcher quotes the
+arguments the same way there, but torchx's local scheduler hands them to ``Popen`` without a shell, so an
+override such as ``data.train_files=[/x]`` would reach the job as ``'data.train_files=[/x]'``, quotes
+included.
 """
 
 from __future__ import annotations
@@ -53,6 +62,7 @@ class RolloutPlacement:
     engine_nodes: int = 0  # nodes given to SGLang engines when separate
     engine_tp: int = 1  # the engine's TP size (rollout.sglang.engine_kwargs.tp_size)
     gpus_per_engine: int = 0  # rollout.gpus_per_engine (0 = engine_tp)
+    sglang_url: str = ""  # rollout.sglang.url: running servers, comma-separated (separate placement)
 
     @classmethod
     def from_recipe(cls, recipe: dict[str, Any]) -> RolloutPlacement:
@@ -83,7 +93,14 @@ class RolloutPlacement:
             raise ConfigError(
                 f"rollout.gpus_per_engine: {per!r} must be a non-negative integer (0 = engine TP)"
             )
-        return cls(placement, engine_nodes, tp, per)
+        url = sglang.get("url", "") if isinstance(sglang, dict) else ""
+        return cls(placement, engine_nodes, tp, per, str(url or ""))
+
+    def engine_nodes_on(self, executor: str) -> int:
+        """Engine nodes a job on ``executor`` occupies: Slurm starts the SGLang servers on
+        ``engine_nodes`` nodes of its own; the local executor is this one machine and starts none (a
+        separate placement's servers already run, see :func:`local_engine_urls`)."""
+        return 0 if executor == "local" else self.engine_nodes
 
     def engines(self, train_nodes: int, gpus_per_node: int) -> int:
         """Rollout engines the job runs: one per ``gpus_per_engine`` GPUs of the training nodes
@@ -136,9 +153,43 @@ class LaunchRequest:
     env: dict[str, str] = field(default_factory=dict)  # extra job environment
     setup_lines: str = ""  # Slurm: bash run before the command's srun (the per-node `srpo doctor`)
 
-    @property
-    def total_nodes(self) -> int:
-        return self.nodes + self.placement.engine_nodes
+    def job_nodes(self, executor: str) -> int:
+        """Nodes the job occupies: the training nodes plus the engine nodes it starts servers on."""
+        return self.nodes + self.placement.engine_nodes_on(executor)
+
+
+ENGINE_URLS_VAR = "SRPO_ENGINE_URLS"
+
+
+def local_engine_urls(request: LaunchRequest) -> list[str]:
+    """Separate placement on the local executor: the running SGLang servers the job will use.
+
+    The local executor starts no engine nodes, so the servers must already run; the job reads them from
+    ``SRPO_ENGINE_URLS`` (the request's env, else this process's environment, which the local job
+    inherits) or the recipe's ``rollout.sglang.url``. Refuses when none is given, before anything runs.
+    """
+    listed = request.env.get(ENGINE_URLS_VAR) or os.environ.get(ENGINE_URLS_VAR, "")
+    urls = [u.strip() for u in (listed or request.placement.sglang_url).split(",") if u.strip()]
+    if not urls:
+        raise ConfigError(
+            f"rollout.placement 'separate' on the local executor needs running SGLang servers, and "
+            f"{ENGINE_URLS_VAR} is unset: the local executor starts no engine nodes (rollout.engine_nodes="
+            f"{request.placement.engine_nodes} is not counted); start the servers (python -m "
+            f"srpo_megatron.rollout.sglang.servers RECIPE) and export {ENGINE_URLS_VAR}=http://HOST:PORT"
+            "[,...] (or set rollout.sglang.url), or use rollout.placement: colocated or a Slurm cluster"
+        )
+    return urls
+
+
+def local_torchrun_args(nprocs: int, command: JobCommand) -> list[str]:
+    """``python`` arguments of the local job: torchrun on this one machine running ``command``.
+
+    The same single-node settings as nemo-run's launcher (c10d rendezvous on a free localhost port with
+    a fresh id: ``--standalone``; every worker's output prefixed with its rank: ``--tee 3``), but passed
+    as a plain argument list, so every argument reaches the workers verbatim.
+    """
+    torchrun = ["--standalone", "--nnodes", "1", "--nproc-per-node", str(nprocs), "--tee", "3"]
+    return ["torch.distributed.run", *torchrun, "-m", command.module, *command.args]
 
 
 def _job_env(cluster: ClusterConfig, request: LaunchRequest, redact: bool = False) -> tuple[dict, dict]:
@@ -157,8 +208,12 @@ def _job_env(cluster: ClusterConfig, request: LaunchRequest, redact: bool = Fals
         "SRPO_TRAIN_NODES": str(request.nodes),
         "SRPO_ENGINE_NODES": str(request.placement.engine_nodes),
     }
-    gpus = request.gpus_per_node if request.gpus_per_node is not None else cluster.gpus_per_node
-    if gpus > 0:
+    gpus = _gpus_per_node(cluster, request)
+    if local and request.placement.placement == "separate":
+        urls = local_engine_urls(request)
+        env[ENGINE_URLS_VAR] = ",".join(urls)
+        env["SRPO_ROLLOUT_ENGINES"] = str(len(urls))
+    elif gpus > 0:
         env["SRPO_ROLLOUT_ENGINES"] = str(request.placement.engines(request.nodes, gpus))
     code = str(REPO_ROOT) if cluster.code == "in_place" else _SHIPPED_CODE
     inherited = os.environ.get("PYTHONPATH", "") if local else "${PYTHONPATH:-}"
@@ -179,6 +234,16 @@ def _job_env(cluster: ClusterConfig, request: LaunchRequest, redact: bool = Fals
     return env, secrets
 
 
+def _gpus_per_node(cluster: ClusterConfig, request: LaunchRequest) -> int:
+    return request.gpus_per_node if request.gpus_per_node is not None else cluster.gpus_per_node
+
+
+def _procs_per_node(cluster: ClusterConfig, request: LaunchRequest) -> int:
+    """torchrun workers per node: one per GPU, or the cluster's ``tasks_per_node`` on CPU nodes."""
+    gpus = _gpus_per_node(cluster, request)
+    return gpus if gpus > 0 else cluster.tasks_per_node
+
+
 def build_executor(cluster: ClusterConfig, request: LaunchRequest, redact: bool = False):
     """A nemo-run ``SlurmExecutor`` / ``LocalExecutor`` for ``request`` on ``cluster`` (checked first).
 
@@ -186,14 +251,18 @@ def build_executor(cluster: ClusterConfig, request: LaunchRequest, redact: bool 
     """
     import nemo_run as run
 
-    cluster.check_request(request.total_nodes, request.gpus_per_node)
+    cluster.check_request(request.job_nodes(cluster.executor), request.gpus_per_node)
     check_name(request.name, "experiment name (--name)")
-    gpus = request.gpus_per_node if request.gpus_per_node is not None else cluster.gpus_per_node
-    procs = gpus if gpus > 0 else cluster.tasks_per_node
     env, secrets = _job_env(cluster, request, redact)
-    launcher = run.Torchrun(rdzv_port=cluster.rdzv_port)
     if cluster.executor == "local":
-        return run.LocalExecutor(ntasks_per_node=procs, launcher=launcher, env_vars=env)
+        if request.nodes != 1:
+            raise ConfigError(
+                f"--nodes {request.nodes}: the local executor runs on this one machine; use --nodes 1 "
+                "or a Slurm cluster file"
+            )
+        # No nemo-run launcher: the task itself is the torchrun line (build_experiment).
+        return run.LocalExecutor(ntasks_per_node=_procs_per_node(cluster, request), env_vars=env)
+    launcher = run.Torchrun(rdzv_port=cluster.rdzv_port)
 
     from nemo_run.config import get_nemorun_home
 
@@ -224,9 +293,10 @@ def build_executor(cluster: ClusterConfig, request: LaunchRequest, redact: bool 
         partition=cluster.partition or None,
         job_name_prefix=f"{cluster.name}-",
         time=cluster.time,
-        nodes=request.total_nodes,
-        ntasks_per_node=procs,  # nemo-run's torchrun launcher turns this into 1 task x `procs` workers
-        gpus_per_node=gpus or None,
+        nodes=request.job_nodes(cluster.executor),
+        # nemo-run's torchrun launcher turns this into 1 task x ntasks_per_node workers
+        ntasks_per_node=_procs_per_node(cluster, request),
+        gpus_per_node=_gpus_per_node(cluster, request) or None,
         cpus_per_task=cluster.cpus_per_task or None,
         mem=cluster.mem or None,
         exclusive=cluster.exclusive or None,
@@ -251,14 +321,12 @@ def build_experiment(cluster: ClusterConfig, request: LaunchRequest, redact: boo
     import nemo_run as run
 
     executor = build_executor(cluster, request, redact)
+    if cluster.executor == "local":  # python -m torch.distributed.run ... -m MODULE ARGS, as a list
+        module, *args = local_torchrun_args(executor.nproc_per_node(), request.command)
+    else:  # nemo-run's Torchrun launcher wraps `python -m MODULE ARGS` (quoted for the sbatch script)
+        module, args = request.command.module, list(request.command.args)
     # LOGLEVEL: torchrun logs every rendezvous detail at INFO, which buries the job's own output.
-    task = run.Script(
-        path=request.command.module,
-        m=True,
-        args=list(request.command.args),
-        entrypoint="python",
-        env={"LOGLEVEL": "WARNING"},
-    )
+    task = run.Script(path=module, m=True, args=args, entrypoint="python", env={"LOGLEVEL": "WARNING"})
     exp = run.Experiment(
         request.name,
         executor=executor,

@@ -125,7 +125,10 @@ class StageBroadcaster:
         timeout_s: float = 600.0,
     ) -> None:
         """Create the group: ask every server to join (in threads: each blocks until all joined), join as
-        rank 0. ``timeout_s`` bounds the rendezvous, so a server that failed to join ends the wait."""
+        rank 0 (in a thread too). Whichever ends first decides: a server that answers its join with an
+        error ends the wait at once (EngineError naming it; our side of the rendezvous is abandoned and
+        its group, should it still form, destroyed), else our rendezvous' end, bounded by ``timeout_s``;
+        after a failed rendezvous a server's own error beats our timeout in the message."""
         self.transports, self.urls, self.group_name = transports, urls, group_name
         self.device = torch.device(device)
         offsets = [1 + sum(tp_sizes[:k]) for k in range(len(tp_sizes))]
@@ -135,15 +138,48 @@ class StageBroadcaster:
             build_init_weights_update_group_request(master_address, port, off, world, group_name, backend)
             for off in offsets
         ]
+        settled = threading.Event()  # our rendezvous ended, or a server failed to join
+        lock = threading.Lock()
+        ours: dict[str, Any] = {"abandoned": False}
+
+        def server_joins(transport: Any, body: dict[str, Any]) -> None:
+            try:
+                parse_update_response(transport.call("init_weights_update_group", body), "init group")
+            except BaseException:
+                settled.set()
+                raise
+
+        def we_join() -> None:
+            # The servers block in their side of the rendezvous until this rank (the store's host) joins.
+            try:
+                group = init_weights_group(backend, master_address, port, world, 0, group_name, timeout_s)
+                with lock:
+                    ours["group"] = group
+                    if ours["abandoned"]:  # formed after a server's failure was already reported
+                        dist.destroy_process_group(ours.pop("group"))
+            except BaseException as e:
+                ours["error"] = e
+            finally:
+                settled.set()
+
         waiting = _threads(
-            [
-                (lambda t=t, b=b: parse_update_response(t.call("init_weights_update_group", b), "init group"))
-                for t, b in zip(transports, bodies, strict=True)
-            ]
+            [(lambda t=t, b=b: server_joins(t, b)) for t, b in zip(transports, bodies, strict=True)]
         )
-        # The servers block in their side of the rendezvous until this rank (the store's host) joins.
+        server_errors = waiting[-1]  # _threads' per-server error slots, filled as each thread ends
+        threading.Thread(target=we_join, daemon=True, name=f"{group_name}-rendezvous").start()
+        settled.wait()
+        failed = [f"{urls[i]}: {e}" for i, e in enumerate(list(server_errors)) if e is not None]
+        if failed:  # do not wait out the rendezvous (timeout_s) for a server that will never join
+            with lock:
+                ours["abandoned"] = True
+                group = ours.pop("group", None)
+            if group is not None:
+                dist.destroy_process_group(group)
+            raise EngineError("init_weights_update_group failed on " + "; ".join(failed))
         try:
-            self.group = init_weights_group(backend, master_address, port, world, 0, group_name, timeout_s)
+            if "error" in ours:
+                raise ours["error"]
+            self.group = ours["group"]
         finally:
             _join(waiting, "init_weights_update_group", urls)  # a server's own error beats our timeout
 

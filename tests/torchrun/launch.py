@@ -1,10 +1,10 @@
 """Run a command under torchrun exactly as `srpo launch --cluster cluster/local.yaml` would start it.
 
 The command line and the job environment are not written here: ``srpo_megatron.launch.experiment`` builds
-the nemo-run ``LocalExecutor`` + ``Torchrun`` launcher and the task, and nemo-run's own packaging turns
-them into the ``torchrun ...`` argv its local scheduler runs (``Popen(argv, env=os.environ | job env)``).
-Only ``tasks_per_node`` (the world size each test needs) and, for a separate placement, ``max_nodes``
-differ from the shipped cluster/local.yaml.
+the nemo-run ``LocalExecutor`` and the task (``python -m torch.distributed.run ... -m MODULE ARGS``), and
+nemo-run's own packaging turns them into the argv its local scheduler runs (``Popen(argv, env=os.environ |
+job env)``).
+Only ``tasks_per_node`` (the world size each test needs) differs from the shipped cluster/local.yaml.
 The process gets its own session, so a hang is killed (its whole process group) at ``timeout`` and
 becomes a failure that shows the output, not a stuck CI job.
 """
@@ -23,20 +23,16 @@ from srpo_megatron.launch.experiment import JobCommand, LaunchRequest, RolloutPl
 
 
 def srpo_launch_argv(
-    command: JobCommand, nprocs: int, recipe: dict | None = None
+    command: JobCommand, nprocs: int, recipe: dict | None = None, env: dict[str, str] | None = None
 ) -> tuple[list[str], dict[str, str]]:
     """``(argv, job env)`` of the torchrun process `srpo launch` starts for ``command`` on cluster/local.yaml
-    with ``tasks_per_node: nprocs``; ``recipe`` (a loaded recipe) gives the rollout placement, as there."""
+    with ``tasks_per_node: nprocs``; ``recipe`` (a loaded recipe) gives the rollout placement, as there;
+    ``env`` is the request's extra job environment (e.g. ``SRPO_ENGINE_URLS`` for a separate placement)."""
     from nemo_run.run.torchx_backend.packaging import package
 
     placement = RolloutPlacement.from_recipe(recipe or {})
-    request = LaunchRequest(name="srpo-torchrun-test", command=command, placement=placement)
-    # max_nodes: `srpo launch` counts rollout.engine_nodes into the request even on the local executor,
-    # which starts no engine nodes (the servers are given by SRPO_ENGINE_URLS), and cluster/local.yaml's
-    # max_nodes=1 then refuses a separate placement. The torchrun line does not depend on it (one node).
-    cluster = dataclasses.replace(
-        load_cluster("local"), tasks_per_node=nprocs, max_nodes=max(1, request.total_nodes)
-    )
+    request = LaunchRequest(name="srpo-torchrun-test", command=command, placement=placement, env=env or {})
+    cluster = dataclasses.replace(load_cluster("local"), tasks_per_node=nprocs)
     exp, task = build_experiment(cluster, request)
     with tempfile.TemporaryDirectory() as job_dir:
         exp.executor.job_dir = job_dir  # nemo-run writes nothing there for a python -m task
@@ -60,9 +56,10 @@ def run_torchrun(
     env: dict[str, str] | None = None,
     recipe: dict | None = None,
 ) -> TorchrunResult:
-    """Run ``command`` under the generated torchrun line; ``env`` is added to the job environment."""
-    argv, job_env = srpo_launch_argv(command, nprocs, recipe)
-    full = {**os.environ, **job_env, **(env or {})}
+    """Run ``command`` under the generated torchrun line; ``env`` is added to the job environment (as the
+    request's env: `srpo launch` builds the job with it)."""
+    argv, job_env = srpo_launch_argv(command, nprocs, recipe, env)
+    full = {**os.environ, **job_env}
     full["PATH"] = f"{job_env['PATH']}{os.pathsep}{os.environ['PATH']}"  # as torchx's local scheduler
     full.setdefault("PYTHONUNBUFFERED", "x")
     proc = subprocess.Popen(

@@ -12,18 +12,19 @@ pytestmark = pytest.mark.torchrun
 
 def test_the_launch_line_is_torchrun_with_the_local_cluster_settings():
     argv, env = srpo_launch_argv(JobCommand("tests.torchrun.workers", ("weights-group",)), 2)
-    assert argv[0] == "torchrun" and argv[argv.index("--nproc-per-node") + 1] == "2"
-    assert argv[argv.index("--rdzv-endpoint") + 1] == "localhost:0"  # single node: a free port
-    assert argv[argv.index("-m") :] == ["-m", "tests.torchrun.workers", "weights-group"]
+    assert argv[:3] == ["python", "-m", "torch.distributed.run"]  # torchrun's own entry point
+    torchrun = argv[3 : argv.index("-m", 3)]
+    assert torchrun == ["--standalone", "--nnodes", "1", "--nproc-per-node", "2", "--tee", "3"]
+    assert argv[argv.index("-m", 3) :] == ["-m", "tests.torchrun.workers", "weights-group"]
     assert env["SRPO_ROLLOUT_PLACEMENT"] == "colocated" and env["LOGLEVEL"] == "WARNING"
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="nemo-run shell-quotes torchrun's arguments and its local scheduler passes them to Popen "
-    "quotes and all: `srpo launch --cluster local -o 'data.train_files=[x]'` reaches srpo train as "
-    "\"'data.train_files=[x]'\" (seen: 'the value is not valid YAML')",
-)
-def test_an_override_with_yaml_brackets_reaches_the_job_verbatim():
-    argv, _ = srpo_launch_argv(srpo_train_command("r.yaml", ["data.train_files=[/d/a.jsonl]"]), 1)
-    assert argv[-2:] == ["--override", "data.train_files=[/d/a.jsonl]"]
+# Values a shell would have to quote: nemo-run's Torchrun launcher shell-quotes them, and torchx's local
+# scheduler hands its argv to Popen without a shell, so they reached the job quotes and all.
+AWKWARD = ["data.train_files=[/d/a.jsonl]", "rollout.sglang={model_path: /m, tp: 2}", "run.dir=/a b/$HOME"]
+
+
+@pytest.mark.parametrize("override", AWKWARD)
+def test_an_override_that_needs_shell_quoting_reaches_the_job_verbatim(override):
+    argv, _ = srpo_launch_argv(srpo_train_command("r.yaml", [override]), 1)
+    assert argv[-4:] == ["train", "r.yaml", "--override", override]

@@ -98,7 +98,9 @@ def test_request_larger_than_partition_is_refused():
 def test_rollout_placement_from_recipe():
     assert RolloutPlacement.from_recipe({}) == RolloutPlacement("colocated", 0)
     sep = RolloutPlacement.from_recipe({"rollout": {"placement": "separate", "engine_nodes": 2}})
-    assert LaunchRequest("x", srpo_train_command("r.yaml"), nodes=4, placement=sep).total_nodes == 6
+    request = LaunchRequest("x", srpo_train_command("r.yaml"), nodes=4, placement=sep)
+    assert request.job_nodes("slurm") == 6  # Slurm starts the servers on 2 nodes of its own
+    assert request.job_nodes("local") == 4  # the local executor starts none: they already run
     with pytest.raises(ConfigError, match="engine_nodes >= 1"):
         RolloutPlacement.from_recipe({"rollout": {"placement": "separate"}})
     with pytest.raises(ConfigError, match="'colocated' or 'separate'"):
@@ -136,6 +138,56 @@ def test_cli_reports_oversized_request(tmp_path, capsys):
     )
     assert rc == 2
     assert "needs 65 nodes" in capsys.readouterr().err
+
+
+SEPARATE = {"rollout": {"placement": "separate", "engine_nodes": 1}}
+
+
+def test_local_separate_placement_needs_running_servers_and_counts_no_engine_nodes(
+    tmp_path, capsys, monkeypatch
+):
+    """cluster/local.yaml (max_nodes 1) starts no engine nodes: a separate placement runs against servers
+    listed in SRPO_ENGINE_URLS, and without them it is refused with the variable and the fix named."""
+    recipe = _write(tmp_path / "r.yaml", SEPARATE)
+    args = ["launch", str(recipe), "--cluster", "cluster/local.yaml", "--dryrun", "--home", str(tmp_path)]
+    monkeypatch.delenv("SRPO_ENGINE_URLS", raising=False)
+    assert commands.main(args) == 2
+    err = capsys.readouterr().err
+    assert "needs 2 nodes" not in err, "the engine node was counted on the local executor"
+    assert "SRPO_ENGINE_URLS is unset" in err and "export SRPO_ENGINE_URLS=http://HOST:PORT" in err, err
+
+    monkeypatch.setenv("SRPO_ENGINE_URLS", "http://10.0.0.7:30000, http://10.0.0.7:30001")
+    assert commands.main(args) == 0, capsys.readouterr().err
+    assert "2 running server(s)" in capsys.readouterr().out
+
+
+def test_local_separate_placement_hands_the_servers_to_the_job(monkeypatch):
+    from srpo_megatron.launch.experiment import build_experiment
+
+    monkeypatch.delenv("SRPO_ENGINE_URLS", raising=False)
+    local, command = load_cluster("local"), srpo_train_command("r.yaml")
+    given = LaunchRequest("x", command, placement=RolloutPlacement.from_recipe(SEPARATE))
+    with pytest.raises(ConfigError, match="SRPO_ENGINE_URLS is unset"):
+        build_experiment(local, given)
+    given.env["SRPO_ENGINE_URLS"] = "http://h:1,http://h:2"
+    env = build_experiment(local, given)[0].executor.env_vars
+    assert (env["SRPO_ENGINE_URLS"], env["SRPO_ROLLOUT_ENGINES"], env["SRPO_ENGINE_NODES"]) == (
+        "http://h:1,http://h:2",
+        "2",
+        "1",
+    )
+    # Servers named by the recipe (rollout.sglang.url) serve as well, as `srpo train` reads them.
+    in_recipe = {"rollout": {**SEPARATE["rollout"], "sglang": {"url": "http://s:9"}}}
+    request = LaunchRequest("x", command, placement=RolloutPlacement.from_recipe(in_recipe))
+    assert build_experiment(local, request)[0].executor.env_vars["SRPO_ENGINE_URLS"] == "http://s:9"
+
+
+def test_the_local_executor_refuses_more_than_one_node():
+    from srpo_megatron.launch.experiment import build_experiment
+
+    two = dataclasses.replace(load_cluster("local"), max_nodes=2)  # a hand-written file allowing more
+    with pytest.raises(ConfigError, match="runs on this one machine; use --nodes 1"):
+        build_experiment(two, LaunchRequest("x", srpo_train_command("r.yaml"), nodes=2))
 
 
 # ---- dry run: the sbatch script -----------------------------------------------------------------------

@@ -137,7 +137,11 @@ def _script(tmp_path: Path) -> str:
     """The sbatch script with the real secrets (what sbatch would get), from a dry run."""
     set_home(tmp_path / "home")
     request = LaunchRequest(
-        "evil-run", srpo_train_command(str(_recipe(tmp_path)), [f"run.dir=/r $(touch {tmp_path}/PWN_arg)"])
+        "evil-run",
+        srpo_train_command(
+            str(_recipe(tmp_path)),
+            [f"run.dir=/r $(touch {tmp_path}/PWN_arg)", "data.train_files=[/d/a b.jsonl]"],
+        ),
     )
     return submit(load_cluster(_evil_cluster(tmp_path)), request, dryrun=True, redact=False).script
 
@@ -175,7 +179,13 @@ def test_generated_script_runs_no_injected_command(tmp_path):
     assert argv[argv.index("--container-image") + 1] == f"img$(touch {tmp_path}/PWN_image)"
     mounts = argv[argv.index("--container-mounts") + 1].split(",")
     assert mounts[0] == f"/a b:/b$(touch {tmp_path}/PWN_mount)"
-    assert argv[argv.index("--override") + 1] == f"run.dir=/r $(touch {tmp_path}/PWN_arg)"
+    # Slurm: bash parses the quoted srun line, so every override reaches the job verbatim.
+    assert argv[argv.index("train") + 2 :] == [
+        "--override",
+        f"run.dir=/r $(touch {tmp_path}/PWN_arg)",
+        "--override",
+        "data.train_files=[/d/a b.jsonl]",
+    ]
     foo, token, cred = record.with_suffix(".env").read_text().split("\0")[:3]
     assert foo == f"x$(touch {tmp_path}/PWN_env) `touch {tmp_path}/PWN_tick`; y"
     assert (token, cred) == (SECRET, LISTED_SECRET)  # the job gets its secrets ...
