@@ -209,24 +209,31 @@ class SGLangStandInServer:
         payloads = body["serialized_named_tensors"]
         if body.get("load_format") != "flattened_bucket":
             raise ValueError(f"stand-in expects load_format=flattened_bucket, got {body.get('load_format')}")
-        params = dict(self.model.named_parameters())
         # Each payload decodes once (its memory travels as a file descriptor), as in SGLang: what every
         # rank received is kept (copies) in ``tensor_updates`` for the tests.
         per_rank = [
             [(n, t.clone()) for n, t in standin_deserialize(payloads[r])] for r in range(self.tp_size)
         ]
         self.tensor_updates.append(per_rank)
+        # every rank would load its shard; one copy suffices on CPU
+        return self._install(per_rank[0], body, "Succeeded to update parameter online.", expert_files=True)
+
+    def _install(self, named, body, success: str, expert_files: bool = False):
+        """Copy ``named`` tensors into the model, stopping at the first name or shape it lacks (no
+        atomicity, as in SGLang), then serve ``body``'s ``weight_version``. Stricter than SGLang, whose
+        ``load_weights`` skips a name its model lacks, silently. ``expert_files``: per-expert checkpoint
+        names are accepted without loading them (see ``_is_expert_file_name``)."""
+        params = dict(self.model.named_parameters())
         with torch.no_grad():
-            for name, t in per_rank[0]:  # every rank would load its shard; one copy suffices on CPU
-                if name not in params and self._is_expert_file_name(name):
-                    continue  # SGLang loads it into its FusedMoE; the HF model holds experts fused (below)
-                # Stricter than SGLang, whose load_weights skips a name its model lacks, silently.
+            for name, t in named:
+                if expert_files and name not in params and self._is_expert_file_name(name):
+                    continue  # SGLang loads it into its FusedMoE; the HF model holds experts fused
                 if name not in params or params[name].shape != t.shape:
                     return {"success": False, "message": f"bad tensor {name}"}
                 params[name].copy_(t)
         if body.get("weight_version") is not None:
             self.version = body["weight_version"]
-        return {"success": True, "message": "Succeeded to update parameter online."}
+        return {"success": True, "message": success}
 
     def _is_expert_file_name(self, name: str) -> bool:
         """A per-expert checkpoint name (``model.layers.L.mlp.experts.E.{gate,up,down}_proj.weight``) of an
@@ -284,15 +291,7 @@ class SGLangStandInServer:
 
         with ThreadPoolExecutor(len(ranks)) as pool:
             received = list(pool.map(receive, ranks))  # every TP rank receives every tensor
-        params = dict(self.model.named_parameters())
-        with torch.no_grad():
-            for name, t in received[0]:
-                if name not in params or params[name].shape != t.shape:
-                    return {"success": False, "message": f"bad tensor {name}"}
-                params[name].copy_(t)
-        if body.get("weight_version") is not None:
-            self.version = body["weight_version"]
-        return {"success": True, "message": "Succeeded to update parameter online."}
+        return self._install(received[0], body, "Succeeded to update parameter online.")
 
     def route_destroy_weights_update_group(self, body):
         self.weight_groups.pop(body["group_name"], None)
@@ -302,16 +301,9 @@ class SGLangStandInServer:
         # like SGLang: load whatever the folder holds, tensor by tensor, no atomicity
         from pathlib import Path
 
-        params = dict(self.model.named_parameters())
-        with torch.no_grad():
-            for f in sorted(Path(body["model_path"]).glob("*.safetensors")):
-                for name, t in load_file(str(f)).items():
-                    if name not in params or params[name].shape != t.shape:
-                        return {"success": False, "message": f"bad tensor {name}"}
-                    params[name].copy_(t)
-        if body.get("weight_version") is not None:
-            self.version = body["weight_version"]
-        return {"success": True, "message": "Succeeded to update model weights."}
+        files = sorted(Path(body["model_path"]).glob("*.safetensors"))
+        named = (item for f in files for item in load_file(str(f)).items())
+        return self._install(named, body, "Succeeded to update model weights.")
 
     def _tags(self, body) -> tuple[str, ...]:
         tags = body.get("tags")

@@ -133,26 +133,21 @@ def serialize_bucket_per_tp_rank(
             raise EngineError(
                 f"bucket tensor {name} ({t.dtype}) would start at byte {offset}, not a multiple of its "
                 f"element size {t.element_size()}: SGLang's FlattenedTensorBucket cannot view it there; "
-                "keep one "
-                "dtype per bucket or order the tensors by decreasing element size"
+                "keep one dtype per bucket or order the tensors by decreasing element size"
             )
         offset += t.numel() * t.element_size()
     try:
         from sglang.srt.utils import MultiprocessingSerializer
         from sglang.srt.weight_sync.tensor_bucket import FlattenedTensorBucket
     except ImportError:  # no SGLang here (CPU): the same wire format, written by the project
-        if serializer is None:
-            return flat_wire.encode(bucket, tp_size)
-        flat_tensor, meta = flat_wire.flatten(bucket)
-        data = {"flattened_tensor": flat_tensor, "metadata": meta}
-        return [serializer(data) for _ in range(tp_size)], flat_tensor
-    flat = FlattenedTensorBucket(named_tensors=list(bucket))
-    data = {"flattened_tensor": flat.get_flattened_tensor(), "metadata": flat.get_metadata()}
-    if serializer is None:
-        payload = [MultiprocessingSerializer.serialize(data, output_str=True) for _ in range(tp_size)]
+        flat_tensor, metadata = flat_wire.flatten(bucket)
+        serialize = serializer or flat_wire.serialize
     else:
-        payload = [serializer(data) for _ in range(tp_size)]
-    return payload, data["flattened_tensor"]
+        flat = FlattenedTensorBucket(named_tensors=list(bucket))
+        flat_tensor, metadata = flat.get_flattened_tensor(), flat.get_metadata()
+        serialize = serializer or (lambda obj: MultiprocessingSerializer.serialize(obj, output_str=True))
+    data = {"flattened_tensor": flat_tensor, "metadata": metadata}
+    return [serialize(data) for _ in range(tp_size)], flat_tensor
 
 
 # SGLang's ``GPU_MEMORY_ALL_TYPES`` (``sglang/srt/constants.py``; the same list in 0.5.15.post1 and 0.5.23),
