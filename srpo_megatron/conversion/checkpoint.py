@@ -45,8 +45,8 @@ import torch
 from srpo_megatron.conversion.dist_reader import TorchDistReader
 from srpo_megatron.conversion.safetensors_io import HFCheckpointReader, PlannedSafetensorsWriter
 from srpo_megatron.conversion.table import ConversionError, ConversionTable, canonical_name
+from srpo_megatron.durable_io import fsync_dir, fsync_tree
 from srpo_megatron.models.architecture import Architecture, load_hf_config_dict
-from srpo_megatron.trainer.checkpoint_files import fsync_dir, fsync_tree
 
 POLICY_PREFIX = "model."
 HF_CONFIG_NAME = "hf_config.json"

@@ -40,6 +40,7 @@ import torch.distributed as dist
 
 from srpo_megatron.compat.float16_optimizer import fix_float16_optimizer_checkpointing
 from srpo_megatron.conversion.checkpoint import HF_CONFIG_NAME, POLICY_PREFIX
+from srpo_megatron.durable_io import fsync_dir, fsync_tree, write_text_durably
 from srpo_megatron.models.architecture import load_hf_config_dict
 from srpo_megatron.models.performance import (
     drop_absent_extra_state,
@@ -51,11 +52,8 @@ from srpo_megatron.trainer.checkpoint_files import (
     LATEST,
     CheckpointError,
     digest_files,
-    fsync_dir,
-    fsync_tree,
     step_dirs,
     write_manifest,
-    write_text_durably,
 )
 from srpo_megatron.trainer.ema_shard import load_teacher_fp32, teacher_fp32_state
 
