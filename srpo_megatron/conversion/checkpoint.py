@@ -352,7 +352,7 @@ def load_policy_checkpoint(model: torch.nn.Module, ckpt_dir: str | Path) -> None
     """Load the ``model.`` tensors of a checkpoint into this rank's policy stage (any TP/PP)."""
     from megatron.core import dist_checkpointing
 
-    from srpo_megatron.models.performance import drop_absent_extra_state, stored_sharded_keys
+    from srpo_megatron.conversion.spec_compat import drop_absent_extra_state, stored_sharded_keys
 
     sharded = model.sharded_state_dict(prefix=POLICY_PREFIX)
     # A checkpoint converted without Transformer Engine lacks some TE `_extra_state` objects (FP8 metadata,

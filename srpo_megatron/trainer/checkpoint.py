@@ -27,10 +27,7 @@ from __future__ import annotations
 
 import contextlib
 import json
-import math
 import os
-import pickle
-import random
 import shutil
 from pathlib import Path
 from typing import Any
@@ -40,14 +37,9 @@ import torch.distributed as dist
 
 from srpo_megatron.compat.float16_optimizer import fix_float16_optimizer_checkpointing
 from srpo_megatron.conversion.checkpoint import HF_CONFIG_NAME, POLICY_PREFIX
+from srpo_megatron.conversion.spec_compat import drop_absent_extra_state, stored_sharded_keys
 from srpo_megatron.durable_io import fsync_dir, fsync_tree, write_text_durably
 from srpo_megatron.models.architecture import load_hf_config_dict
-from srpo_megatron.models.performance import (
-    drop_absent_extra_state,
-    rng_device_kind,
-    rng_states_compatible,
-    stored_sharded_keys,
-)
 from srpo_megatron.trainer.checkpoint_files import (
     LATEST,
     CheckpointError,
@@ -56,6 +48,7 @@ from srpo_megatron.trainer.checkpoint_files import (
     write_manifest,
 )
 from srpo_megatron.trainer.ema_shard import load_teacher_fp32, teacher_fp32_state
+from srpo_megatron.trainer.rng_state import load_rng_file, rng_state, set_rng_state
 
 TEACHER_PREFIX = "teacher."
 STATE_FILE = "trainer_state.json"
@@ -188,62 +181,6 @@ def _sharded_state(runtime: Any, loading: bool) -> dict[str, Any]:
     return state
 
 
-def _rng_state() -> dict[str, Any]:
-    """Every RNG this rank draws from, as tensors and numbers (loadable with ``weights_only=True``)."""
-    import numpy as np
-    from megatron.core import tensor_parallel
-
-    version, keys, gauss = random.getstate()
-    _, np_keys, np_pos, np_has_gauss, np_gauss = np.random.get_state()
-    state = {
-        "python_keys": torch.tensor(keys, dtype=torch.int64, device="cpu"),  # [625]
-        "python_version": int(version),
-        "python_gauss": math.nan if gauss is None else float(gauss),
-        "numpy_keys": torch.from_numpy(np_keys.astype(np.int64)),  # [624]
-        "numpy_pos": int(np_pos),
-        "numpy_has_gauss": int(np_has_gauss),
-        "numpy_gauss": float(np_gauss),
-        "torch": torch.get_rng_state(),
-        "tracker": {k: v.cpu() for k, v in tensor_parallel.get_cuda_rng_tracker().get_states().items()},
-        "tracker_device": rng_device_kind(),  # CUDA and CPU-layer generator states differ in size
-    }
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        state["cuda"] = torch.cuda.get_rng_state()  # the current device's default generator
-    return state
-
-
-def _set_rng_state(state: dict[str, Any], path: str = "") -> None:
-    import numpy as np
-    from megatron.core import tensor_parallel
-
-    gauss = state["python_gauss"]
-    keys = tuple(int(k) for k in state["python_keys"].tolist())
-    random.setstate((state["python_version"], keys, None if math.isnan(gauss) else gauss))
-    np_keys = state["numpy_keys"].numpy().astype(np.uint32)
-    np.random.set_state(
-        ("MT19937", np_keys, state["numpy_pos"], state["numpy_has_gauss"], state["numpy_gauss"])
-    )
-    torch.set_rng_state(state["torch"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state(state["cuda"])
-    # Saved on the other device kind (CPU <-> GPU resume): the tracker keeps its seeding (warned).
-    if rng_states_compatible(state.get("tracker_device"), path):
-        tensor_parallel.get_cuda_rng_tracker().set_states(state["tracker"])
-
-
-def load_rng_file(path: Path) -> dict[str, Any]:
-    """An RNG file, read without running any code: anything but tensors and numbers is refused."""
-    try:
-        return torch.load(path, weights_only=True, map_location="cpu")
-    except pickle.UnpicklingError as e:
-        first = str(e).strip().splitlines()[0]
-        raise CheckpointError(
-            f"{path} holds more than tensors and numbers ({first}); refusing to unpickle it. Checkpoints "
-            "must come from a trusted source; if you wrote this one with an older srpo_megatron, resume "
-            "with the same version or pass --override run.restart=true"
-        ) from None
-
-
 def save_checkpoint(
     runtime: Any, run_dir: str | Path, step: int, trainer_state: dict, keep_last: int
 ) -> Path:
@@ -261,7 +198,7 @@ def save_checkpoint(
     _barrier()
     with runtime.offload.all_on_device():  # host-resident teacher (trainer/offload.py)
         dist_checkpointing.save(_sharded_state(runtime, loading=False), str(tmp))
-    torch.save(_rng_state(), tmp / "rng" / f"rank_{_rank():05d}.pt")
+    torch.save(rng_state(), tmp / "rng" / f"rank_{_rank():05d}.pt")
     if _rank() == 0:
         import yaml
 
@@ -300,7 +237,7 @@ def load_checkpoint(runtime: Any, path: str | Path, log=print) -> dict:
     saved_ranks = len(list((path / "rng").glob("rank_*.pt")))
     world = dist.get_world_size() if dist.is_initialized() else 1
     if rng.is_file():
-        _set_rng_state(load_rng_file(rng), str(rng))
+        set_rng_state(load_rng_file(rng), str(rng))
     if saved_ranks != world and _rank() == 0:
         log(
             f"{path} holds RNG states of {saved_ranks} ranks, this run has {world}: ranks without a saved "
