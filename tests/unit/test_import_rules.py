@@ -37,62 +37,66 @@ PACKAGE = "srpo_megatron"
 @dataclass(frozen=True)
 class Layer:
     name: str
-    rooms: tuple[str, ...]
+    files: tuple[str, ...]  # the rooms as they lie in srpo_megatron/: "trainer/" (package), "ports.py"
     owns: str  # one line: what the layer's rooms own
+
+    @property
+    def rooms(self) -> tuple[str, ...]:
+        return tuple(f.removesuffix("/").removesuffix(".py") for f in self.files)
 
 
 # Lowest first. A room may import its own room and the rooms of lower layers only.
 LAYERS: tuple[Layer, ...] = (
     Layer(
         "leaf utilities",
-        ("compat", "ports", "durable_io"),
-        "the CPU layer and megatron shims, free rendezvous ports, fsync and durable writes",
+        ("compat/", "ports.py", "durable_io.py", "buckets.py"),
+        "the CPU layer and megatron shims, free rendezvous ports, fsync and durable writes, weight buckets",
     ),
     Layer(
         "recipe",
-        ("config", "configs"),
+        ("config/", "configs.py"),
         "the typed recipe: dataclasses, YAML loading, overrides, load-time refusals (torch-free)",
     ),
     Layer(
         "math and process groups",
-        ("ops", "parallel"),
+        ("ops/", "parallel.py"),
         "vocab-parallel log-prob/entropy/top-k (pure tensor math); megatron's TP/PP/DP/CP/EP groups",
     ),
-    Layer("losses", ("losses",), "GRPO and SDPO token losses, sample routing, the routed loss"),
-    Layer("rewards", ("rewards",), "reward functions and the reward worker pool"),
+    Layer("losses", ("losses/",), "GRPO and SDPO token losses, sample routing, the routed loss"),
+    Layer("rewards", ("rewards/",), "reward functions and the reward worker pool"),
     Layer(
         "data and models",
-        ("data", "models"),
+        ("data/", "models/"),
         "prompt rows, templates, datasets; architectures, megatron policy specs, MoE, speed choices",
     ),
     Layer(
         "conversion",
-        ("conversion",),
+        ("conversion/",),
         "the one HF <-> megatron table per architecture, safetensors and torch_dist I/O",
     ),
     Layer(
         "rollout",
-        ("rollout",),
+        ("rollout/",),
         "rollout engines (transformers, SGLang) behind one interface, placement, routed experts",
     ),
-    Layer("weights", ("weights",), "trainer -> engine weight export and sync transports"),
-    Layer("evaluation", ("evaluation",), "avg@k through any engine, the budget report, plots, srpo eval"),
+    Layer("weights", ("weights/",), "trainer -> engine weight export and sync transports"),
+    Layer("evaluation", ("evaluation/",), "avg@k through any engine, the budget report, plots, srpo eval"),
     Layer(
         "trainer",
-        ("trainer",),
+        ("trainer/",),
         "the SRPO step's pieces: policy runtime, rollouts, scoring, learning, checkpoints, metrics",
     ),
     Layer(
         "tools on the recipe",
-        ("planner", "doctor"),
+        ("planner/", "doctor/"),
         "the memory planner (srpo plan); environment and input checks (srpo doctor)",
     ),
-    Layer("launch", ("launch",), "nemo-run experiments on Slurm or this machine, job control (srpo launch)"),
-    Layer("driver", ("train",), "the RL loop, SPEC section 1 (srpo train)"),
-    Layer("command line", ("cli",), "the srpo command: parses arguments, imports each command lazily"),
+    Layer("launch", ("launch/",), "nemo-run experiments on Slurm or this machine, job control (srpo launch)"),
+    Layer("driver", ("train.py",), "the RL loop, SPEC section 1 (srpo train)"),
+    Layer("command line", ("cli.py",), "the srpo command: parses arguments, imports each command lazily"),
     Layer(
         "test support",
-        ("testing",),
+        ("testing/",),
         "tiny models, the SGLang stand-in server, strict-device mode: imported by tests and tools only",
     ),
 )
@@ -103,13 +107,19 @@ LEAVES: dict[str, str] = {
     "compat": "a leaf utility",
     "ports": "a leaf utility",
     "durable_io": "a leaf utility",
+    "buckets": "a leaf utility",
     "config": "the recipe loads without the rest of the package (and without torch)",
     "configs": "the recipe loads without the rest of the package (and without torch)",
-    f"{PACKAGE}.trainer.step_types": "what flows through a step is a leaf every phase may import",
 }
 
-# Rooms whose imports from outside the standard library are limited to these top-level names.
+# Modules that import no other module of their own room (and, like every module, lower layers only).
+INNER_LEAVES: dict[str, str] = {
+    f"{PACKAGE}.trainer.step_types": "what flows through a step: every trainer phase imports it",
+}
+
+# Rooms (or modules) whose imports from outside the standard library are limited to these names.
 THIRD_PARTY: dict[str, frozenset[str]] = {
+    f"{PACKAGE}.trainer.step_types": frozenset({"torch"}),
     "config": frozenset({"yaml"}),
     "configs": frozenset({"yaml"}),
     "ops": frozenset({"torch"}),
@@ -194,6 +204,11 @@ def _leaf_rule(module: str) -> str | None:
     return room(module) if room(module) in LEAVES else None
 
 
+def _inner_leaf(module: str) -> str | None:
+    """The INNER_LEAVES entry ``module`` is (or lies in), if any."""
+    return next((m for m in INNER_LEAVES if module == m or module.startswith(m + ".")), None)
+
+
 def violations(root: Path, pending: dict[tuple[str, str], str] | None = None) -> list[str]:
     """Every import under ``root`` that breaks the rules, as ``a → b (file:line): why``."""
     pending = PENDING if pending is None else pending
@@ -202,9 +217,12 @@ def violations(root: Path, pending: dict[tuple[str, str], str] | None = None) ->
     out = []
     for e in edges:
         a, b = room(e.source), room(e.target)
+        head = f"{e.source} → {e.target} ({e.where})"
+        inner = _inner_leaf(e.source)
+        if a == b and inner and _inner_leaf(e.target) != inner and (e.source, e.target) not in pending:
+            out.append(f"{head}: {inner} imports no other module of {a} ({INNER_LEAVES[inner]})")
         if a == b or (e.source, e.target) in pending:
             continue
-        head = f"{e.source} → {e.target} ({e.where})"
         leaf = _leaf_rule(e.source)
         if a not in index:
             out.append(f"{head}: room {a!r} is not in the layer table; add it to LAYERS (and the README)")
@@ -221,10 +239,11 @@ def violations(root: Path, pending: dict[tuple[str, str], str] | None = None) ->
             )
     stdlib = sys.stdlib_module_names
     for module, name, where in external:
-        allowed = THIRD_PARTY.get(room(module))
+        key = _inner_leaf(module) if _inner_leaf(module) in THIRD_PARTY else room(module)
+        allowed = THIRD_PARTY.get(key)
         if allowed is not None and name not in stdlib and name not in allowed:
             out.append(
-                f"{module} → {name} ({where}): {room(module)} may import only the standard library and "
+                f"{module} → {name} ({where}): {key} may import only the standard library and "
                 f"{sorted(allowed)}"
             )
     return out
@@ -263,9 +282,7 @@ def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
 def markdown_table() -> str:
     lines = ["| layer | rooms | owns |", "|---|---|---|"]
     for i, layer in reversed(list(enumerate(LAYERS))):
-        rooms = ", ".join(
-            f"`{r}.py`" if (REPO / PACKAGE / f"{r}.py").is_file() else f"`{r}/`" for r in layer.rooms
-        )
+        rooms = ", ".join(f"`{f}`" for f in layer.files)
         lines.append(f"| {i} {layer.name} | {rooms} | {layer.owns} |")
     return "\n".join(lines)
 
@@ -342,6 +359,19 @@ def test_a_sibling_import_a_leaf_import_and_a_third_party_import_are_reported(tm
     assert "may not import parallel (layer 2, math and process groups, beside it)" in found
     assert "srpo_megatron.ops → numpy" not in found and "srpo_megatron.ops.x → numpy" in found
     assert "config is a leaf" in found and "srpo_megatron.config → torch" in found
+
+
+def test_step_types_imports_no_other_trainer_module(tmp_path):
+    text = "from srpo_megatron.losses import TokenBatch\nfrom srpo_megatron.trainer import batches\n"
+    text += "import numpy\n"
+    root = _tree(tmp_path, {"trainer/step_types.py": text, "losses/__init__.py": ""})
+    found = violations(root, pending={})
+    assert len(found) == 2, found  # losses is below the trainer: allowed
+    assert "step_types → srpo_megatron.trainer (srpo_megatron/trainer/step_types.py:2)" in found[0]
+    assert "srpo_megatron.trainer.step_types imports no other module of trainer" in found[0]
+    assert (
+        "step_types → numpy" in found[1] and "may import only the standard library and ['torch']" in found[1]
+    )
 
 
 def test_a_pending_edge_is_allowed_and_an_unknown_room_is_reported(tmp_path):
