@@ -312,6 +312,15 @@ def test_every_room_is_in_the_table():
     assert rooms <= set(layer_of()), f"rooms missing from LAYERS: {sorted(rooms - set(layer_of()))}"
 
 
+def test_the_table_names_each_room_once_and_the_rules_name_known_rooms():
+    rooms = [r for layer in LAYERS for r in layer.rooms]
+    assert len(rooms) == len(set(rooms)), (
+        f"rooms in two layers: {sorted({r for r in rooms if rooms.count(r) > 1})}"
+    )
+    named = {room(k) if k.startswith(PACKAGE + ".") else k for k in [*LEAVES, *INNER_LEAVES, *THIRD_PARTY]}
+    assert named <= set(layer_of()), f"rules for rooms not in LAYERS: {sorted(named - set(layer_of()))}"
+
+
 def _tree(tmp_path: Path, files: dict[str, str]) -> Path:
     for name in ["__init__.py", "ops/__init__.py", "trainer/__init__.py", "rollout/__init__.py"]:
         files.setdefault(name, "")
