@@ -17,7 +17,7 @@ import argparse
 import json
 import sys
 
-from srpo_megatron.configs import ConfigError
+from srpo_megatron.config import ConfigError
 from srpo_megatron.data.rows import DataError
 from srpo_megatron.trainer.checkpoint_files import CheckpointError
 

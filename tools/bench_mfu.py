@@ -78,9 +78,9 @@ def run_mode(arch, recompute: str, seq: int, mbs: int, steps: int, warmup: int) 
     from megatron.core.optimizer import get_megatron_optimizer
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
+    from srpo_megatron.config import OptimConfig
     from srpo_megatron.models import performance as perf
     from srpo_megatron.models.policy import build_policy
-    from srpo_megatron.trainer.config import OptimConfig
 
     acc = perf.Accelerators.detect()
     cfg = perf.PerformanceConfig(layer_spec="local", recompute=recompute)

@@ -15,8 +15,15 @@ import subprocess
 import sys
 from pathlib import Path
 
-from srpo_megatron.configs import ConfigError, apply_overrides, load_yaml
-from srpo_megatron.launch.cluster import CLUSTER_DIR, cluster_files, load_cluster
+from srpo_megatron.config import (
+    CLUSTER_DIR,
+    ConfigError,
+    apply_overrides,
+    cluster_files,
+    load_cluster,
+    load_yaml,
+)
+from srpo_megatron.config.shell_values import check_name
 from srpo_megatron.launch.experiment import (
     REPO_ROOT,
     JobCommand,
@@ -27,7 +34,7 @@ from srpo_megatron.launch.experiment import (
     submit,
 )
 from srpo_megatron.launch.jobs import JobError, check_completed, job_infos, load_experiment, read_logs, wait
-from srpo_megatron.launch.shell_safety import check_name, name_from_file
+from srpo_megatron.launch.shell_safety import name_from_file
 
 
 def add_launch_args(parser: argparse.ArgumentParser) -> None:

@@ -36,16 +36,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from srpo_megatron.configs import ConfigError
-from srpo_megatron.launch.cluster import ClusterConfig
-from srpo_megatron.launch.shell_safety import (
-    REDACTED,
-    check_name,
-    check_path,
-    is_secret,
-    secret_setup_lines,
-    shell_word,
-)
+from srpo_megatron.config import ClusterConfig, ConfigError
+from srpo_megatron.config.shell_values import check_name
+from srpo_megatron.launch.shell_safety import REDACTED, check_path, is_secret, secret_setup_lines, shell_word
 
 # The repository root: jobs that run the code in place put it on PYTHONPATH.
 REPO_ROOT = Path(__file__).resolve().parents[2]

@@ -17,7 +17,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from srpo_megatron.configs import ConfigError
+from srpo_megatron.config import ConfigError
 
 # Slurm states after which a job will not run again (REQUEUED/PREEMPTED jobs come back as PENDING).
 FINAL_STATES = frozenset(

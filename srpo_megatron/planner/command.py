@@ -25,7 +25,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from srpo_megatron.configs import ConfigError, apply_overrides, load_yaml
+from srpo_megatron.config import ConfigError, apply_overrides, load_yaml
 from srpo_megatron.planner.memory import GiB, Plan, PlanSettings, fitting_layouts, plan_layout
 from srpo_megatron.planner.model import Layout, ModelShape, PlanError
 
@@ -203,7 +203,7 @@ def add_plan_args(parser: argparse.ArgumentParser) -> None:
 
 def cluster_plan(args: argparse.Namespace) -> tuple[Plan, list[Plan], str]:
     """Plan ``args.recipe`` on ``args.nodes`` nodes of ``args.cluster`` (shared by plan and launch)."""
-    from srpo_megatron.launch.cluster import load_cluster
+    from srpo_megatron.config import load_cluster
 
     cluster = load_cluster(args.cluster)
     gib = getattr(args, "gpu_memory_gib", None) or cluster.gpu_memory_gib

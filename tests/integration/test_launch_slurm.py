@@ -24,8 +24,8 @@ from pathlib import Path
 import pytest
 import yaml
 
+from srpo_megatron.config import load_cluster
 from srpo_megatron.launch import commands, jobs
-from srpo_megatron.launch.cluster import load_cluster
 from srpo_megatron.launch.experiment import JobCommand, LaunchRequest, submit
 from srpo_megatron.launch.probe import latest_step
 

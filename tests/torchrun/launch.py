@@ -18,7 +18,7 @@ import subprocess
 import tempfile
 from dataclasses import dataclass
 
-from srpo_megatron.launch.cluster import load_cluster
+from srpo_megatron.config import load_cluster
 from srpo_megatron.launch.experiment import JobCommand, LaunchRequest, RolloutPlacement, build_experiment
 
 

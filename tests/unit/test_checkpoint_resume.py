@@ -18,7 +18,7 @@ import pytest
 import torch
 import yaml
 
-from srpo_megatron.configs import ConfigError
+from srpo_megatron.config import ConfigError
 from srpo_megatron.trainer.checkpoint_files import (
     CheckpointError,
     clean_temporaries,

@@ -4,7 +4,7 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from srpo_megatron.configs import ConfigError, apply_overrides, from_dict
+from srpo_megatron.config import ConfigError, apply_overrides, from_dict
 
 
 @dataclass

@@ -16,9 +16,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from srpo_megatron.configs import ConfigError
+from srpo_megatron.config import ClusterConfig, ConfigError, TunnelConfig, load_cluster
 from srpo_megatron.launch import commands, probe
-from srpo_megatron.launch.cluster import ClusterConfig, TunnelConfig, load_cluster
 from srpo_megatron.launch.experiment import LaunchRequest, RolloutPlacement, srpo_train_command, submit
 
 REPO = Path(__file__).resolve().parents[2]

@@ -16,9 +16,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from srpo_megatron.configs import ConfigError
+from srpo_megatron.config import ConfigError, load_cluster
 from srpo_megatron.launch import commands
-from srpo_megatron.launch.cluster import load_cluster
 from srpo_megatron.launch.experiment import LaunchRequest, srpo_train_command, submit
 from srpo_megatron.launch.jobs import set_home
 

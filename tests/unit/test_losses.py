@@ -11,7 +11,7 @@ import math
 import pytest
 import torch
 
-from srpo_megatron.configs import ConfigError, from_dict
+from srpo_megatron.config import ConfigError, from_dict
 from srpo_megatron.losses import (
     LossConfig,
     dynamic_weights,

@@ -11,10 +11,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from srpo_megatron.configs import ConfigError, load_config
+from srpo_megatron.config import ConfigError, MoEConfig, TrainConfig, load_config
 from srpo_megatron.launch import commands
-from srpo_megatron.models.moe import MoEConfig
-from srpo_megatron.trainer.config import TrainConfig
 
 REPO = Path(__file__).resolve().parents[2]
 # (recipe, nodes, the model's layers / experts / KV heads / moe_intermediate_size from its config.json)

@@ -151,8 +151,8 @@ def _saved_bytes(cfg: dict, recompute: str, b: int, s: int) -> int:
     """Bytes of the distinct storages autograd saves in one forward of the megatron policy (not params)."""
     from megatron.core.models.gpt import GPTModel
 
+    from srpo_megatron.config import MoEConfig
     from srpo_megatron.models.architecture import Architecture
-    from srpo_megatron.models.moe import MoEConfig
     from srpo_megatron.models.policy import layer_spec, transformer_config_from_hf
     from srpo_megatron.parallel import initialize_model_parallel
 

@@ -19,8 +19,7 @@ import sys
 import time
 from typing import Any
 
-from srpo_megatron.configs import ConfigError
-from srpo_megatron.rollout.config import RolloutConfig, SGLangEngineConfig
+from srpo_megatron.config import ConfigError, RolloutConfig, SGLangEngineConfig
 
 BASE_PORT = 30000  # engine i of a node listens on BASE_PORT + i
 MAX_RESTARTS = 3  # a server that exits more often than this stops the node (and so the job's engines)
@@ -82,7 +81,7 @@ def server_commands(rollout: RolloutConfig, gpus: int) -> list[list[str]]:
 
 def recipe_rollout_config(recipe: str, overrides: list[str]) -> RolloutConfig:
     """The recipe's ``rollout`` section with ``--override`` items applied, as the trainer reads it."""
-    from srpo_megatron.configs import apply_overrides, from_dict, load_yaml
+    from srpo_megatron.config import apply_overrides, from_dict, load_yaml
 
     data = apply_overrides(load_yaml(recipe), overrides)
     return from_dict(RolloutConfig, data.get("rollout") or {}, "rollout")
