@@ -32,10 +32,10 @@ def add_doctor_args(parser: argparse.ArgumentParser) -> None:
 
 def recipe_checks(recipe: str, overrides: list[str], expect: NodeExpectations) -> list[Check]:
     """The recipe loads, and the paths it names exist (and the run directory is writable)."""
-    from srpo_megatron.config import TrainConfig, load_config
+    from srpo_megatron.config import load_recipe
 
     try:
-        cfg = load_config(TrainConfig, recipe, overrides)
+        cfg = load_recipe(recipe, overrides)
     except ConfigError as e:
         return [fail("recipe", str(e), "fix the recipe or the override")]
     checks = [ok("recipe", recipe + (f" with {len(overrides)} override(s)" if overrides else ""))]

@@ -59,7 +59,9 @@ def _evil_cluster(tmp_path: Path, **extra) -> Path:
 
 def _recipe(tmp_path: Path, name: str = "r.yaml") -> Path:
     path = tmp_path / name
-    path.write_text(yaml.safe_dump({"train": {"steps": 1}}))
+    # a whole recipe: `srpo launch` loads it as `srpo train` does (the tiny one under it)
+    tiny = Path(__file__).resolve().parents[2] / "examples" / "tiny_cpu_test.yaml"
+    path.write_text(yaml.safe_dump({"base": str(tiny), "train": {"steps": 1}}))
     return path
 
 
