@@ -125,9 +125,12 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser(argv).parse_args(argv)
     try:
         if args.command == "train":
-            from srpo_megatron.train import main as train_main
+            from srpo_megatron.config import load_recipe
 
-            result = train_main(args.recipe, args.override)
+            cfg = load_recipe(args.recipe, args.override)  # a bad recipe fails here, before torch loads
+            from srpo_megatron.train import train
+
+            result = train(cfg)
             if result["rank"] == 0:
                 print(json.dumps(result["summary"], default=str), flush=True)
             return 0
