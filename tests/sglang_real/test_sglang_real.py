@@ -314,11 +314,11 @@ def test_sglang_real_planted_double_pause_is_caught(colocated_engine):
 
 def recipe_engines() -> list[tuple[str, SGLangEngineConfig]]:
     """Every recipe's ``rollout.sglang`` section, loaded as the trainer loads it."""
-    from srpo_megatron.config import RolloutConfig, from_dict, load_yaml
+    from srpo_megatron.config import load_recipe
 
     out = []
     for recipe in sorted((ROOT / "examples").glob("*.yaml")):
-        rollout = from_dict(RolloutConfig, load_yaml(str(recipe)).get("rollout") or {}, "rollout")
+        rollout = load_recipe(recipe).rollout
         if rollout.sglang is not None:
             out.append((recipe.name, rollout.sglang))
     return out

@@ -65,8 +65,7 @@ def test_moe_recipe_layouts_fit_and_dryrun(
 
 
 def test_moe_keys_are_checked(tmp_path):
-    recipe = yaml.safe_load((REPO / RECIPES[0][0]).read_text())
-    recipe["moe"]["aux_loss_coeff"] = -0.1
+    recipe = {"base": str(REPO / RECIPES[0][0]), "moe": {"aux_loss_coeff": -0.1}}
     path = tmp_path / "bad.yaml"
     path.write_text(yaml.safe_dump(recipe))
     with pytest.raises(ConfigError, match=re.escape("moe.aux_loss_coeff=-0.1")):
