@@ -1,8 +1,11 @@
-"""The typed recipe of ``srpo train``: one dataclass per component, composed into ``TrainConfig``.
+"""The typed recipe of ``srpo train``: the sections composed into ``TrainConfig``, and the rules that
+span sections.
 
-A recipe (``examples/*.yaml``) is loaded strictly with ``load_recipe`` (config/loading.py): unknown
-keys are rejected with the valid ones listed, values are type-checked, and each component validates its
-own semantics (``__post_init__``) with an error that says what is wrong, why and how to fix it.
+A recipe (``examples/*.yaml``) is loaded strictly with :func:`load_recipe` (``base:`` and overrides as in
+config/loading.py): unknown keys are rejected with the valid ones listed, values are type-checked, and
+each section validates its own semantics (``__post_init__``) with an error that says what is wrong, why
+and how to fix it. Here: one sampling temperature (the loss takes ``rollout.temperature``), no KL
+penalty without a reference policy, whole prompt groups per optimizer step, packing for CP.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Mixture-of-Experts policies (Qwen3-MoE): the recipe's router controls and megatron's MoE settings.
 
-``MoEConfig`` is the ``moe:`` section of a recipe. ``moe_config_overrides`` turns it and an
+``MoEConfig`` (config/moe.py) is the ``moe:`` section of a recipe. ``moe_config_overrides`` turns it and an
 :class:`Architecture` into the ``TransformerConfig`` fields of megatron-core's MoE layer:
 
 - routing: softmax scores over ``num_experts``, top-k. Qwen3-MoE with ``norm_topk_prob`` renormalises the k
