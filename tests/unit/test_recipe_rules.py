@@ -135,3 +135,23 @@ def test_every_placement_and_weight_sync_pair_loads_or_is_refused_naming_the_key
 def test_placement_node_counts_are_checked_where_the_trainer_loads_them(overrides, words):
     with pytest.raises(ConfigError, match=words):
         load_recipe(TINY, overrides)
+
+
+# ---- every tool loads the same TrainConfig --------------------------------------------------------------
+
+
+def test_doctor_and_the_server_launcher_refuse_a_recipe_exactly_as_train_does(tmp_path):
+    from srpo_megatron.doctor.command import recipe_checks
+    from srpo_megatron.doctor.expectations import NodeExpectations
+    from srpo_megatron.rollout.sglang.servers import recipe_rollout_config
+
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text(f"base: {EXAMPLES / 'qwen3_8b_srpo.yaml'}\nparallel: {{optimizer_offload: true}}\n")
+    with pytest.raises(ConfigError) as train:
+        load_recipe(recipe)
+    assert "unknown key(s) ['optimizer_offload']" in str(train.value)
+    with pytest.raises(ConfigError) as servers:
+        recipe_rollout_config(str(recipe), [])  # the SGLang servers of a separate placement
+    assert str(servers.value) == str(train.value)
+    (check,) = recipe_checks(str(recipe), [], NodeExpectations.from_environment())
+    assert (check.name, check.status, check.detail) == ("recipe", "fail", str(train.value))
