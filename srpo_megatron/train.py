@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-from srpo_megatron.configs import load_config, to_dict
+from srpo_megatron.config import TrainConfig, load_recipe, to_dict
 from srpo_megatron.data.dataset import EpochSampler, build_datasets
 from srpo_megatron.models.architecture import load_hf_config_dict
 from srpo_megatron.parallel import destroy_model_parallel, initialize_model_parallel
@@ -24,7 +24,6 @@ from srpo_megatron.rewards import register_reward, reward_target
 from srpo_megatron.rollout.factory import load_tokenizer
 from srpo_megatron.trainer.batches import rank_share
 from srpo_megatron.trainer.checkpoint import load_checkpoint, save_checkpoint
-from srpo_megatron.trainer.config import TrainConfig
 from srpo_megatron.trainer.evaluation import BudgetClock, evaluate_policy
 from srpo_megatron.trainer.learning import learn
 from srpo_megatron.trainer.metrics import MetricsLogger
@@ -144,4 +143,4 @@ def _yaml(data: dict) -> str:
 
 
 def main(recipe: str, overrides: list[str]) -> dict:
-    return train(load_config(TrainConfig, recipe, overrides))
+    return train(load_recipe(recipe, overrides))

@@ -21,9 +21,8 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from srpo_megatron.data.config import DataConfig
+from srpo_megatron.config import DataConfig, EvalConfig
 from srpo_megatron.data.dataset import Prompt, PromptDataset, arithmetic_rows
-from srpo_megatron.evaluation.config import EvalConfig
 from srpo_megatron.rewards import RewardPool
 from srpo_megatron.rollout.base import RolloutEngine, SamplingParams
 

@@ -6,8 +6,8 @@ import dataclasses
 import time
 from typing import Any
 
+from srpo_megatron.config import RolloutConfig
 from srpo_megatron.rollout.base import RolloutEngine
-from srpo_megatron.rollout.config import RolloutConfig
 
 
 def load_tokenizer(hf_dir: str) -> Any:

@@ -190,7 +190,7 @@ def save_checkpoint(
     """Collective: write checkpoint ``step`` (manifest last, fsynced), rename it, move ``latest``, prune."""
     from megatron.core import dist_checkpointing
 
-    from srpo_megatron.configs import to_dict
+    from srpo_megatron.config import to_dict
 
     root = Path(run_dir) / "checkpoints"
     final = root / f"step_{step:06d}"

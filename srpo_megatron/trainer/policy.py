@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import torch
 
+from srpo_megatron.config import TrainConfig
 from srpo_megatron.conversion.checkpoint import load_policy_checkpoint
 from srpo_megatron.conversion.safetensors_io import HFCheckpointReader
 from srpo_megatron.conversion.table import ConversionTable
@@ -24,7 +25,6 @@ from srpo_megatron.models.architecture import Architecture, padded_vocab_size
 from srpo_megatron.models.performance import Accelerators
 from srpo_megatron.models.policy import build_policy
 from srpo_megatron.parallel import ParallelGroups
-from srpo_megatron.trainer.config import TrainConfig
 from srpo_megatron.trainer.ema_shard import ShardedEmaTeacher
 from srpo_megatron.trainer.moe_replay import check_replay_config
 from srpo_megatron.trainer.offload import Offloader

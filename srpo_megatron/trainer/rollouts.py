@@ -18,17 +18,15 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from srpo_megatron.config import LossConfig, RolloutConfig, TeacherConfig
 from srpo_megatron.data.dataset import Prompt
 from srpo_megatron.data.templating import encode_text, template_text
 from srpo_megatron.losses import group_advantages, route, routing_masks
-from srpo_megatron.losses.config import LossConfig
 from srpo_megatron.rewards.pool import RewardPool
 from srpo_megatron.rollout.base import EngineError, RolloutEngine, SamplingParams
-from srpo_megatron.rollout.config import RolloutConfig
 from srpo_megatron.rollout.placement import EngineLayout, engine_urls, separate_layout, split_prompts
 from srpo_megatron.rollout.routed_experts import compact_ids
 from srpo_megatron.trainer.batch_shipping import ship_batch
-from srpo_megatron.trainer.config import TeacherConfig
 
 _THINK = re.compile(r"<think>.*?</think>", re.DOTALL)
 

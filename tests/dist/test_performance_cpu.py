@@ -19,7 +19,8 @@ import dataclasses
 import pytest
 import torch
 
-from srpo_megatron.models.performance import Accelerators, PerformanceConfig
+from srpo_megatron.models.performance import Accelerators
+from srpo_megatron.config import PerformanceConfig
 from srpo_megatron.testing.distributed import run_distributed
 from tests.dist.test_models_tp import hf_reference, run_policy, tiny_hf_model
 
@@ -119,7 +120,7 @@ def _overlap_worker(rank, world, overlap, gather_after_step, hf_cfg, hf_state, b
     from srpo_megatron.models.architecture import Architecture
     from srpo_megatron.models.policy import build_policy
     from srpo_megatron.parallel import initialize_model_parallel
-    from srpo_megatron.trainer.config import OptimConfig
+    from srpo_megatron.config import OptimConfig
     from tests.dist.test_models_tp import lm_loss
 
     initialize_model_parallel(1, 1)

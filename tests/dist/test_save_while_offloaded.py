@@ -27,12 +27,12 @@ def tiny(tmp_path_factory):
 def _save_worker(rank, world, tiny, run_dir):
     import torch.distributed as dist
 
-    from srpo_megatron.configs import load_config
+    from srpo_megatron.config import load_config
     from srpo_megatron.data.dataset import build_datasets
     from srpo_megatron.parallel import initialize_model_parallel
     from srpo_megatron.rewards import register_reward
     from srpo_megatron.rollout.factory import load_tokenizer
-    from srpo_megatron.trainer.config import TrainConfig
+    from srpo_megatron.config import TrainConfig
     from srpo_megatron.trainer.offload import save_while_offloaded
     from srpo_megatron.trainer.policy import Policy
     from srpo_megatron.trainer.rollouts import RolloutService

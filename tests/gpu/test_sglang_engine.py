@@ -82,7 +82,7 @@ def reference_logprobs(hf_reference):
 
 
 def _make_engine(hf_model_dir, weight_sync, tmp_path):
-    from srpo_megatron.rollout.config import SGLangEngineConfig
+    from srpo_megatron.config import SGLangEngineConfig
     from srpo_megatron.rollout.sglang.engine import SGLangEngine
 
     cfg = SGLangEngineConfig(

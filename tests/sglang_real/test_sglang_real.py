@@ -36,8 +36,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from srpo_megatron.config import SGLangEngineConfig
 from srpo_megatron.rollout.base import EngineError, SamplingParams
-from srpo_megatron.rollout.config import SGLangEngineConfig
 from srpo_megatron.rollout.sglang import flat_wire, protocol
 from srpo_megatron.rollout.sglang.engine import SGLangEngine, offline_engine_kwargs
 from srpo_megatron.testing import sglang_import
@@ -314,12 +314,11 @@ def test_sglang_real_planted_double_pause_is_caught(colocated_engine):
 
 def recipe_engines() -> list[tuple[str, SGLangEngineConfig]]:
     """Every recipe's ``rollout.sglang`` section, loaded as the trainer loads it."""
-    from srpo_megatron.configs import from_dict, load_yaml
-    from srpo_megatron.rollout.config import RolloutConfig
+    from srpo_megatron.config import load_recipe
 
     out = []
     for recipe in sorted((ROOT / "examples").glob("*.yaml")):
-        rollout = from_dict(RolloutConfig, load_yaml(str(recipe)).get("rollout") or {}, "rollout")
+        rollout = load_recipe(recipe).rollout
         if rollout.sglang is not None:
             out.append((recipe.name, rollout.sglang))
     return out

@@ -20,7 +20,7 @@ import pytest
 import torch
 import yaml
 
-from srpo_megatron.configs import ConfigError
+from srpo_megatron.config import ConfigError
 from srpo_megatron.conversion.spec_compat import drop_absent_extra_state
 from srpo_megatron.trainer.checkpoint_files import (
     CheckpointError,

@@ -54,7 +54,7 @@ LAYERS: tuple[Layer, ...] = (
     ),
     Layer(
         "recipe",
-        ("config/", "configs.py"),
+        ("config/",),
         "the typed recipe: dataclasses, YAML loading, overrides, load-time refusals (torch-free)",
     ),
     Layer(
@@ -109,7 +109,6 @@ LEAVES: dict[str, str] = {
     "durable_io": "a leaf utility",
     "buckets": "a leaf utility",
     "config": "the recipe loads without the rest of the package (and without torch)",
-    "configs": "the recipe loads without the rest of the package (and without torch)",
 }
 
 # Modules that import no other module of their own room (and, like every module, lower layers only).
@@ -121,21 +120,14 @@ INNER_LEAVES: dict[str, str] = {
 THIRD_PARTY: dict[str, frozenset[str]] = {
     f"{PACKAGE}.trainer.step_types": frozenset({"torch"}),
     "config": frozenset({"yaml"}),
-    "configs": frozenset({"yaml"}),
     "ops": frozenset({"torch"}),
     "losses": frozenset({"torch"}),
 }
 
 # Edges that break the rules today, keyed (importing module, imported module), with who removes them.
-_CLUSTER = "H1 config: the cluster model to config/"
 PENDING: dict[tuple[str, str], str] = {
     (f"{PACKAGE}.rollout.sglang.engine", f"{PACKAGE}.weights.buckets"): "H2 sync: bucketize into a leaf",
     (f"{PACKAGE}.rollout.sglang.protocol", f"{PACKAGE}.weights.export"): "H2 sync: one hf_manifest",
-    (f"{PACKAGE}.planner.command", f"{PACKAGE}.launch.cluster"): _CLUSTER,
-    (f"{PACKAGE}.doctor.command", f"{PACKAGE}.launch.cluster"): _CLUSTER,
-    (f"{PACKAGE}.doctor.expectations", f"{PACKAGE}.launch.cluster"): _CLUSTER,
-    (f"{PACKAGE}.doctor.pins", f"{PACKAGE}.launch.cluster"): _CLUSTER,
-    (f"{PACKAGE}.evaluation.command", f"{PACKAGE}.trainer.config"): "H1 config: TrainConfig to config/",
 }
 
 

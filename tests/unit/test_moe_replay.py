@@ -141,8 +141,7 @@ def test_megatron_router_replay_api_replays_targets_with_the_trainers_scores():
 def test_replay_config_refusals(tmp_path):
     from types import SimpleNamespace
 
-    from srpo_megatron.configs import ConfigError
-    from srpo_megatron.models.performance import PerformanceConfig
+    from srpo_megatron.config import ConfigError, PerformanceConfig
     from srpo_megatron.trainer.moe_replay import check_replay_config
 
     def cfg(**perf):

@@ -9,12 +9,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from srpo_megatron.configs import ConfigError, load_config
+from srpo_megatron.config import ConfigError, OptimConfig, PerformanceConfig, TrainConfig, load_config
 from srpo_megatron.models import performance as perf
 from srpo_megatron.models.architecture import Architecture
-from srpo_megatron.models.performance import Accelerators, PerformanceConfig
+from srpo_megatron.models.performance import Accelerators
 from srpo_megatron.models.policy import transformer_config_from_hf
-from srpo_megatron.trainer.config import OptimConfig, TrainConfig
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 CPU = Accelerators.none()

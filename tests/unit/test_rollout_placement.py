@@ -4,8 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from srpo_megatron.configs import ConfigError
-from srpo_megatron.rollout.config import RolloutConfig, SGLangEngineConfig
+from srpo_megatron.config import ConfigError, RolloutConfig, SGLangEngineConfig
 from srpo_megatron.rollout.placement import EngineLayout, split_prompts
 from srpo_megatron.weights.engine_sync import engine_feeds
 from srpo_megatron.weights.sync import WeightSyncError

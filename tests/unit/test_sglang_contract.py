@@ -16,9 +16,8 @@ import math
 import pytest
 import torch
 
-from srpo_megatron.configs import ConfigError
+from srpo_megatron.config import ConfigError, SGLangEngineConfig
 from srpo_megatron.rollout.base import EngineError, SamplingParams, sample_seed
-from srpo_megatron.rollout.config import SGLangEngineConfig
 from srpo_megatron.rollout.sglang.engine import SGLangEngine, offline_engine_kwargs
 from srpo_megatron.rollout.sglang.protocol import (
     build_generate_request,

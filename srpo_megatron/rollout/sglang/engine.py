@@ -31,8 +31,8 @@ from typing import Any
 
 import torch
 
+from srpo_megatron.config import SGLangEngineConfig
 from srpo_megatron.rollout.base import Completion, EngineError, EngineHealth, SamplingParams
-from srpo_megatron.rollout.config import SGLangEngineConfig
 from srpo_megatron.rollout.gate import check_version, head, missing_names, validated_stream
 from srpo_megatron.rollout.sglang.protocol import (
     build_generate_request,
