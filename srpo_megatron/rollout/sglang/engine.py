@@ -155,9 +155,6 @@ class SGLangEngine:
         outputs = self._transport.call("generate", body)
         return parse_generate_response(outputs, rows, len(prompts), self._version)
 
-    def flush_cache(self) -> None:
-        self._transport.call("flush_cache", {})
-
     def release_memory(self) -> None:
         """Free every memory type SGLang has (training phase, colocated). Idempotent: only tags that are
         not already paused are released (pausing a paused tag fails inside SGLang)."""
