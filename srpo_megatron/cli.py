@@ -88,7 +88,7 @@ def main(argv: list[str] | None = None) -> int:
                 print(json.dumps(result["summary"], default=str), flush=True)
             return 0
         if args.command == "eval":
-            from srpo_megatron.trainer.eval_command import eval_main
+            from srpo_megatron.evaluation.command import eval_main
 
             return eval_main(args)
         if args.command == "plot":

@@ -86,10 +86,6 @@ class ParallelGroups:
     cp_size: int = 1
 
     @property
-    def is_first_stage(self) -> bool:
-        return self.pp_rank == 0
-
-    @property
     def is_last_stage(self) -> bool:
         return self.pp_rank == self.pp_size - 1
 

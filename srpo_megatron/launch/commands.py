@@ -130,8 +130,10 @@ def launch_main(args: argparse.Namespace) -> int:
             from srpo_megatron.doctor.first_step import doctor_first
 
             recipe_arg = None if args.probe else request.command.args[1]  # the recipe as the job reads it
-            if not doctor_first(cluster.executor, request, recipe_arg, list(args.override), args.dryrun):
+            ok, doctor_lines = doctor_first(cluster.executor, recipe_arg, list(args.override), args.dryrun)
+            if not ok:
                 return 1
+            request.setup_lines = doctor_lines or request.setup_lines
         gpus = args.gpus_per_node if args.gpus_per_node is not None else cluster.gpus_per_node
         if placement.placement == "separate" and cluster.executor == "slurm" and not args.probe:
             from srpo_megatron.launch.engine_nodes import slurm_engine_lines

@@ -23,7 +23,7 @@ Options (``PlanSettings``), and which the trainer implements today:
   bytes per component equal this plan's, tests/dist/test_offload.py), colocated SGLang that releases its
   memory for training, no activation recompute (``recompute: none``), micro-batches padded to
   ``model.max_sequence_length``, ``cp`` (each rank holds 1/CP of every packed sequence; the trainer needs
-  packing for it), ``ep``/``etp`` (MoE, trainer/moe_routing.py);
+  packing for it), ``ep``/``etp`` (MoE, trainer/moe_replay.py);
 - modelled ahead of the trainer: ``recompute: selective|full``, ``sequence_parallel``, and
   ``optimizer_offload`` (megatron's CPU optimizer: the optimizer state lives in host memory).
 

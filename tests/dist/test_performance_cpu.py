@@ -276,10 +276,10 @@ def _rng_worker(rank, world, label):
     from megatron.core import tensor_parallel
 
     from srpo_megatron.parallel import initialize_model_parallel
-    from srpo_megatron.trainer.checkpoint import _rng_state, _set_rng_state
+    from srpo_megatron.trainer.rng_state import rng_state, set_rng_state
 
     initialize_model_parallel(1, 1)
-    state = _rng_state()
+    state = rng_state()
     assert state["tracker_device"] == "cpu"
     # What a GPU rank saves: CUDA generator states are 16 bytes (seed, offset).
     state["tracker"] = {name: torch.zeros(16, dtype=torch.uint8) for name in state["tracker"]}
@@ -287,7 +287,7 @@ def _rng_worker(rank, world, label):
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         try:
-            _set_rng_state(state, "rank_00000.pt")
+            set_rng_state(state, "rank_00000.pt")
             with tensor_parallel.get_cuda_rng_tracker().fork():  # where restored states are applied
                 pass
             error = ""
