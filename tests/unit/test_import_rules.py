@@ -129,8 +129,6 @@ THIRD_PARTY: dict[str, frozenset[str]] = {
 # Edges that break the rules today, keyed (importing module, imported module), with who removes them.
 _CLUSTER = "H1 config: the cluster model to config/"
 PENDING: dict[tuple[str, str], str] = {
-    (f"{PACKAGE}.rollout.sglang.engine", f"{PACKAGE}.weights.buckets"): "H2 sync: bucketize into a leaf",
-    (f"{PACKAGE}.rollout.sglang.protocol", f"{PACKAGE}.weights.export"): "H2 sync: one hf_manifest",
     (f"{PACKAGE}.planner.command", f"{PACKAGE}.launch.cluster"): _CLUSTER,
     (f"{PACKAGE}.doctor.command", f"{PACKAGE}.launch.cluster"): _CLUSTER,
     (f"{PACKAGE}.doctor.expectations", f"{PACKAGE}.launch.cluster"): _CLUSTER,
