@@ -344,3 +344,56 @@ def test_separate_placement_with_disk_sync_writes_one_folder_per_server_and_serv
         assert (folder / "config.json").exists() and list(folder.glob("*.safetensors"))
     finally:
         server.close()
+
+
+def _incomplete_broadcast(rank, world, tiny, run_dir, urls, plant):
+    """TP2 at world 2 (rank 1 joins its stage's gathers but sends nothing) against a manifest with one
+    tensor the policy lacks: every rank must see the sync fail alike."""
+    import os
+
+    from srpo_megatron.parallel import initialize_model_parallel
+    from srpo_megatron.rollout.base import EngineError
+    from srpo_megatron.rollout.factory import load_tokenizer
+    from srpo_megatron.trainer.policy import Policy
+    from srpo_megatron.trainer.rollouts import RolloutService
+    from srpo_megatron.weights.export import is_stage_sender
+    from srpo_megatron.weights.weight_sync import served_manifest
+
+    os.environ["SRPO_ENGINE_URLS"], os.environ["SRPO_SYNC_HOST"] = ",".join(urls), "127.0.0.1"
+    groups = initialize_model_parallel(2, 1, seed=1)
+    _, hf, _ = tiny
+    sglang = f"{{model_path: {hf}, weight_sync: distributed, bucket_bytes: 1048576}}"
+    overrides = ["rollout.engine=sglang", "rollout.placement=separate", "rollout.engine_nodes=1"]
+    cfg = _cfg(tiny, run_dir, [*overrides, f"rollout.sglang={sglang}"])
+    policy = Policy(cfg, groups)
+    service = RolloutService(cfg, load_tokenizer(cfg.model.hf_dir), policy, groups)
+    manifest, aliases = served_manifest(cfg)
+    extra = ({**manifest, "model.extra.weight": (2,)}, aliases)
+    # planted: the old service knew the manifest on the stage senders only ({} elsewhere)
+    service.weight_sync._manifest = extra if not plant or is_stage_sender(groups) else ({}, aliases)
+    try:
+        service.sync(1)
+        return "synced"
+    except EngineError as e:
+        return str(e)
+    finally:
+        service.close()
+
+
+def test_an_incomplete_broadcast_fails_on_every_rank_alike(tiny, tmp_path):
+    """A broadcast that misses a tensor of the served manifest fails the sync on every rank (restart,
+    retry, then the job stops naming the engine), the stage sender and the TP rank that only joined the
+    gathers alike, and flushes nothing. With the manifest known on the senders only (the old
+    RolloutService; ``plant=True``) the other rank found nothing missing and waited in the flush's
+    broadcast for rank 0, which had returned: the ranks' collectives no longer matched."""
+    from transformers import AutoModelForCausalLM
+
+    from srpo_megatron.testing.sglang_standin import SGLangStandInServer
+
+    server = SGLangStandInServer(AutoModelForCausalLM.from_pretrained(tiny[1]))
+    try:
+        res = run_distributed(_incomplete_broadcast, 2, tiny, str(tmp_path), [server.url], False, timeout=600)
+        assert all("failed the weight sync again after a restart" in r for r in res), res
+        assert "/flush_cache" not in [p for p, _ in server.bodies], "an incomplete sync flushes nothing"
+    finally:
+        server.close()
