@@ -27,7 +27,6 @@ from srpo_megatron.trainer.checkpoint import load_checkpoint, save_checkpoint
 from srpo_megatron.trainer.evaluation import BudgetClock, evaluate_policy
 from srpo_megatron.trainer.learning import learn
 from srpo_megatron.trainer.metrics import MetricsLogger
-from srpo_megatron.trainer.offload import save_while_offloaded
 from srpo_megatron.trainer.policy import Policy
 from srpo_megatron.trainer.preflight import check_layout, check_rewards, data_summary
 from srpo_megatron.trainer.resume import resume_point
@@ -101,17 +100,8 @@ def train(cfg: TrainConfig) -> dict:
         if (cfg.run.save_every and step % cfg.run.save_every == 0) or step == cfg.train.steps:
             state = {"weight_version": version, "sampler": sampler.state_dict(), "history": history}
             state["budget_clock_s"] = clock.elapsed()
-            save_while_offloaded(  # save_checkpoint with the offloaded state back (trainer/offload.py)
-                policy.offload,
-                rollouts,
-                version,
-                save_checkpoint,
-                policy,
-                run_dir,
-                step,
-                state,
-                cfg.run.keep_last,
-            )
+            with rollouts.offloaded_for_save(policy.offload, version):  # the offloaded state back
+                save_checkpoint(policy, run_dir, step, state, cfg.run.keep_last)
     if cfg.train.eval_at_ends:
         evaluate()
     if rank0:

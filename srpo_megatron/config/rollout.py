@@ -18,7 +18,7 @@ from typing import Any, Literal
 
 from srpo_megatron.config.loading import ConfigError
 
-WeightSync = Literal["tensor", "distributed", "disk"]
+WeightSyncKind = Literal["tensor", "distributed", "disk"]
 
 
 @dataclass
@@ -29,7 +29,7 @@ class SGLangEngineConfig:
     # (placement=separate always uses the HTTP servers the job started, whatever the mode)
     model_path: str = ""  # HF model directory the engine serves (also gives the weight manifest)
     url: str = ""  # http mode: base URL(s) of running servers, comma-separated (one per engine)
-    weight_sync: WeightSync = "tensor"  # tensor: colocated CUDA IPC; distributed: NCCL broadcast; disk
+    weight_sync: WeightSyncKind = "tensor"  # tensor: colocated CUDA IPC; distributed: NCCL broadcast; disk
     bucket_bytes: int = 512 * 1024**2  # max bytes per weight-update request
     disk_sync_dir: str = ""  # weight_sync=disk: folder the safetensors shards are written to
     request_timeout_s: float = 1800.0  # one generate / update call; beyond it the engine is declared dead

@@ -6,7 +6,7 @@ sglang wheel on the path every test skips. What is checked, each against SGLang'
 
 - payloads: SGLang's ``MultiprocessingSerializer`` + ``FlattenedTensorBucket`` decode what the trainer's
   weight path sends (the megatron policy's colocated sync, ``weights.engine_sync``; flat buckets of
-  ``weights.buckets`` over the ``weights.sync`` wire; both re-bucketed by ``SGLangEngine`` and serialized
+  ``buckets`` over the ``weights.p2p`` wire; both re-bucketed by ``SGLangEngine`` and serialized
   by ``protocol.serialize_bucket_per_tp_rank``) into the HF tensors bit for bit (dense and MoE Qwen3, fp32
   and bf16) on every TP rank, and the CPU writer (``flat_wire``) writes SGLang's payload;
 - memory tags: every tag of SGLang's ``GPU_MEMORY_ALL_TYPES`` that the engine releases is resumed before
@@ -168,7 +168,7 @@ def test_sglang_real_protocol_default_is_sglangs_classes():
 
 
 class _Loopback:
-    """A ``weights.sync`` channel to itself: what is sent is what the next recv gets (copied)."""
+    """A ``weights.p2p`` channel to itself: what is sent is what the next recv gets (copied)."""
 
     def __init__(self) -> None:
         self.queue: list[torch.Tensor] = []
@@ -183,10 +183,11 @@ class _Loopback:
 
 
 def trainer_stream(tensors: dict[str, torch.Tensor], version: int, bucket_bytes: int):
-    """The trainer's wire for ``tensors``: flat buckets (``weights.buckets.flat_buckets``, aligned
-    offsets) sent and received over ``weights.sync``'s bucket format, as a receiving rank streams them."""
-    from srpo_megatron.weights.buckets import PendingParam, TensorSpec, flat_buckets
-    from srpo_megatron.weights.sync import receive_stream, send_buckets
+    """The trainer's wire for ``tensors``: flat buckets (``buckets.flat_buckets``, aligned
+    offsets) sent and received over ``weights.p2p``'s bucket format, as a receiving rank streams them."""
+    from srpo_megatron.buckets import PendingParam, TensorSpec, flat_buckets
+    from srpo_megatron.testing.sync_transports import send_buckets
+    from srpo_megatron.weights.p2p import receive_stream
 
     pending = [
         PendingParam(

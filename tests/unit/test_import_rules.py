@@ -125,10 +125,7 @@ THIRD_PARTY: dict[str, frozenset[str]] = {
 }
 
 # Edges that break the rules today, keyed (importing module, imported module), with who removes them.
-PENDING: dict[tuple[str, str], str] = {
-    (f"{PACKAGE}.rollout.sglang.engine", f"{PACKAGE}.weights.buckets"): "H2 sync: bucketize into a leaf",
-    (f"{PACKAGE}.rollout.sglang.protocol", f"{PACKAGE}.weights.export"): "H2 sync: one hf_manifest",
-}
+PENDING: dict[tuple[str, str], str] = {}
 
 
 # ---------------------------------------------------------------------------------------------- reading
