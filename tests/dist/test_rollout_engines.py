@@ -261,7 +261,7 @@ def test_separate_placement_syncs_by_broadcast_and_serves_rollouts_from_the_serv
     over HTTP stamped with the synced version."""
     from transformers import AutoModelForCausalLM
 
-    from tests.unit.test_sglang_contract import SGLangStandInServer
+    from srpo_megatron.testing.sglang_standin import SGLangStandInServer
 
     server = SGLangStandInServer(AutoModelForCausalLM.from_pretrained(tiny[1]))
     with torch.no_grad():
@@ -289,7 +289,7 @@ def test_separate_placement_pp2_both_stage_senders_broadcast_into_the_server(tin
     whole policy (zeroed before: a stage that did not send leaves zeros) at v1 and serves the rollouts."""
     from transformers import AutoModelForCausalLM
 
-    from tests.unit.test_sglang_contract import SGLangStandInServer
+    from srpo_megatron.testing.sglang_standin import SGLangStandInServer
 
     server = SGLangStandInServer(AutoModelForCausalLM.from_pretrained(tiny[1]), tp_size=2)
     with torch.no_grad():
