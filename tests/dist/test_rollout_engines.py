@@ -19,9 +19,8 @@ import pytest
 import torch
 
 from srpo_megatron.testing.distributed import RankFailed, run_distributed
+from tests.helpers.recipe import tiny_config
 
-REPO = Path(__file__).resolve().parents[2]
-RECIPE = REPO / "examples" / "tiny_cpu_test.yaml"
 
 
 @pytest.fixture(scope="module")
@@ -32,12 +31,7 @@ def tiny(tmp_path_factory):
 
 
 def _cfg(tiny, run_dir, extra=()):
-    from srpo_megatron.configs import load_config
-    from srpo_megatron.trainer.config import TrainConfig
-
-    _, hf, data = tiny
-    ov = [f"model.hf_dir={hf}", f"data.train_files=[{data}]", f"run.dir={run_dir}", "parallel.tp=2", *extra]
-    return load_config(TrainConfig, str(RECIPE), ov)
+    return tiny_config(tiny, run_dir, ["parallel.tp=2", *extra])
 
 
 def _engines(rank, world, tiny, run_dir):

@@ -9,14 +9,12 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
-REPO = Path(__file__).resolve().parents[2]
-RECIPE = REPO / "examples" / "tiny_cpu_test.yaml"
+from tests.helpers.recipe import RECIPE, tiny_overrides
 
 
 def train_overrides(tiny, run_dir: Path, **extra) -> list[str]:
-    _, hf, data = tiny
-    out = [f"model.hf_dir={hf}", f"data.train_files=[{data}]", f"run.dir={run_dir}"]
-    return out + [f"{k}={v}" for k, v in extra.items()]
+    """``tiny_overrides`` with ``extra`` given as ``key=value`` keywords."""
+    return tiny_overrides(tiny, run_dir, [f"{k}={v}" for k, v in extra.items()])
 
 
 def train_rank(rank, world, overrides):

@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 import torch
 
-REPO = Path(__file__).resolve().parents[2]
-RECIPE = REPO / "examples" / "tiny_cpu_test.yaml"
+from tests.helpers.recipe import RECIPE
+
 TINY_POLICY_VOCAB = 256
 
 
