@@ -111,3 +111,15 @@ def test_helpers_are_not_collected_as_tests():
         if p.name.startswith("test_") or p.stem.endswith("_test")
     ]
     assert not named_like_tests, f"tests/helpers/ modules named like test modules: {named_like_tests}"
+
+
+def test_helper_asserts_keep_pytest_introspection():
+    """tests/conftest.py registers tests.helpers for assertion rewriting (pytest rewrites only test modules
+    and conftest files): a failing contract or parity assert in a helper shows its operands."""
+    from tests.helpers import conversion
+
+    names = conversion.assert_bit_exact.__code__.co_varnames
+    assert any(n.startswith("@py_assert") for n in names), (
+        "tests.helpers is not assertion-rewritten: keep pytest.register_assert_rewrite('tests.helpers') in "
+        "tests/conftest.py, before any test module imports a helper"
+    )
