@@ -70,7 +70,7 @@ def _step(rank, world, tiny, run_dir, tp, pp, extra, ep=1):
     from srpo_megatron.trainer.stats import reduce_stats
     from srpo_megatron.trainer.step_metrics import gather_stats
     from srpo_megatron.trainer.teacher import fp32_main_params
-    from srpo_megatron.weights.sync import sync_in_process
+    from srpo_megatron.testing.sync_transports import sync_in_process
 
     with strict_device():
         cfg = tiny_config(tiny, run_dir, [f"parallel.tp={tp}", f"parallel.pp={pp}", f"parallel.ep={ep}", *extra])

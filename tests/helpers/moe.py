@@ -40,6 +40,7 @@ def run_moe_policy(hf_config, layout, dispatcher, batches, *, hf_state=None, ckp
     )
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
+    from srpo_megatron.config import MoEConfig
     from srpo_megatron.conversion.checkpoint import load_policy_checkpoint
     from srpo_megatron.conversion.table import ConversionTable, merge_tp_shards
     from srpo_megatron.conversion.weights import (
@@ -49,7 +50,6 @@ def run_moe_policy(hf_config, layout, dispatcher, batches, *, hf_state=None, ckp
         stage_layer_offset,
     )
     from srpo_megatron.models.architecture import Architecture
-    from srpo_megatron.models.moe import MoEConfig
     from srpo_megatron.models.policy import build_policy
     from srpo_megatron.parallel import initialize_model_parallel
 

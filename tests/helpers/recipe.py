@@ -19,7 +19,6 @@ def tiny_overrides(tiny, run_dir, extra: Sequence[str] = ()) -> list[str]:
 
 def tiny_config(tiny, run_dir, extra: Sequence[str] = ()):
     """The tiny recipe loaded as the trainer loads it, with ``tiny_overrides``."""
-    from srpo_megatron.configs import load_config
-    from srpo_megatron.trainer.config import TrainConfig
+    from srpo_megatron.config import TrainConfig, load_config
 
     return load_config(TrainConfig, str(RECIPE), tiny_overrides(tiny, run_dir, extra))

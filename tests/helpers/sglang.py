@@ -14,8 +14,8 @@ from __future__ import annotations
 
 import torch
 
+from srpo_megatron.config import SGLangEngineConfig
 from srpo_megatron.rollout.base import EngineError
-from srpo_megatron.rollout.config import SGLangEngineConfig
 from srpo_megatron.rollout.sglang.engine import SGLangEngine
 
 # GPU_MEMORY_ALL_TYPES as read in sglang/srt/constants.py of the sglang 0.5.15.post1 and 0.5.23 wheels.

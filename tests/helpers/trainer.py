@@ -33,9 +33,8 @@ def tiny(tmp_path_factory):
 
 
 def tiny_policy(tiny, run_dir, extra):
-    from srpo_megatron.configs import load_config
+    from srpo_megatron.config import TrainConfig, load_config
     from srpo_megatron.parallel import initialize_model_parallel
-    from srpo_megatron.trainer.config import TrainConfig
     from srpo_megatron.trainer.policy import Policy
 
     hf, data = tiny
