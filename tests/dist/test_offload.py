@@ -71,7 +71,7 @@ def _policy(tiny, run_dir, extra):
 
 
 def _samples(rank: int, step: int):
-    from srpo_megatron.trainer.rollouts import Sample
+    from srpo_megatron.trainer.step_types import Sample
 
     g = torch.Generator().manual_seed(1000 * step + rank)
     out = []

@@ -37,7 +37,7 @@ def _cfg(tiny, run_dir, extra=()):
 
 
 def _samples(n: int):
-    from srpo_megatron.trainer.rollouts import Sample
+    from srpo_megatron.trainer.step_types import Sample
 
     g = torch.Generator().manual_seed(3)
     out = []

@@ -24,7 +24,7 @@ import torch
 from safetensors.torch import load_file
 
 from srpo_megatron.testing.distributed import run_distributed
-from srpo_megatron.trainer.metrics import METHOD_METRICS
+from srpo_megatron.trainer.step_types import METHOD_METRICS
 
 REPO = Path(__file__).resolve().parents[2]
 RECIPE = REPO / "examples" / "tiny_cpu_test.yaml"

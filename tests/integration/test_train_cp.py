@@ -12,7 +12,7 @@ import pytest
 from safetensors.torch import load_file
 
 from srpo_megatron.testing.distributed import run_distributed
-from srpo_megatron.trainer.metrics import METHOD_METRICS
+from srpo_megatron.trainer.step_types import METHOD_METRICS
 from tests.integration.test_train import _export, _metrics, _overrides, _train_rank
 
 pytestmark = pytest.mark.packing
