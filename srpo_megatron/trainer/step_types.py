@@ -343,6 +343,11 @@ METRICS: dict[str, Metric] = _declare(
     _M("moe/router_disagreement_share", MEAN, "same for the trainer's own top-k (before replay)"),
     # parallel.offload_during_rollout (trainer/offload.py)
     _M("memory/rollout_resident_bytes", LAST, "trainer bytes left on the device during rollouts"),
+    *(
+        _M(f"memory/rollout_resident/{part}", LAST, f"{part} bytes left on the device during rollouts")
+        for part in ("policy_params", "gradient_buffers", "optimizer", "teacher_bf16", "teacher_fp32")
+    ),  # offload.METRIC_NAMES
+    _M("memory/teacher_fp32_ema_bytes", LAST, "bytes of the teacher's fp32 EMA copy on this rank"),
     _M("memory/rollout_allocated_bytes", LAST, "accelerator bytes allocated during rollouts"),
 )
 
