@@ -42,7 +42,7 @@ from srpo_megatron.trainer.step_types import (
 
 
 def test_step_types_is_a_leaf():
-    code = "import sys, srpo_megatron.trainer.step_types as t; print([m for m in sys.modules if 'srpo' in m])"
+    code = "import sys, srpo_megatron.trainer.step_types; print([m for m in sys.modules if m[:5] == 'srpo_'])"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert eval(out) == ["srpo_megatron", "srpo_megatron.trainer", "srpo_megatron.trainer.step_types"]
 
@@ -74,8 +74,8 @@ def _routed(monkeypatch=None):
         [
             Completion(
                 i,
-                [ord(c) for c in f"answer {i}.{j}"],
-                [-0.5] * len(f"answer {i}.{j}"),
+                [ord(c) for c in f"answer {i}" + "!" * j],  # coin rewards: mixed in every group
+                [-0.5] * (8 + j),
                 "length" if j == 3 else "stop",
                 routed_experts=torch.full((5, 2, 2), 300 if j == 0 else j) if i == 0 else None,
             )
