@@ -17,9 +17,7 @@ import argparse
 import json
 import sys
 
-from srpo_megatron.configs import ConfigError
-from srpo_megatron.data.rows import DataError
-from srpo_megatron.trainer.checkpoint_files import CheckpointError
+from srpo_megatron.config import ConfigError
 
 # torch DCP's .metadata (and megatron's common.pt) are pickles: loading one can run code.
 TRUST_NOTE = (
@@ -41,54 +39,103 @@ def _add_recipe(p: argparse.ArgumentParser) -> None:
     )
 
 
-def build_parser() -> argparse.ArgumentParser:
-    from srpo_megatron.launch.commands import add_jobs_args, add_launch_args
-
-    parser = argparse.ArgumentParser(prog="srpo", description="SRPO RL post-training on megatron-core")
-    sub = parser.add_subparsers(dest="command", required=True)
-    p = sub.add_parser(
-        "train",
-        help="train a policy with SRPO (or a GRPO/SDPO baseline)",
-        description="Train; resumes from the newest complete checkpoint of run.dir. " + TRUST_NOTE,
-    )
+def _add_train(p: argparse.ArgumentParser) -> None:
     _add_recipe(p)
-    p = sub.add_parser(
-        "eval", help="evaluate a checkpoint: avg@k per benchmark and their mean", description=TRUST_NOTE
-    )
+
+
+def _add_eval(p: argparse.ArgumentParser) -> None:
     _add_recipe(p)
     p.add_argument("--checkpoint", required=True, help="training checkpoint dir, or an HF model folder")
     p.add_argument("--out", default=None, help="output folder (default <run.dir>/eval/manual)")
-    p = sub.add_parser("plot", help="render PNG plots from <RUN_DIR>/metrics.jsonl")
+
+
+def _add_plot(p: argparse.ArgumentParser) -> None:
     p.add_argument("run_dir")
     p.add_argument("--out", default=None)
-    add_launch_args(
-        sub.add_parser(
-            "launch",
-            help="submit a recipe with nemo-run (Slurm or local)",
-            description="Submit `srpo train` (the job resumes from run.dir's checkpoints). " + TRUST_NOTE,
-        )
-    )
-    add_jobs_args(sub.add_parser("jobs", help="status, logs or cancel of launched experiments"))
+
+
+def _add_launch(p: argparse.ArgumentParser) -> None:
+    from srpo_megatron.launch.commands import add_launch_args
+
+    add_launch_args(p)
+
+
+def _add_jobs(p: argparse.ArgumentParser) -> None:
+    from srpo_megatron.launch.commands import add_jobs_args
+
+    add_jobs_args(p)
+
+
+def _add_doctor(p: argparse.ArgumentParser) -> None:
     from srpo_megatron.doctor.command import add_doctor_args
+
+    add_doctor_args(p)
+
+
+def _add_plan(p: argparse.ArgumentParser) -> None:
     from srpo_megatron.planner.command import add_plan_args
 
-    add_doctor_args(sub.add_parser("doctor", help="check this node (and a recipe's paths) before a job"))
-    add_plan_args(sub.add_parser("plan", help="per-GPU memory of a recipe on a cluster; layouts that fit"))
+    add_plan_args(p)
+
+
+# name -> (help, description, adds its arguments). A subcommand's module is imported only when that
+# subcommand runs (or its arguments are needed), so `srpo plan` never imports the trainer or torch.
+COMMANDS = {
+    "train": (
+        "train a policy with SRPO (or a GRPO/SDPO baseline)",
+        "Train; resumes from the newest complete checkpoint of run.dir. " + TRUST_NOTE,
+        _add_train,
+    ),
+    "eval": ("evaluate a checkpoint: avg@k per benchmark and their mean", TRUST_NOTE, _add_eval),
+    "plot": ("render PNG plots from <RUN_DIR>/metrics.jsonl", None, _add_plot),
+    "launch": (
+        "submit a recipe with nemo-run (Slurm or local)",
+        "Submit `srpo train` (the job resumes from run.dir's checkpoints). " + TRUST_NOTE,
+        _add_launch,
+    ),
+    "jobs": ("status, logs or cancel of launched experiments", None, _add_jobs),
+    "doctor": ("check this node (and a recipe's paths) before a job", None, _add_doctor),
+    "plan": ("per-GPU memory of a recipe on a cluster; layouts that fit", None, _add_plan),
+}
+
+
+def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
+    """The parser; given ``argv``, only the chosen subcommand's arguments (and module) are loaded."""
+    first = next((a for a in argv if not a.startswith("-")), None) if argv is not None else None
+    chosen = first if first in COMMANDS else None
+    parser = argparse.ArgumentParser(prog="srpo", description="SRPO RL post-training on megatron-core")
+    sub = parser.add_subparsers(dest="command", required=True)
+    for name, (help_text, description, add_args) in COMMANDS.items():
+        p = sub.add_parser(name, help=help_text, description=description)
+        if chosen is None or name == chosen:
+            add_args(p)
     return parser
 
 
+def _user_errors() -> tuple[type[Exception], ...]:
+    """The exceptions that mean bad input (one line, exit status 2), imported only when one is raised."""
+    from srpo_megatron.data.rows import DataError
+    from srpo_megatron.trainer.checkpoint_files import CheckpointError
+
+    return (ConfigError, DataError, CheckpointError, FileNotFoundError)
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    argv = sys.argv[1:] if argv is None else list(argv)
+    args = build_parser(argv).parse_args(argv)
     try:
         if args.command == "train":
-            from srpo_megatron.train import main as train_main
+            from srpo_megatron.config import load_recipe
 
-            result = train_main(args.recipe, args.override)
+            cfg = load_recipe(args.recipe, args.override)  # a bad recipe fails here, before torch loads
+            from srpo_megatron.train import train
+
+            result = train(cfg)
             if result["rank"] == 0:
                 print(json.dumps(result["summary"], default=str), flush=True)
             return 0
         if args.command == "eval":
-            from srpo_megatron.trainer.eval_command import eval_main
+            from srpo_megatron.evaluation.command import eval_main
 
             return eval_main(args)
         if args.command == "plot":
@@ -111,8 +158,10 @@ def main(argv: list[str] | None = None) -> int:
             from srpo_megatron.planner.command import plan_main
 
             return plan_main(args)
-    except (ConfigError, DataError, CheckpointError, FileNotFoundError) as e:
-        return _user_error(args.command, e)
+    except Exception as e:
+        if isinstance(e, _user_errors()):
+            return _user_error(args.command, e)
+        raise
     return 2
 
 

@@ -16,18 +16,16 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-from srpo_megatron.configs import load_config, to_dict
+from srpo_megatron.config import TrainConfig, load_recipe, to_dict
 from srpo_megatron.data.dataset import EpochSampler, build_datasets
 from srpo_megatron.models.architecture import load_hf_config_dict
 from srpo_megatron.parallel import destroy_model_parallel, initialize_model_parallel
 from srpo_megatron.rewards import register_reward, reward_target
 from srpo_megatron.rollout.factory import load_tokenizer
 from srpo_megatron.trainer.checkpoint import load_checkpoint, save_checkpoint
-from srpo_megatron.trainer.config import TrainConfig
 from srpo_megatron.trainer.evaluation import BudgetClock, evaluate_policy
 from srpo_megatron.trainer.learning import learn
 from srpo_megatron.trainer.metrics import MetricsLogger
-from srpo_megatron.trainer.offload import save_while_offloaded
 from srpo_megatron.trainer.policy import Policy
 from srpo_megatron.trainer.preflight import check_layout, check_rewards, data_summary
 from srpo_megatron.trainer.resume import resume_point
@@ -102,17 +100,8 @@ def train(cfg: TrainConfig) -> dict:
             evaluate()
         if (cfg.run.save_every and step % cfg.run.save_every == 0) or step == cfg.train.steps:
             state = st.to_checkpoint(sampler.state_dict(), clock.elapsed())
-            save_while_offloaded(  # save_checkpoint with the offloaded state back (trainer/offload.py)
-                policy.offload,
-                rollouts,
-                version,
-                save_checkpoint,
-                policy,
-                run_dir,
-                step,
-                state,
-                cfg.run.keep_last,
-            )
+            with rollouts.offloaded_for_save(policy.offload, version):  # the offloaded state back
+                save_checkpoint(policy, run_dir, step, state, cfg.run.keep_last)
     if cfg.train.eval_at_ends:
         evaluate()
     if rank0:
@@ -144,4 +133,4 @@ def _yaml(data: dict) -> str:
 
 
 def main(recipe: str, overrides: list[str]) -> dict:
-    return train(load_config(TrainConfig, recipe, overrides))
+    return train(load_recipe(recipe, overrides))

@@ -147,17 +147,16 @@ def collect_before(service, prompts, step):
 def _rank(rank, world, tp, root, hf, data):
     import torch
 
-    from srpo_megatron.configs import load_config
+    from srpo_megatron.config import load_recipe
     from srpo_megatron.data.dataset import build_datasets
     from srpo_megatron.parallel import initialize_model_parallel
     from srpo_megatron.rewards import register_reward
     from srpo_megatron.rollout.factory import load_tokenizer
-    from srpo_megatron.trainer.config import TrainConfig
     from srpo_megatron.trainer.rollouts import RolloutService
 
     ov = [f"model.hf_dir={hf}", f"data.train_files=[{data}]", f"run.dir={root}/run", "parallel.ep=2"]
     ov += [f"parallel.tp={tp}", "parallel.sequence_parallel=true"] if tp > 1 else []
-    cfg = load_config(TrainConfig, str(RECIPE), ov)
+    cfg = load_recipe(str(RECIPE), ov)
     register_reward("coin", "srpo_megatron.testing.tiny:coin_reward")
     groups = initialize_model_parallel(tp, 1, seed=1, ep=2)
     tokenizer = load_tokenizer(hf)

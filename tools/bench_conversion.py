@@ -70,7 +70,7 @@ def _child(mode: str, src: str, dst: str) -> None:
     import srpo_megatron.models.policy
     import srpo_megatron.parallel  # noqa: F401
     from srpo_megatron.conversion.checkpoint import hf_to_megatron, megatron_to_hf
-    from srpo_megatron.trainer.checkpoint_files import fsync_dir, fsync_file
+    from srpo_megatron.durable_io import fsync_dir, fsync_file
 
     baseline = _rss_now()
     _reset_peak_rss()

@@ -40,8 +40,8 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from srpo_megatron.config import LossConfig
 from srpo_megatron.losses import (
-    LossConfig,
     TokenBatch,
     global_normalizers,
     grpo_token_loss,

@@ -78,12 +78,12 @@ def run_mode(arch, recompute: str, seq: int, mbs: int, steps: int, warmup: int) 
     from megatron.core.optimizer import get_megatron_optimizer
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
+    from srpo_megatron.config import OptimConfig, PerformanceConfig
     from srpo_megatron.models import performance as perf
     from srpo_megatron.models.policy import build_policy
-    from srpo_megatron.trainer.config import OptimConfig
 
     acc = perf.Accelerators.detect()
-    cfg = perf.PerformanceConfig(layer_spec="local", recompute=recompute)
+    cfg = PerformanceConfig(layer_spec="local", recompute=recompute)
     dtype = perf.params_dtype("auto", acc)
     overrides = perf.transformer_overrides(cfg, sequence_parallel=False, acc=acc)
     device = torch.device("cuda") if acc.cuda else torch.device("cpu")

@@ -9,7 +9,7 @@ process fed over per-stage broadcast groups (below).
 Four trainer ranks hold a Llama-style megatron policy (random weights, fp32) at TP2xPP2; a separate engine
 process holds the CPU ``HFEngine`` of the same architecture. Measured in the same run, alternating:
 
-- **sync**: ``weights.sync.send_stage`` — TP gather, conversion to HF names/shapes, byte-bounded
+- **sync**: ``testing.sync_transports.send_stage`` — TP gather, conversion to HF names/shapes, byte-bounded
   buckets broadcast per stage, ``HFEngine.update_weights`` (validate all, then copy), acknowledgement;
 - **plain copy**: the same number of bytes per stage, sent over the same channels in bucket-sized
   chunks of one reused buffer and received into fresh buffers (no gather, no conversion, no install).
@@ -131,7 +131,8 @@ def engine_main(config: dict, ports: list[int], schedule: list[str], out) -> Non
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from srpo_megatron.rollout.hf_engine import HFEngine
-    from srpo_megatron.weights.sync import StageChannel, receive_stream, receive_update
+    from srpo_megatron.testing.sync_transports import StageChannel, receive_update
+    from srpo_megatron.weights.p2p import receive_stream
 
     torch.set_num_threads(1)
     model = AutoModelForCausalLM.from_config(AutoConfig.for_model(**config), dtype=torch.float32)
@@ -157,8 +158,8 @@ def trainer_main(rank, world, config, ports, schedule, bucket_bytes):
     from srpo_megatron.models.architecture import Architecture
     from srpo_megatron.models.policy import build_policy
     from srpo_megatron.parallel import initialize_model_parallel
+    from srpo_megatron.testing.sync_transports import StageChannel, send_stage, send_stream
     from srpo_megatron.weights.export import is_stage_sender
-    from srpo_megatron.weights.sync import StageChannel, send_stage, send_stream
 
     groups = initialize_model_parallel(TP, PP, seed=1)
     arch = Architecture.from_hf(config)
@@ -230,9 +231,10 @@ def colocated_main(rank, world, config, schedule, bucket_bytes, engine_size):
     from srpo_megatron.models.policy import build_policy
     from srpo_megatron.parallel import initialize_model_parallel
     from srpo_megatron.rollout.placement import EngineLayout
+    from srpo_megatron.testing.sync_transports import send_stream
     from srpo_megatron.weights.engine_sync import sync_engines
-    from srpo_megatron.weights.export import hf_manifest, iter_stage_params
-    from srpo_megatron.weights.sync import P2PChannel, receive_stream, send_stream
+    from srpo_megatron.weights.export import iter_stage_params
+    from srpo_megatron.weights.p2p import P2PChannel, receive_stream
 
     groups = initialize_model_parallel(TP, PP, seed=1)
     arch = Architecture.from_hf(config)
@@ -241,7 +243,8 @@ def colocated_main(rank, world, config, schedule, bucket_bytes, engine_size):
         model = build_policy(arch)
     layout = EngineLayout(world, engine_size)
     host = layout.is_host(rank)
-    engine = StreamingEngine(hf_manifest(table)) if host else None
+    manifest = {h: table.hf_shape(h) for h in table.hf_names()}  # = protocol.hf_manifest of a folder
+    engine = StreamingEngine(manifest) if host else None
     stage_bytes = sum(p.nbytes for p in iter_stage_params(model, table, groups))
     senders = [r for r in range(world) if r % TP == 0]  # TP rank 0 of each stage (DP=1)
     times = {"sync": [], "copy": []}

@@ -72,11 +72,11 @@ def _token_logps(model, prompt: list[int], response: list[int]):
 
 
 def probe(model, tok, level: int, reasoning: bool, args) -> dict:
+    from srpo_megatron.config import TeacherConfig
     from srpo_megatron.data.arithmetic import generate_arithmetic_rows
     from srpo_megatron.data.rows import Row
     from srpo_megatron.data.templating import encode_text, template_text
     from srpo_megatron.rewards.arithmetic import arithmetic_reward
-    from srpo_megatron.trainer.config import TeacherConfig
     from srpo_megatron.trainer.rollouts import teacher_prompt_ids
 
     t0 = time.monotonic()

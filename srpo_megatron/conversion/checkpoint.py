@@ -45,8 +45,8 @@ import torch
 from srpo_megatron.conversion.dist_reader import TorchDistReader
 from srpo_megatron.conversion.safetensors_io import HFCheckpointReader, PlannedSafetensorsWriter
 from srpo_megatron.conversion.table import ConversionError, ConversionTable, canonical_name
+from srpo_megatron.durable_io import fsync_dir, fsync_tree
 from srpo_megatron.models.architecture import Architecture, load_hf_config_dict
-from srpo_megatron.trainer.checkpoint_files import fsync_dir, fsync_tree
 
 POLICY_PREFIX = "model."
 HF_CONFIG_NAME = "hf_config.json"
@@ -352,7 +352,7 @@ def load_policy_checkpoint(model: torch.nn.Module, ckpt_dir: str | Path) -> None
     """Load the ``model.`` tensors of a checkpoint into this rank's policy stage (any TP/PP)."""
     from megatron.core import dist_checkpointing
 
-    from srpo_megatron.models.performance import drop_absent_extra_state, stored_sharded_keys
+    from srpo_megatron.conversion.spec_compat import drop_absent_extra_state, stored_sharded_keys
 
     sharded = model.sharded_state_dict(prefix=POLICY_PREFIX)
     # A checkpoint converted without Transformer Engine lacks some TE `_extra_state` objects (FP8 metadata,

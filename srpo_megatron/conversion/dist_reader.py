@@ -46,9 +46,6 @@ class _Window(io.RawIOBase):
         self._pos = min(max(base + pos, 0), self._len)
         return self._pos
 
-    def tell(self) -> int:
-        return self._pos
-
     def readinto(self, b) -> int:
         view = memoryview(b).cast("B")[: self._len - self._pos]
         self._f.seek(self._start + self._pos)

@@ -1,13 +1,10 @@
 """Prompt data: rows from JSONL/Parquet or the synthetic arithmetic task, chat templating, sampling."""
 
-from srpo_megatron.data.config import ArithmeticTaskConfig, DataConfig
 from srpo_megatron.data.dataset import DatasetStats, EpochSampler, Prompt, PromptDataset, build_datasets
 from srpo_megatron.data.paths import default_data_dir, resolve_data_path
 from srpo_megatron.data.rows import DataError, Row, load_rows
 
 __all__ = [
-    "ArithmeticTaskConfig",
-    "DataConfig",
     "DataError",
     "DatasetStats",
     "EpochSampler",

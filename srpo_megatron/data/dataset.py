@@ -16,8 +16,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from srpo_megatron.config import ArithmeticTaskConfig, DataConfig
 from srpo_megatron.data.arithmetic import generate_arithmetic_rows
-from srpo_megatron.data.config import ArithmeticTaskConfig, DataConfig
 from srpo_megatron.data.paths import resolve_data_path
 from srpo_megatron.data.rows import DataError, LoadReport, Row, load_rows
 from srpo_megatron.data.templating import encode_prompt

@@ -12,7 +12,7 @@ import argparse
 import os
 import sys
 
-from srpo_megatron.configs import ConfigError
+from srpo_megatron.config import ConfigError
 from srpo_megatron.doctor import environment, paths
 from srpo_megatron.doctor.allreduce import check_allreduce
 from srpo_megatron.doctor.expectations import NodeExpectations
@@ -32,11 +32,10 @@ def add_doctor_args(parser: argparse.ArgumentParser) -> None:
 
 def recipe_checks(recipe: str, overrides: list[str], expect: NodeExpectations) -> list[Check]:
     """The recipe loads, and the paths it names exist (and the run directory is writable)."""
-    from srpo_megatron.configs import load_config
-    from srpo_megatron.trainer.config import TrainConfig
+    from srpo_megatron.config import load_recipe
 
     try:
-        cfg = load_config(TrainConfig, recipe, overrides)
+        cfg = load_recipe(recipe, overrides)
     except ConfigError as e:
         return [fail("recipe", str(e), "fix the recipe or the override")]
     checks = [ok("recipe", recipe + (f" with {len(overrides)} override(s)" if overrides else ""))]
@@ -56,7 +55,7 @@ def collect(recipe: str | None, overrides: list[str], cluster_ref: str | None) -
     """All checks for this node (and ``recipe``), and the report's header (host and context)."""
     cluster_env: dict[str, str] = {}
     if cluster_ref:
-        from srpo_megatron.launch.cluster import load_cluster
+        from srpo_megatron.config import load_cluster
 
         cluster = load_cluster(cluster_ref)
         cluster_env = dict(cluster.env)

@@ -11,7 +11,7 @@ import os
 import socket
 from dataclasses import dataclass
 
-from srpo_megatron.launch.cluster import ClusterConfig
+from srpo_megatron.config import ClusterConfig
 
 
 @dataclass(frozen=True)

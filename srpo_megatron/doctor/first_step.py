@@ -13,10 +13,6 @@ requeue would land on the same broken node), and `srpo jobs logs` shows the doct
 from __future__ import annotations
 
 import shlex
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:
-    from srpo_megatron.launch.experiment import LaunchRequest
 
 
 def doctor_args(recipe: str | None, overrides: list[str]) -> list[str]:
@@ -51,24 +47,21 @@ srun() {{
 """
 
 
-def doctor_first(
-    executor: str, request: LaunchRequest, recipe: str | None, overrides: list[str], dryrun: bool
-) -> bool:
-    """Make `srpo doctor` the first step of ``request`` on every node; False if it failed here already.
+def doctor_first(executor: str, recipe: str | None, overrides: list[str], dryrun: bool) -> tuple[bool, str]:
+    """Make `srpo doctor` the first step of a launched job on every node: ``(ok, setup_lines)``.
 
-    Slurm: the setup lines above go into the sbatch script. Local executor: this machine is the node,
-    so the doctor runs now (not for a dry run). ``recipe`` None (the probe job, which has no model):
-    the node checks only.
+    Slurm: ``setup_lines`` (above) go into the job's sbatch script; ``ok`` is True. Local executor: this
+    machine is the node, so the doctor runs now (not for a dry run), ``ok`` says whether it passed and
+    ``setup_lines`` is empty. ``recipe`` None (the probe job, which has no model): the node checks only.
     """
     overrides = overrides if recipe else []
     if executor == "slurm":
-        request.setup_lines = slurm_setup_lines(recipe, overrides)
-        return True
+        return True, slurm_setup_lines(recipe, overrides)
     if dryrun:
-        return True
+        return True, ""
     from srpo_megatron.doctor.command import collect
     from srpo_megatron.doctor.report import exit_code, render_text
 
     checks, where = collect(recipe, overrides, None)
     print(render_text(checks, where), flush=True)
-    return exit_code(checks) == 0
+    return exit_code(checks) == 0, ""

@@ -98,7 +98,7 @@ def render(pins: list[Pin], sqsh: str) -> str:
 
 def h100_image() -> str:
     """The ``container_image`` of cluster/h100.yaml: where the import must put the squashfs file."""
-    from srpo_megatron.launch.cluster import load_cluster
+    from srpo_megatron.config import load_cluster
 
     return load_cluster("h100").container_image
 

@@ -7,11 +7,9 @@ from srpo_megatron.evaluation.budget_report import (
     budget_report_main,
     format_budget_report,
 )
-from srpo_megatron.evaluation.config import EvalConfig
 from srpo_megatron.evaluation.plots import plot_main, plot_run
 
 __all__ = [
-    "EvalConfig",
     "append_eval_log",
     "best_within_budgets",
     "budget_report_main",

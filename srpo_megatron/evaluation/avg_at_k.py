@@ -8,20 +8,21 @@ exactly k samples, so this is also the mean over all samples), and the unweighte
 response, reward, ...) and ``summary.json`` into ``out_dir``.
 
 ``run_eval`` is the entry point the CLI (``srpo eval``) and the trainer call: it builds the held-out
-prompts from the recipe's ``data`` section and evaluates them.
+prompts from the recipe's ``data`` section and evaluates them; ``greedy_accuracy`` is its k = 1,
+temperature 0 form.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from srpo_megatron.data.config import DataConfig
+from srpo_megatron.config import DataConfig, EvalConfig
 from srpo_megatron.data.dataset import Prompt, PromptDataset, arithmetic_rows
-from srpo_megatron.evaluation.config import EvalConfig
 from srpo_megatron.rewards import RewardPool
 from srpo_megatron.rollout.base import RolloutEngine, SamplingParams
 
@@ -184,3 +185,9 @@ def run_eval(
     finally:
         if own_pool:
             pool.close()
+
+
+def greedy_accuracy(engine: Any, tokenizer: Any, cfg: Any, out_dir: Path, step: int | None = None) -> float:
+    """Held-out accuracy of one greedy sample per problem (temperature 0, k = 1); ``cfg`` the recipe."""
+    greedy_cfg = dataclasses.replace(cfg.eval, k=1, temperature=0.0, top_p=1.0)
+    return run_eval(engine, tokenizer, cfg.data, greedy_cfg, out_dir, step=step)["mean_avg_at_k"]

@@ -15,8 +15,15 @@ import subprocess
 import sys
 from pathlib import Path
 
-from srpo_megatron.configs import ConfigError, apply_overrides, load_yaml
-from srpo_megatron.launch.cluster import CLUSTER_DIR, cluster_files, load_cluster
+from srpo_megatron.config import (
+    CLUSTER_DIR,
+    ConfigError,
+    TrainConfig,
+    cluster_files,
+    load_cluster,
+    load_recipe,
+)
+from srpo_megatron.config.shell_values import check_name
 from srpo_megatron.launch.experiment import (
     REPO_ROOT,
     JobCommand,
@@ -27,7 +34,7 @@ from srpo_megatron.launch.experiment import (
     submit,
 )
 from srpo_megatron.launch.jobs import JobError, check_completed, job_infos, load_experiment, read_logs, wait
-from srpo_megatron.launch.shell_safety import check_name, name_from_file
+from srpo_megatron.launch.shell_safety import name_from_file
 
 
 def add_launch_args(parser: argparse.ArgumentParser) -> None:
@@ -69,7 +76,7 @@ def add_jobs_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tail", type=int, default=None, help="logs: only the last N lines")
 
 
-def _job_command(args: argparse.Namespace, recipe_path: Path, recipe: dict, code: str) -> JobCommand:
+def _job_command(args: argparse.Namespace, recipe_path: Path, cfg: TrainConfig, code: str) -> JobCommand:
     # The job reads the recipe itself: an absolute path when it runs this checkout in place, a path
     # relative to the repository when the code is shipped with `git archive`.
     if code == "git":
@@ -92,10 +99,7 @@ def _job_command(args: argparse.Namespace, recipe_path: Path, recipe: dict, code
         recipe_arg = str(recipe_path.resolve())
     if not args.probe:
         return srpo_train_command(recipe_arg, args.override)
-    run_dir = (recipe.get("run") or {}).get("dir")
-    steps = (recipe.get("train") or {}).get("steps", 3)
-    if not run_dir:
-        raise ConfigError("--probe needs run.dir in the recipe (the probe writes its metrics there)")
+    run_dir, steps = cfg.run.dir, cfg.train.steps  # the probe writes its metrics where the run would
     return JobCommand(
         "srpo_megatron.launch.probe", ("--run-dir", str(Path(run_dir).resolve()), "--steps", str(steps))
     )
@@ -110,12 +114,12 @@ def launch_main(args: argparse.Namespace) -> int:
         cluster = load_cluster(args.cluster)
         recipe_path = Path(args.recipe)
         name = check_name(args.name, "--name") if args.name else f"srpo-{name_from_file(recipe_path.stem)}"
-        recipe = apply_overrides(load_yaml(recipe_path), list(args.override))
-        placement = RolloutPlacement.from_recipe(recipe)
+        cfg = load_recipe(recipe_path, list(args.override))  # as `srpo train` will load it
+        placement = RolloutPlacement.from_config(cfg.rollout)
         cluster.check_request(args.nodes + placement.engine_nodes_on(cluster.executor), args.gpus_per_node)
         request = LaunchRequest(
             name=name,
-            command=_job_command(args, recipe_path, recipe, cluster.code),
+            command=_job_command(args, recipe_path, cfg, cluster.code),
             nodes=args.nodes,
             placement=placement,
             gpus_per_node=args.gpus_per_node,
@@ -130,8 +134,10 @@ def launch_main(args: argparse.Namespace) -> int:
             from srpo_megatron.doctor.first_step import doctor_first
 
             recipe_arg = None if args.probe else request.command.args[1]  # the recipe as the job reads it
-            if not doctor_first(cluster.executor, request, recipe_arg, list(args.override), args.dryrun):
+            ok, doctor_lines = doctor_first(cluster.executor, recipe_arg, list(args.override), args.dryrun)
+            if not ok:
                 return 1
+            request.setup_lines = doctor_lines or request.setup_lines
         gpus = args.gpus_per_node if args.gpus_per_node is not None else cluster.gpus_per_node
         if placement.placement == "separate" and cluster.executor == "slurm" and not args.probe:
             from srpo_megatron.launch.engine_nodes import slurm_engine_lines

@@ -11,12 +11,12 @@ Preemption: nemo-run always submits with ``sbatch --requeue``, so a preempted jo
 and restarts the same command; the trainer resumes from the newest complete checkpoint by itself.
 ``max_retries`` in the cluster file additionally requeues a job whose command exited non-zero.
 
-Rollout placement is read from the recipe as plain data (``rollout.placement``: "colocated" |
-"separate", ``rollout.engine_nodes``). With "separate" a Slurm job asks for ``nodes + engine_nodes`` nodes
-and starts the SGLang servers on the last ``engine_nodes`` (``launch/engine_nodes.py``); the local executor
-is this one machine and starts no servers: they must already run, listed in ``SRPO_ENGINE_URLS`` (or
-``rollout.sglang.url``). Every process gets ``SRPO_ROLLOUT_PLACEMENT``, ``SRPO_TRAIN_NODES`` and
-``SRPO_ENGINE_NODES``.
+Rollout placement comes from the recipe loaded as the trainer loads it (``config.load_recipe``:
+``rollout.placement``: "colocated" | "separate", ``rollout.engine_nodes``). With "separate" a Slurm job asks
+for ``nodes + engine_nodes`` nodes and starts the SGLang servers on the last ``engine_nodes``
+(``launch/engine_nodes.py``); the local executor is this one machine and starts no servers: they must
+already run, listed in ``SRPO_ENGINE_URLS`` (or ``rollout.sglang.url``). Every process gets
+``SRPO_ROLLOUT_PLACEMENT``, ``SRPO_TRAIN_NODES`` and ``SRPO_ENGINE_NODES``.
 
 The torchrun line: on Slurm nemo-run's ``Torchrun`` launcher writes it into the sbatch script, where
 bash parses the arguments it shell-quotes. The local executor gets its own line, ``python -m
@@ -34,18 +34,11 @@ import shutil
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
-from srpo_megatron.configs import ConfigError
-from srpo_megatron.launch.cluster import ClusterConfig
-from srpo_megatron.launch.shell_safety import (
-    REDACTED,
-    check_name,
-    check_path,
-    is_secret,
-    secret_setup_lines,
-    shell_word,
-)
+from srpo_megatron.config import ClusterConfig, ConfigError, RolloutConfig
+from srpo_megatron.config.shell_values import check_name
+from srpo_megatron.launch.nemo_import import import_nemo_run
+from srpo_megatron.launch.shell_safety import REDACTED, check_path, is_secret, secret_setup_lines, shell_word
 
 # The repository root: jobs that run the code in place put it on PYTHONPATH.
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -56,7 +49,7 @@ _SHIPPED_CODE = "/nemo_run/code"
 
 @dataclass(frozen=True)
 class RolloutPlacement:
-    """Where the rollout engines run, read from the recipe's ``rollout`` section as plain data."""
+    """Where the rollout engines run: what `srpo launch` needs of the recipe's ``rollout`` section."""
 
     placement: str = "colocated"  # colocated: engines share the training GPUs; separate: own nodes
     engine_nodes: int = 0  # nodes given to SGLang engines when separate
@@ -65,36 +58,16 @@ class RolloutPlacement:
     sglang_url: str = ""  # rollout.sglang.url: running servers, comma-separated (separate placement)
 
     @classmethod
-    def from_recipe(cls, recipe: dict[str, Any]) -> RolloutPlacement:
-        rollout = recipe.get("rollout") or {}
-        if not isinstance(rollout, dict):
-            raise ConfigError(f"rollout: expected a mapping, got {rollout!r}")
-        placement = rollout.get("placement", "colocated")
-        engine_nodes = rollout.get("engine_nodes", 0)
-        if placement not in ("colocated", "separate"):
-            raise ConfigError(
-                f"rollout.placement: {placement!r} is not valid; choose 'colocated' or 'separate'"
-            )
-        if not isinstance(engine_nodes, int) or isinstance(engine_nodes, bool) or engine_nodes < 0:
-            raise ConfigError(f"rollout.engine_nodes: {engine_nodes!r} must be a non-negative integer")
-        if placement == "separate" and engine_nodes < 1:
-            raise ConfigError(
-                "rollout.placement 'separate' needs rollout.engine_nodes >= 1 (nodes for the SGLang engines)"
-            )
-        if placement == "colocated" and engine_nodes:
-            raise ConfigError(
-                f"rollout.engine_nodes={engine_nodes} only applies to placement 'separate'; set it to 0 "
-                "or use rollout.placement: separate"
-            )
-        sglang = rollout.get("sglang") or {}
-        tp = int(((sglang.get("engine_kwargs") or {}) if isinstance(sglang, dict) else {}).get("tp_size", 1))
-        per = rollout.get("gpus_per_engine", 0)
-        if not isinstance(per, int) or isinstance(per, bool) or per < 0:
-            raise ConfigError(
-                f"rollout.gpus_per_engine: {per!r} must be a non-negative integer (0 = engine TP)"
-            )
-        url = sglang.get("url", "") if isinstance(sglang, dict) else ""
-        return cls(placement, engine_nodes, tp, per, str(url or ""))
+    def from_config(cls, rollout: RolloutConfig) -> RolloutPlacement:
+        """The placement of a loaded recipe's ``rollout`` section (its checks ran as it loaded)."""
+        sglang = rollout.sglang
+        return cls(
+            rollout.placement,
+            rollout.engine_nodes,
+            sglang.tp_size if sglang is not None else 1,
+            rollout.gpus_per_engine,
+            sglang.url if sglang is not None else "",
+        )
 
     def engine_nodes_on(self, executor: str) -> int:
         """Engine nodes a job on ``executor`` occupies: Slurm starts the SGLang servers on
@@ -249,7 +222,7 @@ def build_executor(cluster: ClusterConfig, request: LaunchRequest, redact: bool 
 
     ``redact``: secret values are replaced by ``<redacted>`` (dry runs print the script).
     """
-    import nemo_run as run
+    run = import_nemo_run()
 
     cluster.check_request(request.job_nodes(cluster.executor), request.gpus_per_node)
     check_name(request.name, "experiment name (--name)")
@@ -318,7 +291,7 @@ def build_executor(cluster: ClusterConfig, request: LaunchRequest, redact: bool 
 
 def build_experiment(cluster: ClusterConfig, request: LaunchRequest, redact: bool = False):
     """An un-launched nemo-run Experiment holding the single torchrun task; use it as a context manager."""
-    import nemo_run as run
+    run = import_nemo_run()
 
     executor = build_executor(cluster, request, redact)
     if cluster.executor == "local":  # python -m torch.distributed.run ... -m MODULE ARGS, as a list

@@ -17,7 +17,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from srpo_megatron.configs import ConfigError
+from srpo_megatron.config import ConfigError
+from srpo_megatron.launch.nemo_import import import_nemo_run
 
 # Slurm states after which a job will not run again (REQUEUED/PREEMPTED jobs come back as PENDING).
 FINAL_STATES = frozenset(
@@ -35,6 +36,7 @@ def set_home(home: str | Path | None = None) -> Path:
     nemo-run's home starts as ``$NEMORUN_HOME`` (default ``~/.nemo_run``); experiments, their sbatch
     scripts and (on a login node) their logs live under ``<home>/experiments``.
     """
+    import_nemo_run()  # without torch (see launch/nemo_import.py)
     from nemo_run.config import get_nemorun_home, set_nemorun_home
 
     if home is not None:
@@ -51,7 +53,7 @@ def experiment_ids(home: Path) -> list[str]:
 
 def load_experiment(ref: str | None = None, home: str | Path | None = None):
     """The nemo-run Experiment named by ``ref`` (id or title; None: the latest one)."""
-    import nemo_run as run
+    run = import_nemo_run()
 
     root = set_home(home)
     ids = experiment_ids(root)
@@ -93,6 +95,7 @@ def _tunnel_run(tunnel, cmd: str) -> str:
 
 
 def _is_slurm(job) -> bool:
+    import_nemo_run()  # without torch (see launch/nemo_import.py)
     from nemo_run import SlurmExecutor
 
     return isinstance(job.executor, SlurmExecutor)

@@ -4,7 +4,6 @@ All are pure functions of tensors (plus explicit process groups) returning ``(pe
 where they are losses; ``routed_loss`` owns nothing global — the caller supplies the denominators.
 """
 
-from srpo_megatron.losses.config import LossConfig
 from srpo_megatron.losses.grpo import grpo_token_loss, tis_weight
 from srpo_megatron.losses.routed import Normalizers, TokenBatch, global_normalizers, routed_loss
 from srpo_megatron.losses.routing import Routing, group_advantages, route, routing_masks
@@ -12,7 +11,6 @@ from srpo_megatron.losses.scoring import StudentScore, TeacherScore, score_stude
 from srpo_megatron.losses.sdpo import dynamic_weights, raw_weights, sdpo_token_loss, topk_divergence
 
 __all__ = [
-    "LossConfig",
     "Normalizers",
     "Routing",
     "StudentScore",

@@ -33,7 +33,7 @@ from dataclasses import dataclass, fields
 import torch
 import torch.distributed as dist
 
-from srpo_megatron.losses.config import LossConfig
+from srpo_megatron.config import LossConfig
 from srpo_megatron.losses.grpo import grpo_token_loss
 from srpo_megatron.losses.sdpo import dynamic_weights, raw_weights, sdpo_token_loss
 from srpo_megatron.ops.vocab_parallel import append_tail, token_stats

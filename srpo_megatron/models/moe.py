@@ -1,6 +1,6 @@
 """Mixture-of-Experts policies (Qwen3-MoE): the recipe's router controls and megatron's MoE settings.
 
-``MoEConfig`` is the ``moe:`` section of a recipe. ``moe_config_overrides`` turns it and an
+``MoEConfig`` (config/moe.py) is the ``moe:`` section of a recipe. ``moe_config_overrides`` turns it and an
 :class:`Architecture` into the ``TransformerConfig`` fields of megatron-core's MoE layer:
 
 - routing: softmax scores over ``num_experts``, top-k. Qwen3-MoE with ``norm_topk_prob`` renormalises the k
@@ -25,30 +25,10 @@ norm (``models.policy.layer_spec``); on GPU, TE's norms support it natively.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Literal
-
 import torch
 
-from srpo_megatron.configs import ConfigError
+from srpo_megatron.config.moe import MoEConfig
 from srpo_megatron.models.architecture import Architecture
-
-
-@dataclass
-class MoEConfig:
-    """Router and expert controls of an MoE policy (ignored for dense models)."""
-
-    dispatcher: Literal["alltoall", "allgather"] = "alltoall"  # megatron token dispatcher over EP
-    router_dtype: Literal["fp32", "fp64"] = "fp32"  # dtype of the router GEMM, softmax and top-k
-    aux_loss_coeff: float = 0.0  # load-balancing (aux_loss) coefficient; 0 = off, as in NeMo-RL's RL recipes
-    z_loss_coeff: float = 0.0  # router z-loss coefficient; 0 = off
-    freeze_router: bool = False  # router weights get no gradient (routing stays the pre-trained one)
-    grouped_gemm: bool | None = None  # TE grouped GEMM experts; None = whenever Transformer Engine imports
-
-    def __post_init__(self) -> None:
-        for key in ("aux_loss_coeff", "z_loss_coeff"):
-            if getattr(self, key) < 0:
-                raise ConfigError(f"moe.{key}={getattr(self, key)} must be >= 0 (0 switches the loss off)")
 
 
 def moe_config_overrides(arch: Architecture, moe: MoEConfig, *, ep: int, etp: int, use_te: bool) -> dict:

@@ -30,55 +30,19 @@ What is chosen when CUDA is present (``auto`` everywhere):
   :func:`finish_param_gather` first.
 - **Activation recompute** is a recipe choice (``performance.recompute``): ``selective`` recomputes the
   listed submodules (default core attention), ``full`` whole layers by ``uniform``/``block`` method.
-
-Optimizer state across devices (CPU <-> GPU resume): ``dist_checkpointing`` (torch_dist) stores tensors
-as bytes and reads them into the *loading* model's sharded state dict, whose tensors live on the loading
-rank's device, and the common state is read with ``map_location='cpu'``; so policy, teacher and optimizer
-state move between CPU and GPU. What does not move is the RNG tracker state: a CUDA generator state and
-the CPU layer's stand-in generator have different sizes. ``trainer/checkpoint.py`` records the device
-kind with the RNG states and, on a mismatch, reseeds the tracker from the recipe seed with a warning
-naming the cause (see :func:`rng_states_compatible`).
 """
 
 from __future__ import annotations
 
 import importlib.util
-import warnings
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Literal
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
-from srpo_megatron.configs import ConfigError
+from srpo_megatron.config.loading import ConfigError
+from srpo_megatron.config.performance import PerformanceConfig
 
-if TYPE_CHECKING:  # torch is imported lazily: recipes load (trainer/config.py) without it
+if TYPE_CHECKING:  # torch is imported lazily: recipes load (srpo_megatron/config/) without it
     import torch
-
-RECOMPUTE_MODULES = ("core_attn", "layernorm", "mlp")  # dense-model submodules megatron can recompute
-
-
-@dataclass
-class PerformanceConfig:
-    """Speed choices (recipe section ``performance``); ``auto`` = on when this machine can (module doc)."""
-
-    layer_spec: Literal["auto", "te", "local"] = "auto"  # auto = Transformer Engine's when it imports
-    fusions: Literal["auto", "off"] = "auto"  # auto = grad-accum / RoPE / bias-activation where available
-    overlap_comm: Literal["auto", "on", "off"] = "auto"  # overlap grad reduce / param gather (dist. optim.)
-    recompute: Literal["none", "selective", "full"] = "none"  # activation recompute granularity
-    recompute_method: Literal["uniform", "block"] = "uniform"  # full: layers per chunk / first N per stage
-    recompute_num_layers: int = 1  # full: layers per recompute chunk (uniform) or recomputed layers (block)
-    recompute_modules: list[str] = field(default_factory=lambda: ["core_attn"])  # selective: submodules
-
-    def __post_init__(self) -> None:
-        if self.recompute_num_layers < 1:
-            raise ConfigError(
-                f"performance.recompute_num_layers={self.recompute_num_layers} must be >= 1 (layers per "
-                "recompute chunk for method uniform, layers recomputed per stage for method block)"
-            )
-        bad = sorted(set(self.recompute_modules) - set(RECOMPUTE_MODULES))
-        if bad or (self.recompute == "selective" and not self.recompute_modules):
-            raise ConfigError(
-                f"performance.recompute_modules={self.recompute_modules}: choose a non-empty subset of "
-                f"{list(RECOMPUTE_MODULES)} (core_attn is the usual choice)"
-            )
 
 
 @dataclass(frozen=True)
@@ -246,77 +210,10 @@ def finish_param_gather(ddp_module: Any) -> None:
         ddp_module.start_param_sync(force_sync=True)
 
 
-# ---------------------------------------------------------------- checkpoints across specs and devices
-
-TE_EXTRA_STATE = "_extra_state"
-
-
-def drop_absent_extra_state(sharded: dict[str, Any], stored_keys: set[str], where: str) -> list[str]:
-    """Remove from ``sharded`` (a model's ``sharded_state_dict``, modified in place) the ``_extra_state``
-    objects ``stored_keys`` (the checkpoint's sharded keys) does not hold; return their keys.
-
-    Transformer Engine modules carry ``_extra_state`` (FP8 scaling metadata; empty for bf16) that the local
-    spec lacks for some modules (e.g. TE's core attention), so a checkpoint converted on a machine without
-    TE does not have them. Those modules keep their freshly initialised extra state, which is exactly what
-    a bf16 run starts from. Any other absent key is an error naming the keys (layouts disagree).
-    """
-    dropped = []
-    missing = []
-    for name, item in list(sharded.items()):
-        key = getattr(item, "key", None)
-        if key is None or key in stored_keys:
-            continue
-        if key.endswith(TE_EXTRA_STATE):
-            dropped.append(key)
-            del sharded[name]
-        else:
-            missing.append(key)
-    if missing:
-        raise ValueError(
-            f"checkpoint {where} lacks {len(missing)} tensor(s) the model needs, e.g. {sorted(missing)[:4]}; "
-            "it was written for a different architecture or layer layout"
-        )
-    return dropped
-
-
-def stored_sharded_keys(ckpt_dir: str) -> set[str]:
-    """Keys of every ShardedTensor and ShardedObject in a torch_dist checkpoint (metadata only)."""
-    from megatron.core.dist_checkpointing.serialization import load_sharded_metadata
-
-    meta = load_sharded_metadata(str(ckpt_dir))
-    return {getattr(v, "key", k) for k, v in meta.items()}
-
-
-def rng_device_kind() -> str:
-    """``cuda`` when the RNG tracker holds CUDA generator states, ``cpu`` under the CPU layer."""
-    import torch
-
-    return "cuda" if torch.cuda.is_available() else "cpu"
-
-
-def rng_states_compatible(saved_kind: str | None, path: str) -> bool:
-    """Whether RNG tracker states saved on ``saved_kind`` can be restored here; warns with the cause if not.
-
-    A CUDA generator state (16 bytes: seed and offset) and the CPU layer's stand-in generator state
-    (5056 bytes) cannot be exchanged: the first ``fork()`` would raise "Expected a ... of size 5056".
-    """
-    here = rng_device_kind()
-    if (saved_kind or "cpu") == here:
-        return True
-    warnings.warn(
-        f"{path}: RNG tracker states were saved on {saved_kind or 'cpu'} and this run is on {here}; "
-        "generator states do not move between devices, so the tracker is reseeded from run.seed "
-        "(weights, optimizer state and data cursor resume exactly; only dropout/init streams restart)",
-        stacklevel=2,
-    )
-    return False
-
-
 __all__ = [
     "Accelerators",
     "PerformanceConfig",
     "ddp_config",
-    "drop_absent_extra_state",
     "finish_param_gather",
     "optimizer_config",
     "overlap_enabled",

@@ -33,9 +33,10 @@ from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
 from megatron.core.transformer.transformer_config import TransformerConfig
 
+from srpo_megatron.config import MoEConfig
 from srpo_megatron.models.architecture import Architecture, padded_vocab_size, pipeline_stage_layers
 from srpo_megatron.models.attention import SDPACoreAttention
-from srpo_megatron.models.moe import MoEConfig, apply_router_controls, moe_config_overrides
+from srpo_megatron.models.moe import apply_router_controls, moe_config_overrides
 from srpo_megatron.models.norms import SequenceParallelRMSNorm
 
 

@@ -5,15 +5,16 @@ rollout phases of the worst pipeline stage, the peak against the GPU's memory, w
 across phases, and the layouts that fit on the same GPUs ranked by :func:`memory.rank_key`. Exit status
 0 when the recipe fits, 3 when it does not (2 for bad input).
 
-Recipe keys read (defaults in brackets), besides the model, rollout and batch sizes:
-``parallel.tp/pp/cp/ep/etp`` [1], ``parallel.distributed_optimizer`` [false],
-``parallel.sequence_parallel`` [on when TP > 1], ``performance.recompute`` [none],
-``performance.overlap_comm`` [auto: on with the distributed optimizer], ``model.params_dtype`` [auto:
-bf16], ``parallel.optimizer_offload``, ``parallel.offload_during_rollout``, ``parallel.teacher_offload``
-[false], ``parallel.teacher_fp32`` [full] (see memory.py for which of these the trainer implements
-today). "auto" resolves as on a GPU machine, which is what is planned. The model's HF config is read
-from ``model.hf_dir``; when that folder is not on this machine (a cluster path) and its name is one of
-the packaged Qwen3 configs (``planner/hf_configs/``), the packaged config is used and named in the output.
+The recipe loads exactly as ``srpo train`` loads it (``srpo_megatron.config.load_recipe``: ``base:``,
+overrides, every check), and the plan reads the typed sections, besides the model, rollout and batch
+sizes: ``parallel.tp/pp/cp/ep/etp``, ``parallel.distributed_optimizer``, ``parallel.sequence_parallel``
+[on when TP > 1], ``performance.recompute``, ``performance.overlap_comm`` [auto: on with the distributed
+optimizer], ``model.params_dtype`` [auto: bf16], ``parallel.offload_during_rollout``,
+``parallel.teacher_offload`` and ``parallel.teacher_fp32`` (see memory.py for which of these the
+trainer implements today). "auto" resolves as on a GPU machine, which is what is planned. The model's
+HF config is read from ``model.hf_dir``; when that folder is not on this machine (a cluster path) and
+its name is one of the packaged Qwen3 configs (``planner/hf_configs/``), the packaged config is used
+and named in the output.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from srpo_megatron.configs import ConfigError, apply_overrides, load_yaml
+from srpo_megatron.config import ConfigError, TrainConfig, load_cluster, load_recipe
 from srpo_megatron.planner.memory import GiB, Plan, PlanSettings, fitting_layouts, plan_layout
 from srpo_megatron.planner.model import Layout, ModelShape, PlanError
 
@@ -55,87 +56,47 @@ def resolve_hf_config(hf_dir: str) -> tuple[dict, str]:
     )
 
 
-def _section(raw: dict, key: str) -> dict:
-    value = raw.get(key) or {}
-    if not isinstance(value, dict):
-        raise ConfigError(f"recipe section {key!r} must be a mapping, got {value!r}")
-    return value
-
-
-def _pick(section: dict, name: str, key: str, default: Any, kind: type) -> Any:
-    value = section.get(key, default)
-    if isinstance(value, bool) if kind is bool else isinstance(value, kind) and not isinstance(value, bool):
-        return value
-    if kind is float and isinstance(value, int) and not isinstance(value, bool):
-        return float(value)
-    raise ConfigError(f"{name}.{key}={value!r}: expected {kind.__name__}")
-
-
 def settings_from_recipe(
-    raw: dict, gpus: int, gpus_per_node: int, gpu_bytes: int
+    cfg: TrainConfig, gpus: int, gpus_per_node: int, gpu_bytes: int
 ) -> tuple[ModelShape, PlanSettings, str]:
-    """(model shape, plan settings, config source) of a recipe mapping (overrides already applied)."""
-    model, par = _section(raw, "model"), _section(raw, "parallel")
-    roll, train, loss = _section(raw, "rollout"), _section(raw, "train"), _section(raw, "loss")
-    teacher, data = _section(raw, "teacher"), _section(raw, "data")
-    hf_dir = _pick(model, "model", "hf_dir", "", str)
-    if not hf_dir:
-        raise ConfigError("model.hf_dir is empty: the planner needs the model's HF config")
-    hf_config, source = resolve_hf_config(hf_dir)
+    """(model shape, plan settings, config source) of a loaded recipe: every value is read from the
+    typed ``TrainConfig`` the trainer runs, so the planner models no key the trainer would refuse."""
+    par, perf, roll = cfg.parallel, cfg.performance, cfg.rollout
+    hf_config, source = resolve_hf_config(cfg.model.hf_dir)
     shape = ModelShape.from_hf(hf_config)
-    sizes = {k: _pick(par, "parallel", k, 1, int) for k in ("tp", "pp", "cp", "ep", "etp")}
-    per_replica = sizes["tp"] * sizes["pp"] * sizes["cp"]
+    sizes = {"tp": par.tp, "pp": par.pp, "cp": par.cp, "ep": par.ep, "etp": par.etp}
+    per_replica = par.tp * par.pp * par.cp
     if gpus % per_replica:
         raise ConfigError(
             f"parallel tp*pp*cp = {per_replica} does not divide the {gpus} GPUs of the request; "
             "change --nodes or the parallel sizes"
         )
     layout = Layout(dp=gpus // per_replica, **sizes)
-    perf = _section(raw, "performance")
-    recompute = _pick(perf, "performance", "recompute", "none", str)
-    if recompute not in ("none", "selective", "full"):
-        raise ConfigError(f"performance.recompute={recompute!r}: choose none, selective or full")
-    dist_opt = _pick(par, "parallel", "distributed_optimizer", False, bool)
-    overlap = _pick(perf, "performance", "overlap_comm", "auto", str)
     # The plan is for GPUs: "auto" choices resolve as on CUDA (models/performance.py of the trainer).
-    sp = par.get("sequence_parallel")
-    sp = sizes["tp"] > 1 if sp is None else _pick(par, "parallel", "sequence_parallel", False, bool)
-    teacher_fp32 = _pick(par, "parallel", "teacher_fp32", "full", str)
-    if teacher_fp32 not in ("none", "full", "sharded"):
-        raise ConfigError(f"parallel.teacher_fp32={teacher_fp32!r}: choose none, full or sharded")
-    dtype = _pick(model, "model", "params_dtype", "auto", str)
-    mode = _pick(loss, "loss", "mode", "srpo", str)
-    kind = _pick(teacher, "teacher", "kind", "ema", str)
-    engine, placement = (
-        _pick(roll, "rollout", "engine", "hf", str),
-        _pick(roll, "rollout", "placement", "colocated", str),
-    )
-    kwargs = _section(_section(roll, "sglang"), "engine_kwargs")
-    prompt = _pick(data, "data", "max_prompt_tokens", 2048, int)
-    new = _pick(roll, "rollout", "max_new_tokens", 8192, int)
+    sp = par.tp > 1 if par.sequence_parallel is None else par.sequence_parallel
+    teacher = cfg.loss.mode != "grpo"
+    kwargs = roll.sglang.engine_kwargs if roll.sglang is not None else {}
     settings = PlanSettings(
         layout=layout,
         gpu_bytes=gpu_bytes,
         gpus_per_node=gpus_per_node,
-        params_bytes=4 if dtype == "fp32" else 2,
-        distributed_optimizer=dist_opt,
-        overlap_grad_reduce=dist_opt and overlap in ("auto", "on"),
+        params_bytes=4 if cfg.model.params_dtype == "fp32" else 2,
+        distributed_optimizer=par.distributed_optimizer,
+        overlap_grad_reduce=par.distributed_optimizer and perf.overlap_comm in ("auto", "on"),
         sequence_parallel=sp,
-        recompute=recompute,  # type: ignore[arg-type]
-        micro_batch_size=_pick(train, "train", "micro_batch_size", 4, int),
-        seq_len=_pick(model, "model", "max_sequence_length", 4096, int),
-        sequences_per_step=_pick(roll, "rollout", "prompts_per_step", 32, int)
-        * _pick(roll, "rollout", "group_size", 8, int)
-        // _pick(train, "train", "mini_batches", 1, int),
-        teacher=mode != "grpo",
-        teacher_fp32=teacher_fp32 if (mode != "grpo" and kind == "ema") else "none",  # type: ignore[arg-type]
-        teacher_offload=_pick(par, "parallel", "teacher_offload", False, bool),
-        optimizer_offload=_pick(par, "parallel", "optimizer_offload", False, bool),
-        offload_during_rollout=_pick(par, "parallel", "offload_during_rollout", False, bool),
-        engine="none" if engine != "sglang" else ("separate" if placement == "separate" else "colocated"),
+        recompute=perf.recompute,
+        micro_batch_size=cfg.train.micro_batch_size,
+        seq_len=cfg.model.max_sequence_length,
+        sequences_per_step=roll.prompts_per_step * roll.group_size // cfg.train.mini_batches,
+        teacher=teacher,
+        # no fp32 EMA copy without an EMA teacher (GRPO has no teacher; frozen / trust_region keep none)
+        teacher_fp32=par.teacher_fp32 if (teacher and cfg.teacher.kind == "ema") else "none",
+        teacher_offload=par.teacher_offload,
+        offload_during_rollout=par.offload_during_rollout,
+        engine="none" if roll.engine != "sglang" else roll.placement,
         engine_tp=int(kwargs.get("tp_size", 1)),
         engine_mem_fraction=float(kwargs.get("mem_fraction_static", 0.6)),
-        rollout_seq_len=prompt + new,
+        rollout_seq_len=cfg.data.max_prompt_tokens + roll.max_new_tokens,
     )
     return shape, settings, source
 
@@ -143,9 +104,10 @@ def settings_from_recipe(
 def plan_recipe(
     recipe: str | Path, overrides: list[str], gpus: int, gpus_per_node: int, gpu_bytes: int
 ) -> tuple[Plan, list[Plan], str]:
-    """(the recipe's plan, the fitting layouts ranked, the config source)."""
-    raw = apply_overrides(load_yaml(recipe), list(overrides))
-    shape, settings, source = settings_from_recipe(raw, gpus, gpus_per_node, gpu_bytes)
+    """(the recipe's plan, the fitting layouts ranked, the config source); the recipe loads as
+    ``srpo train`` loads it (``load_recipe``), so a key the trainer refuses is refused here too."""
+    cfg = load_recipe(recipe, list(overrides))
+    shape, settings, source = settings_from_recipe(cfg, gpus, gpus_per_node, gpu_bytes)
     try:
         plan = plan_layout(shape, settings)
     except PlanError as e:
@@ -203,8 +165,6 @@ def add_plan_args(parser: argparse.ArgumentParser) -> None:
 
 def cluster_plan(args: argparse.Namespace) -> tuple[Plan, list[Plan], str]:
     """Plan ``args.recipe`` on ``args.nodes`` nodes of ``args.cluster`` (shared by plan and launch)."""
-    from srpo_megatron.launch.cluster import load_cluster
-
     cluster = load_cluster(args.cluster)
     gib = getattr(args, "gpu_memory_gib", None) or cluster.gpu_memory_gib
     if cluster.gpus_per_node < 1 or gib <= 0:

@@ -23,9 +23,9 @@ Options (``PlanSettings``), and which the trainer implements today:
   bytes per component equal this plan's, tests/dist/test_offload.py), colocated SGLang that releases its
   memory for training, no activation recompute (``recompute: none``), micro-batches padded to
   ``model.max_sequence_length``, ``cp`` (each rank holds 1/CP of every packed sequence; the trainer needs
-  packing for it), ``ep``/``etp`` (MoE, trainer/moe_routing.py);
-- modelled ahead of the trainer: ``recompute: selective|full``, ``sequence_parallel``, and
-  ``optimizer_offload`` (megatron's CPU optimizer: the optimizer state lives in host memory).
+  packing for it), ``ep``/``etp`` (MoE, trainer/moe_replay.py);
+- modelled ahead of the trainer: ``recompute: selective|full`` and ``sequence_parallel``. The planner
+  models only keys the trainer's ``TrainConfig`` accepts (tests/unit/test_planner_recipe.py).
 
 Activations per layer and token follow what megatron's local layer spec saves for backward (measured
 with saved-tensor hooks in tests/unit/test_planner.py): 6·H for the norms and residual branch (÷TP with
@@ -90,7 +90,6 @@ class PlanSettings:
     teacher: bool = True  # an EMA/frozen/trust-region teacher model exists (not for GRPO)
     teacher_fp32: TeacherFp32 = "full"  # the EMA teacher's fp32 copy: none, full, or sharded over DP
     teacher_offload: bool = False  # the bf16 teacher lives in host memory between its forwards
-    optimizer_offload: bool = False  # optimizer state (fp32 main + Adam) in host memory
     offload_during_rollout: bool = False  # grads, optimizer and teacher leave the GPU during rollouts
     engine: Literal["none", "colocated", "separate"] = "colocated"  # where rollouts run
     engine_tp: int = 1  # SGLang tp_size (GPUs one engine spans)
@@ -291,7 +290,7 @@ def _stage_memory(
     t = m.train
     t["policy params"] = s.params_bytes * numel
     t["gradient buffers"] = 4 * numel
-    t["optimizer (fp32 main + Adam)"] = 0 if s.optimizer_offload else opt_per_param * opt_elems
+    t["optimizer (fp32 main + Adam)"] = opt_per_param * opt_elems
     t["teacher bf16 copy"] = s.params_bytes * numel if s.teacher else 0
     t["teacher fp32 copy"] = fp32_copy
     in_flight = min(layout.pp - stage, micro_batches)

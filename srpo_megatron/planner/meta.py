@@ -28,8 +28,8 @@ def meta_stage_params(hf_config: Any, layout: Layout, stage: int) -> list[tuple[
     from megatron.core.models.gpt import GPTModel
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
+    from srpo_megatron.config import MoEConfig
     from srpo_megatron.models.architecture import Architecture
-    from srpo_megatron.models.moe import MoEConfig
     from srpo_megatron.models.policy import decoder_spec, transformer_config_from_hf
 
     cfg = load_hf_config_dict(hf_config)

@@ -31,7 +31,7 @@ def register_reward(kind: str, target: str | RewardFn) -> None:
     if not isinstance(target, str):
         target = f"{target.__module__}:{target.__qualname__}"
     if ":" not in target:
-        from srpo_megatron.configs import ConfigError
+        from srpo_megatron.config import ConfigError
 
         raise ConfigError(f"reward target {target!r} must look like 'package.module:function'")
     _REGISTRY[kind] = target

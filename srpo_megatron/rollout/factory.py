@@ -6,8 +6,8 @@ import dataclasses
 import time
 from typing import Any
 
+from srpo_megatron.config import RolloutConfig
 from srpo_megatron.rollout.base import RolloutEngine
-from srpo_megatron.rollout.config import RolloutConfig
 
 
 def load_tokenizer(hf_dir: str) -> Any:
@@ -34,7 +34,8 @@ def build_engine(
     """Engine ``engine_index`` of the job: the CPU transformers engine (``rollout.engine=hf``) or SGLang
     (``rollout.engine=sglang``; offline on the devices from ``base_gpu_id``, or the engine_index-th
     server of ``urls`` / ``rollout.sglang.url``). Separate placement always talks HTTP to its server
-    and waits for it to come up (the job starts the servers as the trainer starts)."""
+    and waits for it to come up (the job starts the servers as the trainer starts). How weights reach
+    the engine is not decided here: ``weights.weight_sync.build_weight_sync`` picks the strategy."""
     if rollout.engine == "hf":
         from srpo_megatron.rollout.hf_engine import HFEngine, HFEngineConfig
 
@@ -49,8 +50,6 @@ def build_engine(
     url = urls[engine_index % len(urls)] if urls else None
     if rollout.placement == "separate":
         assert url is not None  # rollout.placement.engine_urls refuses an empty list
-        if cfg.weight_sync == "disk":  # one folder per server: they load concurrently
-            cfg = dataclasses.replace(cfg, disk_sync_dir=f"{cfg.disk_sync_dir}/engine{engine_index}")
         cfg = dataclasses.replace(cfg, mode="http", url=url)
         wait_until_healthy(url, cfg.startup_timeout_s)
         return SGLangEngine(cfg, colocated=False, url=url)

@@ -18,7 +18,8 @@ def check_version(version: int, served: int, inconsistent: str = "", released: b
     """Refuse an update that does not move the served version forward. After a failed partial update
     (``inconsistent`` non-empty) the same version may be pushed again: that is how an engine recovers.
     An engine whose weights are released takes the served version again too: its weights are gone, and
-    the trainer re-pushes them unchanged (a checkpoint save between two syncs, ``save_while_offloaded``)."""
+    the trainer re-pushes them unchanged (a checkpoint save between two syncs,
+    ``RolloutService.offloaded_for_save``)."""
     if not inconsistent and (version < served or (version == served and not released)):
         raise EngineError(
             f"weight version {version} is not newer than the served version {served}; each sync must "

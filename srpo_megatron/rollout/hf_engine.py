@@ -44,7 +44,7 @@ from typing import Literal
 
 import torch
 
-from srpo_megatron.configs import ConfigError
+from srpo_megatron.config import ConfigError
 from srpo_megatron.rollout.base import Completion, EngineError, EngineHealth, SamplingParams, sample_seed
 from srpo_megatron.rollout.gate import check_version, missing_names, tensor_problem
 from srpo_megatron.rollout.hf_moe_layout import file_format_params

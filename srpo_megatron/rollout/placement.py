@@ -11,7 +11,7 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
-from srpo_megatron.configs import ConfigError
+from srpo_megatron.config import ConfigError
 
 
 @dataclass(frozen=True)

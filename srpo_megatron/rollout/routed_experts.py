@@ -11,7 +11,7 @@ and never fed back):
   (top-k of the router logits) at every prefill and decode forward it runs.
 
 The trainer replays these through megatron-core's ``RouterReplay`` (``moe_enable_routing_replay``) in the
-policy's scoring and training passes (``trainer/moe_routing.py``); the EMA teacher is not replayed (its
+policy's scoring and training passes (``trainer/moe_replay.py``); the EMA teacher is not replayed (its
 context differs from the rollout's).
 """
 

@@ -27,37 +27,31 @@ from __future__ import annotations
 
 import contextlib
 import json
-import math
 import os
-import pickle
-import random
 import shutil
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 
 from srpo_megatron.compat.float16_optimizer import fix_float16_optimizer_checkpointing
 from srpo_megatron.conversion.checkpoint import HF_CONFIG_NAME, POLICY_PREFIX
+from srpo_megatron.conversion.spec_compat import drop_absent_extra_state, stored_sharded_keys
+from srpo_megatron.durable_io import fsync_dir, fsync_tree, write_text_durably
 from srpo_megatron.models.architecture import load_hf_config_dict
-from srpo_megatron.models.performance import (
-    drop_absent_extra_state,
-    rng_device_kind,
-    rng_states_compatible,
-    stored_sharded_keys,
-)
 from srpo_megatron.trainer.checkpoint_files import (
     LATEST,
     CheckpointError,
     digest_files,
-    fsync_dir,
-    fsync_tree,
     step_dirs,
     write_manifest,
-    write_text_durably,
 )
 from srpo_megatron.trainer.ema_shard import load_teacher_fp32, teacher_fp32_state
+from srpo_megatron.trainer.rng_state import load_rng_file, rng_state, set_rng_state
+
+if TYPE_CHECKING:
+    from srpo_megatron.trainer.policy import Policy
 
 TEACHER_PREFIX = "teacher."
 STATE_FILE = "trainer_state.json"
@@ -82,11 +76,11 @@ def latest_checkpoint(run_dir: str | Path) -> Path | None:
     return path if path.is_dir() else None
 
 
-def _load_tensors(runtime: Any, path: Path) -> None:
+def _load_tensors(policy: Policy, path: Path) -> None:
     """Policy, teacher (and its fp32 EMA copy when saved) and optimizer state from ``path``."""
     from megatron.core import dist_checkpointing
 
-    sharded = _sharded_state(runtime, loading=True)
+    sharded = _sharded_state(policy, loading=True)
     stored = stored_sharded_keys(str(path))
     fp32 = sharded.get("teacher_fp32", {})
     if fp32 and any(sh.key not in stored for sh in fp32.values()):
@@ -103,15 +97,15 @@ def _load_tensors(runtime: Any, path: Path) -> None:
             "model must match the checkpoint's (see its recipe.yaml)"
         ) from e
     strip = lambda sd, p: {k[len(p) :] if k.startswith(p) else k: v for k, v in sd.items()}  # noqa: E731
-    runtime.model.load_state_dict(strip(loaded["model"], POLICY_PREFIX), strict=False)
-    if runtime.teacher is not None:
-        runtime.teacher.module.load_state_dict(strip(loaded["teacher"], TEACHER_PREFIX), strict=False)
-        runtime.teacher.reset_master()
+    policy.model.load_state_dict(strip(loaded["model"], POLICY_PREFIX), strict=False)
+    if policy.teacher is not None:
+        policy.teacher.module.load_state_dict(strip(loaded["teacher"], TEACHER_PREFIX), strict=False)
+        policy.teacher.reset_master()
         if "teacher_fp32" in loaded:  # the exact EMA; without it one bf16 rounding (older checkpoints)
-            load_teacher_fp32(runtime.teacher, loaded["teacher_fp32"])
-    with _keep_torch_adam_step(runtime.optimizer), fix_float16_optimizer_checkpointing(runtime.optimizer):
-        runtime.optimizer.load_state_dict(loaded["optimizer"])
-    untie_torch_adam_steps(runtime.optimizer)
+            load_teacher_fp32(policy.teacher, loaded["teacher_fp32"])
+    with _keep_torch_adam_step(policy.optimizer), fix_float16_optimizer_checkpointing(policy.optimizer):
+        policy.optimizer.load_state_dict(loaded["optimizer"])
+    untie_torch_adam_steps(policy.optimizer)
 
 
 def untie_torch_adam_steps(optimizer: Any) -> int:
@@ -169,12 +163,12 @@ def _keep_torch_adam_step(optimizer: Any):
             del opt._set_main_param_and_optimizer_states  # back to the class's method
 
 
-def _sharded_state(runtime: Any, loading: bool) -> dict[str, Any]:
-    model_sd = runtime.model.sharded_state_dict(prefix=POLICY_PREFIX)
+def _sharded_state(policy: Policy, loading: bool) -> dict[str, Any]:
+    model_sd = policy.model.sharded_state_dict(prefix=POLICY_PREFIX)
     state: dict[str, Any] = {"model": model_sd}
-    if runtime.teacher is not None:
-        state["teacher"] = runtime.teacher.module.sharded_state_dict(prefix=TEACHER_PREFIX)
-        fp32 = teacher_fp32_state(runtime.teacher, runtime.model, model_sd, loading)  # ema_shard.py
+    if policy.teacher is not None:
+        state["teacher"] = policy.teacher.module.sharded_state_dict(prefix=TEACHER_PREFIX)
+        fp32 = teacher_fp32_state(policy.teacher, policy.model, model_sd, loading)  # ema_shard.py
         if fp32:
             state["teacher_fp32"] = fp32
     # The distributed optimizer's default format (fully_sharded_model_space) builds flattened_range
@@ -182,77 +176,21 @@ def _sharded_state(runtime: Any, loading: bool) -> dict[str, Any]:
     # (gathered on DP rank 0) and reshards over DP, TP and PP on load. Other optimizers ignore it.
     meta = {"distrib_optim_sharding_type": "fully_reshardable"}
     if loading:  # its sharded_state_dict reads the moments' step: give a fresh optimizer states to load into
-        for opt in getattr(runtime.optimizer, "chained_optimizers", [runtime.optimizer]):
+        for opt in getattr(policy.optimizer, "chained_optimizers", [policy.optimizer]):
             if hasattr(opt, "_init_optimizer_states_with_dummy_values") and not opt.optimizer.state:
                 opt._init_optimizer_states_with_dummy_values()  # overwritten by the load
-    with fix_float16_optimizer_checkpointing(runtime.optimizer):  # fp32 norms in a bf16 model (no TE)
-        state["optimizer"] = runtime.optimizer.sharded_state_dict(model_sd, is_loading=loading, metadata=meta)
+    with fix_float16_optimizer_checkpointing(policy.optimizer):  # fp32 norms in a bf16 model (no TE)
+        state["optimizer"] = policy.optimizer.sharded_state_dict(model_sd, is_loading=loading, metadata=meta)
     return state
-
-
-def _rng_state() -> dict[str, Any]:
-    """Every RNG this rank draws from, as tensors and numbers (loadable with ``weights_only=True``)."""
-    import numpy as np
-    from megatron.core import tensor_parallel
-
-    version, keys, gauss = random.getstate()
-    _, np_keys, np_pos, np_has_gauss, np_gauss = np.random.get_state()
-    state = {
-        "python_keys": torch.tensor(keys, dtype=torch.int64, device="cpu"),  # [625]
-        "python_version": int(version),
-        "python_gauss": math.nan if gauss is None else float(gauss),
-        "numpy_keys": torch.from_numpy(np_keys.astype(np.int64)),  # [624]
-        "numpy_pos": int(np_pos),
-        "numpy_has_gauss": int(np_has_gauss),
-        "numpy_gauss": float(np_gauss),
-        "torch": torch.get_rng_state(),
-        "tracker": {k: v.cpu() for k, v in tensor_parallel.get_cuda_rng_tracker().get_states().items()},
-        "tracker_device": rng_device_kind(),  # CUDA and CPU-layer generator states differ in size
-    }
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        state["cuda"] = torch.cuda.get_rng_state()  # the current device's default generator
-    return state
-
-
-def _set_rng_state(state: dict[str, Any], path: str = "") -> None:
-    import numpy as np
-    from megatron.core import tensor_parallel
-
-    gauss = state["python_gauss"]
-    keys = tuple(int(k) for k in state["python_keys"].tolist())
-    random.setstate((state["python_version"], keys, None if math.isnan(gauss) else gauss))
-    np_keys = state["numpy_keys"].numpy().astype(np.uint32)
-    np.random.set_state(
-        ("MT19937", np_keys, state["numpy_pos"], state["numpy_has_gauss"], state["numpy_gauss"])
-    )
-    torch.set_rng_state(state["torch"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state(state["cuda"])
-    # Saved on the other device kind (CPU <-> GPU resume): the tracker keeps its seeding (warned).
-    if rng_states_compatible(state.get("tracker_device"), path):
-        tensor_parallel.get_cuda_rng_tracker().set_states(state["tracker"])
-
-
-def load_rng_file(path: Path) -> dict[str, Any]:
-    """An RNG file, read without running any code: anything but tensors and numbers is refused."""
-    try:
-        return torch.load(path, weights_only=True, map_location="cpu")
-    except pickle.UnpicklingError as e:
-        first = str(e).strip().splitlines()[0]
-        raise CheckpointError(
-            f"{path} holds more than tensors and numbers ({first}); refusing to unpickle it. Checkpoints "
-            "must come from a trusted source; if you wrote this one with an older srpo_megatron, resume "
-            "with the same version or pass --override run.restart=true"
-        ) from None
 
 
 def save_checkpoint(
-    runtime: Any, run_dir: str | Path, step: int, trainer_state: dict, keep_last: int
+    policy: Policy, run_dir: str | Path, step: int, trainer_state: dict, keep_last: int
 ) -> Path:
     """Collective: write checkpoint ``step`` (manifest last, fsynced), rename it, move ``latest``, prune."""
     from megatron.core import dist_checkpointing
 
-    from srpo_megatron.configs import to_dict
+    from srpo_megatron.config import to_dict
 
     root = Path(run_dir) / "checkpoints"
     final = root / f"step_{step:06d}"
@@ -261,17 +199,17 @@ def save_checkpoint(
         shutil.rmtree(tmp, ignore_errors=True)
         (tmp / "rng").mkdir(parents=True)
     _barrier()
-    with runtime.offload.all_on_device():  # host-resident teacher (trainer/offload.py)
-        dist_checkpointing.save(_sharded_state(runtime, loading=False), str(tmp))
-    torch.save(_rng_state(), tmp / "rng" / f"rank_{_rank():05d}.pt")
+    with policy.offload.all_on_device():  # host-resident teacher (trainer/offload.py)
+        dist_checkpointing.save(_sharded_state(policy, loading=False), str(tmp))
+    torch.save(rng_state(), tmp / "rng" / f"rank_{_rank():05d}.pt")
     if _rank() == 0:
         import yaml
 
-        config = load_hf_config_dict(runtime.cfg.model.hf_dir)
+        config = load_hf_config_dict(policy.cfg.model.hf_dir)
         (tmp / HF_CONFIG_NAME).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
-        trainer_state = {**trainer_state, "scheduler": runtime.scheduler.state_dict(), "step": step}
+        trainer_state = {**trainer_state, "scheduler": policy.scheduler.state_dict(), "step": step}
         (tmp / STATE_FILE).write_text(json.dumps(trainer_state, indent=2, default=float) + "\n")
-        (tmp / RECIPE_FILE).write_text(yaml.safe_dump(to_dict(runtime.cfg), sort_keys=False))
+        (tmp / RECIPE_FILE).write_text(yaml.safe_dump(to_dict(policy.cfg), sort_keys=False))
     _barrier()
     digests = digest_files(tmp)  # every rank fsyncs and hashes its share
     if _rank() == 0:
@@ -288,21 +226,21 @@ def save_checkpoint(
     return final
 
 
-def load_checkpoint(runtime: Any, path: str | Path, log=print) -> dict:
+def load_checkpoint(policy: Policy, path: str | Path, log=print) -> dict:
     """Collective: restore policy, teacher, optimizer, scheduler and RNG; return the trainer state.
 
     ``path`` must have passed :func:`~srpo_megatron.trainer.checkpoint_files.verify_checkpoint`.
     """
     path = Path(path)
-    with runtime.offload.all_on_device():  # the host-resident teacher loads in place (trainer/offload.py)
-        _load_tensors(runtime, path)
+    with policy.offload.all_on_device():  # the host-resident teacher loads in place (trainer/offload.py)
+        _load_tensors(policy, path)
     state = json.loads((path / STATE_FILE).read_text())
-    runtime.scheduler.load_state_dict(state["scheduler"])
+    policy.scheduler.load_state_dict(state["scheduler"])
     rng = path / "rng" / f"rank_{_rank():05d}.pt"
     saved_ranks = len(list((path / "rng").glob("rank_*.pt")))
     world = dist.get_world_size() if dist.is_initialized() else 1
     if rng.is_file():
-        _set_rng_state(load_rng_file(rng), str(rng))
+        set_rng_state(load_rng_file(rng), str(rng))
     if saved_ranks != world and _rank() == 0:
         log(
             f"{path} holds RNG states of {saved_ranks} ranks, this run has {world}: ranks without a saved "

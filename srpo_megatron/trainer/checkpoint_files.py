@@ -16,12 +16,13 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import re
 import shutil
 import time
 from collections.abc import Callable, Iterable
 from pathlib import Path
+
+from srpo_megatron.durable_io import fsync_file, write_text_durably
 
 MANIFEST = "manifest.json"
 LATEST = "latest"
@@ -30,45 +31,6 @@ _STEP_DIR = re.compile(r"step_(\d+)")
 
 class CheckpointError(RuntimeError):
     """A checkpoint cannot be used; the message names the path, the problem and the fix."""
-
-
-# ---- fsync -------------------------------------------------------------------------------------------
-
-
-def fsync_file(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def fsync_dir(path: Path) -> None:
-    """Make a directory's entries (new files, renames) durable."""
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def fsync_tree(root: Path) -> None:
-    """fsync every file and directory under ``root`` (before it is renamed into place)."""
-    for dirpath, _, filenames in os.walk(root):
-        for name in filenames:
-            fsync_file(Path(dirpath) / name)
-        fsync_dir(Path(dirpath))
-
-
-def write_text_durably(path: Path, text: str) -> None:
-    """Write ``path`` through a temp file: fsync, rename, fsync the directory."""
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    fsync_dir(path.parent)
 
 
 # ---- manifest ----------------------------------------------------------------------------------------

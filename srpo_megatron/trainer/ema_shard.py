@@ -35,7 +35,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from srpo_megatron.configs import ConfigError
+from srpo_megatron.config import ConfigError
 from srpo_megatron.trainer import teacher as full_teacher
 
 TEACHER_FP32_PREFIX = "teacher_fp32."

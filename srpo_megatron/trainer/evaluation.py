@@ -8,12 +8,11 @@ resumed run's hours count the time already spent instead of restarting from zero
 
 from __future__ import annotations
 
-import dataclasses
 import time
 from pathlib import Path
 from typing import Any
 
-from srpo_megatron.evaluation.avg_at_k import run_eval
+from srpo_megatron.evaluation.avg_at_k import greedy_accuracy, run_eval
 from srpo_megatron.evaluation.budget_report import append_eval_log
 
 
@@ -25,12 +24,6 @@ class BudgetClock:
 
     def elapsed(self) -> float:
         return self._offset + time.monotonic() - self._t0
-
-
-def greedy_accuracy(engine: Any, tokenizer: Any, cfg: Any, out_dir: Path, step: int | None = None) -> float:
-    """Held-out accuracy of one greedy sample per problem (temperature 0, k = 1)."""
-    greedy_cfg = dataclasses.replace(cfg.eval, k=1, temperature=0.0, top_p=1.0)
-    return run_eval(engine, tokenizer, cfg.data, greedy_cfg, out_dir, step=step)["mean_avg_at_k"]
 
 
 def evaluate_policy(

@@ -26,7 +26,7 @@ from srpo_megatron.models import performance as perf_choice
 from srpo_megatron.trainer import context_parallel as cpar
 from srpo_megatron.trainer.batches import micro_batches_for, student_sequences
 from srpo_megatron.trainer.lockstep import lockstep
-from srpo_megatron.trainer.moe_routing import policy_routing
+from srpo_megatron.trainer.moe_replay import moe_replay_for
 from srpo_megatron.trainer.policy import Policy
 from srpo_megatron.trainer.schedule import run_schedule
 from srpo_megatron.trainer.stats import reduce_stats
@@ -77,9 +77,9 @@ def train_mini_batch(policy: Policy, scored: ScoredBatch) -> StepStats:
     policy.optimizer.zero_grad()
     if last and normalizers.num_tokens <= 0:
         raise RuntimeError("the training batch has no response tokens; check rollout.max_new_tokens")
-    routing = policy_routing(policy, seqs, scored.samples, micro, record=False)  # MoE routing replay
-    with routing or contextlib.nullcontext():
-        hook = None if routing is None else routing.before_forward
+    moe = moe_replay_for(policy, seqs, scored.samples, micro, record=False)  # MoE expert replay
+    with moe or contextlib.nullcontext():
+        hook = None if moe is None else moe.before_forward
         run_schedule(policy.ddp, micro, on_rows, policy.vocab_pad, forward_only=False, before_forward=hook)
     out = reduce_stats(per_micro)
     if last:  # each CP rank's sums cover its own rows

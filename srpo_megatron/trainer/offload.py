@@ -222,24 +222,3 @@ class Offloader:
             yield
         finally:
             self.offload(away)
-
-
-def save_while_offloaded(offloader: Offloader, rollouts: Any, version: int, save, *args: Any) -> None:
-    """Run ``save(*args)`` with the trainer's state on the device, after the weight sync (colocated offload).
-
-    At that point every colocated engine holds its weights and KV cache, so each engine releases its memory
-    for the save (on its host rank: every rank group's GPUs reach the trainer's peak) and all are resumed
-    and re-synced to the same ``version`` afterwards (one extra weight sync per checkpoint) instead of
-    sharing the GPUs at the trainer's peak.
-    """
-    colocated = rollouts.cfg.rollout.placement == "colocated"
-    if not offloader.away or not colocated:
-        with offloader.all_on_device():
-            save(*args)
-        return
-    if rollouts.engine is not None:  # each engine host: ``RolloutService`` builds one engine per rank group
-        rollouts.engine.release_memory()
-    with offloader.all_on_device():
-        save(*args)
-    offloader.before_rollouts()  # all_on_device restored it; explicit for the engine's resume below
-    rollouts.sync(version)

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import torch
 
+from srpo_megatron.config import TrainConfig
 from srpo_megatron.conversion.checkpoint import load_policy_checkpoint
 from srpo_megatron.conversion.safetensors_io import HFCheckpointReader
 from srpo_megatron.conversion.table import ConversionTable
@@ -24,9 +25,8 @@ from srpo_megatron.models.architecture import Architecture, padded_vocab_size
 from srpo_megatron.models.performance import Accelerators
 from srpo_megatron.models.policy import build_policy
 from srpo_megatron.parallel import ParallelGroups
-from srpo_megatron.trainer.config import TrainConfig
 from srpo_megatron.trainer.ema_shard import ShardedEmaTeacher
-from srpo_megatron.trainer.moe_routing import check_replay_config
+from srpo_megatron.trainer.moe_replay import check_replay_config
 from srpo_megatron.trainer.offload import Offloader
 from srpo_megatron.trainer.teacher import EmaTeacher, fp32_main_params
 
@@ -49,7 +49,7 @@ class Policy:
         # megatron's MoE layer trains at TP > 1 only under sequence parallelism (see models/moe.py).
         sp = sp or (self.arch.is_moe and groups.tp_size > 1)
         overrides = perf_choice.transformer_overrides(perf, sequence_parallel=sp, acc=acc)
-        if self.arch.is_moe:  # routers replay the engine's experts on request (trainer/moe_routing.py)
+        if self.arch.is_moe:  # routers replay the engine's experts on request (trainer/moe_replay.py)
             overrides["moe_enable_routing_replay"] = cfg.rollout.routing_replay
         use_te = perf_choice.use_transformer_engine(perf, acc)
         build = lambda: build_policy(  # noqa: E731

@@ -14,7 +14,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from srpo_megatron.configs import ConfigError
+from srpo_megatron.config import ConfigError
 from srpo_megatron.models.architecture import pipeline_stage_layers
 
 

@@ -16,7 +16,7 @@ from typing import Any
 
 import yaml
 
-from srpo_megatron.configs import ConfigError, to_dict
+from srpo_megatron.config import ConfigError, to_dict
 
 # Recipe keys a resumed run may change (fnmatch patterns over dotted keys) and why that is safe.
 # Every other key is refused when it differs from the checkpoint's recipe.yaml.

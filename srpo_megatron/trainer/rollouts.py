@@ -13,24 +13,25 @@ import contextlib
 import os
 import re
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from srpo_megatron.config import LossConfig, RolloutConfig, TeacherConfig
 from srpo_megatron.data.dataset import Prompt
 from srpo_megatron.data.templating import encode_text, template_text
 from srpo_megatron.losses import group_advantages, route, routing_masks
-from srpo_megatron.losses.config import LossConfig
 from srpo_megatron.rewards.pool import RewardPool
 from srpo_megatron.rollout.base import Completion, EngineError, SamplingParams
-from srpo_megatron.rollout.config import RolloutConfig
 from srpo_megatron.rollout.placement import EngineLayout, engine_urls, separate_layout, split_prompts
 from srpo_megatron.rollout.routed_experts import compact_ids
 from srpo_megatron.trainer.batch_shipping import broadcast_from_rank0, gather_to_rank0, ship_shares
-from srpo_megatron.trainer.config import TeacherConfig
+from srpo_megatron.trainer.offload import Offloader
 from srpo_megatron.trainer.step_types import METRICS, RolloutBatch, Sample, merge_metrics, reduce_values
+from srpo_megatron.weights.weight_sync import build_weight_sync
 
 _THINK = re.compile(r"<think>.*?</think>", re.DOTALL)
 
@@ -152,8 +153,9 @@ class EngineShare:
 class RolloutService:
     """The rollout side of the SPMD job: one engine per group of ``rollout.gpus_per_engine`` ranks.
 
-    - ``sync(version)`` (collective) feeds each engine from its own data-parallel replica
-      (``weights.engine_sync``) and checks that every engine then serves ``version``;
+    - ``sync(version)`` (collective) pushes the policy through the recipe's ``WeightSync`` strategy
+      (``weights.weight_sync``: colocated, broadcast or disk) and checks that every engine then serves
+      ``version``;
     - ``collect`` (collective) splits the step's prompts across the engines (balanced, a prompt's G
       samples on one engine, per-sample seeds from the global prompt index: results do not depend on
       the number of engines), checks that all engines serve the same version, gathers the completions on
@@ -178,9 +180,8 @@ class RolloutService:
                 # the CPU engine has no TP size: one engine per TP x CP group (CP ranks share one replica)
                 size = cfg.parallel.tp * cfg.parallel.cp
             self.layout = EngineLayout(world, min(size, world))
-        # separate + weight_sync=distributed: this stage sender's broadcast group with every server
-        self._broadcaster: Any = None
-        self._generation = 0
+        # how the policy reaches the engines: chosen once from the recipe (weights/weight_sync.py)
+        self.weight_sync = build_weight_sync(cfg, policy, groups, self.layout, self.urls)
         self.rank0 = self.rank == 0
         self.engine_index = self.layout.engine_of(self.rank)
         self.engine = self._build() if self.layout.is_host(self.rank) else None
@@ -254,101 +255,19 @@ class RolloutService:
         self.last_sync_s = time.monotonic() - t0
         return self.last_sync_s
 
-    def _broadcast_sync(self) -> bool:
-        sglang = self.cfg.rollout.sglang
-        return self.separate and sglang is not None and sglang.weight_sync == "distributed"
-
-    def _sync_broadcast(self, version: int) -> list[int]:
-        """Separate placement, weight_sync=distributed: every stage's sender broadcasts into every server
-        (``weights.broadcast_sync``); a failure fails every engine (one group spans them all)."""
-        from srpo_megatron.rollout.sglang.protocol import hf_manifest, server_tp_size
-        from srpo_megatron.rollout.sglang.transports import HttpTransport
-        from srpo_megatron.weights.broadcast_sync import StageBroadcaster, broadcast_sync
-        from srpo_megatron.weights.export import is_stage_sender
-        from srpo_megatron.weights.sync_address import sync_address
-
-        sglang = self.cfg.rollout.sglang
-        sender = is_stage_sender(self.groups)
-        error = ""
-        if sender and self._broadcaster is None:
-            try:
-                transports = [HttpTransport(u, sglang.request_timeout_s) for u in self.urls]
-                self._broadcaster = StageBroadcaster(
-                    transports,
-                    self.urls,
-                    [server_tp_size(t, sglang.tp_size) for t in transports],
-                    f"srpo-pp{self.groups.pp_rank}-g{self._generation}",
-                    "nccl" if self.groups.device.type == "cuda" else "gloo",
-                    sync_address(self.urls),
-                    self.groups.device,
-                )
-                self._manifest = hf_manifest(sglang.model_path or self.cfg.model.hf_dir)
-            except EngineError as e:
-                error = str(e)
-        everyone: list[Any] = [None] * self.layout.world_size
-        dist.all_gather_object(everyone, error, group=self.host_group)
-        error = "; ".join(e for e in everyone if e)
-        if not error:
-            manifest = getattr(self, "_manifest", {})
-            error = broadcast_sync(
-                self.policy.model,
-                self.policy.table,
-                self.groups,
-                self._broadcaster,
-                manifest,
-                version,
-                aliases=frozenset(a for a in ("lm_head.weight",) if a not in manifest),
-                bucket_bytes=sglang.bucket_bytes,
-            )
-        if error:
-            if self.rank0:
-                print(f"[srpo] broadcast weight sync to v{version} failed: {error}", flush=True)
-            if self._broadcaster is not None:  # the next try builds a fresh group (a new generation)
-                with contextlib.suppress(Exception):
-                    self._broadcaster.close()
-                self._broadcaster = None
-            self._generation += 1
-            return list(range(self.layout.num_engines))
-        if self.engine is not None:
-            self.engine.adopt_version(version)
-        return []
-
     def _sync_once(self, version: int, targets: list[int] | None) -> list[int]:
-        """One collective sync; returns the engines whose update failed (agreed on every rank)."""
-        from srpo_megatron.weights.engine_sync import sync_engines
-
-        if self._broadcast_sync():
-            return self._sync_broadcast(version)
-
-        error = ""
-        try:
-            sync_engines(
-                self.policy.model,
-                self.policy.table,
-                self.groups,
-                self.engine,
-                version,
-                self.layout,
-                targets=targets,
-            )
-        except EngineError as e:
-            error = str(e)
-        errors = self._gather(EngineShare(self.engine_index, range(0), error=error) if error else None)
-        for s in errors if self.rank0 else []:
-            print(f"[srpo] {self._describe(s.engine)} rejected weights v{version}: {s.error}", flush=True)
-        return sorted(s.engine for s in errors)
+        """One collective push through the strategy; returns the engines whose update failed (agreed on
+        every rank)."""
+        failed = self.weight_sync.push(self.engine, version, targets)
+        for k in sorted(failed) if self.rank0 else []:
+            print(f"[srpo] {self._describe(k)} rejected weights v{version}: {failed[k]}", flush=True)
+        return sorted(failed)
 
     def _restart(self, failed: list[int], why: str) -> None:
         """Rebuild the failed engines on their hosts (the others keep serving)."""
         for k in failed if self.rank0 else []:
             print(f"[srpo] {self._describe(k)} {why}; restarting it alone and resyncing", flush=True)
-        if self._broadcast_sync() and self._broadcaster is not None:
-            # a restarted server knows no weights group: every stage builds a new one at the next sync
-            with contextlib.suppress(Exception):
-                self._broadcaster.close()
-            self._broadcaster = None
-        if self._broadcast_sync():
-            self._generation += 1
+        self.weight_sync.engines_restarted(failed)  # e.g. a restarted server knows no weights group
         if self.engine_index in failed and self.engine is not None:
             with contextlib.suppress(Exception):  # the engine is already broken
                 self.engine.shutdown()
@@ -374,15 +293,6 @@ class RolloutService:
             share.completions = None
         share.seconds = time.monotonic() - t0
         return share
-
-    def _gather(self, share: EngineShare | None) -> list[EngineShare]:
-        """Collective: every rank's share (None off the hosts) to every rank, hosts only, engine order.
-        For small objects (a sync's errors); completions go to rank 0 only (``_gather_shares``)."""
-        if self.layout.world_size == 1:
-            return [share] if share is not None else []
-        everyone: list[Any] = [None] * self.layout.world_size
-        dist.all_gather_object(everyone, share, group=self.host_group)
-        return [s for s in everyone if s is not None]
 
     def _gather_shares(self, share: EngineShare | None) -> dict[int, EngineShare]:
         """Collective: the engine hosts' shares on rank 0, by engine ({} elsewhere)."""
@@ -435,7 +345,27 @@ class RolloutService:
             group=self.host_group,
         )
 
+    @contextlib.contextmanager
+    def offloaded_for_save(self, offloader: Offloader, version: int) -> Iterator[None]:
+        """The trainer's state on the device for a checkpoint save, after the weight sync of ``version``.
+
+        With the colocated offload every engine holds its weights and KV cache then, so each engine
+        releases its memory for the save (on its host rank: every rank group's GPUs reach the trainer's
+        peak) and all are resumed and re-synced to the same ``version`` afterwards (one extra weight sync
+        per checkpoint) instead of sharing the GPUs at the trainer's peak."""
+        if not offloader.away or self.cfg.rollout.placement != "colocated":
+            with offloader.all_on_device():
+                yield
+            return
+        if self.engine is not None:  # each engine host: one engine per rank group
+            self.engine.release_memory()
+        with offloader.all_on_device():
+            yield
+        offloader.before_rollouts()  # all_on_device restored it; explicit for the engine's resume below
+        self.sync(version)
+
     def close(self) -> None:
+        self.weight_sync.close()
         if self.rewards is not None:
             self.rewards.close()
         if self.engine is not None:

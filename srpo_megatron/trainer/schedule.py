@@ -39,7 +39,7 @@ def run_schedule(
     """Run the schedule; ``on_rows(row_logits [T, V/TP], mb_index)`` runs on the last stage per micro-batch
     and returns that micro-batch's loss (None in forward-only passes); it is not called for a micro-batch of
     which this rank holds no rows. ``before_forward(mb_index)`` runs just before each micro-batch's forward
-    on every stage (MoE routing replay sets its experts there)."""
+    on every stage (MoE expert replay, trainer/moe_replay.py, sets its experts there)."""
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
     index = iter(range(len(micro_batches)))

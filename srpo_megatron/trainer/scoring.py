@@ -30,7 +30,7 @@ from srpo_megatron.trainer.batches import (
     teacher_sequences,
 )
 from srpo_megatron.trainer.lockstep import lockstep
-from srpo_megatron.trainer.moe_routing import policy_routing
+from srpo_megatron.trainer.moe_replay import moe_replay_for
 from srpo_megatron.trainer.policy import Policy
 from srpo_megatron.trainer.schedule import run_schedule
 from srpo_megatron.trainer.stats import reduce_stats
@@ -64,14 +64,14 @@ def score_rollouts(policy: Policy, samples: list[Sample]) -> ScoredBatch:
         tokens.old_logp[rows] = score.old_logp.float()
         tokens.topk_ids[rows] = score.topk_ids
 
-    # MoE: routing replay (rollout.routing_replay) and the routing metrics; the teacher below is not replayed.
-    routing = policy_routing(policy, seqs, samples, micro, record=True)
+    # MoE: expert replay (rollout.routing_replay) and the router metrics; the teacher below is not replayed.
+    moe = moe_replay_for(policy, seqs, samples, micro, record=True)
     policy.ddp.eval()
-    with routing or contextlib.nullcontext():
-        hook = None if routing is None else routing.before_forward
+    with moe or contextlib.nullcontext():
+        hook = None if moe is None else moe.before_forward
         run_schedule(policy.ddp, micro, on_student, policy.vocab_pad, forward_only=True, before_forward=hook)
     policy.ddp.train()
-    moe_stats = StepStats() if routing is None else StepStats.from_moe(routing.summary())
+    moe_stats = StepStats() if moe is None else StepStats.from_moe(moe.summary())
     if g.is_last_stage:
         cpar.gather_rows(tokens, cpar.STUDENT_FIELDS, g.cp)
     t_student = time.monotonic() - t0

@@ -1,5 +1,6 @@
 """Trainer -> rollout engine weight sync: reshard Megatron TP/PP parameters into HF tensors and move them.
 
-``export`` streams a stage's parameters as HF-named tensors through the conversion table; ``sync`` moves
-that stream into an engine in-process, by broadcast to an engine process, or through a disk folder.
+``export`` streams a stage's parameters as HF-named tensors through the conversion table; ``weight_sync``
+picks, once from the recipe, the strategy that moves that stream into the engines: ``engine_sync``
+(colocated, over the ``p2p`` wire), ``broadcast_sync`` (separate servers) or ``disk_sync``.
 """

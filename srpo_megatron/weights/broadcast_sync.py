@@ -20,8 +20,10 @@ SGLang's convention (``/init_weights_update_group`` + ``/update_weights_from_dis
   ``pause_generation``; here nothing generates during a sync (it runs between rollouts), and flushing
   after the last bucket leaves no window in which a request could refill the cache from old weights.
 
-The group is rebuilt (a new generation) after a server restarted: a restarted server knows no group.
-Tensors are on the runtime's device (NCCL on GPU); the tests run the same protocol on gloo against the
+``BroadcastSync`` is the ``WeightSync`` strategy (``weights.weight_sync``): it owns each sender's
+``StageBroadcaster``, its generation and the manifest. The group is rebuilt (a new generation) after a
+failed sync or a server restart: a restarted server knows no group. Tensors are on the runtime's
+device (NCCL on GPU); the tests run the same protocol on gloo against the
 stand-in server.
 """
 
@@ -36,19 +38,21 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from srpo_megatron.buckets import bucketize_pending
 from srpo_megatron.conversion.table import ConversionTable
 from srpo_megatron.parallel import ParallelGroups
 from srpo_megatron.ports import free_port
 from srpo_megatron.rollout.base import EngineError
 from srpo_megatron.rollout.gate import head, missing_names, validated_stream
+from srpo_megatron.rollout.placement import EngineLayout
 from srpo_megatron.rollout.sglang.protocol import (
     build_init_weights_update_group_request,
     build_update_weights_from_distributed_request,
     parse_update_response,
 )
-from srpo_megatron.weights.buckets import bucketize_pending
 from srpo_megatron.weights.export import is_stage_sender, iter_stage_params
-from srpo_megatron.weights.sync import DEFAULT_BUCKET_BYTES
+from srpo_megatron.weights.p2p import DEFAULT_BUCKET_BYTES
+from srpo_megatron.weights.weight_sync import served_manifest
 
 
 def init_weights_group(
@@ -266,3 +270,81 @@ def broadcast_sync(
             flushed[0] = f"after the weight sync to version {version}: {e}"
     dist.broadcast_object_list(flushed, src=0, group=groups.host)
     return flushed[0]
+
+
+class BroadcastSync:
+    """``WeightSync`` for separately placed servers (``rollout.sglang.weight_sync: distributed``): each stage
+    sender's ``StageBroadcaster`` (built at the first push, rebuilt as ``srpo-pp{stage}-g{generation}``
+    after a failure or a restart), the served manifest, and ``broadcast_sync``. One group spans every
+    server, so a failure fails every engine and a push always goes to all of them."""
+
+    def __init__(self, cfg: Any, policy: Any, groups: ParallelGroups, layout: EngineLayout, urls: list[str]):
+        self.cfg, self.policy, self.groups, self.layout, self.urls = cfg, policy, groups, layout, urls
+        self.broadcaster: StageBroadcaster | None = None  # on the stage senders, once connected
+        self.generation = 0
+        self._manifest: tuple[dict[str, tuple[int, ...]], frozenset[str]] | None = None
+
+    def _connect(self) -> str:
+        """On a stage sender without a group: build this generation's group with every server ("" or why
+        it failed)."""
+        from srpo_megatron.rollout.sglang.protocol import server_tp_size
+        from srpo_megatron.rollout.sglang.transports import HttpTransport
+        from srpo_megatron.weights.sync_address import sync_address
+
+        sglang = self.cfg.rollout.sglang
+        try:
+            transports = [HttpTransport(u, sglang.request_timeout_s) for u in self.urls]
+            self.broadcaster = StageBroadcaster(
+                transports,
+                self.urls,
+                [server_tp_size(t, sglang.tp_size) for t in transports],
+                f"srpo-pp{self.groups.pp_rank}-g{self.generation}",
+                "nccl" if self.groups.device.type == "cuda" else "gloo",
+                sync_address(self.urls),
+                self.groups.device,
+            )
+        except EngineError as e:
+            return str(e)
+        return ""
+
+    def push(self, engine: Any, version: int, targets: list[int] | None) -> dict[int, str]:
+        if self._manifest is None:  # every rank: all of them check completeness against it
+            self._manifest = served_manifest(self.cfg)
+        manifest, aliases = self._manifest
+        error = self._connect() if is_stage_sender(self.groups) and self.broadcaster is None else ""
+        everyone: list[Any] = [None] * self.layout.world_size
+        dist.all_gather_object(everyone, error, group=self.groups.host)
+        error = "; ".join(e for e in everyone if e)
+        if not error:
+            error = broadcast_sync(
+                self.policy.model,
+                self.policy.table,
+                self.groups,
+                self.broadcaster,
+                manifest,
+                version,
+                aliases=aliases,
+                bucket_bytes=self.cfg.rollout.sglang.bucket_bytes,
+            )
+        if error:
+            self._disconnect()  # the next try builds a fresh group (a new generation)
+            return dict.fromkeys(range(self.layout.num_engines), f"broadcast weight sync failed: {error}")
+        if engine is not None:
+            engine.adopt_version(version)
+        return {}
+
+    def _disconnect(self) -> None:
+        if self.broadcaster is not None:
+            with contextlib.suppress(Exception):
+                self.broadcaster.close()
+            self.broadcaster = None
+        self.generation += 1
+
+    def engines_restarted(self, engines: list[int]) -> None:
+        self._disconnect()  # every stage builds a new group at the next push
+
+    def close(self) -> None:
+        if self.broadcaster is not None:
+            with contextlib.suppress(Exception):
+                self.broadcaster.close()
+            self.broadcaster = None

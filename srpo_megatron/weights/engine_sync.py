@@ -3,7 +3,7 @@
 Engine k is hosted on global rank ``h = k * size`` (``rollout.placement.EngineLayout``), a TP rank 0. Its
 feed is the replica ``dp(h)``: that replica's TP groups gather their stage's parameters onto their TP rank 0
 (the stage sender of the replica) and the senders stream byte-bounded buckets to ``h`` — locally for
-``h``'s own stage, point-to-point (the wire format of ``weights.sync``) for the others, in stage order.
+``h``'s own stage, point-to-point (the wire format of ``weights.p2p``) for the others, in stage order.
 No replica feeds another replica's engine and nothing funnels through global rank 0: with PP=1 and
 ``size`` = the replica's ranks, each engine is fed entirely by its own ranks.
 
@@ -11,7 +11,12 @@ Collective over all trainer ranks. ``targets`` limits the sync to some engines (
 resynced alone); replicas that feed no target do nothing. A sender holds at most one bucket plus what
 gathering one parameter needs: each bucket is one flat buffer (``buckets.flat_buckets``) that the
 gathered, converted parameters are written into, sent as one tensor to every target host of its replica
-(which receives it into one buffer) and handed to its own engine as views, before the next is made.
+(``weights.p2p``; it receives it into one buffer) and handed to its own engine as views, before the next
+is made.
+
+``ColocatedSync`` is the ``WeightSync`` strategy on top (``weights.weight_sync``): the host hands the stream
+to ``engine.update_weights`` (the CPU engine copies it; SGLang sends it by CUDA IPC,
+``/update_weights_from_tensor``). ``weights.disk_sync`` reuses the feed with another receiver.
 """
 
 from __future__ import annotations
@@ -22,19 +27,21 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from srpo_megatron.buckets import flat_buckets, streamed_views
 from srpo_megatron.conversion.table import ConversionTable
 from srpo_megatron.parallel import ParallelGroups
+from srpo_megatron.rollout.base import EngineError, RolloutEngine
 from srpo_megatron.rollout.placement import EngineLayout
-from srpo_megatron.weights.buckets import flat_buckets, streamed_views
 from srpo_megatron.weights.export import iter_stage_params
-from srpo_megatron.weights.sync import (
+from srpo_megatron.weights.p2p import (
     DEFAULT_BUCKET_BYTES,
     P2PChannel,
     WeightSyncError,
-    _send_bucket,
-    _send_done,
     receive_stream,
+    send_bucket,
+    send_done,
 )
+from srpo_megatron.weights.weight_sync import agree_failures
 
 
 def grid(groups: ParallelGroups) -> list[tuple[int, int, int]]:
@@ -113,13 +120,13 @@ def sync_engines(
         nonlocal sent
         for bucket in flat_buckets(pending, bucket_bytes, groups.device):
             for h in remote:
-                _send_bucket(P2PChannel(h, groups.host), bucket, version)
+                send_bucket(P2PChannel(h, groups.host), bucket, version)
                 sent += bucket.nbytes
             if me in receivers:
                 yield from streamed_views(bucket)  # the local engine installs from views of the bucket
             del bucket  # release it before the next one is gathered
         for h in remote:
-            _send_done(P2PChannel(h, groups.host))
+            send_done(P2PChannel(h, groups.host))
 
     if my_engine is not None and my_engine in feeds:
         if engine is None:
@@ -143,3 +150,30 @@ def sync_engines(
         for _ in my_stage():
             pass
     return sent
+
+
+class ColocatedSync:
+    """``WeightSync`` for engines fed from the trainer's own ranks (module docstring); ``receiver`` is what
+    a host hands its stream to (the engine itself here; ``DiskSync`` writes a folder instead)."""
+
+    def __init__(self, policy: Any, groups: ParallelGroups, layout: EngineLayout) -> None:
+        self.policy, self.groups, self.layout = policy, groups, layout
+
+    def receiver(self, engine: RolloutEngine) -> Any:
+        return engine
+
+    def push(self, engine: RolloutEngine | None, version: int, targets: list[int] | None) -> dict[int, str]:
+        error = ""
+        try:
+            receiver = self.receiver(engine) if engine is not None else None
+            p = self.policy
+            sync_engines(p.model, p.table, self.groups, receiver, version, self.layout, targets=targets)
+        except EngineError as e:  # on its host only; the others completed the collective
+            error = str(e)
+        return agree_failures(self.layout, self.groups.host, self.layout.engine_of(dist.get_rank()), error)
+
+    def engines_restarted(self, engines: list[int]) -> None:
+        """Nothing to forget: a rebuilt engine takes the next push like any other."""
+
+    def close(self) -> None:
+        pass

@@ -39,10 +39,10 @@ from collections.abc import Iterator
 import torch
 import torch.distributed as dist
 
+from srpo_megatron.buckets import PendingParam, TensorSpec
 from srpo_megatron.conversion.table import ConversionTable, TPPartition, merge_tp_shards, split_tp_shard
 from srpo_megatron.conversion.weights import rank_param_name, stage_expert_offset, stage_layer_offset
 from srpo_megatron.parallel import ParallelGroups
-from srpo_megatron.weights.buckets import PendingParam, TensorSpec
 
 
 def is_stage_sender(groups: ParallelGroups) -> bool:
@@ -345,8 +345,3 @@ def iter_stage_hf_tensors(
     """This stage's HF tensors, one parameter at a time (all TP ranks of the stage must iterate)."""
     for pending in iter_stage_params(model, table, groups, dtype):
         yield from pending.fetch()
-
-
-def hf_manifest(table: ConversionTable) -> dict[str, tuple[int, ...]]:
-    """Every HF tensor name a full sync sends, with its shape (what a receiver validates against)."""
-    return {h: table.hf_shape(h) for h in table.hf_names()}

@@ -77,10 +77,10 @@ def _plant(name: str | None) -> None:
 def _step(rank, world, tiny, run_dir, tp, pp, cp, plants):
     from dataclasses import replace
 
-    from srpo_megatron.configs import load_config
+    from srpo_megatron.config import load_config
     from srpo_megatron.parallel import initialize_model_parallel
     from srpo_megatron.trainer import context_parallel, learning
-    from srpo_megatron.trainer.config import TrainConfig
+    from srpo_megatron.config import TrainConfig
     from srpo_megatron.trainer.learning import learn
     from srpo_megatron.trainer.policy import Policy
     from srpo_megatron.trainer.scoring import score_rollouts

@@ -12,7 +12,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from srpo_megatron.losses import LossConfig, global_normalizers, routed_loss
+from srpo_megatron.config import LossConfig
+from srpo_megatron.losses import global_normalizers, routed_loss
 from srpo_megatron.testing.distributed import run_distributed
 from tests.unit.losses_reference import ref_routed_loss, rel_err
 from tests.unit.losses_scenario import build_batch, group_slice, make_problem, ref_cfg, vocab_shard

@@ -98,7 +98,7 @@ def run_moe_policy(hf_config, layout, dispatcher, batches, *, hf_state=None, ckp
         stage_layer_offset,
     )
     from srpo_megatron.models.architecture import Architecture
-    from srpo_megatron.models.moe import MoEConfig
+    from srpo_megatron.config import MoEConfig
     from srpo_megatron.models.policy import build_policy
     from srpo_megatron.parallel import initialize_model_parallel
 

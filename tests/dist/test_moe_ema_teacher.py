@@ -77,10 +77,10 @@ def megatron_main_params(optimizer, model) -> list[torch.Tensor]:
 def _run(rank, world, tiny, run_dir, tp, ep, mode, plant):
     from megatron.core import parallel_state as ps
 
-    from srpo_megatron.configs import load_config
+    from srpo_megatron.config import load_config
     from srpo_megatron.parallel import initialize_model_parallel
     from srpo_megatron.trainer import teacher as teacher_module
-    from srpo_megatron.trainer.config import TrainConfig
+    from srpo_megatron.config import TrainConfig
     from srpo_megatron.trainer.learning import learn
     from srpo_megatron.trainer.policy import Policy
     from srpo_megatron.trainer.scoring import score_rollouts

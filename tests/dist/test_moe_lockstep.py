@@ -49,10 +49,10 @@ def _grpo_samples():
 
 
 def _step(rank, world, tiny, run_dir, ep, budget):
-    from srpo_megatron.configs import load_config
+    from srpo_megatron.config import load_config
     from srpo_megatron.parallel import initialize_model_parallel
     from srpo_megatron.trainer import lockstep as lockstep_module
-    from srpo_megatron.trainer.config import TrainConfig
+    from srpo_megatron.config import TrainConfig
     from srpo_megatron.trainer.learning import learn
     from srpo_megatron.trainer.policy import Policy
     from srpo_megatron.trainer.scoring import score_rollouts

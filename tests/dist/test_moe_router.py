@@ -18,7 +18,8 @@ def router_worker(rank, world, hf_config, state, ids):
     from srpo_megatron.conversion.table import ConversionTable
     from srpo_megatron.conversion.weights import load_hf_weights
     from srpo_megatron.models.architecture import Architecture
-    from srpo_megatron.models.moe import MoEConfig, router_params
+    from srpo_megatron.models.moe import router_params
+    from srpo_megatron.config import MoEConfig
     from srpo_megatron.models.moe_metrics import RouterRecorder
     from srpo_megatron.models.policy import build_policy
     from srpo_megatron.parallel import initialize_model_parallel

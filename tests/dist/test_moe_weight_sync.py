@@ -22,7 +22,7 @@ def export_worker(rank, world, layout, hf_config, state):
     from srpo_megatron.models.architecture import Architecture
     from srpo_megatron.models.policy import build_policy
     from srpo_megatron.parallel import initialize_model_parallel
-    from srpo_megatron.weights.buckets import bucketize_pending
+    from srpo_megatron.buckets import bucketize_pending
     from srpo_megatron.weights.export import iter_stage_params
 
     tp, pp, ep, etp = layout

@@ -51,9 +51,9 @@ def tiny(tmp_path_factory):
 
 
 def _policy(tiny, run_dir, extra):
-    from srpo_megatron.configs import load_config
+    from srpo_megatron.config import load_config
     from srpo_megatron.parallel import initialize_model_parallel
-    from srpo_megatron.trainer.config import TrainConfig
+    from srpo_megatron.config import TrainConfig
     from srpo_megatron.trainer.policy import Policy
 
     hf, data = tiny

@@ -19,7 +19,8 @@ import dataclasses
 import pytest
 import torch
 
-from srpo_megatron.models.performance import Accelerators, PerformanceConfig
+from srpo_megatron.models.performance import Accelerators
+from srpo_megatron.config import PerformanceConfig
 from srpo_megatron.testing.distributed import run_distributed
 from tests.dist.test_models_tp import hf_reference, run_policy, tiny_hf_model
 
@@ -119,7 +120,7 @@ def _overlap_worker(rank, world, overlap, gather_after_step, hf_cfg, hf_state, b
     from srpo_megatron.models.architecture import Architecture
     from srpo_megatron.models.policy import build_policy
     from srpo_megatron.parallel import initialize_model_parallel
-    from srpo_megatron.trainer.config import OptimConfig
+    from srpo_megatron.config import OptimConfig
     from tests.dist.test_models_tp import lm_loss
 
     initialize_model_parallel(1, 1)
@@ -276,10 +277,10 @@ def _rng_worker(rank, world, label):
     from megatron.core import tensor_parallel
 
     from srpo_megatron.parallel import initialize_model_parallel
-    from srpo_megatron.trainer.checkpoint import _rng_state, _set_rng_state
+    from srpo_megatron.trainer.rng_state import rng_state, set_rng_state
 
     initialize_model_parallel(1, 1)
-    state = _rng_state()
+    state = rng_state()
     assert state["tracker_device"] == "cpu"
     # What a GPU rank saves: CUDA generator states are 16 bytes (seed, offset).
     state["tracker"] = {name: torch.zeros(16, dtype=torch.uint8) for name in state["tracker"]}
@@ -287,7 +288,7 @@ def _rng_worker(rank, world, label):
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         try:
-            _set_rng_state(state, "rank_00000.pt")
+            set_rng_state(state, "rank_00000.pt")
             with tensor_parallel.get_cuda_rng_tracker().fork():  # where restored states are applied
                 pass
             error = ""

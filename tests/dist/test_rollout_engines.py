@@ -32,8 +32,8 @@ def tiny(tmp_path_factory):
 
 
 def _cfg(tiny, run_dir, extra=()):
-    from srpo_megatron.configs import load_config
-    from srpo_megatron.trainer.config import TrainConfig
+    from srpo_megatron.config import load_config
+    from srpo_megatron.config import TrainConfig
 
     _, hf, data = tiny
     ov = [f"model.hf_dir={hf}", f"data.train_files=[{data}]", f"run.dir={run_dir}", "parallel.tp=2", *extra]
@@ -215,7 +215,7 @@ def test_srpo_train_stops_on_a_second_engine_failure_naming_engine_gpus_and_vers
     assert "again after a restart; giving up" in msg
 
 
-def _separate(rank, world, tiny, run_dir, urls, pp=1):
+def _separate(rank, world, tiny, run_dir, urls, pp=1, sync="distributed"):
     import os
 
     from srpo_megatron.data.dataset import build_datasets
@@ -239,7 +239,8 @@ def _separate(rank, world, tiny, run_dir, urls, pp=1):
             "rollout.engine=sglang",
             "rollout.placement=separate",
             "rollout.engine_nodes=1",
-            f"rollout.sglang={{model_path: {hf}, weight_sync: distributed, bucket_bytes: 1048576}}",
+            f"rollout.sglang={{model_path: {hf}, weight_sync: {sync}, bucket_bytes: 1048576, "
+            f"disk_sync_dir: {run_dir}/sync}}",
         ],
     )
     tokenizer = load_tokenizer(cfg.model.hf_dir)
@@ -309,5 +310,90 @@ def test_separate_placement_pp2_both_stage_senders_broadcast_into_the_server(tin
         inits = [b for p, b in server.bodies if p == "/init_weights_update_group"]
         assert groups == {"srpo-pp0-g0", "srpo-pp1-g0"} and {b["world_size"] for b in inits} == {3}
         assert [p for p, _ in server.bodies].count("/flush_cache") == 1, "two stages, one sync: one flush"
+    finally:
+        server.close()
+
+
+def test_separate_placement_with_disk_sync_writes_one_folder_per_server_and_serves_it(tiny, tmp_path):
+    """weight_sync=disk through `srpo train`'s rollout side (the ``DiskSync`` strategy): the engine's
+    host writes the policy into ``<disk_sync_dir>/engine0`` with the model's config, the server loads
+    that folder (``/update_weights_from_disk``, version stamped), its cache is flushed once, and the
+    rollouts come from the synced weights."""
+    from transformers import AutoModelForCausalLM
+
+    from srpo_megatron.testing.sglang_standin import SGLangStandInServer
+
+    server = SGLangStandInServer(AutoModelForCausalLM.from_pretrained(tiny[1]))
+    with torch.no_grad():
+        for p in server.model.parameters():
+            p.zero_()  # only the folder can give the server the policy's weights
+    try:
+        (res,) = run_distributed(_separate, 1, tiny, str(tmp_path), [server.url], 1, "disk", timeout=600)
+        assert res["versions"] == [1] and server.version == "1"
+        assert res["samples"] == 8
+        got = dict(server.model.state_dict())
+        assert all(torch.equal(got[n], t) for n, t in res["sent"].items()), "the server holds the policy"
+        paths = [p for p, _ in server.bodies]
+        loads = [b for p, b in server.bodies if p == "/update_weights_from_disk"]
+        assert [b["model_path"] for b in loads] == [str(tmp_path / "sync" / "engine0")]
+        assert "/update_weights_from_tensor" not in paths and "/init_weights_update_group" not in paths
+        assert paths.count("/flush_cache") == 1 and paths.index("/flush_cache") > paths.index(
+            "/update_weights_from_disk"
+        )
+        folder = tmp_path / "sync" / "engine0"
+        assert (folder / "config.json").exists() and list(folder.glob("*.safetensors"))
+    finally:
+        server.close()
+
+
+def _incomplete_broadcast(rank, world, tiny, run_dir, urls, plant):
+    """TP2 at world 2 (rank 1 joins its stage's gathers but sends nothing) against a manifest with one
+    tensor the policy lacks: every rank must see the sync fail alike."""
+    import os
+
+    from srpo_megatron.parallel import initialize_model_parallel
+    from srpo_megatron.rollout.base import EngineError
+    from srpo_megatron.rollout.factory import load_tokenizer
+    from srpo_megatron.trainer.policy import Policy
+    from srpo_megatron.trainer.rollouts import RolloutService
+    from srpo_megatron.weights.export import is_stage_sender
+    from srpo_megatron.weights.weight_sync import served_manifest
+
+    os.environ["SRPO_ENGINE_URLS"], os.environ["SRPO_SYNC_HOST"] = ",".join(urls), "127.0.0.1"
+    groups = initialize_model_parallel(2, 1, seed=1)
+    _, hf, _ = tiny
+    sglang = f"{{model_path: {hf}, weight_sync: distributed, bucket_bytes: 1048576}}"
+    overrides = ["rollout.engine=sglang", "rollout.placement=separate", "rollout.engine_nodes=1"]
+    cfg = _cfg(tiny, run_dir, [*overrides, f"rollout.sglang={sglang}"])
+    policy = Policy(cfg, groups)
+    service = RolloutService(cfg, load_tokenizer(cfg.model.hf_dir), policy, groups)
+    manifest, aliases = served_manifest(cfg)
+    extra = ({**manifest, "model.extra.weight": (2,)}, aliases)
+    # planted: the old service knew the manifest on the stage senders only ({} elsewhere)
+    service.weight_sync._manifest = extra if not plant or is_stage_sender(groups) else ({}, aliases)
+    try:
+        service.sync(1)
+        return "synced"
+    except EngineError as e:
+        return str(e)
+    finally:
+        service.close()
+
+
+def test_an_incomplete_broadcast_fails_on_every_rank_alike(tiny, tmp_path):
+    """A broadcast that misses a tensor of the served manifest fails the sync on every rank (restart,
+    retry, then the job stops naming the engine), the stage sender and the TP rank that only joined the
+    gathers alike, and flushes nothing. With the manifest known on the senders only (the old
+    RolloutService; ``plant=True``) the other rank found nothing missing and waited in the flush's
+    broadcast for rank 0, which had returned: the ranks' collectives no longer matched."""
+    from transformers import AutoModelForCausalLM
+
+    from srpo_megatron.testing.sglang_standin import SGLangStandInServer
+
+    server = SGLangStandInServer(AutoModelForCausalLM.from_pretrained(tiny[1]))
+    try:
+        res = run_distributed(_incomplete_broadcast, 2, tiny, str(tmp_path), [server.url], False, timeout=600)
+        assert all("failed the weight sync again after a restart" in r for r in res), res
+        assert "/flush_cache" not in [p for p, _ in server.bodies], "an incomplete sync flushes nothing"
     finally:
         server.close()

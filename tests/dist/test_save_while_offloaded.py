@@ -1,5 +1,5 @@
 """A checkpoint save with the colocated offload releases EVERY engine, then resyncs all of them to the
-same version (``trainer.offload.save_while_offloaded``; CPU, gloo, world 2, one engine per rank).
+same version (``RolloutService.offloaded_for_save``; CPU, gloo, world 2, one engine per rank).
 
 Before the fix only engine 0 (global rank 0) released: every other engine kept its memory while its
 ranks' trainer state came back for the save. The resync re-pushes the served version, which a released
@@ -27,13 +27,12 @@ def tiny(tmp_path_factory):
 def _save_worker(rank, world, tiny, run_dir):
     import torch.distributed as dist
 
-    from srpo_megatron.configs import load_config
+    from srpo_megatron.config import load_config
     from srpo_megatron.data.dataset import build_datasets
     from srpo_megatron.parallel import initialize_model_parallel
     from srpo_megatron.rewards import register_reward
     from srpo_megatron.rollout.factory import load_tokenizer
-    from srpo_megatron.trainer.config import TrainConfig
-    from srpo_megatron.trainer.offload import save_while_offloaded
+    from srpo_megatron.config import TrainConfig
     from srpo_megatron.trainer.policy import Policy
     from srpo_megatron.trainer.rollouts import RolloutService
 
@@ -68,7 +67,8 @@ def _save_worker(rank, world, tiny, run_dir):
         during["engine"] = service.engine.health().detail if service.engine is not None else None
         during["offloaded"] = sorted(policy.offload.away)
 
-    save_while_offloaded(policy.offload, service, 2, save)
+    with service.offloaded_for_save(policy.offload, 2):
+        save()
     out.update(during=during, versions=service.engine_versions(), restarts=service.restarts)
     out["after"] = sorted(policy.offload.away)
     out["samples"] = len(service.collect(prompts, step=1).samples)  # serving again

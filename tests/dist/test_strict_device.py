@@ -34,8 +34,8 @@ def tiny_moe(tmp_path_factory):
 
 
 def _cfg(tiny, run_dir, extra=()):
-    from srpo_megatron.configs import load_config
-    from srpo_megatron.trainer.config import TrainConfig
+    from srpo_megatron.config import load_config
+    from srpo_megatron.config import TrainConfig
 
     _, hf, data = tiny
     ov = [f"model.hf_dir={hf}", f"data.train_files=[{data}]", f"run.dir={run_dir}", *extra]
@@ -91,7 +91,7 @@ def _step(rank, world, tiny, run_dir, tp, pp, extra, ep=1):
     from srpo_megatron.trainer.stats import reduce_stats
     from srpo_megatron.trainer.step_metrics import gather_stats
     from srpo_megatron.trainer.teacher import fp32_main_params
-    from srpo_megatron.weights.sync import sync_in_process
+    from srpo_megatron.testing.sync_transports import sync_in_process
 
     with strict_device():
         cfg = _cfg(tiny, run_dir, [f"parallel.tp={tp}", f"parallel.pp={pp}", f"parallel.ep={ep}", *extra])

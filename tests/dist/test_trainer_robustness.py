@@ -23,8 +23,8 @@ def tiny(tmp_path_factory):
 
 
 def _cfg(tiny, run_dir, extra=()):
-    from srpo_megatron.configs import load_config
-    from srpo_megatron.trainer.config import TrainConfig
+    from srpo_megatron.config import load_config
+    from srpo_megatron.config import TrainConfig
 
     _, hf, data = tiny
     ov = [f"model.hf_dir={hf}", f"data.train_files=[{data}]", f"run.dir={run_dir}", *extra]

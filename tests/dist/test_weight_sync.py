@@ -45,12 +45,12 @@ def make_engine(hf_config: dict, state: dict[str, torch.Tensor]):
 def engine_process(hf_config, state, ports, seqs, out):
     """A separate engine process: join one channel per PP stage, receive a sync, score ``seqs``."""
     try:
-        from srpo_megatron.weights.sync import StageChannel, receive_update
+        from srpo_megatron.testing.sync_transports import StageChannel, receive_update
 
         torch.set_num_threads(1)
         engine = make_engine(hf_config, state)
         channels = [StageChannel("127.0.0.1", port, rank=1, timeout_s=300) for port in ports]
-        version = receive_update(engine, channels)
+        version = receive_update(engine, channels, VERSION)
         # numpy, not a tensor: torch would share the tensor's memory with a process that is about to exit
         out.put(("ok", version, engine.weight_version, hf_logprobs(engine.model, seqs).numpy()))
     except BaseException as e:
@@ -74,7 +74,7 @@ def trainer(rank, world, hf_config, state, seqs, train_tokens, ports, disk_dir):
     from srpo_megatron.models.architecture import Architecture
     from srpo_megatron.models.policy import build_policy
     from srpo_megatron.parallel import initialize_model_parallel
-    from srpo_megatron.weights.sync import StageChannel, save_stage_shards, send_stage, sync_in_process
+    from srpo_megatron.testing.sync_transports import StageChannel, save_stage_shards, send_stage, sync_in_process
 
     groups = initialize_model_parallel(TP, PP, seed=1)
     arch = Architecture.from_hf(hf_config)
@@ -138,7 +138,7 @@ def trainer(rank, world, hf_config, state, seqs, train_tokens, ports, disk_dir):
 
 
 def test_sync_after_optimizer_step_tp2pp2_matches_trainer_logprobs(tmp_path):
-    from srpo_megatron.weights.sync import load_synced_folder
+    from srpo_megatron.testing.sync_transports import load_synced_folder
 
     hf = tiny_hf_model("llama")  # tied embeddings: the embedding travels once, from stage 0
     state = {k: v.detach().clone() for k, v in hf.state_dict().items()}
@@ -189,7 +189,7 @@ def test_channel_roundtrip_and_version_check():
 
     import pytest
 
-    from srpo_megatron.weights.sync import StageChannel, WeightSyncError, receive_stream, send_stream
+    from srpo_megatron.testing.sync_transports import StageChannel, WeightSyncError, receive_stream, send_stream
 
     port = free_port()
     tensors = [
@@ -222,7 +222,7 @@ def test_channel_roundtrip_and_version_check():
 def test_bucketize_pending_flushes_before_materialising_an_overflowing_parameter():
     """Hand-worked: with 100-byte buckets and parameters of 40, 40, 80, 30 bytes, the bucket [p0, p1] is
     handed out before p2 is fetched, so at most one bucket plus one parameter is ever alive."""
-    from srpo_megatron.weights.buckets import PendingParam, bucketize_pending
+    from srpo_megatron.buckets import PendingParam, bucketize_pending
 
     log = []
 

@@ -68,7 +68,8 @@ def colocated_worker(rank, world, hf_config, state, dtype, plant):
     from srpo_megatron.models.policy import build_policy
     from srpo_megatron.parallel import initialize_model_parallel
     from srpo_megatron.rollout.placement import EngineLayout
-    from srpo_megatron.weights import buckets, engine_sync, export, sync
+    from srpo_megatron import buckets
+    from srpo_megatron.weights import engine_sync, export, p2p
 
     groups = initialize_model_parallel(TP, PP, seed=1)
     arch = Architecture.from_hf(hf_config)
@@ -81,7 +82,7 @@ def colocated_worker(rank, world, hf_config, state, dtype, plant):
     buckets.FlatBucket.empty = lambda specs, device="cpu": live.track(empty(specs, device))
     buckets.FlatBucket.from_meta = lambda meta, device="cpu": live.track(from_meta(meta, device))
     if plant == "last_tensor_as_view":
-        engine_sync.streamed_views = sync.streamed_views = lambda b: iter(b.views())
+        engine_sync.streamed_views = p2p.streamed_views = lambda b: iter(b.views())
     if plant == "gather":  # the path NCCL takes (dist.gather), run on gloo
         export._point_to_point = lambda groups: False
     layout = EngineLayout(world, 2)
@@ -126,7 +127,7 @@ def test_flat_buckets_plan_before_fetching_align_slots_and_send_an_oversized_par
     256-byte aligned slots of 256, 768, 512, 2048 and 256 bytes, so the buckets are [p0, p1], [p2],
     [p3] (alone, over the bound) and [p4]; each bucket is built (its parameters fetched) only after
     the previous one was handed out, and every tensor arrives intact at its slot."""
-    from srpo_megatron.weights.buckets import ALIGN, PendingParam, TensorSpec, flat_buckets, streamed_views
+    from srpo_megatron.buckets import ALIGN, PendingParam, TensorSpec, flat_buckets, streamed_views
 
     log = []
     sizes = [100, 600, 300, 2000, 40]

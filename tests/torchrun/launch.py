@@ -18,7 +18,7 @@ import subprocess
 import tempfile
 from dataclasses import dataclass
 
-from srpo_megatron.launch.cluster import load_cluster
+from srpo_megatron.config import RolloutConfig, from_dict, load_cluster
 from srpo_megatron.launch.experiment import JobCommand, LaunchRequest, RolloutPlacement, build_experiment
 
 
@@ -30,7 +30,8 @@ def srpo_launch_argv(
     ``env`` is the request's extra job environment (e.g. ``SRPO_ENGINE_URLS`` for a separate placement)."""
     from nemo_run.run.torchx_backend.packaging import package
 
-    placement = RolloutPlacement.from_recipe(recipe or {})
+    rollout = from_dict(RolloutConfig, (recipe or {}).get("rollout") or {}, "rollout")
+    placement = RolloutPlacement.from_config(rollout)
     request = LaunchRequest(name="srpo-torchrun-test", command=command, placement=placement, env=env or {})
     cluster = dataclasses.replace(load_cluster("local"), tasks_per_node=nprocs)
     exp, task = build_experiment(cluster, request)

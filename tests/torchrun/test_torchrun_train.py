@@ -17,7 +17,7 @@ import pytest
 import torch
 import yaml
 
-from srpo_megatron.configs import apply_overrides, load_yaml
+from srpo_megatron.config import apply_overrides, load_yaml
 from srpo_megatron.launch.experiment import srpo_train_command
 from tests.torchrun.launch import check, run_torchrun
 

@@ -11,8 +11,8 @@ from dataclasses import dataclass
 
 import torch
 
+from srpo_megatron.config import LossConfig
 from srpo_megatron.losses import (
-    LossConfig,
     TokenBatch,
     group_advantages,
     route,

@@ -8,9 +8,11 @@ interrupted save, and a crafted pickle in an RNG file. None of them may start fr
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import pickle
 import random
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -18,7 +20,8 @@ import pytest
 import torch
 import yaml
 
-from srpo_megatron.configs import ConfigError
+from srpo_megatron.config import ConfigError
+from srpo_megatron.conversion.spec_compat import drop_absent_extra_state
 from srpo_megatron.trainer.checkpoint_files import (
     CheckpointError,
     clean_temporaries,
@@ -29,6 +32,7 @@ from srpo_megatron.trainer.checkpoint_files import (
     write_manifest,
 )
 from srpo_megatron.trainer.resume import MAY_CHANGE_ON_RESUME, check_resume_recipe, recipe_changes
+from srpo_megatron.trainer.rng_state import rng_states_compatible
 
 
 def _save(run: Path, step: int, latest: bool = True) -> Path:
@@ -141,7 +145,7 @@ class _Exploit:
 
 
 def test_crafted_pickle_in_rng_file_is_refused_not_executed(tmp_path):
-    from srpo_megatron.trainer.checkpoint import load_rng_file
+    from srpo_megatron.trainer.rng_state import load_rng_file
 
     marker = tmp_path / "PWNED"
     evil = tmp_path / "rank_00000.pt"
@@ -157,16 +161,49 @@ def test_crafted_pickle_in_rng_file_is_refused_not_executed(tmp_path):
 
 
 def test_rng_state_round_trips_through_weights_only(tmp_path):
-    from srpo_megatron.trainer.checkpoint import _rng_state, _set_rng_state, load_rng_file
+    from srpo_megatron.trainer.rng_state import load_rng_file, rng_state, set_rng_state
 
     random.seed(3), np.random.seed(4), torch.manual_seed(5)
     np.random.standard_normal()  # leave a cached Gaussian in numpy's state
-    torch.save(_rng_state(), tmp_path / "rng.pt")
+    torch.save(rng_state(), tmp_path / "rng.pt")
     expect = (random.random(), np.random.standard_normal(), torch.rand(3))
     random.seed(0), np.random.seed(0), torch.manual_seed(0)
-    _set_rng_state(load_rng_file(tmp_path / "rng.pt"))
+    set_rng_state(load_rng_file(tmp_path / "rng.pt"))
     got = (random.random(), np.random.standard_normal(), torch.rand(3))
     assert got[0] == expect[0] and got[1] == expect[1] and torch.equal(got[2], expect[2])
+
+
+# ---- checkpoints across layer specs and device kinds ------------------------------------------------
+
+
+def test_drop_absent_extra_state_drops_only_te_extra_state():
+    @dataclasses.dataclass
+    class Item:
+        key: str
+
+    sharded = {
+        "decoder.layers.0.self_attention.linear_qkv.weight": Item(
+            "decoder.layers.self_attention.linear_qkv.weight"
+        ),
+        "decoder.layers.0.self_attention.core_attention._extra_state": Item(
+            "decoder.layers.self_attention.core_attention._extra_state"
+        ),
+    }
+    stored = {"decoder.layers.self_attention.linear_qkv.weight"}
+    dropped = drop_absent_extra_state(sharded, stored, "ckpt")
+    assert dropped == ["decoder.layers.self_attention.core_attention._extra_state"]
+    assert list(sharded) == ["decoder.layers.0.self_attention.linear_qkv.weight"]
+    with pytest.raises(ValueError, match=r"ckpt lacks 1 tensor.*linear_qkv.weight"):
+        drop_absent_extra_state(sharded, set(), "ckpt")
+
+
+def test_rng_states_from_the_other_device_kind_are_refused_with_the_cause():
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert rng_states_compatible("cpu", "rank_00000.pt")
+        assert rng_states_compatible(None, "rank_00000.pt")  # files from before the field existed
+    with pytest.warns(UserWarning, match=r"saved on cuda and this run is on cpu.*reseeded from run.seed"):
+        assert not rng_states_compatible("cuda", "rank_00000.pt")
 
 
 # ---- recipe changes on resume ------------------------------------------------------------------------

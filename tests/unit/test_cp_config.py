@@ -7,8 +7,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from srpo_megatron.configs import ConfigError, load_config
-from srpo_megatron.trainer.config import TrainConfig
+from srpo_megatron.config import ConfigError, TrainConfig, load_config
 from srpo_megatron.trainer.preflight import check_layout
 
 RECIPE = Path(__file__).resolve().parents[2] / "examples" / "tiny_cpu_test.yaml"

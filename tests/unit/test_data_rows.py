@@ -8,8 +8,8 @@ import shutil
 
 import pytest
 
-from srpo_megatron.configs import ConfigError, from_dict
-from srpo_megatron.data import DataConfig, DataError, PromptDataset, default_data_dir, load_rows
+from srpo_megatron.config import ConfigError, DataConfig, from_dict
+from srpo_megatron.data import DataError, PromptDataset, default_data_dir, load_rows
 from srpo_megatron.data.templating import template_text
 from srpo_megatron.testing.assets import qwen3_tokenizer, smollm2_tokenizer
 
@@ -200,7 +200,8 @@ def test_data_dir_env_override(tmp_path, monkeypatch):
 
 
 def test_build_datasets_from_a_recipe_section(qwen3):
-    from srpo_megatron.data import ArithmeticTaskConfig, build_datasets
+    from srpo_megatron.config import ArithmeticTaskConfig
+    from srpo_megatron.data import build_datasets
 
     cfg = from_dict(
         DataConfig,

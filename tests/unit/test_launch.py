@@ -16,13 +16,21 @@ from pathlib import Path
 import pytest
 import yaml
 
-from srpo_megatron.configs import ConfigError
+from srpo_megatron.config import (
+    ClusterConfig,
+    ConfigError,
+    RolloutConfig,
+    SGLangEngineConfig,
+    TunnelConfig,
+    load_cluster,
+    load_recipe,
+)
 from srpo_megatron.launch import commands, probe
-from srpo_megatron.launch.cluster import ClusterConfig, TunnelConfig, load_cluster
 from srpo_megatron.launch.experiment import LaunchRequest, RolloutPlacement, srpo_train_command, submit
 
 REPO = Path(__file__).resolve().parents[2]
 QWEN_RECIPE = REPO / "examples" / "qwen3_8b_srpo.yaml"
+TINY_RECIPE = REPO / "examples" / "tiny_cpu_test.yaml"
 
 
 @pytest.fixture(autouse=True)
@@ -37,6 +45,11 @@ def _stdin_devnull(monkeypatch):
 def _write(path: Path, data: dict) -> Path:
     path.write_text(yaml.safe_dump(data))
     return path
+
+
+def _recipe(path: Path, sections: dict) -> Path:
+    """A whole recipe (`srpo launch` loads it as `srpo train` does): the tiny one, ``sections`` over it."""
+    return _write(path, {"base": str(TINY_RECIPE), **sections})
 
 
 # ---- cluster files ------------------------------------------------------------------------------------
@@ -95,16 +108,20 @@ def test_request_larger_than_partition_is_refused():
         c.check_request(1, 16)
 
 
-def test_rollout_placement_from_recipe():
-    assert RolloutPlacement.from_recipe({}) == RolloutPlacement("colocated", 0)
-    sep = RolloutPlacement.from_recipe({"rollout": {"placement": "separate", "engine_nodes": 2}})
+SGLANG = {"engine": "sglang", "sglang": {"model_path": "/m", "weight_sync": "distributed"}}
+
+
+def test_rollout_placement_from_the_loaded_recipe(tmp_path):
+    assert RolloutPlacement.from_config(RolloutConfig()) == RolloutPlacement("colocated", 0)
+    recipe = _recipe(tmp_path / "r.yaml", {"rollout": {**SGLANG, "placement": "separate", "engine_nodes": 2}})
+    sep = RolloutPlacement.from_config(load_recipe(recipe).rollout)
     request = LaunchRequest("x", srpo_train_command("r.yaml"), nodes=4, placement=sep)
     assert request.job_nodes("slurm") == 6  # Slurm starts the servers on 2 nodes of its own
     assert request.job_nodes("local") == 4  # the local executor starts none: they already run
     with pytest.raises(ConfigError, match="engine_nodes >= 1"):
-        RolloutPlacement.from_recipe({"rollout": {"placement": "separate"}})
-    with pytest.raises(ConfigError, match="'colocated' or 'separate'"):
-        RolloutPlacement.from_recipe({"rollout": {"placement": "remote"}})
+        load_recipe(recipe, ["rollout.engine_nodes=0"])
+    with pytest.raises(ConfigError, match=r"rollout.placement: 'remote' is not valid"):
+        load_recipe(recipe, ["rollout.placement=remote"])
 
 
 def test_git_shipped_recipe_must_be_committed(tmp_path, capsys):
@@ -112,7 +129,7 @@ def test_git_shipped_recipe_must_be_committed(tmp_path, capsys):
     # runs/ is git-ignored: a file there lies inside the repository but never in HEAD.
     recipe = REPO / "runs" / f"_uncommitted_{os.getpid()}.yaml"
     recipe.parent.mkdir(exist_ok=True)
-    recipe.write_text("train: {steps: 1}\n")
+    recipe.write_text(f"base: {TINY_RECIPE}\ntrain: {{steps: 1}}\n")
     try:
         args = ["launch", str(recipe.relative_to(REPO)), "--cluster", "h100", "--dryrun"]
         assert commands.main([*args, "--home", str(tmp_path)]) == 2
@@ -122,7 +139,7 @@ def test_git_shipped_recipe_must_be_committed(tmp_path, capsys):
 
 
 def test_cli_reports_oversized_request(tmp_path, capsys):
-    recipe = _write(tmp_path / "r.yaml", {"run": {"dir": str(tmp_path / "run")}})
+    recipe = _recipe(tmp_path / "r.yaml", {"run": {"dir": str(tmp_path / "run")}})
     rc = commands.main(
         [
             "launch",
@@ -140,7 +157,7 @@ def test_cli_reports_oversized_request(tmp_path, capsys):
     assert "needs 65 nodes" in capsys.readouterr().err
 
 
-SEPARATE = {"rollout": {"placement": "separate", "engine_nodes": 1}}
+SEPARATE = {"rollout": {**SGLANG, "placement": "separate", "engine_nodes": 1}}
 
 
 def test_local_separate_placement_needs_running_servers_and_counts_no_engine_nodes(
@@ -148,7 +165,7 @@ def test_local_separate_placement_needs_running_servers_and_counts_no_engine_nod
 ):
     """cluster/local.yaml (max_nodes 1) starts no engine nodes: a separate placement runs against servers
     listed in SRPO_ENGINE_URLS, and without them it is refused with the variable and the fix named."""
-    recipe = _write(tmp_path / "r.yaml", SEPARATE)
+    recipe = _recipe(tmp_path / "r.yaml", SEPARATE)
     args = ["launch", str(recipe), "--cluster", "cluster/local.yaml", "--dryrun", "--home", str(tmp_path)]
     monkeypatch.delenv("SRPO_ENGINE_URLS", raising=False)
     assert commands.main(args) == 2
@@ -166,7 +183,13 @@ def test_local_separate_placement_hands_the_servers_to_the_job(monkeypatch):
 
     monkeypatch.delenv("SRPO_ENGINE_URLS", raising=False)
     local, command = load_cluster("local"), srpo_train_command("r.yaml")
-    given = LaunchRequest("x", command, placement=RolloutPlacement.from_recipe(SEPARATE))
+    separate = RolloutConfig(
+        **{
+            **SEPARATE["rollout"],
+            "sglang": SGLangEngineConfig(model_path="/m", weight_sync="disk", disk_sync_dir="/d"),
+        }
+    )
+    given = LaunchRequest("x", command, placement=RolloutPlacement.from_config(separate))
     with pytest.raises(ConfigError, match="SRPO_ENGINE_URLS is unset"):
         build_experiment(local, given)
     given.env["SRPO_ENGINE_URLS"] = "http://h:1,http://h:2"
@@ -177,8 +200,8 @@ def test_local_separate_placement_hands_the_servers_to_the_job(monkeypatch):
         "1",
     )
     # Servers named by the recipe (rollout.sglang.url) serve as well, as `srpo train` reads them.
-    in_recipe = {"rollout": {**SEPARATE["rollout"], "sglang": {"url": "http://s:9"}}}
-    request = LaunchRequest("x", command, placement=RolloutPlacement.from_recipe(in_recipe))
+    in_recipe = dataclasses.replace(separate, sglang=dataclasses.replace(separate.sglang, url="http://s:9"))
+    request = LaunchRequest("x", command, placement=RolloutPlacement.from_config(in_recipe))
     assert build_experiment(local, request)[0].executor.env_vars["SRPO_ENGINE_URLS"] == "http://s:9"
 
 
@@ -212,7 +235,7 @@ def _qwen_dryrun(tmp_path: Path, capsys) -> tuple[str, str, int]:
     # Until the lead's recipe lands: the same keys in a tmp recipe. h100 ships the code with git, which
     # needs a committed recipe; the tmp one is given in place from the login node instead (the rest of the
     # script is the same).
-    recipe = _write(
+    recipe = _recipe(
         tmp_path / "qwen3_8b_srpo.yaml", {"run": {"dir": "/lustre/runs/q"}, "train": {"steps": 10}}
     )
     cluster = dataclasses.replace(load_cluster("h100"), code="in_place", tunnel=TunnelConfig())
@@ -257,7 +280,7 @@ def test_dryrun_h100_four_nodes(tmp_path, capsys):
 
 
 def test_dryrun_separate_rollout_nodes_and_overrides(tmp_path):
-    recipe = _write(tmp_path / "r.yaml", {"rollout": {"placement": "separate", "engine_nodes": 2}})
+    recipe = _recipe(tmp_path / "r.yaml", {"rollout": {**SGLANG, "placement": "separate", "engine_nodes": 2}})
     cluster = dataclasses.replace(load_cluster("h100"), code="in_place", tunnel=TunnelConfig())
     from srpo_megatron.launch.jobs import set_home
 
@@ -266,7 +289,7 @@ def test_dryrun_separate_rollout_nodes_and_overrides(tmp_path):
         "srpo-r",
         srpo_train_command(str(recipe), ["train.steps=5", "run.dir=/x"]),
         nodes=2,
-        placement=RolloutPlacement.from_recipe(yaml.safe_load(recipe.read_text())),
+        placement=RolloutPlacement.from_config(load_recipe(recipe).rollout),
     )
     script = submit(cluster, request, dryrun=True).script
     assert _sbatch_flags(script)["nodes"] == "4"  # 2 training + 2 engine nodes
@@ -293,18 +316,16 @@ def test_probe_resumes_after_latest(tmp_path):
 
 def test_launch_counts_rollout_engines_from_the_recipe():
     """8 engines of TP4 on 4 nodes × 8 GPUs colocated; a separate placement counts its engine nodes."""
-    recipe = yaml.safe_load(
-        (Path(__file__).resolve().parents[2] / "examples" / "qwen3_8b_srpo.yaml").read_text()
-    )
-    colocated = RolloutPlacement.from_recipe(recipe)
+    colocated = RolloutPlacement.from_config(load_recipe(QWEN_RECIPE).rollout)
     assert colocated.engines(4, 8) == 8
     assert (
         colocated.describe(4, 8)
         == "rollout: 8 engines of TP4 (4 GPUs each) colocated on the 32 training GPUs"
     )
-    sep = RolloutPlacement.from_recipe(
-        {"rollout": {"placement": "separate", "engine_nodes": 2, "sglang": {"engine_kwargs": {"tp_size": 2}}}}
+    sglang = SGLangEngineConfig(model_path="/m", weight_sync="distributed", engine_kwargs={"tp_size": 2})
+    sep = RolloutPlacement.from_config(
+        RolloutConfig(engine="sglang", placement="separate", engine_nodes=2, sglang=sglang)
     )
     assert sep.engines(4, 8) == 8 and "on 2 engine node(s) (16 GPUs)" in sep.describe(4, 8)
     with pytest.raises(ConfigError, match="gpus_per_engine=3"):
-        RolloutPlacement.from_recipe({"rollout": {"gpus_per_engine": 3}}).engines(1, 8)
+        RolloutPlacement.from_config(RolloutConfig(gpus_per_engine=3)).engines(1, 8)

@@ -16,9 +16,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from srpo_megatron.configs import ConfigError
+from srpo_megatron.config import ConfigError, load_cluster
 from srpo_megatron.launch import commands
-from srpo_megatron.launch.cluster import load_cluster
 from srpo_megatron.launch.experiment import LaunchRequest, srpo_train_command, submit
 from srpo_megatron.launch.jobs import set_home
 
@@ -60,7 +59,9 @@ def _evil_cluster(tmp_path: Path, **extra) -> Path:
 
 def _recipe(tmp_path: Path, name: str = "r.yaml") -> Path:
     path = tmp_path / name
-    path.write_text(yaml.safe_dump({"train": {"steps": 1}}))
+    # a whole recipe: `srpo launch` loads it as `srpo train` does (the tiny one under it)
+    tiny = Path(__file__).resolve().parents[2] / "examples" / "tiny_cpu_test.yaml"
+    path.write_text(yaml.safe_dump({"base": str(tiny), "train": {"steps": 1}}))
     return path
 
 

@@ -11,9 +11,8 @@ import math
 import pytest
 import torch
 
-from srpo_megatron.configs import ConfigError, from_dict
+from srpo_megatron.config import ConfigError, LossConfig, from_dict
 from srpo_megatron.losses import (
-    LossConfig,
     dynamic_weights,
     global_normalizers,
     grpo_token_loss,

@@ -11,10 +11,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from srpo_megatron.configs import ConfigError, load_config
+from srpo_megatron.config import ConfigError, MoEConfig, TrainConfig, load_config
 from srpo_megatron.launch import commands
-from srpo_megatron.models.moe import MoEConfig
-from srpo_megatron.trainer.config import TrainConfig
 
 REPO = Path(__file__).resolve().parents[2]
 # (recipe, nodes, the model's layers / experts / KV heads / moe_intermediate_size from its config.json)
@@ -67,8 +65,7 @@ def test_moe_recipe_layouts_fit_and_dryrun(
 
 
 def test_moe_keys_are_checked(tmp_path):
-    recipe = yaml.safe_load((REPO / RECIPES[0][0]).read_text())
-    recipe["moe"]["aux_loss_coeff"] = -0.1
+    recipe = {"base": str(REPO / RECIPES[0][0]), "moe": {"aux_loss_coeff": -0.1}}
     path = tmp_path / "bad.yaml"
     path.write_text(yaml.safe_dump(recipe))
     with pytest.raises(ConfigError, match=re.escape("moe.aux_loss_coeff=-0.1")):

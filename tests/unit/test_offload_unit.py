@@ -53,7 +53,7 @@ def test_the_policy_weights_never_leave():
 
 
 def test_sharded_teacher_needs_the_distributed_optimizer():
-    from srpo_megatron.parallel import ParallelConfig
+    from srpo_megatron.config import ParallelConfig
 
     with pytest.raises(ValueError, match=r"parallel\.distributed_optimizer=true"):
         ParallelConfig(teacher_fp32="sharded")

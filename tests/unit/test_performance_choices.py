@@ -4,18 +4,16 @@ simulated GPU machine, that megatron-core accepts every choice, and that bad rec
 from __future__ import annotations
 
 import dataclasses
-import warnings
 from pathlib import Path
 
 import pytest
 import torch
 
-from srpo_megatron.configs import ConfigError, load_config
+from srpo_megatron.config import ConfigError, OptimConfig, PerformanceConfig, TrainConfig, load_config
 from srpo_megatron.models import performance as perf
 from srpo_megatron.models.architecture import Architecture
-from srpo_megatron.models.performance import Accelerators, PerformanceConfig
+from srpo_megatron.models.performance import Accelerators
 from srpo_megatron.models.policy import transformer_config_from_hf
-from srpo_megatron.trainer.config import OptimConfig, TrainConfig
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 CPU = Accelerators.none()
@@ -224,33 +222,3 @@ def test_gpu_recipes_use_every_gpu_default(name):
     assert overrides["recompute_granularity"] == cfg.performance.recompute
     assert perf.use_transformer_engine(cfg.performance, acc)
     assert perf.overlap_enabled(cfg.performance, distributed_optimizer=True, acc=acc)
-
-
-def test_drop_absent_extra_state_drops_only_te_extra_state():
-    @dataclasses.dataclass
-    class Item:
-        key: str
-
-    sharded = {
-        "decoder.layers.0.self_attention.linear_qkv.weight": Item(
-            "decoder.layers.self_attention.linear_qkv.weight"
-        ),
-        "decoder.layers.0.self_attention.core_attention._extra_state": Item(
-            "decoder.layers.self_attention.core_attention._extra_state"
-        ),
-    }
-    stored = {"decoder.layers.self_attention.linear_qkv.weight"}
-    dropped = perf.drop_absent_extra_state(sharded, stored, "ckpt")
-    assert dropped == ["decoder.layers.self_attention.core_attention._extra_state"]
-    assert list(sharded) == ["decoder.layers.0.self_attention.linear_qkv.weight"]
-    with pytest.raises(ValueError, match=r"ckpt lacks 1 tensor.*linear_qkv.weight"):
-        perf.drop_absent_extra_state(sharded, set(), "ckpt")
-
-
-def test_rng_states_from_the_other_device_kind_are_refused_with_the_cause():
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
-        assert perf.rng_states_compatible("cpu", "rank_00000.pt")
-        assert perf.rng_states_compatible(None, "rank_00000.pt")  # files from before the field existed
-    with pytest.warns(UserWarning, match=r"saved on cuda and this run is on cpu.*reseeded from run.seed"):
-        assert not perf.rng_states_compatible("cuda", "rank_00000.pt")

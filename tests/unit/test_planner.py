@@ -18,6 +18,8 @@ import torch
 import yaml
 
 from srpo_megatron.cli import main
+from srpo_megatron.config import ConfigError
+from srpo_megatron.config.loading import merge
 from srpo_megatron.planner.command import HF_CONFIG_DIR, plan_recipe
 from srpo_megatron.planner.memory import GiB, PlanSettings, activation_bytes, plan_layout
 from srpo_megatron.planner.meta import meta_stage_params
@@ -151,8 +153,8 @@ def _saved_bytes(cfg: dict, recompute: str, b: int, s: int) -> int:
     """Bytes of the distinct storages autograd saves in one forward of the megatron policy (not params)."""
     from megatron.core.models.gpt import GPTModel
 
+    from srpo_megatron.config import MoEConfig
     from srpo_megatron.models.architecture import Architecture
-    from srpo_megatron.models.moe import MoEConfig
     from srpo_megatron.models.policy import layer_spec, transformer_config_from_hf
     from srpo_megatron.parallel import initialize_model_parallel
 
@@ -220,8 +222,7 @@ def test_activation_scaling_with_parallelism():
 def _recipe(tmp_path: Path, model: str, **sections) -> Path:
     base = yaml.safe_load((REPO / "examples" / "qwen3_8b_srpo.yaml").read_text())
     base["model"]["hf_dir"] = f"/cluster/models/{model}"
-    for key, value in sections.items():
-        base.setdefault(key, {}).update(value)
+    base = merge(base, sections)  # nested sections merge key by key, as base: does
     path = tmp_path / f"{model}.yaml"
     path.write_text(yaml.safe_dump(base))
     return path
@@ -235,6 +236,7 @@ def test_anchor_qwen3_235b_tp2_pp8_cp2_ep16_on_16_nodes_fits(tmp_path):
         "Qwen3-235B-A22B",
         parallel=dict(tp=2, pp=8, cp=2, ep=16, offload_during_rollout=True),
         performance=dict(recompute="full"),
+        train=dict(max_tokens_per_micro_batch=4096),  # the trainer needs packing for CP (not planned)
         rollout=dict(sglang=dict(engine_kwargs=dict(tp_size=16, mem_fraction_static=0.7))),
     )
     plan, _, source = plan_recipe(recipe, [], 128, 8, H100)
@@ -247,24 +249,22 @@ def test_anchor_qwen3_235b_tp2_pp8_cp2_ep16_on_16_nodes_fits(tmp_path):
     assert not plan.fits and "KV cache" in " ".join(plan.problems)
 
 
-def test_anchor_qwen3_30b_a3b_tp4_ep8_one_node_with_optimizer_offload_fits(tmp_path):
-    recipe = _recipe(
-        tmp_path,
-        "Qwen3-30B-A3B",
-        parallel=dict(tp=4, ep=8, optimizer_offload=True),
-        performance=dict(recompute="full"),
-        rollout=dict(sglang=dict(engine_kwargs=dict(tp_size=8, mem_fraction_static=0.7))),
-    )
-    plan, _, _ = plan_recipe(recipe, [], 8, 8, H100)
-    assert plan.fits, plan.problems
-    assert plan.stage.train["optimizer (fp32 main + Adam)"] == 0
+def test_planner_refuses_what_the_trainer_refuses(tmp_path, capsys):
+    """The planner once modelled parallel.optimizer_offload (and teacher_fp32: none), which `srpo train`
+    refuses: it loads the recipe as the trainer does, so such a recipe is refused, not planned."""
+    recipe = _recipe(tmp_path, "Qwen3-30B-A3B", parallel=dict(tp=4, ep=8, optimizer_offload=True))
+    with pytest.raises(ConfigError, match=r"unknown key\(s\) \['optimizer_offload'\]"):
+        plan_recipe(recipe, [], 8, 8, H100)
+    recipe = _recipe(tmp_path, "Qwen3-30B-A3B", parallel=dict(tp=4, ep=8, teacher_fp32="none"))
+    with pytest.raises(ConfigError, match=r"parallel.teacher_fp32: 'none' is not valid"):
+        plan_recipe(recipe, [], 8, 8, H100)
 
 
 def test_anchor_qwen3_8b_tp1_without_distributed_optimizer_is_refused(tmp_path, capsys):
     recipe = _recipe(
         tmp_path,
         "Qwen3-8B",
-        parallel=dict(tp=1, distributed_optimizer=False),
+        parallel=dict(tp=1, distributed_optimizer=False, sequence_parallel=None),
         rollout=dict(prompts_per_step=1),
     )
     recipe_text = yaml.safe_load(recipe.read_text())
@@ -321,6 +321,7 @@ def test_launch_refuses_what_does_not_fit_unless_forced(tmp_path, capsys, stdin_
 
     base = ["launch", "examples/qwen3_8b_srpo.yaml", "--cluster", "h100", "--nodes", "1", "--dryrun"]
     base += ["--home", str(tmp_path), "-o", "parallel.tp=1", "-o", "parallel.distributed_optimizer=false"]
+    base += ["-o", "parallel.sequence_parallel=null"]  # the trainer refuses SP at TP1, so the planner does
     assert commands.main(base) == 2
     err = capsys.readouterr().err
     assert "DOES NOT FIT" in err and "--force" in err and "optimizer (fp32 main + Adam)" in err

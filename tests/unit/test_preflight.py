@@ -9,7 +9,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from srpo_megatron.configs import ConfigError
+from srpo_megatron.config import ConfigError
 from srpo_megatron.data.rows import DataError, load_rows
 from srpo_megatron.rewards import RewardPool
 from srpo_megatron.trainer.preflight import check_layout

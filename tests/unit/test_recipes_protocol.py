@@ -4,9 +4,8 @@ from pathlib import Path
 
 import pytest
 
-from srpo_megatron.configs import load_config
+from srpo_megatron.config import TrainConfig, load_config
 from srpo_megatron.data.paths import default_data_dir
-from srpo_megatron.trainer.config import TrainConfig
 
 RECIPE = Path(__file__).resolve().parents[2] / "examples" / "qwen3_8b_srpo_per_domain.yaml"
 DOMAINS = ("chemistry", "physics", "biology", "material")

@@ -4,11 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-from srpo_megatron.configs import ConfigError
-from srpo_megatron.rollout.config import RolloutConfig, SGLangEngineConfig
+from srpo_megatron.config import ConfigError, RolloutConfig, SGLangEngineConfig
 from srpo_megatron.rollout.placement import EngineLayout, split_prompts
 from srpo_megatron.weights.engine_sync import engine_feeds
-from srpo_megatron.weights.sync import WeightSyncError
+from srpo_megatron.weights.p2p import WeightSyncError
 
 
 def test_split_is_balanced_contiguous_and_covers_every_prompt():

@@ -16,9 +16,9 @@ import math
 import pytest
 import torch
 
-from srpo_megatron.configs import ConfigError
+from srpo_megatron.buckets import bucketize
+from srpo_megatron.config import ConfigError, SGLangEngineConfig
 from srpo_megatron.rollout.base import EngineError, SamplingParams, sample_seed
-from srpo_megatron.rollout.config import SGLangEngineConfig
 from srpo_megatron.rollout.sglang.engine import SGLangEngine, offline_engine_kwargs
 from srpo_megatron.rollout.sglang.protocol import (
     build_generate_request,
@@ -39,7 +39,7 @@ from srpo_megatron.testing.sglang_standin import (  # re-exported: other tests i
     standin_serialize,
 )
 from srpo_megatron.testing.sglang_standin import sglang_output as _sglang_output
-from srpo_megatron.weights.buckets import bucketize
+from srpo_megatron.testing.sync_transports import DiskRouted
 from tests.unit.test_rollout_contract import RolloutEngineContract, perturbed_copy
 from tests.unit.test_rollout_hf_engine import EOS, initial_weights, tiny_model
 
@@ -197,7 +197,8 @@ def engine_factory(weight_sets, model_dir, tmp_path):
             disk_sync_dir=str(tmp_path / f"sync{len(servers)}"),
             bucket_bytes=1024**2,
         )
-        return SGLangEngine(cfg, manifest=manifest)
+        # the disk strategy's route (weights.disk_sync): gate, folder, update_weights_from_disk
+        return DiskRouted(SGLangEngine(cfg, manifest=manifest), cfg.disk_sync_dir, manifest)
 
     yield make
     for s in servers:

@@ -16,8 +16,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from srpo_megatron.config import SGLangEngineConfig
 from srpo_megatron.rollout.base import EngineError, SamplingParams
-from srpo_megatron.rollout.config import SGLangEngineConfig
 from srpo_megatron.rollout.sglang.engine import SGLangEngine
 from srpo_megatron.rollout.sglang.protocol import (
     PINNED_MEMORY_TAGS,

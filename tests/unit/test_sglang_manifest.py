@@ -8,8 +8,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from srpo_megatron.config import SGLangEngineConfig
 from srpo_megatron.rollout.base import EngineError
-from srpo_megatron.rollout.config import SGLangEngineConfig
 from srpo_megatron.rollout.sglang.engine import SGLangEngine
 from srpo_megatron.rollout.sglang.protocol import hf_manifest
 from tests.unit.test_sglang_engine_memory import SGLangMemoryRules

@@ -12,8 +12,7 @@ from typing import ClassVar
 
 import pytest
 
-from srpo_megatron.configs import ConfigError
-from srpo_megatron.rollout.config import RolloutConfig, SGLangEngineConfig
+from srpo_megatron.config import ConfigError, RolloutConfig, SGLangEngineConfig
 from srpo_megatron.rollout.sglang import engine as engine_module
 from srpo_megatron.rollout.sglang.engine import offline_engine_kwargs
 from srpo_megatron.rollout.sglang.servers import recipe_rollout_config, server_argv, server_commands

@@ -21,15 +21,13 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from srpo_megatron.config import LossConfig, RolloutConfig, TeacherConfig
 from srpo_megatron.data.dataset import Prompt
 from srpo_megatron.data.rows import Row
 from srpo_megatron.losses import group_advantages, route, routing_masks
-from srpo_megatron.losses.config import LossConfig
 from srpo_megatron.rewards import register_reward
 from srpo_megatron.rewards.pool import RewardPool, RewardResult
 from srpo_megatron.rollout.base import Completion
-from srpo_megatron.rollout.config import RolloutConfig
-from srpo_megatron.trainer.config import TeacherConfig
 from srpo_megatron.trainer.rollouts import EngineShare, engine_metrics, route_rollouts
 from srpo_megatron.trainer.step_types import (
     METHOD_METRICS,

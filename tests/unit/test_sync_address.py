@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from srpo_megatron.launch.cluster import load_cluster
+from srpo_megatron.config import load_cluster
 from srpo_megatron.launch.experiment import LaunchRequest, _job_env, srpo_train_command
 from srpo_megatron.rollout.base import EngineError
 from srpo_megatron.weights import sync_address as sa

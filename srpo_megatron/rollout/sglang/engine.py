@@ -25,21 +25,20 @@ weights are uninitialised: the engine refuses to serve until the next full sync.
 
 from __future__ import annotations
 
-import threading
-from collections.abc import Callable, Iterable, Sequence
+import contextlib
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
 import torch
 
+from srpo_megatron.buckets import bucketize
+from srpo_megatron.config import SGLangEngineConfig
 from srpo_megatron.rollout.base import Completion, EngineError, EngineHealth, SamplingParams
-from srpo_megatron.rollout.config import SGLangEngineConfig
 from srpo_megatron.rollout.gate import check_version, head, missing_names, validated_stream
 from srpo_megatron.rollout.sglang.protocol import (
     build_generate_request,
-    build_init_weights_update_group_request,
     build_memory_occupation_request,
     build_update_weights_from_disk_request,
-    build_update_weights_from_distributed_request,
     build_update_weights_from_tensor_request,
     hf_manifest,
     memory_tags,
@@ -49,7 +48,6 @@ from srpo_megatron.rollout.sglang.protocol import (
     server_tp_size,
 )
 from srpo_megatron.rollout.sglang.transports import ChildEngineTransport, HttpTransport
-from srpo_megatron.weights.buckets import bucketize
 
 
 def offline_engine_kwargs(
@@ -111,7 +109,6 @@ class SGLangEngine:
         self._inconsistent = ""
         self._shut_down = False
         self._serializer = serializer
-        self._broadcast: tuple[Any, str] | None = None  # (trainer-side process group, group name)
         self._tp: int | None = None
         if transport is not None:
             self._transport = transport
@@ -158,9 +155,6 @@ class SGLangEngine:
         outputs = self._transport.call("generate", body)
         return parse_generate_response(outputs, rows, len(prompts), self._version)
 
-    def flush_cache(self) -> None:
-        self._transport.call("flush_cache", {})
-
     def release_memory(self) -> None:
         """Free every memory type SGLang has (training phase, colocated). Idempotent: only tags that are
         not already paused are released (pausing a paused tag fails inside SGLang)."""
@@ -190,25 +184,9 @@ class SGLangEngine:
             self._transport.close()
 
     # --------------------------------------------------------------------------------- weight updates
-
-    def attach_broadcast_group(self, group: Any, group_name: str) -> None:
-        """weight_sync=distributed: the trainer-side group made with the same address/port/world size as
-        ``init_broadcast_group`` sent the engine (trainer rank 0, engine ranks 1..tp)."""
-        self._broadcast = (group, group_name)
-
-    def init_broadcast_group(
-        self, master_address: str, master_port: int, world_size: int, group_name: str, backend: str = "nccl"
-    ) -> threading.Thread:
-        """Ask the engine to join the broadcast group; returns the thread waiting for its answer (the engine
-        blocks until the trainer joins too, so the caller creates its side, then joins the thread)."""
-        body = build_init_weights_update_group_request(
-            master_address, master_port, 1, world_size, group_name, backend
-        )
-        return _in_thread(
-            lambda: parse_update_response(
-                self._transport.call("init_weights_update_group", body), "init group"
-            )
-        )
+    # One route each; the trainer's ``WeightSync`` strategy (weights/weight_sync.py) decides which runs:
+    # ``update_weights`` (colocated, CUDA IPC), ``update_weights_from_disk`` (a folder the strategy wrote)
+    # or ``adopt_version`` (the stage senders broadcast into the server themselves).
 
     def adopt_version(self, version: int) -> None:
         """The trainer's stage senders installed ``version`` into this server directly (separate placement,
@@ -220,44 +198,53 @@ class SGLangEngine:
         self._version = int(version)
 
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
-        """Stream HF-named tensors into SGLang in buckets and serve them as ``version`` (see module doc)."""
+        """Stream HF-named tensors into SGLang in buckets (``/update_weights_from_tensor``, one flattened
+        payload per TP rank) and serve them as ``version`` (see module doc)."""
+        with self._installing(version) as sent:
+            seen: set[str] = set()
+            stream = validated_stream(named_tensors, self._manifest, seen, self._aliases)
+            for bucket in bucketize(stream, self.cfg.bucket_bytes):
+                sent.append(True)
+                self._send_tensor_bucket(bucket, version)
+                del bucket
+            missing = missing_names(self._manifest, seen)
+            if missing:
+                raise EngineError(f"missing {len(missing)} tensors: {head(missing)}")
+
+    def update_weights_from_disk(self, folder: str, version: int) -> None:
+        """Load the checkpoint folder ``folder`` (complete and checked: ``weights.disk_sync`` wrote it) and
+        serve it as ``version``."""
+        with self._installing(version) as sent:
+            sent.append(True)
+            body = build_update_weights_from_disk_request(folder, version)
+            parse_update_response(
+                self._transport.call("update_weights_from_disk", body), "update_weights_from_disk"
+            )
+
+    @contextlib.contextmanager
+    def _installing(self, version: int) -> Iterator[list[bool]]:
+        """The frame of every update: the version gate, the weights resident before the first request and
+        the other released tags back after the last, one cache flush, and the failure rule (a failure
+        after anything was sent leaves SGLang holding a mixture: generate is refused until a complete
+        update succeeds). The body appends to the yielded list once it sends something."""
         if self._shut_down:
             raise EngineError("the SGLang engine was shut down; start a new one and resync its weights")
         check_version(version, self._version, self._inconsistent, released="weights" in self._released)
         # Colocated: weights must be resident to receive; the other tags come back after the update.
         self.resume_memory(("weights",))
-        sync = self.cfg.weight_sync
-        seen: set[str] = set()
-        sent_any = False
-        disk_shards: list[dict[str, torch.Tensor]] = []
+        sent: list[bool] = []
         try:
-            stream = validated_stream(named_tensors, self._manifest, seen, self._aliases)
-            for bucket in bucketize(stream, self.cfg.bucket_bytes):
-                if sync == "disk":
-                    disk_shards.append({n: t.detach().cpu().contiguous() for n, t in bucket})
-                    continue
-                sent_any = True
-                if sync == "tensor":
-                    self._send_tensor_bucket(bucket, version)
-                else:
-                    self._send_broadcast_bucket(bucket, version)
-                del bucket
-            missing = missing_names(self._manifest, seen)
-            if missing:
-                raise EngineError(f"missing {len(missing)} tensors: {head(missing)}")
-            if sync == "disk":
-                sent_any = True
-                self._send_disk(disk_shards, version)
+            yield sent
             self.resume_memory()  # every other released tag (KV cache, CUDA graphs) before generating
             self._transport.call("flush_cache", {})
         except Exception as e:
-            if sent_any:
+            if sent:
                 self._inconsistent = (
                     f"weight update to version {version} failed after buckets were sent ({e}); SGLang "
                     "holds a mixture of versions and generate is refused until a complete update succeeds"
                 )
             msg = f"weight update to version {version} rejected ({e}); "
-            msg += "engine refuses to generate" if sent_any else f"still serving version {self._version}"
+            msg += "engine refuses to generate" if sent else f"still serving version {self._version}"
             raise EngineError(msg) from e
         finally:
             _release_ipc_memory(final=True)
@@ -271,64 +258,3 @@ class SGLangEngine:
         del flat, payload  # only now: SGLang answered, so every TP rank has copied out of the flat tensor
         _release_ipc_memory(final=False)
         parse_update_response(resp, "update_weights_from_tensor")
-
-    def _send_broadcast_bucket(self, bucket: list[tuple[str, torch.Tensor]], version: int) -> None:
-        if self._broadcast is None:
-            raise EngineError(
-                "weight_sync=distributed needs attach_broadcast_group(...) before update_weights"
-            )
-        group, name = self._broadcast
-        body = build_update_weights_from_distributed_request(bucket, name, False, version)
-        waiter = _in_thread(
-            lambda: parse_update_response(
-                self._transport.call("update_weights_from_distributed", body),
-                "update_weights_from_distributed",
-            )
-        )
-        for _, t in bucket:  # the engine receives in the order of ``names``
-            torch.distributed.broadcast(t.contiguous(), src=0, group=group)
-        waiter.join()
-
-    def _send_disk(self, shards: list[dict[str, torch.Tensor]], version: int) -> None:
-        import shutil
-        from pathlib import Path
-
-        from safetensors.torch import save_file
-
-        out = Path(self.cfg.disk_sync_dir)
-        out.mkdir(parents=True, exist_ok=True)
-        for f in out.glob("*.safetensors"):
-            f.unlink()
-        for k, shard in enumerate(shards):
-            save_file(shard, str(out / f"model-{k:05d}-of-{len(shards):05d}.safetensors"))
-        for cfg_file in Path(self.cfg.model_path).glob("*.json"):
-            if not cfg_file.name.endswith(".index.json"):
-                shutil.copy(cfg_file, out / cfg_file.name)
-        body = build_update_weights_from_disk_request(str(out), version)
-        parse_update_response(
-            self._transport.call("update_weights_from_disk", body), "update_weights_from_disk"
-        )
-
-
-class _Waiter(threading.Thread):
-    def __init__(self, fn: Callable[[], None]) -> None:
-        super().__init__(daemon=True)
-        self._fn = fn
-        self.error: BaseException | None = None
-
-    def run(self) -> None:
-        try:
-            self._fn()
-        except BaseException as e:
-            self.error = e
-
-    def join(self, timeout: float | None = None) -> None:
-        super().join(timeout)
-        if self.error is not None:
-            raise self.error
-
-
-def _in_thread(fn: Callable[[], None]) -> _Waiter:
-    w = _Waiter(fn)
-    w.start()
-    return w

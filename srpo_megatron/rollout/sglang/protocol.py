@@ -261,14 +261,15 @@ def parse_update_response(resp: Any, what: str) -> None:
 
 def hf_manifest(model_path: str) -> dict[str, tuple[int, ...]]:
     """The checkpoint FILE names and shapes of the served model (per-expert for MoE), from the conversion
-    table: what the trainer streams and what SGLang's ``load_weights`` expects. Not transformers' in-memory
+    table: every tensor a full sync sends, what SGLang's ``load_weights`` expects and what every weight
+    receiver validates against. Not transformers' in-memory
     names, which differ from the files for fused modules (transformers >= 5 fuses MoE experts into
     ``mlp.experts.gate_up_proj`` / ``down_proj``)."""
     from srpo_megatron.conversion.table import ConversionTable
     from srpo_megatron.models.architecture import Architecture
-    from srpo_megatron.weights.export import hf_manifest as table_manifest
 
-    return table_manifest(ConversionTable(Architecture.from_hf(model_path)))
+    table = ConversionTable(Architecture.from_hf(model_path))
+    return {h: table.hf_shape(h) for h in table.hf_names()}
 
 
 def server_tp_size(transport: Any, default: int) -> int:

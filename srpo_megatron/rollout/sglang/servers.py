@@ -19,8 +19,7 @@ import sys
 import time
 from typing import Any
 
-from srpo_megatron.configs import ConfigError
-from srpo_megatron.rollout.config import RolloutConfig, SGLangEngineConfig
+from srpo_megatron.config import ConfigError, RolloutConfig, SGLangEngineConfig, load_recipe
 
 BASE_PORT = 30000  # engine i of a node listens on BASE_PORT + i
 MAX_RESTARTS = 3  # a server that exits more often than this stops the node (and so the job's engines)
@@ -81,11 +80,9 @@ def server_commands(rollout: RolloutConfig, gpus: int) -> list[list[str]]:
 
 
 def recipe_rollout_config(recipe: str, overrides: list[str]) -> RolloutConfig:
-    """The recipe's ``rollout`` section with ``--override`` items applied, as the trainer reads it."""
-    from srpo_megatron.configs import apply_overrides, from_dict, load_yaml
-
-    data = apply_overrides(load_yaml(recipe), overrides)
-    return from_dict(RolloutConfig, data.get("rollout") or {}, "rollout")
+    """The recipe's ``rollout`` section with ``--override`` items applied: the whole recipe loads as the
+    trainer loads it (``load_recipe``), so servers never start for a recipe `srpo train` refuses."""
+    return load_recipe(recipe, overrides).rollout
 
 
 def main(argv: list[str] | None = None) -> int:

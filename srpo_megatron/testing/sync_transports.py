@@ -1,79 +1,44 @@
-"""Weight sync transports: trainer (Megatron TP/PP) -> rollout engine, in buckets bounded by bytes.
+"""Weight-sync transports for tests and the bench only; `srpo train` never reaches them.
 
-Every transport consumes the per-stage HF stream of ``weights.export`` (one sender per PP stage) and ends
-in ``engine.update_weights(stream, version)``, so the engine's own atomicity rules apply (the CPU engine
-validates every name and shape before copying; SGLang refuses to serve after a partial update).
+Production moves weights with ``weights.weight_sync`` (colocated, broadcast, disk). These older
+transports stay because they check the export/conversion stream against independent receivers
+(tests/dist/test_weight_sync.py, tests/dist/test_strict_device.py, the SGLang-real tier) and because
+tools/bench_weight_sync.py measures the sender's and an engine process's memory with them:
 
 - **in-process** (``sync_in_process``): the engine object lives in the trainer process of global rank
   ``engine_rank`` (the first stage's sender); the other stages' senders ship their buckets to it
-  point-to-point on the default group.
-- **broadcast** (``StageChannel`` + ``send_stage`` / ``receive_update``): a separate engine process joins
-  one two-member process group per PP stage (that stage's sender is rank 0, the engine rank 1; gloo on
-  CPU, NCCL on GPU) and receives each bucket by broadcast from the sender.
-- **disk** (``save_stage_shards`` / ``load_synced_folder``): each stage's sender writes safetensors
-  shards; after a barrier rank 0 writes ``sync.json`` last, which names the version and the shards, so a
-  reader never sees a half-written version.
-
-Wire format for the p2p / broadcast transports, per bucket: an int64 ``[2]`` header (JSON length, done
-flag), the JSON ``{"version", "names", "dtypes", "shapes"}`` as uint8, then each tensor; a flat bucket
-(``buckets.FlatBucket``, what the trainer's stage senders send) adds ``"offsets"`` and ``"flat_bytes"``
-to the JSON and is followed by its ONE flat uint8 buffer, received into one buffer. Headers and JSON
-are host tensors and travel over gloo (``send_meta``); the weight tensors are on the runtime's device
-and travel over the data group (NCCL on GPU) into receive buffers on the receiver's device. A final
-header with ``done = 1`` ends a stage's stream. The bucket bound (default 512 MiB) caps what a sender holds
-beyond the gather of one parameter.
+  point-to-point (``weights.p2p``);
+- **stage channel** (``StageChannel`` + ``send_stage`` / ``receive_update``): a separate engine process
+  joins one two-member process group per PP stage (that stage's sender is rank 0, the engine rank 1)
+  and receives each bucket by broadcast from the sender, then acknowledges the version;
+- **disk folder** (``save_stage_shards`` / ``load_synced_folder``): each stage's sender writes
+  safetensors shards; after a barrier rank 0 writes ``sync.json`` last, which names the version and the
+  shards, so a reader never sees a half-written version.
 """
 
 from __future__ import annotations
 
 import datetime
 import json
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from srpo_megatron.buckets import FlatBucket, bucketize, bucketize_pending, flat_buckets
 from srpo_megatron.conversion.table import ConversionTable
 from srpo_megatron.parallel import ParallelGroups
-from srpo_megatron.weights.buckets import (
-    FlatBucket,
-    bucketize,
-    bucketize_pending,
-    flat_buckets,
-    streamed_views,
-)
 from srpo_megatron.weights.export import is_stage_sender, iter_stage_hf_tensors, iter_stage_params
-
-DEFAULT_BUCKET_BYTES = 512 * 1024**2
-
-
-class WeightSyncError(RuntimeError):
-    """A sync could not complete (stream broken, versions disagree); the engine keeps or refuses."""
-
-
-# ------------------------------------------------------------------------------------------- channels
-
-
-class P2PChannel:
-    """Point-to-point with ``peer``: metadata over the gloo ``host`` group, tensors over the default group
-    (NCCL on GPU: the tensors are on the runtime's device)."""
-
-    def __init__(self, peer: int, host: dist.ProcessGroup | None = None) -> None:
-        self.peer, self.host = peer, host
-
-    def send(self, t: torch.Tensor) -> None:
-        dist.send(t, dst=self.peer)
-
-    def recv(self, t: torch.Tensor) -> None:
-        dist.recv(t, src=self.peer)
-
-    def send_meta(self, t: torch.Tensor) -> None:
-        dist.send(t, dst=self.peer, group=self.host)
-
-    def recv_meta(self, t: torch.Tensor) -> None:
-        dist.recv(t, src=self.peer, group=self.host)
+from srpo_megatron.weights.p2p import (
+    DEFAULT_BUCKET_BYTES,
+    P2PChannel,
+    WeightSyncError,
+    receive_stream,
+    send_bucket,
+    send_done,
+)
 
 
 class StageChannel:
@@ -122,103 +87,26 @@ class StageChannel:
         return int(t)
 
 
-def _send_bucket(ch, bucket: list[tuple[str, torch.Tensor]] | FlatBucket, version: int) -> None:
-    """One bucket: header, JSON, then the tensors (a ``FlatBucket``: its one flat buffer)."""
-    if isinstance(bucket, FlatBucket):
-        meta = {"version": version, **bucket.meta()}
-    else:
-        meta = {
-            "version": version,
-            "names": [n for n, _ in bucket],
-            "dtypes": [str(t.dtype).removeprefix("torch.") for _, t in bucket],
-            "shapes": [list(t.shape) for _, t in bucket],
-        }
-    blob = torch.frombuffer(bytearray(json.dumps(meta).encode()), dtype=torch.uint8)
-    ch.send_meta(torch.tensor([blob.numel(), 0], dtype=torch.int64))
-    ch.send_meta(blob)
-    if isinstance(bucket, FlatBucket):
-        ch.send(bucket.flat)
-        return
-    for _, t in bucket:
-        ch.send(t.contiguous())
-
-
 def _bucket_bytes(bucket: list[tuple[str, torch.Tensor]] | FlatBucket) -> int:
     if isinstance(bucket, FlatBucket):
         return bucket.nbytes
     return sum(t.numel() * t.element_size() for _, t in bucket)
 
 
-def _read_bucket(ch, meta: dict, device: torch.device | str) -> Iterator[tuple[str, torch.Tensor]]:
-    """The tensors of a bucket whose metadata arrived: received into one buffer (flat buckets: its last
-    tensor a copy, see ``streamed_views``) or one buffer per tensor."""
-    if "offsets" in meta:
-        bucket = FlatBucket.from_meta(meta, device)
-        ch.recv(bucket.flat)
-        yield from streamed_views(bucket)
-        return
-    for name, dtype, shape in zip(meta["names"], meta["dtypes"], meta["shapes"], strict=True):
-        t = torch.empty(shape, dtype=getattr(torch, dtype), device=device)
-        ch.recv(t)
-        yield name, t
-
-
-def _send_done(ch) -> None:
-    ch.send_meta(torch.tensor([0, 1], dtype=torch.int64))
-
-
 def send_buckets(ch, buckets: Iterable[list[tuple[str, torch.Tensor]] | FlatBucket], version: int) -> int:
     """Send buckets over ``ch``, then the done marker; returns the bytes sent."""
     sent = 0
     for bucket in buckets:
-        _send_bucket(ch, bucket, version)
+        send_bucket(ch, bucket, version)
         sent += _bucket_bytes(bucket)
         del bucket  # release it before the generator materialises the next one
-    _send_done(ch)
+    send_done(ch)
     return sent
 
 
 def send_stream(ch, stream: Iterable[tuple[str, torch.Tensor]], version: int, bucket_bytes: int) -> int:
     """Send a stream of tensors over ``ch`` in buckets of at most ``bucket_bytes``; returns bytes sent."""
     return send_buckets(ch, bucketize(stream, bucket_bytes), version)
-
-
-def receive_stream(
-    ch, version: int | None = None, device: torch.device | str = "cpu"
-) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield ``(hf_name, tensor)`` from a sender until its done marker; checks every bucket's version.
-
-    Metadata arrives in host tensors; the weight tensors are received into buffers on ``device``."""
-    while True:
-        header = torch.zeros(2, dtype=torch.int64)
-        ch.recv_meta(header)
-        if int(header[1]) == 1:
-            return
-        blob = torch.empty(int(header[0]), dtype=torch.uint8)
-        ch.recv_meta(blob)
-        meta = json.loads(bytes(blob.tolist()).decode())
-        if version is not None and meta["version"] != version:
-            raise WeightSyncError(f"bucket of version {meta['version']} arrived during the sync of {version}")
-        yield from _read_bucket(ch, meta, device)
-
-
-def _peek_version(
-    ch, device: torch.device | str = "cpu"
-) -> tuple[int | None, Callable[[], Iterator[tuple[str, torch.Tensor]]]]:
-    """Read the first bucket header to learn the version, and return a stream that replays it."""
-    header = torch.zeros(2, dtype=torch.int64)
-    ch.recv_meta(header)
-    if int(header[1]) == 1:
-        return None, lambda: iter(())
-    blob = torch.empty(int(header[0]), dtype=torch.uint8)
-    ch.recv_meta(blob)
-    meta = json.loads(bytes(blob.tolist()).decode())
-
-    def stream():
-        yield from _read_bucket(ch, meta, device)
-        yield from receive_stream(ch, meta["version"], device)
-
-    return int(meta["version"]), stream
 
 
 # --------------------------------------------------------------------------------------- in-process
@@ -273,7 +161,7 @@ def sync_in_process(
             p.fetch()
 
 
-# ---------------------------------------------------------------------------- broadcast (engine process)
+# ----------------------------------------------------------------------- stage channel (engine process)
 
 
 def send_stage(
@@ -303,17 +191,17 @@ def send_stage(
     return 0
 
 
-def receive_update(engine: Any, channels: list[StageChannel], device: torch.device | str = "cpu") -> int:
-    """Engine process: receive one sync from all stages (stage order) into ``engine``; returns the version.
+def receive_update(
+    engine: Any, channels: list[StageChannel], version: int | None = None, device: torch.device | str = "cpu"
+) -> int:
+    """Engine process: receive one sync of ``version`` (default: the engine's next) from all stages, in
+    stage order, into ``engine``, acknowledge it on every channel; returns the version.
 
     ``device``: where the weight tensors are received (the engine's device with an NCCL channel)."""
-    version, first = _peek_version(channels[0], device)
-    if version is None:
-        raise WeightSyncError("stage 0 sent an empty sync")
+    version = engine.weight_version + 1 if version is None else version
 
-    def stream():
-        yield from first()
-        for ch in channels[1:]:
+    def stream() -> Iterator[tuple[str, torch.Tensor]]:
+        for ch in channels:
             yield from receive_stream(ch, version, device)
 
     engine.update_weights(stream(), version)
@@ -376,3 +264,27 @@ def load_synced_folder(folder: str | Path) -> tuple[int, Iterator[tuple[str, tor
                     yield key, f.get_tensor(key)
 
     return int(info["version"]), stream()
+
+
+# ------------------------------------------------------------------------- the disk route as one engine
+
+
+class DiskRouted:
+    """An ``SGLangEngine`` whose ``update_weights`` goes the way the disk strategy sends it
+    (``weights.disk_sync.DiskInstall``: gate, folder, ``update_weights_from_disk``), everything else
+    straight to the engine: the rollout contract tests run the disk route through it."""
+
+    def __init__(self, engine: Any, folder: str | Path, manifest: dict[str, tuple[int, ...]]) -> None:
+        from srpo_megatron.weights.disk_sync import DiskInstall
+
+        aliases = frozenset(a for a in ("lm_head.weight",) if a not in manifest)
+        self._engine = engine
+        self._install = DiskInstall(
+            engine, folder, manifest, aliases, engine.cfg.model_path, engine.cfg.bucket_bytes
+        )
+
+    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
+        self._install.update_weights(named_tensors, version)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._engine, name)

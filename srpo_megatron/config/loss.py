@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal
 
-from srpo_megatron.configs import ConfigError
+from srpo_megatron.config.loading import ConfigError
 
 Mode = Literal[
     "srpo", "grpo", "sdpo", "srpo_no_dw", "sdpo_incorrect_only", "sdpo_correct_only", "advantage_mix"
@@ -59,8 +59,15 @@ class LossConfig:
     weight_scope: WeightScope = "batch"
     # advantage_mix only: A = λ·A_GRPO + (1 − λ)·A_SDPO
     adv_mix_lambda: float = 0.9
-    # sampling temperature of the rollouts; student and teacher logits are divided by it
-    temperature: float = 1.0
+    # the sampling temperature (student and teacher logits are divided by it): not a recipe key, a
+    # TrainConfig sets it from rollout.temperature; code building a LossConfig alone may pass it
+    temperature: float = field(
+        default=1.0,
+        metadata={
+            "derived": "the loss divides logits by the sampling temperature, so it is taken from "
+            "rollout.temperature (one knob); remove loss.temperature and set rollout.temperature"
+        },
+    )
     # tokens per chunk in the vocab-parallel kernels (0 = sized automatically to a few tens of MiB)
     chunk_tokens: int = 0
 

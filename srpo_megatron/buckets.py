@@ -1,4 +1,6 @@
-"""Size-bounded buckets for weight transfer (no megatron import: the rollout engines use it too).
+"""Size-bounded buckets for weight transfer: a leaf (torch only, no srpo_megatron import), so that both
+the trainer's senders (``weights/``) and the rollout engines (``rollout/``) use it without ``rollout/``
+importing ``weights/``.
 
 Two kinds:
 

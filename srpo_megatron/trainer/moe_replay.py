@@ -1,4 +1,7 @@
-"""MoE policies in the trainer's passes: rollout routing replay (R3) and the routing metrics.
+"""MoE policies in the trainer's passes: expert replay (rollout routing replay, R3) and the router metrics.
+
+(Named ``moe_replay``, not "routing": in this project *routing* is SRPO's sample routing, GRPO vs SDPO,
+in ``losses/routing.py``; the recipe key keeps its established name, ``rollout.routing_replay``.)
 
 Rollout routing replay (``rollout.routing_replay: true``). MoE RL has a failure mode of its own: the engine
 and the trainer route a token to different experts (bf16 vs fp32, other kernels, batch shapes), the
@@ -6,12 +9,12 @@ trainer-vs-engine log-prob gap grows and runs collapse. With replay on, the poli
 and training passes route every token to the experts the engine used when it generated the rollout
 (``Sample.routed_experts``, ``rollout/routed_experts.py``), through megatron-core's own
 ``moe_enable_routing_replay``: each ``TopKRouter`` then holds a ``RouterReplay``; before each micro-batch's
-forward :meth:`MoERouting.before_forward` gives every router of this pipeline stage its layer's expert ids
+forward :meth:`MoEReplay.before_forward` gives every router of this pipeline stage its layer's expert ids
 for this rank's tokens (``set_target_indices``) under ``RouterReplayAction.REPLAY_FORWARD``, whose top-k
 is those ids and whose gate probabilities are the trainer's own scores gathered at them (so gradients
 still reach the router). The used API (``router.router_replay``, ``set_target_indices``,
 ``set_router_replay_action``, ``clear_indices``, ``clear_router_replay_action``) is the same in
-megatron-core 0.16.1 and 0.19.2; ``tests/unit/test_moe_routing.py`` fails if it changes.
+megatron-core 0.16.1 and 0.19.2; ``tests/unit/test_moe_replay.py`` fails if it changes.
 
 The EMA teacher is never replayed: it scores the response under a different context (the sibling's
 solution in its prompt, method §1.4), so the engine's routing of the student's context does not apply to
@@ -37,7 +40,7 @@ import contextlib
 
 import torch
 
-from srpo_megatron.configs import ConfigError
+from srpo_megatron.config import ConfigError
 from srpo_megatron.models.moe_metrics import RouterRecorder
 from srpo_megatron.rollout.routed_experts import as_token_layer_topk
 from srpo_megatron.trainer.batches import MicroBatch, Sequence
@@ -103,9 +106,9 @@ def router_token_map(
     return member, position
 
 
-class MoERouting(contextlib.AbstractContextManager):
+class MoEReplay(contextlib.AbstractContextManager):
     """One pass of the policy over ``micro``: replays the engine's experts (``replay``) and/or records the
-    routing metrics (``record``). Give :meth:`before_forward` to ``run_schedule``."""
+    router metrics (``record``). Give :meth:`before_forward` to ``run_schedule``."""
 
     def __init__(
         self,
@@ -137,7 +140,7 @@ class MoERouting(contextlib.AbstractContextManager):
         self.recorder = RouterRecorder(policy.model, self.num_layers) if record else None
         self._stack = contextlib.ExitStack()
 
-    def __enter__(self) -> MoERouting:
+    def __enter__(self) -> MoEReplay:
         from megatron.core.transformer.moe.router_replay import RouterReplayAction
 
         if self.replay:
@@ -199,9 +202,9 @@ class MoERouting(contextlib.AbstractContextManager):
         return self.recorder.summary(groups)
 
 
-def policy_routing(policy, seqs, samples, micro, *, record: bool) -> MoERouting | None:
-    """The pass's ``MoERouting`` for an MoE policy (None for a dense one, or with nothing to do)."""
+def moe_replay_for(policy, seqs, samples, micro, *, record: bool) -> MoEReplay | None:
+    """The pass's ``MoEReplay`` for an MoE policy (None for a dense one, or with nothing to do)."""
     replay = policy.cfg.rollout.routing_replay
     if not policy.arch.is_moe or not (replay or record):
         return None
-    return MoERouting(policy, seqs, [s.routed_experts for s in samples], micro, replay=replay, record=record)
+    return MoEReplay(policy, seqs, [s.routed_experts for s in samples], micro, replay=replay, record=record)

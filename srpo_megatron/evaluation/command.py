@@ -11,16 +11,14 @@ import json
 import tempfile
 from pathlib import Path
 
-from srpo_megatron.configs import load_config
+from srpo_megatron.config import load_recipe
 from srpo_megatron.conversion.checkpoint import HF_CONFIG_NAME, megatron_to_hf
-from srpo_megatron.evaluation.avg_at_k import run_eval
+from srpo_megatron.evaluation.avg_at_k import greedy_accuracy, run_eval
 from srpo_megatron.rollout.factory import build_engine, load_tokenizer
-from srpo_megatron.trainer.config import TrainConfig
-from srpo_megatron.trainer.evaluation import greedy_accuracy
 
 
 def eval_main(args: argparse.Namespace) -> int:
-    cfg = load_config(TrainConfig, args.recipe, args.override)
+    cfg = load_recipe(args.recipe, args.override)
     ckpt = Path(args.checkpoint)
     if (ckpt / "checkpoints" / "latest").is_file():  # a run directory
         ckpt = ckpt / "checkpoints" / (ckpt / "checkpoints" / "latest").read_text().strip()

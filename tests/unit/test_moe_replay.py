@@ -5,7 +5,7 @@
 - ``router_token_map`` places each (sequence, position) where megatron's router sees it: the micro-batch
   transposed to ``[s, b]`` and flattened, split into TP chunks under sequence parallelism, packed
   sequences at their ``cu_seqlens``; the reference is the token ids themselves laid out that way.
-- megatron-core's ``RouterReplay`` (the API ``trainer/moe_routing.py`` drives, identical in 0.16.1 and
+- megatron-core's ``RouterReplay`` (the API ``trainer/moe_replay.py`` drives, identical in 0.16.1 and
   0.19.2) returns the target experts with the trainer's own scores gathered at them under
   ``REPLAY_FORWARD``, and its own top-k once the action is cleared.
 """
@@ -17,7 +17,7 @@ import torch
 
 from srpo_megatron.rollout.base import SamplingParams
 from srpo_megatron.trainer.batches import Sequence, make_micro_batches, make_packed_micro_batches
-from srpo_megatron.trainer.moe_routing import router_token_map
+from srpo_megatron.trainer.moe_replay import router_token_map
 
 pytestmark = pytest.mark.moe
 
@@ -141,9 +141,8 @@ def test_megatron_router_replay_api_replays_targets_with_the_trainers_scores():
 def test_replay_config_refusals(tmp_path):
     from types import SimpleNamespace
 
-    from srpo_megatron.configs import ConfigError
-    from srpo_megatron.models.performance import PerformanceConfig
-    from srpo_megatron.trainer.moe_routing import check_replay_config
+    from srpo_megatron.config import ConfigError, PerformanceConfig
+    from srpo_megatron.trainer.moe_replay import check_replay_config
 
     def cfg(**perf):
         return SimpleNamespace(

@@ -13,8 +13,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
-from srpo_megatron.configs import ConfigError, from_dict, load_yaml
-from srpo_megatron.launch.shell_safety import check_env_keys, check_name, check_no_control_chars
+from srpo_megatron.config.loading import ConfigError, from_dict, load_yaml
+from srpo_megatron.config.shell_values import check_env_keys, check_name, check_no_control_chars
 
 # cluster/ at the repository root: `--cluster h100` is looked up here as cluster/h100.yaml.
 CLUSTER_DIR = Path(__file__).resolve().parents[2] / "cluster"

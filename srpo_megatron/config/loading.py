@@ -4,6 +4,13 @@ Every component owns a ``@dataclass`` config (fields documented with a one-line 
 only knows how to turn plain data (a YAML mapping, ``key=value`` overrides) into those dataclasses and
 back, rejecting unknown keys and badly typed values with an error that names the key path, the value
 and what would be valid. Components validate their own semantics in ``__post_init__``.
+
+A recipe may start with ``base: other.yaml`` (a path relative to the recipe's own file): the base is
+loaded first (it may have a base of its own; a cycle is refused), the recipe's mappings are merged
+over it key by key (a list or a scalar replaces the base's value), and overrides apply last.
+
+A field with ``metadata={"derived": "why; fix"}`` is set by the code, not the recipe: ``from_dict``
+refuses it as a key with that message, and ``to_dict`` leaves it out.
 """
 
 from __future__ import annotations
@@ -124,7 +131,11 @@ def _coerce(value: Any, tp: Any, path: str) -> Any:
 def from_dict(cls: type[T], data: dict[str, Any], path: str = "") -> T:
     """Build dataclass ``cls`` from a mapping; unknown keys are rejected with the valid ones listed."""
     hints = typing.get_type_hints(cls)
-    fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
+    fields = {f.name: f for f in dataclasses.fields(cls) if f.init and "derived" not in f.metadata}
+    for f in dataclasses.fields(cls):
+        if "derived" in f.metadata and f.name in data:
+            where = f"{path}.{f.name}" if path else f.name
+            raise ConfigError(f"{where} is not a recipe key: {f.metadata['derived']}")
     unknown = sorted(set(data) - set(fields))
     if unknown:
         where = path or cls.__name__
@@ -145,7 +156,11 @@ def from_dict(cls: type[T], data: dict[str, Any], path: str = "") -> T:
 def to_dict(cfg: Any) -> Any:
     """Plain-data form of a config (for YAML dumps and checkpoints)."""
     if dataclasses.is_dataclass(cfg):
-        return {f.name: to_dict(getattr(cfg, f.name)) for f in dataclasses.fields(cfg)}
+        return {
+            f.name: to_dict(getattr(cfg, f.name))
+            for f in dataclasses.fields(cfg)
+            if "derived" not in f.metadata
+        }
     if isinstance(cfg, list | tuple):
         return [to_dict(v) for v in cfg]
     if isinstance(cfg, dict):
@@ -194,9 +209,50 @@ def load_yaml(path: str | Path) -> dict[str, Any]:
     return data
 
 
+BASE_KEY = "base"
+
+
+def merge(base: dict[str, Any], child: dict[str, Any]) -> dict[str, Any]:
+    """``child`` over ``base``: mappings merge key by key, anything else (lists, scalars, null) replaces."""
+    out = dict(base)
+    for key, value in child.items():
+        if isinstance(value, dict) and isinstance(out.get(key), dict):
+            out[key] = merge(out[key], value)
+        else:
+            out[key] = value
+    return out
+
+
+def load_recipe_data(path: str | Path, _chain: tuple[Path, ...] = ()) -> dict[str, Any]:
+    """The mapping of recipe ``path`` with its ``base:`` chain resolved (the ``base`` key removed)."""
+    path = Path(path)
+    data = load_yaml(path)
+    if BASE_KEY not in data:
+        return data
+    base = data.pop(BASE_KEY)
+    if not isinstance(base, str) or not base:
+        raise ConfigError(
+            f"{path}: base: {base!r} must be the path of another recipe (relative to this file), e.g. "
+            "base: qwen3_8b_srpo.yaml"
+        )
+    base_path = (path.parent / base).resolve()
+    chain = (*_chain, path.resolve())
+    if base_path in chain:
+        cycle = " -> ".join(str(p) for p in (*chain, base_path))
+        raise ConfigError(
+            f"{path}: base: {base} makes a cycle ({cycle}); a recipe cannot inherit itself, remove one of "
+            "the base: keys"
+        )
+    if not base_path.is_file():
+        raise ConfigError(
+            f"{path}: base: {base} does not exist ({base_path}); give a path relative to {path}"
+        )
+    return merge(load_recipe_data(base_path, chain), data)
+
+
 def load_config(cls: type[T], path: str | Path, overrides: list[str] | None = None) -> T:
-    """Load recipe ``path`` (YAML) with ``key=value`` overrides into dataclass ``cls``."""
-    data = apply_overrides(load_yaml(path), overrides or [])
+    """Load recipe ``path`` (YAML, ``base:`` resolved) with ``key=value`` overrides into dataclass ``cls``."""
+    data = apply_overrides(load_recipe_data(path), overrides or [])
     try:
         return from_dict(cls, data)
     except ConfigError as e:

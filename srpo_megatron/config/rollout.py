@@ -1,13 +1,24 @@
-"""Typed configuration of the rollout side: which engine, where it runs, how weights reach it."""
+"""The recipe's ``rollout`` section: which engine, where it runs, how weights reach it.
+
+Placement and weight sync, and which pairs load (every other pair is refused here, naming the keys):
+
+- colocated + tensor: the engine shares the trainer's GPUs; weights go over CUDA IPC (the default).
+- colocated + disk: safetensors shards written to ``disk_sync_dir`` and loaded by the engine.
+- separate + distributed: NCCL broadcast from the trainer's stage senders into every server.
+- separate + disk: one folder per server under ``disk_sync_dir``.
+- separate + tensor: refused (CUDA IPC needs the engine on the trainer's GPUs).
+- colocated + distributed: refused (the broadcast group spans servers on other GPUs).
+- the CPU engine (``engine: hf``) runs inside the trainer: colocated only (no ``sglang`` section needed).
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from srpo_megatron.configs import ConfigError
+from srpo_megatron.config.loading import ConfigError
 
-WeightSync = Literal["tensor", "distributed", "disk"]
+WeightSyncKind = Literal["tensor", "distributed", "disk"]
 
 
 @dataclass
@@ -18,7 +29,7 @@ class SGLangEngineConfig:
     # (placement=separate always uses the HTTP servers the job started, whatever the mode)
     model_path: str = ""  # HF model directory the engine serves (also gives the weight manifest)
     url: str = ""  # http mode: base URL(s) of running servers, comma-separated (one per engine)
-    weight_sync: WeightSync = "tensor"  # tensor: colocated CUDA IPC; distributed: NCCL broadcast; disk
+    weight_sync: WeightSyncKind = "tensor"  # tensor: colocated CUDA IPC; distributed: NCCL broadcast; disk
     bucket_bytes: int = 512 * 1024**2  # max bytes per weight-update request
     disk_sync_dir: str = ""  # weight_sync=disk: folder the safetensors shards are written to
     request_timeout_s: float = 1800.0  # one generate / update call; beyond it the engine is declared dead
@@ -111,6 +122,31 @@ class RolloutConfig:
             raise ConfigError(
                 "rollout.placement=separate cannot use rollout.sglang.weight_sync=tensor (CUDA IPC needs the "
                 "engine on the trainer's GPUs); use distributed (NCCL broadcast) or disk"
+            )
+        if (
+            self.placement == "colocated"
+            and self.sglang is not None
+            and self.sglang.weight_sync == "distributed"
+        ):
+            raise ConfigError(
+                "rollout.placement=colocated cannot use rollout.sglang.weight_sync=distributed: the NCCL "
+                "broadcast streams weights from the trainer into servers on their own GPUs (separate "
+                "placement), while a colocated engine shares the trainer's GPUs and takes them over CUDA "
+                "IPC; use weight_sync: tensor (or disk), or rollout.placement: separate with engine_nodes"
+            )
+        if self.engine_nodes < 0:
+            raise ConfigError(
+                f"rollout.engine_nodes={self.engine_nodes} must be >= 0 (nodes for the engines)"
+            )
+        if self.placement == "separate" and self.engine_nodes < 1:
+            raise ConfigError(
+                "rollout.placement=separate needs rollout.engine_nodes >= 1: the job starts the SGLang "
+                "servers on nodes of their own; set rollout.engine_nodes (e.g. 1) or use placement colocated"
+            )
+        if self.placement == "colocated" and self.engine_nodes:
+            raise ConfigError(
+                f"rollout.engine_nodes={self.engine_nodes} only applies to placement separate (colocated "
+                "engines run on the training GPUs); set it to 0 or use rollout.placement: separate"
             )
         if (
             self.routing_replay

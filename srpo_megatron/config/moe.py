@@ -1,0 +1,25 @@
+"""The recipe's ``moe`` section: router and expert controls of an MoE policy (see models/moe.py)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+from srpo_megatron.config.loading import ConfigError
+
+
+@dataclass
+class MoEConfig:
+    """Router and expert controls of an MoE policy (ignored for dense models)."""
+
+    dispatcher: Literal["alltoall", "allgather"] = "alltoall"  # megatron token dispatcher over EP
+    router_dtype: Literal["fp32", "fp64"] = "fp32"  # dtype of the router GEMM, softmax and top-k
+    aux_loss_coeff: float = 0.0  # load-balancing (aux_loss) coefficient; 0 = off, as in NeMo-RL's RL recipes
+    z_loss_coeff: float = 0.0  # router z-loss coefficient; 0 = off
+    freeze_router: bool = False  # router weights get no gradient (routing stays the pre-trained one)
+    grouped_gemm: bool | None = None  # TE grouped GEMM experts; None = whenever Transformer Engine imports
+
+    def __post_init__(self) -> None:
+        for key in ("aux_loss_coeff", "z_loss_coeff"):
+            if getattr(self, key) < 0:
+                raise ConfigError(f"moe.{key}={getattr(self, key)} must be >= 0 (0 switches the loss off)")

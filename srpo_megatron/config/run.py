@@ -1,0 +1,28 @@
+"""The recipe's ``run`` section: where the run lives, how it logs and how often it saves."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from srpo_megatron.config.loading import ConfigError
+
+
+@dataclass
+class RunConfig:
+    """Where the run lives and how often it saves."""
+
+    dir: str = "runs/srpo"  # run directory: metrics.jsonl, tensorboard/, checkpoints/, eval/, plots/
+    seed: int = 1234  # seeds init, rollout sampling (per step) and data shuffling
+    save_every: int = 10  # checkpoint every N optimizer steps (0 = only at the end)
+    keep_last: int = 2  # checkpoints kept (older ones are deleted after a new one is complete)
+    tensorboard: bool = True  # also write TensorBoard scalars under <dir>/tensorboard
+    wandb_project: str | None = None  # log to Weights & Biases too (needs the `wandb` extra)
+    progress_bar: bool = True  # a tqdm bar with the key figures on rank 0
+    restart: bool = False  # start from step 0 even over existing checkpoints (they are moved aside)
+
+    def __post_init__(self) -> None:
+        if self.save_every < 0 or self.keep_last < 1:
+            raise ConfigError(
+                f"run.save_every={self.save_every} / run.keep_last={self.keep_last}: save_every must be "
+                ">= 0 (0 = only at the end) and keep_last >= 1"
+            )

@@ -1,0 +1,113 @@
+"""Weight sync as one strategy object, chosen once from the recipe (after slime's ``weight_updater``).
+
+``RolloutService`` owns the engines and the served version; how the policy reaches them is a
+``WeightSync``, picked here from ``rollout.placement`` and ``rollout.sglang.weight_sync`` and nowhere else:
+
+=============  =========================  ==================  ==========================================
+placement      rollout.sglang.weight_sync  strategy            how the policy reaches an engine
+=============  =========================  ==================  ==========================================
+colocated      (engine=hf) / tensor       ``ColocatedSync``   each engine's host receives its replica's
+                                                              stream and calls ``engine.update_weights``
+                                                              (CPU engine: a copy; SGLang: CUDA IPC)
+colocated,     disk                       ``DiskSync``        the same stream, written as a checkpoint
+separate                                                      folder per engine, then SGLang's
+                                                              ``update_weights_from_disk``
+separate       distributed                ``BroadcastSync``   each PP stage's sender broadcasts into every
+                                                              server (NCCL group, one per stage)
+=============  =========================  ==================  ==========================================
+
+``separate`` + ``tensor`` (CUDA IPC needs the engine on the trainer's GPUs) and ``colocated`` +
+``distributed`` (the servers' group needs engines outside the trainer's world) have no strategy: the
+recipe refuses them when it loads, and ``strategy_name`` refuses them again here.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Protocol
+
+import torch.distributed as dist
+
+from srpo_megatron.config import ConfigError, RolloutConfig
+from srpo_megatron.rollout.base import RolloutEngine
+from srpo_megatron.rollout.placement import EngineLayout
+
+# (placement, rollout.sglang.weight_sync) -> strategy; the CPU engine (engine=hf) is colocated, no key.
+STRATEGIES = {
+    ("colocated", "tensor"): "colocated",
+    ("colocated", "disk"): "disk",
+    ("separate", "disk"): "disk",
+    ("separate", "distributed"): "broadcast",
+}
+
+
+class WeightSync(Protocol):
+    """How the trainer's policy reaches the rollout engines. Every method is collective over all trainer
+    ranks; ``engine`` is this rank's engine on its host, None elsewhere (it changes after a restart)."""
+
+    def push(self, engine: RolloutEngine | None, version: int, targets: list[int] | None) -> dict[int, str]:
+        """Install the policy as ``version`` into the engines (all, or ``targets``). Returns the engines
+        whose update failed, with why, the same on every rank (the caller restarts and retries them)."""
+        ...
+
+    def engines_restarted(self, engines: list[int]) -> None:
+        """``engines`` were rebuilt: forget what they held (a restarted server knows no weights group)."""
+        ...
+
+    def close(self) -> None: ...
+
+
+def strategy_name(rollout: RolloutConfig) -> str:
+    """``colocated``, ``disk`` or ``broadcast`` for a recipe's rollout section (module docstring's table)."""
+    if rollout.engine == "hf" and rollout.placement == "colocated":
+        return "colocated"
+    sync = rollout.sglang.weight_sync if rollout.sglang is not None else None
+    name = STRATEGIES.get((rollout.placement, sync))
+    if name is None:
+        valid = ", ".join(f"{p} + {s}" for p, s in STRATEGIES)
+        raise ConfigError(
+            f"rollout.placement={rollout.placement} with rollout.engine={rollout.engine} and "
+            f"rollout.sglang.weight_sync={sync} has no weight sync: CUDA IPC (tensor) needs the engine on "
+            "the trainer's GPUs and the broadcast group (distributed) needs separate servers; use one of "
+            f"{valid}"
+        )
+    return name
+
+
+def build_weight_sync(
+    cfg: Any, policy: Any, groups: Any, layout: EngineLayout, urls: list[str]
+) -> WeightSync:
+    """The recipe's strategy (``cfg``: the ``TrainConfig``; ``policy``: its ``model`` and ``table``;
+    ``urls``: the separate servers, in engine order). Cheap: groups and folders are made at the first
+    ``push``."""
+    name = strategy_name(cfg.rollout)
+    if name == "broadcast":
+        from srpo_megatron.weights.broadcast_sync import BroadcastSync
+
+        return BroadcastSync(cfg, policy, groups, layout, urls)
+    if name == "disk":
+        from srpo_megatron.weights.disk_sync import DiskSync
+
+        return DiskSync(cfg, policy, groups, layout)
+    from srpo_megatron.weights.engine_sync import ColocatedSync
+
+    return ColocatedSync(policy, groups, layout)
+
+
+def served_manifest(cfg: Any) -> tuple[dict[str, tuple[int, ...]], frozenset[str]]:
+    """The checkpoint names and shapes the SGLang servers load (the conversion table's, from the served
+    model's folder), and the tied aliases a stream may carry beyond them."""
+    from srpo_megatron.rollout.sglang.protocol import hf_manifest
+
+    sglang = cfg.rollout.sglang
+    manifest = hf_manifest(sglang.model_path or cfg.model.hf_dir)
+    return manifest, frozenset(a for a in ("lm_head.weight",) if a not in manifest)
+
+
+def agree_failures(layout: EngineLayout, group: Any, engine: int, error: str) -> dict[int, str]:
+    """Collective over ``group`` (gloo): every rank's ``error`` for its ``engine`` ("" = none), merged to
+    ``{engine: error}`` on every rank."""
+    everyone: list[Any] = [(engine, error)]
+    if layout.world_size > 1:
+        everyone = [None] * layout.world_size
+        dist.all_gather_object(everyone, (engine, error), group=group)
+    return {k: e for k, e in everyone if e}

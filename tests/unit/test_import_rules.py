@@ -1,0 +1,396 @@
+"""The import rules between srpo_megatron's rooms: one layer table (``LAYERS``), checked on every module.
+
+A *room* is a top-level package or module of ``srpo_megatron/`` (``trainer/``, ``parallel.py``). The rooms
+are stacked in layers, lowest first; a module may import its own room and any room of a LOWER layer,
+never one beside it or above it. Every ``import`` and ``from ... import`` is read with ``ast``: at module
+level, inside functions, under ``if TYPE_CHECKING:`` alike (a lazy import is still a dependency; it only
+moves the failure to run time). On top of the layers:
+
+- ``LEAVES`` import no other room at all (``config/`` is the torch-free recipe every tool loads);
+- ``THIRD_PARTY`` limits what some rooms may import from outside the standard library (``config/``: only
+  ``yaml``; ``ops/`` and ``losses/``: only ``torch``, since the math takes tensors and explicit groups);
+- the room graph has no cycle.
+
+``PENDING`` lists the edges that break the rules on this branch and the renovation that removes each
+(issue 25); it is meant to be emptied, and an entry that no longer occurs fails the test too.
+
+Not seen: imports by string (``importlib.import_module``, the reward registry's ``"module:function"``
+names); those name rewards and entry points, not layers.
+
+``python -m tests.unit.test_import_rules`` prints the table (the README's "Architecture" section).
+"""
+
+from __future__ import annotations
+
+import ast
+import sys
+from collections import defaultdict
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+PACKAGE = "srpo_megatron"
+
+
+@dataclass(frozen=True)
+class Layer:
+    name: str
+    files: tuple[str, ...]  # the rooms as they lie in srpo_megatron/: "trainer/" (package), "ports.py"
+    owns: str  # one line: what the layer's rooms own
+
+    @property
+    def rooms(self) -> tuple[str, ...]:
+        return tuple(f.removesuffix("/").removesuffix(".py") for f in self.files)
+
+
+# Lowest first. A room may import its own room and the rooms of lower layers only.
+LAYERS: tuple[Layer, ...] = (
+    Layer(
+        "leaf utilities",
+        ("compat/", "ports.py", "durable_io.py", "buckets.py"),
+        "the CPU layer and megatron shims, free rendezvous ports, fsync and durable writes, weight buckets",
+    ),
+    Layer(
+        "recipe",
+        ("config/",),
+        "the typed recipe: dataclasses, YAML loading, overrides, load-time refusals (torch-free)",
+    ),
+    Layer(
+        "math and process groups",
+        ("ops/", "parallel.py"),
+        "vocab-parallel log-prob/entropy/top-k (pure tensor math); megatron's TP/PP/DP/CP/EP groups",
+    ),
+    Layer("losses", ("losses/",), "GRPO and SDPO token losses, sample routing, the routed loss"),
+    Layer("rewards", ("rewards/",), "reward functions and the reward worker pool"),
+    Layer(
+        "data and models",
+        ("data/", "models/"),
+        "prompt rows, templates, datasets; architectures, megatron policy specs, MoE, speed choices",
+    ),
+    Layer(
+        "conversion",
+        ("conversion/",),
+        "the one HF <-> megatron table per architecture, safetensors and torch_dist I/O",
+    ),
+    Layer(
+        "rollout",
+        ("rollout/",),
+        "rollout engines (transformers, SGLang) behind one interface, placement, routed experts",
+    ),
+    Layer("weights", ("weights/",), "trainer -> engine weight export and sync transports"),
+    Layer("evaluation", ("evaluation/",), "avg@k through any engine, the budget report, plots, srpo eval"),
+    Layer(
+        "trainer",
+        ("trainer/",),
+        "the SRPO step's pieces: policy runtime, rollouts, scoring, learning, checkpoints, metrics",
+    ),
+    Layer(
+        "tools on the recipe",
+        ("planner/", "doctor/"),
+        "the memory planner (srpo plan); environment and input checks (srpo doctor)",
+    ),
+    Layer("launch", ("launch/",), "nemo-run experiments on Slurm or this machine, job control (srpo launch)"),
+    Layer("driver", ("train.py",), "the RL loop, SPEC section 1 (srpo train)"),
+    Layer("command line", ("cli.py",), "the srpo command: parses arguments, imports each command lazily"),
+    Layer(
+        "test support",
+        ("testing/",),
+        "tiny models, the SGLang stand-in server, strict-device mode: imported by tests and tools only",
+    ),
+)
+
+# Rooms (or single modules) that import no other room of the package.
+LEAVES: dict[str, str] = {
+    PACKAGE: "the package root only holds the version",
+    "compat": "a leaf utility",
+    "ports": "a leaf utility",
+    "durable_io": "a leaf utility",
+    "buckets": "a leaf utility",
+    "config": "the recipe loads without the rest of the package (and without torch)",
+}
+
+# Modules that import no other module of their own room (and, like every module, lower layers only).
+INNER_LEAVES: dict[str, str] = {
+    f"{PACKAGE}.trainer.step_types": "what flows through a step: every trainer phase imports it",
+}
+
+# Rooms (or modules) whose imports from outside the standard library are limited to these names.
+THIRD_PARTY: dict[str, frozenset[str]] = {
+    f"{PACKAGE}.trainer.step_types": frozenset({"torch"}),
+    "config": frozenset({"yaml"}),
+    "ops": frozenset({"torch"}),
+    "losses": frozenset({"torch"}),
+}
+
+# Edges that break the rules today, keyed (importing module, imported module), with who removes them.
+PENDING: dict[tuple[str, str], str] = {}
+
+
+# ---------------------------------------------------------------------------------------------- reading
+
+
+@dataclass(frozen=True)
+class Edge:
+    source: str  # importing module, e.g. srpo_megatron.conversion.checkpoint
+    target: str  # imported module (or the package an imported name lives in)
+    where: str  # file:line, relative to the tree's root
+
+
+def module_name(root: Path, path: Path) -> str:
+    parts = list(path.relative_to(root).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def room(module: str) -> str:
+    """``srpo_megatron.trainer.checkpoint`` -> ``trainer``; the root package is its own room."""
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else parts[0]
+
+
+def read_imports(root: Path) -> tuple[list[Edge], list[tuple[str, str, str]]]:
+    """Every import of every module under ``root/srpo_megatron``: (edges inside the package, and
+    (module, top-level external name, file:line) for the rest)."""
+    edges, external = [], []
+    for path in sorted((root / PACKAGE).rglob("*.py")):
+        module = module_name(root, path)
+        is_package = path.name == "__init__.py"
+        rel = path.relative_to(root)
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            where = f"{rel}:{getattr(node, 'lineno', 0)}"
+            if isinstance(node, ast.Import):
+                names = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                if node.level:  # relative: from the module's package, up level - 1
+                    base = module.split(".") if is_package else module.split(".")[:-1]
+                    base = base[: len(base) - (node.level - 1)]
+                    target = ".".join(base + ([node.module] if node.module else []))
+                else:
+                    target = node.module or ""
+                # `from srpo_megatron import trainer` names a room; deeper, the module decides the room
+                names = [f"{target}.{a.name}" for a in node.names] if target == PACKAGE else [target]
+            else:
+                continue
+            for name in names:
+                if name == PACKAGE or name.startswith(PACKAGE + "."):
+                    edges.append(Edge(module, name, where))
+                else:
+                    external.append((module, name.split(".")[0], where))
+    return edges, external
+
+
+# ---------------------------------------------------------------------------------------------- checking
+
+
+def layer_of() -> dict[str, int]:
+    return {r: i for i, layer in enumerate(LAYERS) for r in layer.rooms} | {PACKAGE: 0}
+
+
+def _leaf_rule(module: str) -> str | None:
+    if module in LEAVES:
+        return module
+    return room(module) if room(module) in LEAVES else None
+
+
+def _inner_leaf(module: str) -> str | None:
+    """The INNER_LEAVES entry ``module`` is (or lies in), if any."""
+    return next((m for m in INNER_LEAVES if module == m or module.startswith(m + ".")), None)
+
+
+def violations(root: Path, pending: dict[tuple[str, str], str] | None = None) -> list[str]:
+    """Every import under ``root`` that breaks the rules, as ``a → b (file:line): why``."""
+    pending = PENDING if pending is None else pending
+    edges, external = read_imports(root)
+    index = layer_of()
+    out = []
+    for e in edges:
+        a, b = room(e.source), room(e.target)
+        head = f"{e.source} → {e.target} ({e.where})"
+        inner = _inner_leaf(e.source)
+        if a == b and inner and _inner_leaf(e.target) != inner and (e.source, e.target) not in pending:
+            out.append(f"{head}: {inner} imports no other module of {a} ({INNER_LEAVES[inner]})")
+        if a == b or (e.source, e.target) in pending:
+            continue
+        leaf = _leaf_rule(e.source)
+        if a not in index:
+            out.append(f"{head}: room {a!r} is not in the layer table; add it to LAYERS (and the README)")
+        elif b not in index:
+            out.append(f"{head}: room {b!r} is not in the layer table; add it to LAYERS (and the README)")
+        elif leaf is not None:
+            out.append(f"{head}: {leaf} is a leaf ({LEAVES[leaf]}) and imports no other room")
+        elif index[b] >= index[a]:
+            la, lb = LAYERS[index[a]], LAYERS[index[b]]
+            side = "beside it" if index[a] == index[b] else "above it"
+            out.append(
+                f"{head}: {a} (layer {index[a]}, {la.name}) may not import {b} (layer {index[b]}, "
+                f"{lb.name}, {side}); imports go down the layers: move what {a} needs into {a} or below"
+            )
+    stdlib = sys.stdlib_module_names
+    for module, name, where in external:
+        key = _inner_leaf(module) if _inner_leaf(module) in THIRD_PARTY else room(module)
+        allowed = THIRD_PARTY.get(key)
+        if allowed is not None and name not in stdlib and name not in allowed:
+            out.append(
+                f"{module} → {name} ({where}): {key} may import only the standard library and "
+                f"{sorted(allowed)}"
+            )
+    return out
+
+
+def room_graph(root: Path, pending: dict[tuple[str, str], str] | None = None) -> dict[str, set[str]]:
+    pending = PENDING if pending is None else pending
+    graph: dict[str, set[str]] = defaultdict(set)
+    for e in read_imports(root)[0]:
+        if room(e.source) != room(e.target) and (e.source, e.target) not in pending:
+            graph[room(e.source)].add(room(e.target))
+    return graph
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """One cycle through each back edge of a depth-first search (empty: the graph is a DAG)."""
+    found, state, stack = [], {}, []
+
+    def visit(node: str) -> None:
+        state[node] = "open"
+        stack.append(node)
+        for nxt in sorted(graph.get(node, ())):
+            if state.get(nxt) == "open":
+                found.append([*stack[stack.index(nxt) :], nxt])
+            elif nxt not in state:
+                visit(nxt)
+        stack.pop()
+        state[node] = "done"
+
+    for node in sorted(graph):
+        if node not in state:
+            visit(node)
+    return found
+
+
+def markdown_table() -> str:
+    lines = ["| layer | rooms | owns |", "|---|---|---|"]
+    for i, layer in reversed(list(enumerate(LAYERS))):
+        rooms = ", ".join(f"`{f}`" for f in layer.files)
+        lines.append(f"| {i} {layer.name} | {rooms} | {layer.owns} |")
+    return "\n".join(lines)
+
+
+# ---------------------------------------------------------------------------------------------- the tests
+
+
+def test_every_import_goes_down_the_layers():
+    found = violations(REPO)
+    assert not found, "imports that break the layer rules:\n" + "\n".join(found)
+
+
+def test_rooms_import_each_other_without_cycles():
+    found = cycles(room_graph(REPO))
+    assert not found, "import cycles between rooms:\n" + "\n".join(" → ".join(c) for c in found)
+
+
+def test_every_pending_edge_still_occurs():
+    seen = {(e.source, e.target) for e in read_imports(REPO)[0]}
+    stale = [f"{a} → {b} ({why})" for (a, b), why in PENDING.items() if (a, b) not in seen]
+    assert not stale, "PENDING edges that no longer occur; remove them from PENDING:\n" + "\n".join(stale)
+
+
+def test_every_room_is_in_the_table():
+    rooms = {p.stem for p in (REPO / PACKAGE).iterdir() if p.suffix == ".py" or (p / "__init__.py").is_file()}
+    rooms.discard("__init__")
+    assert rooms <= set(layer_of()), f"rooms missing from LAYERS: {sorted(rooms - set(layer_of()))}"
+
+
+def test_the_table_names_each_room_once_and_the_rules_name_known_rooms():
+    rooms = [r for layer in LAYERS for r in layer.rooms]
+    assert len(rooms) == len(set(rooms)), (
+        f"rooms in two layers: {sorted({r for r in rooms if rooms.count(r) > 1})}"
+    )
+    named = {room(k) if k.startswith(PACKAGE + ".") else k for k in [*LEAVES, *INNER_LEAVES, *THIRD_PARTY]}
+    assert named <= set(layer_of()), f"rules for rooms not in LAYERS: {sorted(named - set(layer_of()))}"
+
+
+def _tree(tmp_path: Path, files: dict[str, str]) -> Path:
+    for name in ["__init__.py", "ops/__init__.py", "trainer/__init__.py", "rollout/__init__.py"]:
+        files.setdefault(name, "")
+    for name, text in files.items():
+        path = tmp_path / PACKAGE / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+    return tmp_path
+
+
+def test_a_planted_back_arrow_is_reported(tmp_path):
+    root = _tree(tmp_path, {"ops/x.py": "from srpo_megatron.trainer import y\n"})
+    [found] = violations(root, pending={})
+    assert found.startswith("srpo_megatron.ops.x → srpo_megatron.trainer (srpo_megatron/ops/x.py:1): ")
+    assert "ops (layer 2, math and process groups) may not import trainer (layer 10" in found
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        "def f():\n    from srpo_megatron.trainer.checkpoint import save_checkpoint\n",  # lazy
+        "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from srpo_megatron.trainer import y\n",
+        "from ..trainer import y\n",  # relative
+        "import srpo_megatron.trainer.policy as p\n",
+        "from srpo_megatron import trainer\n",
+    ],
+    ids=["function-level", "type-checking", "relative", "import-as", "from-root"],
+)
+def test_back_arrows_are_reported_in_every_import_form(tmp_path, text):
+    found = violations(_tree(tmp_path, {"ops/x.py": text}), pending={})
+    assert len(found) == 1 and "ops (layer 2" in found[0] and "may not import trainer" in found[0], found
+
+
+def test_a_sibling_import_a_leaf_import_and_a_third_party_import_are_reported(tmp_path):
+    root = _tree(
+        tmp_path,
+        {
+            "ops/x.py": "import srpo_megatron.parallel\nimport numpy\n",
+            "parallel.py": "",
+            "config/__init__.py": "import torch\nfrom srpo_megatron.compat import cpu\n",
+            "compat/__init__.py": "",
+        },
+    )
+    found = "\n".join(violations(root, pending={}))
+    assert "may not import parallel (layer 2, math and process groups, beside it)" in found
+    assert "srpo_megatron.ops → numpy" not in found and "srpo_megatron.ops.x → numpy" in found
+    assert "config is a leaf" in found and "srpo_megatron.config → torch" in found
+
+
+def test_step_types_imports_no_other_trainer_module(tmp_path):
+    text = "from srpo_megatron.losses import TokenBatch\nfrom srpo_megatron.trainer import batches\n"
+    text += "import numpy\n"
+    root = _tree(tmp_path, {"trainer/step_types.py": text, "losses/__init__.py": ""})
+    found = violations(root, pending={})
+    assert len(found) == 2, found  # losses is below the trainer: allowed
+    assert "step_types → srpo_megatron.trainer (srpo_megatron/trainer/step_types.py:2)" in found[0]
+    assert "srpo_megatron.trainer.step_types imports no other module of trainer" in found[0]
+    assert (
+        "step_types → numpy" in found[1] and "may import only the standard library and ['torch']" in found[1]
+    )
+
+
+def test_a_pending_edge_is_allowed_and_an_unknown_room_is_reported(tmp_path):
+    root = _tree(tmp_path, {"ops/x.py": "from srpo_megatron.trainer import y\n", "newroom.py": "import os\n"})
+    pending = {("srpo_megatron.ops.x", "srpo_megatron.trainer"): "test"}
+    assert violations(root, pending=pending) == []
+    root = _tree(tmp_path, {"trainer/z.py": "import srpo_megatron.newroom\n"})
+    [found] = [v for v in violations(root, pending=pending) if "newroom" in v]
+    assert "room 'newroom' is not in the layer table" in found
+
+
+def test_a_cycle_between_rooms_is_reported(tmp_path):
+    root = _tree(
+        tmp_path,
+        {
+            "rollout/a.py": "from srpo_megatron.trainer import b\n",
+            "trainer/b.py": "import srpo_megatron.rollout.a\n",
+        },
+    )
+    assert cycles(room_graph(root, pending={})) == [["rollout", "trainer", "rollout"]]
+
+
+if __name__ == "__main__":
+    print(markdown_table())

@@ -1,0 +1,157 @@
+"""The recipe's cross-section rules: one sampling temperature, the refusals at load time, and the shrunk
+production recipes loading to exactly the configs they loaded to before ``base:``."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from srpo_megatron.config import ConfigError, LossConfig, load_recipe, to_dict
+
+REPO = Path(__file__).resolve().parents[2]
+EXAMPLES = REPO / "examples"
+TINY = EXAMPLES / "tiny_cpu_test.yaml"
+# to_dict of every examples/*.yaml as it loaded before the Qwen3 recipes were shrunk to their differences
+# (recorded once from the full files; loss.temperature already derived, so not among the keys).
+BEFORE = json.loads((Path(__file__).with_name("recipes_before_shrink.json")).read_text())
+
+
+# ---- the shrunk recipes --------------------------------------------------------------------------------
+
+
+def _flat(data: dict, prefix: str = "") -> dict:
+    out = {}
+    for key, value in data.items():
+        path = f"{prefix}.{key}" if prefix else key
+        out.update(_flat(value, path) if isinstance(value, dict) and value else {path: value})
+    return out
+
+
+@pytest.mark.parametrize("name", sorted(BEFORE), ids=str)
+def test_every_recipe_loads_to_exactly_the_config_it_had_before_the_shrink(name):
+    now, before = _flat(to_dict(load_recipe(EXAMPLES / name))), _flat(BEFORE[name])
+    changed = {
+        k: (before.get(k), now.get(k)) for k in before.keys() | now.keys() if before.get(k) != now.get(k)
+    }
+    assert not changed, f"{name}: (before, now) per key: {changed}"
+
+
+def test_every_example_recipe_is_recorded():
+    assert sorted(p.name for p in EXAMPLES.glob("*.yaml")) == sorted(BEFORE)
+
+
+def test_the_qwen3_variants_inherit_the_8b_recipe_and_state_only_their_differences():
+    for path in sorted(EXAMPLES.glob("qwen3_*.yaml")):
+        text = path.read_text()
+        if path.name == "qwen3_8b_srpo.yaml":
+            assert "base:" not in text
+            continue
+        assert "\nbase: qwen3_8b_srpo.yaml" in text, path.name
+        assert len(text.splitlines()) < 40, f"{path.name} restates its base"
+
+
+# ---- one sampling temperature --------------------------------------------------------------------------
+
+
+def test_the_loss_divides_by_the_sampling_temperature():
+    cfg = load_recipe(TINY, ["rollout.temperature=0.7"])
+    assert cfg.loss.temperature == cfg.rollout.temperature == 0.7
+    assert "temperature" not in to_dict(cfg)["loss"]  # one key in the saved recipe too
+    assert LossConfig(temperature=0.9).temperature == 0.9  # the loss alone (tests, tools) still takes one
+
+
+def test_loss_temperature_in_a_recipe_is_refused_with_the_fix(tmp_path):
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text(f"base: {TINY}\nloss: {{temperature: 1.0}}\n")
+    with pytest.raises(ConfigError) as err:
+        load_recipe(recipe)
+    msg = str(err.value)
+    assert "loss.temperature is not a recipe key" in msg  # what
+    assert "divides logits by the sampling temperature" in msg  # why
+    assert "set rollout.temperature" in msg  # fix
+    with pytest.raises(ConfigError, match=r"loss\.temperature is not a recipe key"):
+        load_recipe(TINY, ["loss.temperature=0.7"])
+
+
+# ---- refusals at load time -----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("mode", ["srpo", "grpo", "sdpo"])
+def test_kl_coef_without_a_reference_policy_is_refused(mode):
+    """The trainer computes no reference log-probs (TokenBatch.ref_logp stays None), so a KL penalty
+    would raise in the GRPO loss at step 1 (or be meaningless where no GRPO token exists)."""
+    with pytest.raises(ConfigError) as err:
+        load_recipe(TINY, [f"loss.mode={mode}", "loss.kl_coef=0.01"])
+    msg = str(err.value)
+    assert "loss.kl_coef=0.01" in msg and "no reference policy" in msg and "set loss.kl_coef=0" in msg
+    assert load_recipe(TINY, ["loss.kl_coef=0"]).loss.kl_coef == 0.0
+
+
+SGLANG = ["rollout.engine=sglang", "rollout.sglang={model_path: /m, disk_sync_dir: /d}"]
+COLOCATED, SEPARATE = (
+    ["rollout.placement=colocated"],
+    ["rollout.placement=separate", "rollout.engine_nodes=1"],
+)
+# (placement, weight_sync, None = it loads / words of the refusal naming the keys)
+PAIRS = [
+    ("colocated", "tensor", None),
+    ("colocated", "disk", None),
+    ("colocated", "distributed", "placement=colocated cannot use rollout.sglang.weight_sync=distributed"),
+    ("separate", "distributed", None),
+    ("separate", "disk", None),
+    ("separate", "tensor", "placement=separate cannot use rollout.sglang.weight_sync=tensor"),
+]
+
+
+@pytest.mark.parametrize(("placement", "sync", "refusal"), PAIRS, ids=[f"{p}-{s}" for p, s, _ in PAIRS])
+def test_every_placement_and_weight_sync_pair_loads_or_is_refused_naming_the_keys(placement, sync, refusal):
+    where = COLOCATED if placement == "colocated" else SEPARATE
+    overrides = [*SGLANG, *where, f"rollout.sglang.weight_sync={sync}"]
+    if refusal is None:
+        cfg = load_recipe(TINY, overrides)
+        assert (cfg.rollout.placement, cfg.rollout.sglang.weight_sync) == (placement, sync)
+        return
+    with pytest.raises(ConfigError) as err:
+        load_recipe(TINY, overrides)
+    msg = str(err.value)
+    assert refusal in msg and "; use " in msg, msg  # names the keys, then the fix
+    assert "attach_broadcast_group" not in msg  # not an internal method
+
+
+@pytest.mark.parametrize(
+    ("overrides", "words"),
+    [
+        (["rollout.placement=separate", "rollout.engine_nodes=1"], "separate needs rollout.engine=sglang"),
+        (
+            [*SGLANG, "rollout.placement=separate", "rollout.sglang.weight_sync=distributed"],
+            "engine_nodes >= 1",
+        ),
+        ([*SGLANG, "rollout.engine_nodes=2"], "only applies to placement separate"),
+        ([*SGLANG, "rollout.engine_nodes=-1"], "rollout.engine_nodes=-1 must be >= 0"),
+    ],
+)
+def test_placement_node_counts_are_checked_where_the_trainer_loads_them(overrides, words):
+    with pytest.raises(ConfigError, match=words):
+        load_recipe(TINY, overrides)
+
+
+# ---- every tool loads the same TrainConfig --------------------------------------------------------------
+
+
+def test_doctor_and_the_server_launcher_refuse_a_recipe_exactly_as_train_does(tmp_path):
+    from srpo_megatron.doctor.command import recipe_checks
+    from srpo_megatron.doctor.expectations import NodeExpectations
+    from srpo_megatron.rollout.sglang.servers import recipe_rollout_config
+
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text(f"base: {EXAMPLES / 'qwen3_8b_srpo.yaml'}\nparallel: {{optimizer_offload: true}}\n")
+    with pytest.raises(ConfigError) as train:
+        load_recipe(recipe)
+    assert "unknown key(s) ['optimizer_offload']" in str(train.value)
+    with pytest.raises(ConfigError) as servers:
+        recipe_rollout_config(str(recipe), [])  # the SGLang servers of a separate placement
+    assert str(servers.value) == str(train.value)
+    (check,) = recipe_checks(str(recipe), [], NodeExpectations.from_environment())
+    assert (check.name, check.status, check.detail) == ("recipe", "fail", str(train.value))
