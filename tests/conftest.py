@@ -10,6 +10,10 @@ from __future__ import annotations
 
 import pytest
 
+# Shared helpers (the rollout-engine contract's test methods, the parity asserts) keep pytest's assertion
+# introspection: only test modules and conftest files are rewritten by default.
+pytest.register_assert_rewrite("tests.helpers")
+
 
 def _installed_mcore() -> str:
     try:

@@ -21,11 +21,14 @@ import math
 import types
 import typing
 from pathlib import Path
-from typing import Any, Literal, TypeVar, get_args, get_origin
+from typing import TYPE_CHECKING, Any, Literal, TypeVar, get_args, get_origin
 
 import yaml
 
-T = TypeVar("T")
+if TYPE_CHECKING:  # the type checker's name for "any dataclass instance" (typeshed only)
+    from _typeshed import DataclassInstance
+
+T = TypeVar("T", bound="DataclassInstance")
 
 
 class ConfigError(ValueError):
@@ -68,7 +71,7 @@ def _coerce(value: Any, tp: Any, path: str) -> Any:
         if value not in allowed:
             raise ConfigError(f"{path}: {value!r} is not valid; choose one of {list(allowed)}")
         return value
-    if dataclasses.is_dataclass(tp):
+    if isinstance(tp, type) and dataclasses.is_dataclass(tp):
         if isinstance(value, tp):
             return value
         if not isinstance(value, dict):

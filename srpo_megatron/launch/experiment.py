@@ -279,7 +279,11 @@ def build_executor(cluster: ClusterConfig, request: LaunchRequest, redact: bool 
         # secrets are exported (untraced) first, so the per-node doctor step already sees them
         setup_lines="\n".join(x for x in (secret_setup_lines(secrets), request.setup_lines) if x) or None,
         tunnel=tunnel,
-        packager=run.GitArchivePackager() if cluster.code == "git" else run.Packager(),
+        # The repository has no submodules: without include_submodules=False nemo-run's submodule pass walks
+        # the whole working tree (a .venv included) for archive fragments, about 0.6 s of every launch.
+        packager=run.GitArchivePackager(include_submodules=False)
+        if cluster.code == "git"
+        else run.Packager(),
         launcher=launcher,
         retries=cluster.max_retries,
         poll_estimated_start_time=False,

@@ -27,8 +27,9 @@ SDPO route contribute no loss but their tokens still count in N_tokens (same den
 from __future__ import annotations
 
 import itertools
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, fields
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -60,23 +61,24 @@ class TokenBatch:
     def __len__(self) -> int:
         return self.response_ids.shape[0]
 
+    def _map(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> TokenBatch:
+        """A new batch of ``fn`` applied to every tensor field (None fields stay None)."""
+        values: dict[str, Any] = {
+            f.name: (None if (v := getattr(self, f.name)) is None else fn(v)) for f in fields(self)
+        }
+        return TokenBatch(**values)
+
     def slice(self, start: int, end: int) -> TokenBatch:
         """Rows [start, end) as a new batch (views, no copies)."""
-        return TokenBatch(
-            **{f.name: (None if (v := getattr(self, f.name)) is None else v[start:end]) for f in fields(self)}
-        )
+        return self._map(lambda v: v[start:end])
 
     def take(self, index: torch.Tensor) -> TokenBatch:
         """Rows ``index`` ([R] int64, on the batch's device) as a new batch (copies)."""
-        return TokenBatch(
-            **{f.name: (None if (v := getattr(self, f.name)) is None else v[index]) for f in fields(self)}
-        )
+        return self._map(lambda v: v[index])
 
     def to(self, device: torch.device | str) -> TokenBatch:
         """Every tensor moved to ``device`` (one hand-off; a no-op for tensors already there)."""
-        return TokenBatch(
-            **{f.name: (None if (v := getattr(self, f.name)) is None else v.to(device)) for f in fields(self)}
-        )
+        return self._map(lambda v: v.to(device))
 
     def split(self, n: int) -> list[TokenBatch]:
         """Split into ``n`` consecutive micro-batches of (nearly) equal rows."""
@@ -193,6 +195,7 @@ def routed_loss(
         metrics["grpo_clipped_sum"] = mg["clipped"][grpo_rows].double().sum()
 
     if sdpo_rows.numel():
+        assert batch.teacher_logp is not None  # checked above, before token_stats
         student_buckets = append_tail(stats.logp[sdpo_rows, 1:])
         loss_s, ms = sdpo_token_loss(
             student_buckets,
@@ -205,6 +208,8 @@ def routed_loss(
             tis_cap=cfg.tis_cap,
         )
         if cfg.uses_dynamic_weights:
+            if batch.teacher_entropy is None:
+                raise ValueError("dynamic SDPO weights need teacher_entropy (run score_teacher first)")
             ent = batch.teacher_entropy[sdpo_rows]
             all_rows = torch.ones_like(ent, dtype=torch.bool)
             mean = normalizers.mean_raw_weight if cfg.weight_scope == "batch" else None

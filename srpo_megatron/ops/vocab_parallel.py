@@ -182,6 +182,7 @@ def _forward_stats(
         if j:
             z_ids[a:b] = torch.where(owned[a:b], z.gather(1, local_ids[a:b]), 0)
         if kl:
+            assert flags is not None  # allocated above whenever kl > 0
             rows = None if topk_rows is None else topk_rows[a:b].nonzero().squeeze(1)
             if rows is None:
                 v, i = _local_topk(z, kl, flags[:r])
@@ -222,7 +223,7 @@ def _forward_stats(
 
 def _backward_stats(
     x: torch.Tensor,
-    ids: torch.Tensor,
+    ids: torch.Tensor | None,
     grad_ids: torch.Tensor | None,
     grad_entropy: torch.Tensor | None,
     lse: torch.Tensor,
@@ -248,6 +249,7 @@ def _backward_stats(
         alpha = -inv_t * grad_entropy
         beta = beta - inv_t * grad_entropy * entropy
     if grad_ids is not None:
+        assert ids is not None  # the backward passes ids and their gradients together
         local_ids, owned = _local_ids(ids, rank * vs, vs)
         g_owned = torch.where(owned, grad_ids * inv_t, 0)
     ws = _Workspace(min(chunk, n), vs, cdt, 3, x.device)

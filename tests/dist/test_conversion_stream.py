@@ -17,7 +17,7 @@ from torch.distributed.checkpoint import FileSystemReader
 
 from srpo_megatron.compat.mcore import mcore_version_str
 from srpo_megatron.testing.distributed import run_distributed
-from tests.dist.test_models_tp import tiny_hf_model
+from srpo_megatron.testing.tiny import tiny_hf_model
 
 
 def megatron_save_worker(rank, world, src, out):

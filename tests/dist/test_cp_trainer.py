@@ -25,7 +25,7 @@ import pytest
 import torch
 
 from srpo_megatron.testing.distributed import run_distributed
-from tests.dist.test_packing_trainer import _samples as _packing_samples
+from tests.helpers.trainer import packing_samples
 
 pytestmark = pytest.mark.packing
 
@@ -51,9 +51,20 @@ def _samples():
     prompt, 1 response token) fills a micro-batch alone: one CP rank holds none of its response rows."""
     from srpo_megatron.trainer.step_types import Sample
 
-    extra = Sample(2, 0, [11, 12, 13, 14], [15], [-1.0], reward=0.0, advantage=-0.5, grpo=False, sdpo=True,
-                   needs_teacher=True, teacher_prompt_ids=list(range(100, 126)))
-    return [*_packing_samples(), extra]
+    extra = Sample(
+        2,
+        0,
+        [11, 12, 13, 14],
+        [15],
+        [-1.0],
+        reward=0.0,
+        advantage=-0.5,
+        grpo=False,
+        sdpo=True,
+        needs_teacher=True,
+        teacher_prompt_ids=list(range(100, 126)),
+    )
+    return [*packing_samples(), extra]
 
 
 def _plant(name: str | None) -> None:
@@ -108,12 +119,16 @@ def _step(rank, world, tiny, run_dir, tp, pp, cp, plants):
             policy = Policy(load_config(TrainConfig, str(RECIPE), ov), groups)
             scored = score_rollouts(policy, _samples())
             t = scored.tokens
-            kept = None if t is None else {
-                "π_old": t.old_logp.clone(),
-                "top-K ids": t.topk_ids.clone(),
-                "teacher log-probs": t.teacher_logp.clone(),
-                "teacher entropy": t.teacher_entropy.clone(),
-            }
+            kept = (
+                None
+                if t is None
+                else {
+                    "π_old": t.old_logp.clone(),
+                    "top-K ids": t.topk_ids.clone(),
+                    "teacher log-probs": t.teacher_logp.clone(),
+                    "teacher entropy": t.teacher_entropy.clone(),
+                }
+            )
             stats = learn(policy, scored, 1)
             # the planted export ignores CP (every CP rank believes it is CP rank 0, as before CP was wired)
             export_groups = replace(groups, cp_rank=0) if plant == "export_every_cp_rank" else groups

@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 
 from srpo_megatron.testing.distributed import run_distributed
-from tests.dist.test_offload import _policy, _step, tiny  # noqa: F401  (fixture)
+from tests.helpers.trainer import tiny, tiny_policy, tiny_step  # noqa: F401  (fixture)
 
 EXTRA = ["model.params_dtype=bf16"]
 
@@ -42,17 +42,17 @@ def _run(rank, world, tiny, run_dir, interrupt, plant=False):  # noqa: F811
     real = checkpoint.untie_torch_adam_steps
     checkpoint.untie_torch_adam_steps = lambda opt: shared.append(0 if plant else real(opt))
 
-    policy = _policy(tiny, run_dir, EXTRA)
+    policy = tiny_policy(tiny, run_dir, EXTRA)
     for step in range(2):
-        _step(policy, rank, step)
+        tiny_step(policy, rank, step)
     before = _optimizer_state(policy)
     loaded = None
     if interrupt:
         save_checkpoint(policy, run_dir, 2, {"weight_version": 2}, keep_last=2)
-        policy = _policy(tiny, run_dir, EXTRA)
+        policy = tiny_policy(tiny, run_dir, EXTRA)
         load_checkpoint(policy, Path(run_dir) / "checkpoints" / "step_000002", log=lambda _: None)
         loaded = _optimizer_state(policy)
-    _step(policy, rank, 2)
+    tiny_step(policy, rank, 2)
     return before, loaded, _optimizer_state(policy), shared
 
 

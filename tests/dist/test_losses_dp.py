@@ -15,8 +15,8 @@ import torch.distributed as dist
 from srpo_megatron.config import LossConfig
 from srpo_megatron.losses import global_normalizers, routed_loss
 from srpo_megatron.testing.distributed import run_distributed
-from tests.unit.losses_reference import ref_routed_loss, rel_err
-from tests.unit.losses_scenario import build_batch, group_slice, make_problem, ref_cfg, vocab_shard
+from tests.helpers.losses_reference import ref_routed_loss, rel_err
+from tests.helpers.losses_scenario import build_batch, group_slice, make_problem, ref_cfg, vocab_shard
 
 SEED = 21
 

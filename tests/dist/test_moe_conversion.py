@@ -11,8 +11,9 @@ import pytest
 import torch
 
 from srpo_megatron.testing.distributed import run_distributed
-from tests.dist.test_conversion import assert_bit_exact, read_hf_tensors, round_trip_worker
-from tests.dist.test_moe import batches_for, run_moe_layout, tiny_moe_model
+from srpo_megatron.testing.tiny import tiny_moe_model
+from tests.helpers.conversion import assert_bit_exact, read_hf_tensors, round_trip_worker
+from tests.helpers.moe import batches_for, run_moe_layout
 
 pytestmark = pytest.mark.moe
 

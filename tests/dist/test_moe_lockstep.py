@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from srpo_megatron.testing.distributed import run_distributed
-from tests.dist.test_packing_trainer import _samples as _sdpo_samples
+from tests.helpers.trainer import packing_samples
 
 pytestmark = pytest.mark.moe
 
@@ -75,7 +75,7 @@ def _step(rank, world, tiny, run_dir, ep, budget):
     fillers = []
     real = lockstep_module.filler_micro_batch
     lockstep_module.filler_micro_batch = lambda *a, **k: fillers.append(1) or real(*a, **k)
-    samples = _sdpo_samples() if groups.dp_rank == 0 else _grpo_samples()
+    samples = packing_samples() if groups.dp_rank == 0 else _grpo_samples()
     scored = score_rollouts(policy, samples)
     t = scored.tokens
     kept = {"π_old": t.old_logp.clone(), "teacher log-probs": t.teacher_logp.clone()}

@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from srpo_megatron.testing.distributed import run_distributed
-from tests.dist.test_moe import batches_for, hf_file_state, tiny_moe_model
+from srpo_megatron.testing.tiny import tiny_moe_model
+from tests.helpers.moe import batches_for, hf_file_state
 
 pytestmark = pytest.mark.moe
 

@@ -20,73 +20,12 @@ import pytest
 import torch
 
 from srpo_megatron.testing.distributed import run_distributed
-
-REPO = Path(__file__).resolve().parents[2]
-RECIPE = REPO / "examples" / "tiny_cpu_test.yaml"
-VOCAB = 256
+from tests.helpers.trainer import tiny_policy, tiny_step, write_tiny_policy_run
 
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
-    """A 2-layer Qwen3 with a 256-token vocabulary (weights and config: the trainer needs no tokenizer)."""
-    from transformers import AutoModelForCausalLM, Qwen3Config
-
-    out = tmp_path_factory.mktemp("tiny_offload")
-    config = Qwen3Config(
-        vocab_size=VOCAB,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=8,
-        max_position_embeddings=256,
-        tie_word_embeddings=False,
-    )
-    torch.manual_seed(0)
-    AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(out / "hf")
-    data = out / "train.jsonl"
-    data.write_text(json.dumps({"prompt": "x", "system": None, "answer": "-", "kind": "coin"}) + "\n")
-    return out / "hf", data
-
-
-def _policy(tiny, run_dir, extra):
-    from srpo_megatron.config import load_config
-    from srpo_megatron.parallel import initialize_model_parallel
-    from srpo_megatron.config import TrainConfig
-    from srpo_megatron.trainer.policy import Policy
-
-    hf, data = tiny
-    ov = [
-        f"model.hf_dir={hf}",
-        f"data.train_files=[{data}]",
-        f"run.dir={run_dir}",
-        "parallel.distributed_optimizer=true",
-        "optim.lr=0.02",
-        "optim.clip_grad=0.0",
-        "teacher.ema_alpha=0.3",
-        *extra,
-    ]
-    return Policy(load_config(TrainConfig, str(RECIPE), ov), initialize_model_parallel(1, 1, seed=1))
-
-
-def _samples(rank: int, step: int):
-    from srpo_megatron.trainer.step_types import Sample
-
-    g = torch.Generator().manual_seed(1000 * step + rank)
-    out = []
-    for m in range(4):
-        resp = torch.randint(10, VOCAB, (6,), generator=g).tolist()
-        out.append(Sample(0, m, [1, 2, 3, 4], resp, [-2.0] * 6, advantage=1.0 if m % 2 else -1.0))
-    return out
-
-
-def _step(policy, rank: int, step: int) -> None:
-    from srpo_megatron.trainer.learning import learn
-    from srpo_megatron.trainer.scoring import score_rollouts
-
-    learn(policy, score_rollouts(policy, _samples(rank, step)), 1)
-    policy.update_teacher()
+    return write_tiny_policy_run(tmp_path_factory.mktemp("tiny_offload"))
 
 
 def _full_master(teacher, policy) -> list[torch.Tensor]:
@@ -103,7 +42,7 @@ def _sharded_vs_full(rank, world, tiny, run_dir, dtype, plant):
 
     if plant:  # the bug the all-gather exists for: each rank updates only its shard of the module
         ShardedEmaTeacher.gather = lambda self: None
-    policy = _policy(tiny, run_dir, [f"model.params_dtype={dtype}", "parallel.teacher_fp32=sharded"])
+    policy = tiny_policy(tiny, run_dir, [f"model.params_dtype={dtype}", "parallel.teacher_fp32=sharded"])
     assert isinstance(policy.teacher, ShardedEmaTeacher)
     module = policy.build_module()
     module.load_state_dict(policy.teacher.module.state_dict())
@@ -111,7 +50,7 @@ def _sharded_vs_full(rank, world, tiny, run_dir, dtype, plant):
     ref64 = [m.double() for m in _full_master(reference, policy)]
     worst_bits, worst64 = 0.0, 0.0
     for step in range(3):
-        _step(policy, rank, step)
+        tiny_step(policy, rank, step)
         main = fp32_main_params(policy.optimizer, policy.model, policy.device)
         reference.update(main)
         ref64 = [(1 - 0.3) * r + 0.3 * m.double() for r, m in zip(ref64, main, strict=True)]
@@ -160,9 +99,9 @@ def test_missing_all_gather_is_caught(tiny, tmp_path):
 def _save(rank, world, tiny, run_dir):
     from srpo_megatron.trainer.checkpoint import save_checkpoint
 
-    policy = _policy(tiny, run_dir, ["model.params_dtype=bf16", "parallel.teacher_fp32=sharded"])
+    policy = tiny_policy(tiny, run_dir, ["model.params_dtype=bf16", "parallel.teacher_fp32=sharded"])
     for step in range(2):
-        _step(policy, rank, step)
+        tiny_step(policy, rank, step)
     saved = [m.clone() for m in _full_master(policy.teacher, policy)]
     teacher = [p.detach().clone() for p in policy.teacher.module.parameters()]
     save_checkpoint(policy, run_dir, 2, {"weight_version": 3}, keep_last=2)
@@ -172,7 +111,7 @@ def _save(rank, world, tiny, run_dir):
 def _resume(rank, world, tiny, run_dir, mode):
     from srpo_megatron.trainer.checkpoint import load_checkpoint
 
-    policy = _policy(tiny, run_dir, ["model.params_dtype=bf16", f"parallel.teacher_fp32={mode}"])
+    policy = tiny_policy(tiny, run_dir, ["model.params_dtype=bf16", f"parallel.teacher_fp32={mode}"])
     load_checkpoint(policy, Path(run_dir) / "checkpoints" / "step_000002", log=lambda _: None)
     teacher = [p.detach().clone() for p in policy.teacher.module.parameters()]
     return [m.clone() for m in _full_master(policy.teacher, policy)], teacher
@@ -199,10 +138,10 @@ def _roundtrip(rank, world, tiny, run_dir, mode):
         f"parallel.teacher_fp32={mode}",
         "parallel.offload_during_rollout=true",
     ]
-    policy = _policy(tiny, run_dir, extra)
-    control = _policy(tiny, run_dir, extra)
+    policy = tiny_policy(tiny, run_dir, extra)
+    control = tiny_policy(tiny, run_dir, extra)
     for p in (policy, control):
-        _step(p, rank, 0)
+        tiny_step(p, rank, 0)
     o = policy.offload
 
     def snapshot():
@@ -216,8 +155,8 @@ def _roundtrip(rank, world, tiny, run_dir, mode):
     after = snapshot()
     exact = all(torch.equal(a, b) for c in before for a, b in zip(before[c], after[c], strict=True))
     moments = sum(len(st) for opt in off._chained(policy.optimizer) for st in opt.optimizer.state.values())
-    _step(policy, rank, 1)
-    _step(control, rank, 1)
+    tiny_step(policy, rank, 1)
+    tiny_step(control, rank, 1)
     same_step = all(
         torch.equal(a, b)
         for c in (off.POLICY, off.OPTIMIZER, off.TEACHER, off.TEACHER_FP32)

@@ -15,7 +15,10 @@ import torch
 import torch.distributed as dist
 
 from srpo_megatron.testing.distributed import run_distributed
-from tests.dist.test_models_tp import VOCAB, hf_named_grads, tiny_hf_model
+from srpo_megatron.testing.tiny import TINY_VOCAB, tiny_hf_model
+from tests.helpers.megatron import hf_named_grads
+
+VOCAB = TINY_VOCAB
 
 pytestmark = pytest.mark.packing
 

@@ -13,9 +13,9 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-import torch
 
 from srpo_megatron.testing.distributed import run_distributed
+from tests.helpers.trainer import packing_samples
 
 pytestmark = pytest.mark.packing
 
@@ -29,35 +29,6 @@ def tiny(tmp_path_factory):
     from srpo_megatron.testing.tiny import write_tiny_run
 
     return write_tiny_run(tmp_path_factory.mktemp("tiny_packing"), num_prompts=8)
-
-
-def _samples():
-    from srpo_megatron.trainer.step_types import Sample
-
-    g = torch.Generator().manual_seed(7)
-    out = []
-    for m in range(8):
-        prompt = torch.randint(10, 2000, (3 + m % 3,), generator=g).tolist()
-        resp = torch.randint(10, 2000, (2 + (5 * m) % 9,), generator=g).tolist()
-        sdpo = m % 2 == 1
-        teacher = torch.randint(10, 2000, (6 + m,), generator=g).tolist() if sdpo else None
-        logp = (-torch.rand(len(resp), generator=g) * 3).tolist()
-        out.append(
-            Sample(
-                m // 4,
-                m % 4,
-                prompt,
-                resp,
-                logp,
-                reward=float(not sdpo),
-                advantage=0.5 if not sdpo else -0.5,
-                grpo=not sdpo,
-                sdpo=sdpo,
-                needs_teacher=sdpo,
-                teacher_prompt_ids=teacher,
-            )
-        )
-    return out
 
 
 def _step(rank, world, tiny, run_dir, pp, budgets):
@@ -84,7 +55,7 @@ def _step(rank, world, tiny, run_dir, pp, budgets):
             f"train.max_tokens_per_micro_batch={budget}",
         ]
         policy = Policy(load_config(TrainConfig, str(RECIPE), ov), groups)
-        scored = score_rollouts(policy, _samples())
+        scored = score_rollouts(policy, packing_samples())
         t = scored.tokens
         kept = None if t is None else (t.old_logp, t.teacher_logp, t.teacher_entropy)
         stats = learn(policy, scored, 1)

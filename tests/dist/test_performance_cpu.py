@@ -22,7 +22,8 @@ import torch
 from srpo_megatron.models.performance import Accelerators
 from srpo_megatron.config import PerformanceConfig
 from srpo_megatron.testing.distributed import run_distributed
-from tests.dist.test_models_tp import hf_reference, run_policy, tiny_hf_model
+from srpo_megatron.testing.tiny import tiny_hf_model
+from tests.helpers.megatron import hf_reference, lm_loss, run_policy
 
 VOCAB = 300
 SEQ = 10  # divisible by TP for sequence parallel
@@ -121,7 +122,6 @@ def _overlap_worker(rank, world, overlap, gather_after_step, hf_cfg, hf_state, b
     from srpo_megatron.models.policy import build_policy
     from srpo_megatron.parallel import initialize_model_parallel
     from srpo_megatron.config import OptimConfig
-    from tests.dist.test_models_tp import lm_loss
 
     initialize_model_parallel(1, 1)
     arch = Architecture.from_hf(hf_cfg)

@@ -19,9 +19,8 @@ import pytest
 import torch
 
 from srpo_megatron.testing.distributed import RankFailed, run_distributed
+from tests.helpers.recipe import tiny_config
 
-REPO = Path(__file__).resolve().parents[2]
-RECIPE = REPO / "examples" / "tiny_cpu_test.yaml"
 
 
 @pytest.fixture(scope="module")
@@ -32,12 +31,7 @@ def tiny(tmp_path_factory):
 
 
 def _cfg(tiny, run_dir, extra=()):
-    from srpo_megatron.config import load_config
-    from srpo_megatron.config import TrainConfig
-
-    _, hf, data = tiny
-    ov = [f"model.hf_dir={hf}", f"data.train_files=[{data}]", f"run.dir={run_dir}", "parallel.tp=2", *extra]
-    return load_config(TrainConfig, str(RECIPE), ov)
+    return tiny_config(tiny, run_dir, ["parallel.tp=2", *extra])
 
 
 def _engines(rank, world, tiny, run_dir):
@@ -262,7 +256,7 @@ def test_separate_placement_syncs_by_broadcast_and_serves_rollouts_from_the_serv
     over HTTP stamped with the synced version."""
     from transformers import AutoModelForCausalLM
 
-    from tests.unit.test_sglang_contract import SGLangStandInServer
+    from srpo_megatron.testing.sglang_standin import SGLangStandInServer
 
     server = SGLangStandInServer(AutoModelForCausalLM.from_pretrained(tiny[1]))
     with torch.no_grad():
@@ -290,7 +284,7 @@ def test_separate_placement_pp2_both_stage_senders_broadcast_into_the_server(tin
     whole policy (zeroed before: a stage that did not send leaves zeros) at v1 and serves the rollouts."""
     from transformers import AutoModelForCausalLM
 
-    from tests.unit.test_sglang_contract import SGLangStandInServer
+    from srpo_megatron.testing.sglang_standin import SGLangStandInServer
 
     server = SGLangStandInServer(AutoModelForCausalLM.from_pretrained(tiny[1]), tp_size=2)
     with torch.no_grad():

@@ -22,13 +22,13 @@ def stream_worker(rank, world, hf_dir):
     from srpo_megatron.models.policy import build_policy
     from srpo_megatron.parallel import initialize_model_parallel
     from srpo_megatron.weights.export import iter_stage_hf_tensors
-    from tests.unit.test_sglang_manifest import file_tensors
+    from tests.helpers.conversion import read_hf_tensors
 
     groups = initialize_model_parallel(1, 1, ep=2, etp=1)
     arch = Architecture.from_hf(hf_dir)
     table = ConversionTable(arch)
     model = build_policy(arch)
-    load_hf_weights(model, table, file_tensors(hf_dir).__getitem__)
+    load_hf_weights(model, table, read_hf_tensors(hf_dir).__getitem__)
     return list(iter_stage_hf_tensors(model, table, groups))  # the stage sender's stream, [] elsewhere
 
 
@@ -37,14 +37,15 @@ def test_ep2_policy_stream_passes_the_sglang_gate(tmp_path):
 
     from srpo_megatron.rollout.base import EngineError
     from srpo_megatron.testing.tiny import write_tiny_qwen3_moe
-    from tests.unit.test_sglang_manifest import file_tensors, in_memory_manifest, sync_through_gate
+    from tests.helpers.conversion import read_hf_tensors
+    from tests.helpers.sglang import in_memory_manifest, sync_through_gate
 
     hf_dir = write_tiny_qwen3_moe(tmp_path / "moe")
     sender, other = run_distributed(stream_worker, 2, hf_dir, timeout=600)
     assert other == []
     names = [n for n, _ in sender]
     assert "model.layers.0.mlp.experts.3.down_proj.weight" in names  # expert 3 lives on EP rank 1
-    files = file_tensors(hf_dir)
+    files = read_hf_tensors(hf_dir)
     assert sorted(names) == sorted(files) and all(torch.equal(t, files[n]) for n, t in sender)
     assert sync_through_gate(hf_dir, iter(sender)).weight_version == 1
     with pytest.raises(EngineError, match=r"unexpected tensor model\.layers\.0\.mlp\.experts\."):

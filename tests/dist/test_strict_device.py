@@ -12,11 +12,10 @@ import pytest
 import torch
 
 from srpo_megatron.testing.distributed import run_distributed
+from tests.helpers.recipe import tiny_config
 
 pytestmark = pytest.mark.strict_device
 
-REPO = Path(__file__).resolve().parents[2]
-RECIPE = REPO / "examples" / "tiny_cpu_test.yaml"
 
 
 @pytest.fixture(scope="module")
@@ -31,15 +30,6 @@ def tiny_moe(tmp_path_factory):
     from srpo_megatron.testing.tiny import write_tiny_run
 
     return write_tiny_run(tmp_path_factory.mktemp("tiny_strict_moe"), num_prompts=8, moe=True)
-
-
-def _cfg(tiny, run_dir, extra=()):
-    from srpo_megatron.config import load_config
-    from srpo_megatron.config import TrainConfig
-
-    _, hf, data = tiny
-    ov = [f"model.hf_dir={hf}", f"data.train_files=[{data}]", f"run.dir={run_dir}", *extra]
-    return load_config(TrainConfig, str(RECIPE), ov)
 
 
 def _samples(n: int = 8):
@@ -94,7 +84,7 @@ def _step(rank, world, tiny, run_dir, tp, pp, extra, ep=1):
     from srpo_megatron.testing.sync_transports import sync_in_process
 
     with strict_device():
-        cfg = _cfg(tiny, run_dir, [f"parallel.tp={tp}", f"parallel.pp={pp}", f"parallel.ep={ep}", *extra])
+        cfg = tiny_config(tiny, run_dir, [f"parallel.tp={tp}", f"parallel.pp={pp}", f"parallel.ep={ep}", *extra])
         groups = initialize_model_parallel(tp, pp, seed=1, ep=ep)
         assert groups.device.type == "cuda"  # emulated: mapped to the host, provenance-checked
         policy = Policy(cfg, groups)
@@ -179,7 +169,7 @@ def _planted(rank, world, tiny, run_dir):
         return micro
 
     with strict_device():
-        policy = Policy(_cfg(tiny, run_dir), initialize_model_parallel(1, 1, seed=1))
+        policy = Policy(tiny_config(tiny, run_dir), initialize_model_parallel(1, 1, seed=1))
         samples = _samples()
         scoring.score_rollouts(policy, samples)  # the unplanted pass runs
         scoring.micro_batches_for = planted

@@ -15,9 +15,8 @@ import pytest
 import torch
 
 from srpo_megatron.testing.distributed import run_distributed
+from tests.helpers.recipe import tiny_config
 
-REPO = Path(__file__).resolve().parents[2]
-RECIPE = REPO / "examples" / "tiny_cpu_test.yaml"
 
 
 @pytest.fixture(scope="module")
@@ -25,15 +24,6 @@ def tiny(tmp_path_factory):
     from srpo_megatron.testing.tiny import write_tiny_run
 
     return write_tiny_run(tmp_path_factory.mktemp("tiny_fidelity"), num_prompts=8)
-
-
-def _cfg(tiny, run_dir, extra=()):
-    from srpo_megatron.config import load_config
-    from srpo_megatron.config import TrainConfig
-
-    _, hf, data = tiny
-    ov = [f"model.hf_dir={hf}", f"data.train_files=[{data}]", f"run.dir={run_dir}", *extra]
-    return load_config(TrainConfig, str(RECIPE), ov)
 
 
 def _samples(n: int):
@@ -54,7 +44,7 @@ def _mini_batches(rank, world, tiny, run_dir):
     from srpo_megatron.trainer.scoring import score_rollouts
 
     extra = ["loss.mode=grpo", "optim.lr=0.05", "optim.clip_grad=0.0", "train.mini_batches=4"]
-    policy = Policy(_cfg(tiny, run_dir, extra), initialize_model_parallel(1, 1, seed=1))
+    policy = Policy(tiny_config(tiny, run_dir, extra), initialize_model_parallel(1, 1, seed=1))
     scored = score_rollouts(policy, _samples(16))
     pi_old = scored.tokens.old_logp.clone()
     out = []
@@ -88,7 +78,7 @@ def _warmup(rank, world, tiny, run_dir):
         "train.mini_batches=2",
         "train.steps=6",
     ]
-    policy = Policy(_cfg(tiny, run_dir, extra), initialize_model_parallel(1, 1, seed=1))
+    policy = Policy(tiny_config(tiny, run_dir, extra), initialize_model_parallel(1, 1, seed=1))
     lrs = []
     for _ in range(3):
         lrs.append(learn(policy, score_rollouts(policy, _samples(8)), 2).lr)
@@ -114,7 +104,7 @@ def _train(rank, world, tiny, run_dir, steps):
         "eval.max_prompts_per_benchmark=1",
         "eval.reward_workers=0",
     ]
-    return train(_cfg(tiny, run_dir, extra))
+    return train(tiny_config(tiny, run_dir, extra))
 
 
 def _reseal(path: Path) -> None:

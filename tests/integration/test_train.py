@@ -11,7 +11,6 @@ response text) to produce mixed groups; everything else is the production path.
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import subprocess
@@ -20,11 +19,11 @@ import time
 from pathlib import Path
 
 import pytest
-import torch
 from safetensors.torch import load_file
 
 from srpo_megatron.testing.distributed import run_distributed
 from srpo_megatron.trainer.step_types import METHOD_METRICS
+from tests.helpers.train import export_hf, read_metrics, train_overrides, train_rank
 
 REPO = Path(__file__).resolve().parents[2]
 RECIPE = REPO / "examples" / "tiny_cpu_test.yaml"
@@ -37,39 +36,15 @@ def tiny(tmp_path_factory):
     return write_tiny_run(tmp_path_factory.mktemp("tiny"), num_prompts=16)
 
 
-def _overrides(tiny, run_dir: Path, **extra) -> list[str]:
-    _, hf, data = tiny
-    out = [f"model.hf_dir={hf}", f"data.train_files=[{data}]", f"run.dir={run_dir}"]
-    return out + [f"{k}={v}" for k, v in extra.items()]
-
-
-def _train_rank(rank, world, overrides):
-    from srpo_megatron.config import TrainConfig, load_config
-    from srpo_megatron.train import train
-
-    return train(load_config(TrainConfig, str(RECIPE), overrides))
-
-
-def _metrics(run_dir: Path) -> list[dict]:
-    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-
-
-def _export(ckpt: Path, out: Path) -> dict[str, torch.Tensor]:
-    from srpo_megatron.conversion.checkpoint import megatron_to_hf
-
-    megatron_to_hf(ckpt, out, progress=lambda _: None)
-    return load_file(str(out / "model.safetensors"))
-
-
 @pytest.fixture(scope="module")
 def tp2_run(tiny):
     run_dir = tiny[0] / "tp2"
-    run_distributed(_train_rank, 2, _overrides(tiny, run_dir, **{"parallel.tp": 2}), timeout=600)
+    run_distributed(train_rank, 2, train_overrides(tiny, run_dir, **{"parallel.tp": 2}), timeout=600)
     return run_dir
 
 
 def test_three_srpo_steps_at_tp2_log_everything_and_train(tiny, tp2_run, tmp_path):
-    rows = _metrics(tp2_run)
+    rows = read_metrics(tp2_run)
     assert [r["step"] for r in rows] == [1, 2, 3]
     group = 4 * 4  # prompts_per_step × group_size of the recipe
     sdpo_total = 0
@@ -84,7 +59,7 @@ def test_three_srpo_steps_at_tp2_log_everything_and_train(tiny, tp2_run, tmp_pat
         assert r["logprob/gap_max"] < 1e-4, "engine and trainer must hold the same weights"
     assert sdpo_total > 0, "the recipe must route some samples to SDPO for this test to mean anything"
     initial = load_file(str(tiny[1] / "model.safetensors"))
-    final = _export(tp2_run / "checkpoints" / "step_000003", tmp_path / "final")
+    final = export_hf(tp2_run / "checkpoints" / "step_000003", tmp_path / "final")
     assert initial.keys() == final.keys()
     moved = max((final[k] - initial[k]).abs().max().item() for k in initial)
     assert moved > 1e-4, "three optimizer steps must change the weights"
@@ -92,9 +67,9 @@ def test_three_srpo_steps_at_tp2_log_everything_and_train(tiny, tp2_run, tmp_pat
 
 def test_tp1_and_tp2_give_the_same_first_step_loss(tiny, tp2_run):
     run_dir = tiny[0] / "tp1"
-    run_distributed(_train_rank, 1, _overrides(tiny, run_dir, **{"train.steps": 1}), timeout=600)
-    (tp1,) = _metrics(run_dir)
-    tp2 = _metrics(tp2_run)[0]
+    run_distributed(train_rank, 1, train_overrides(tiny, run_dir, **{"train.steps": 1}), timeout=600)
+    (tp1,) = read_metrics(run_dir)
+    tp2 = read_metrics(tp2_run)[0]
     assert tp1["reward/mean"] == tp2["reward/mean"], "same seed, same weights: same rollouts"
     assert tp1["loss/total"] == pytest.approx(tp2["loss/total"], abs=1e-5)
     assert tp1["grad_norm"] == pytest.approx(tp2["grad_norm"], rel=1e-4)
@@ -113,11 +88,11 @@ def _srpo_train(overrides: list[str]) -> subprocess.Popen:
 def test_sigkill_after_step_2_then_resume_matches_uninterrupted_run(tiny, tmp_path):
     steps = {"train.steps": 4}
     full_dir, killed_dir = tmp_path / "full", tmp_path / "killed"
-    full = _srpo_train(_overrides(tiny, full_dir, **steps))
+    full = _srpo_train(train_overrides(tiny, full_dir, **steps))
     out, _ = full.communicate(timeout=600)
     assert full.returncode == 0, out[-3000:]
 
-    proc = _srpo_train(_overrides(tiny, killed_dir, **steps))
+    proc = _srpo_train(train_overrides(tiny, killed_dir, **steps))
     latest = killed_dir / "checkpoints" / "latest"
     deadline = time.monotonic() + 600
     while not (latest.is_file() and latest.read_text().strip() == "step_000002"):
@@ -126,18 +101,18 @@ def test_sigkill_after_step_2_then_resume_matches_uninterrupted_run(tiny, tmp_pa
         time.sleep(0.05)
     proc.send_signal(signal.SIGKILL)
     proc.wait()
-    assert len(_metrics(killed_dir)) < 4, "the kill must interrupt the run"
-    resumed = _srpo_train(_overrides(tiny, killed_dir, **steps))
+    assert len(read_metrics(killed_dir)) < 4, "the kill must interrupt the run"
+    resumed = _srpo_train(train_overrides(tiny, killed_dir, **steps))
     out, _ = resumed.communicate(timeout=600)
     assert resumed.returncode == 0, out[-3000:]
 
-    ref = {r["step"]: r for r in _metrics(full_dir)}
-    got = {r["step"]: r for r in _metrics(killed_dir)}  # steps 1-2 (maybe 3) from the first process
+    ref = {r["step"]: r for r in read_metrics(full_dir)}
+    got = {r["step"]: r for r in read_metrics(killed_dir)}  # steps 1-2 (maybe 3) from the first process
     for step in (3, 4):
         for key in ("loss/total", "grad_norm", "reward/mean", "route/sdpo_frac", "teacher/entropy_mean"):
             assert got[step][key] == pytest.approx(ref[step][key], rel=1e-6, abs=1e-9), (step, key)
-    a = _export(full_dir / "checkpoints" / "step_000004", tmp_path / "hf_full")
-    b = _export(killed_dir / "checkpoints" / "step_000004", tmp_path / "hf_resumed")
+    a = export_hf(full_dir / "checkpoints" / "step_000004", tmp_path / "hf_full")
+    b = export_hf(killed_dir / "checkpoints" / "step_000004", tmp_path / "hf_resumed")
     for k in a:
         assert (a[k] - b[k]).abs().max().item() <= 1e-6, k
 
@@ -148,8 +123,8 @@ def test_tp2_checkpoint_resumes_at_tp1(tiny, tp2_run, tmp_path):
 
     run_dir = tmp_path / "resharded"
     shutil.copytree(tp2_run, run_dir)
-    run_distributed(_train_rank, 1, _overrides(tiny, run_dir, **{"train.steps": 4}), timeout=600)
-    rows = _metrics(run_dir)
+    run_distributed(train_rank, 1, train_overrides(tiny, run_dir, **{"train.steps": 4}), timeout=600)
+    rows = read_metrics(run_dir)
     assert [r["step"] for r in rows] == [1, 2, 3, 4]
     assert rows[-1]["logprob/gap_max"] < 1e-4, "the engine got the resumed TP1 weights"
     assert rows[-1]["train/skipped_steps"] == 0.0
@@ -168,12 +143,12 @@ def test_uneven_pipeline_stages_train_like_pp1(tmp_path):
     for pp in (1, 2):
         run_dir = tmp_path / f"pp{pp}"
         extra = {"train.steps": 2 if pp == 2 else 1, "parallel.pp": pp}
-        run_distributed(_train_rank, pp, _overrides(tiny3, run_dir, **extra), timeout=600)
-        rows[pp] = _metrics(run_dir)
+        run_distributed(train_rank, pp, train_overrides(tiny3, run_dir, **extra), timeout=600)
+        rows[pp] = read_metrics(run_dir)
     pp1, pp2 = rows[1][0], rows[2][0]
     assert pp1["reward/mean"] == pp2["reward/mean"], "same seed, same weights: same rollouts"
     assert pp1["loss/total"] == pytest.approx(pp2["loss/total"], abs=1e-5)
     assert pp1["grad_norm"] == pytest.approx(pp2["grad_norm"], rel=1e-4)
     assert all(r["logprob/gap_max"] < 1e-4 for r in rows[2]), "the engine got every stage's weights"
-    final = _export(tmp_path / "pp2" / "checkpoints" / "step_000002", tmp_path / "final")
+    final = export_hf(tmp_path / "pp2" / "checkpoints" / "step_000002", tmp_path / "final")
     assert final.keys() == load_file(str(hf / "model.safetensors")).keys()

@@ -13,7 +13,7 @@ from safetensors.torch import load_file
 
 from srpo_megatron.testing.distributed import run_distributed
 from srpo_megatron.trainer.step_types import METHOD_METRICS
-from tests.integration.test_train import _export, _metrics, _overrides, _train_rank
+from tests.helpers.train import export_hf, read_metrics, train_overrides, train_rank
 
 pytestmark = pytest.mark.packing
 
@@ -28,8 +28,8 @@ def tiny(tmp_path_factory):
 def test_two_srpo_steps_at_cp2(tiny, tmp_path):
     run_dir = tmp_path / "cp2"
     extra = {"parallel.cp": 2, "train.max_tokens_per_micro_batch": 256, "train.steps": 2}
-    run_distributed(_train_rank, 2, _overrides(tiny, run_dir, **extra), timeout=900)
-    rows = _metrics(run_dir)
+    run_distributed(train_rank, 2, train_overrides(tiny, run_dir, **extra), timeout=900)
+    rows = read_metrics(run_dir)
     assert [r["step"] for r in rows] == [1, 2]
     group = 4 * 4  # prompts_per_step × group_size of the recipe
     for r in rows:
@@ -40,7 +40,7 @@ def test_two_srpo_steps_at_cp2(tiny, tmp_path):
         assert r["logprob/gap_max"] < 1e-4, "engine and trainer must hold the same weights"
         assert r["train/skipped_steps"] == 0.0
     initial = load_file(str(tiny[1] / "model.safetensors"))
-    final = _export(run_dir / "checkpoints" / "step_000002", tmp_path / "final")
+    final = export_hf(run_dir / "checkpoints" / "step_000002", tmp_path / "final")
     assert initial.keys() == final.keys()
     moved = max((final[k] - initial[k]).abs().max().item() for k in initial)
     assert moved > 1e-4, "two optimizer steps must change the weights"

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from srpo_megatron.launch.experiment import JobCommand, srpo_train_command
-from tests.torchrun.launch import srpo_launch_argv
+from tests.helpers.torchrun import srpo_launch_argv
 
 pytestmark = pytest.mark.torchrun
 

@@ -13,7 +13,7 @@ import pytest
 
 from srpo_megatron.launch.experiment import JobCommand
 from srpo_megatron.rollout.sglang.transports import torchrun_worker_vars
-from tests.torchrun.launch import check, run_torchrun, srpo_launch_argv
+from tests.helpers.torchrun import check, run_torchrun, srpo_launch_argv
 
 pytestmark = pytest.mark.torchrun
 

@@ -1,5 +1,5 @@
 """`srpo train` as users run it: the torchrun line `srpo launch --cluster cluster/local.yaml` generates
-(``tests/torchrun/launch.py``), two SRPO steps of a tiny model per run.
+(``tests/helpers/torchrun.py``), two SRPO steps of a tiny model per run.
 
 - separate placement at world 2 (PP2, both stage senders broadcasting) into the stand-in SGLang server in
   this process, which the workers reach through ``SRPO_ENGINE_URLS`` as on a cluster (no
@@ -19,7 +19,7 @@ import yaml
 
 from srpo_megatron.config import apply_overrides, load_yaml
 from srpo_megatron.launch.experiment import srpo_train_command
-from tests.torchrun.launch import check, run_torchrun
+from tests.helpers.torchrun import check, run_torchrun
 
 pytestmark = pytest.mark.torchrun
 
@@ -90,7 +90,7 @@ def test_separate_placement_pp2_under_torchrun_broadcasts_into_the_server_and_fl
     and every sync ends with exactly one ``/flush_cache``, after its last bucket."""
     from transformers import AutoModelForCausalLM
 
-    from tests.unit.test_sglang_contract import SGLangStandInServer
+    from srpo_megatron.testing.sglang_standin import SGLangStandInServer
 
     server = SGLangStandInServer(AutoModelForCausalLM.from_pretrained(tiny[1]), tp_size=2)
     with torch.no_grad():

@@ -14,8 +14,7 @@ from srpo_megatron.conversion.safetensors_io import PlannedSafetensorsWriter, Sh
 from srpo_megatron.conversion.table import ConversionTable
 from srpo_megatron.conversion.torch_save_format import TorchSaveEnvelopes, envelope, tensor_bytes
 from srpo_megatron.models.architecture import Architecture
-from tests.unit.test_conversion_table import arch, random_hf
-from tests.unit.test_moe_table import CONFIG as MOE_CONFIG
+from tests.helpers.conversion import MOE_CONFIG, arch, random_hf
 
 
 @pytest.mark.parametrize("model_type", ["llama", "qwen2", "qwen3", "qwen3_moe"])

@@ -14,28 +14,8 @@ from srpo_megatron.conversion.table import (
     merge_tp_shards,
     split_tp_shard,
 )
-from srpo_megatron.models.architecture import Architecture, UnsupportedModelError
-
-BASE = dict(
-    hidden_size=8,
-    intermediate_size=6,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    vocab_size=130,
-    hidden_act="silu",
-    rms_norm_eps=1e-6,
-    rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
-)
-
-
-def arch(model_type: str, **kw) -> Architecture:
-    return Architecture.from_hf({**BASE, "model_type": model_type, **kw})
-
-
-def random_hf(table: ConversionTable, seed: int = 0) -> dict[str, torch.Tensor]:
-    g = torch.Generator().manual_seed(seed)
-    return {h: torch.randn(table.hf_shape(h), generator=g) for h in table.hf_names()}
+from srpo_megatron.models.architecture import UnsupportedModelError
+from tests.helpers.conversion import arch, random_hf
 
 
 def test_qkv_fusion_is_grouped_per_query_group_hand_worked():

@@ -226,7 +226,7 @@ def violations(root: Path, pending: dict[tuple[str, str], str] | None = None) ->
                 f"{head}: {a} (layer {index[a]}, {la.name}) may not import {b} (layer {index[b]}, "
                 f"{lb.name}, {side}); imports go down the layers: move what {a} needs into {a} or below"
             )
-    stdlib = sys.stdlib_module_names
+    stdlib = sys.stdlib_module_names | {"_typeshed"}  # typeshed: the standard library's typing-only names
     for module, name, where in external:
         key = _inner_leaf(module) if _inner_leaf(module) in THIRD_PARTY else room(module)
         allowed = THIRD_PARTY.get(key)

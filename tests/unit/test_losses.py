@@ -21,7 +21,7 @@ from srpo_megatron.losses import (
     topk_divergence,
 )
 from srpo_megatron.ops import log_probs, top_k
-from tests.unit.losses_reference import (
+from tests.helpers.losses_reference import (
     RefCfg,
     ref_bucket_probs,
     ref_divergence,
@@ -29,7 +29,7 @@ from tests.unit.losses_reference import (
     ref_routed_loss,
     rel_err,
 )
-from tests.unit.losses_scenario import build_batch, make_problem, ref_cfg
+from tests.helpers.losses_scenario import build_batch, make_problem, ref_cfg
 
 MODES = ["srpo", "grpo", "sdpo", "srpo_no_dw", "sdpo_incorrect_only", "sdpo_correct_only", "advantage_mix"]
 

@@ -25,7 +25,8 @@ pytestmark = pytest.mark.moe
 def test_hf_engine_reports_the_experts_of_every_forwarded_position():
     from srpo_megatron.rollout.hf_engine import HFEngine
     from srpo_megatron.rollout.routed_experts import hf_routed_experts
-    from tests.dist.test_moe import TOP_K, tiny_moe_model
+    from srpo_megatron.testing.tiny import TINY_MOE_TOP_K as TOP_K
+    from srpo_megatron.testing.tiny import tiny_moe_model
 
     model = tiny_moe_model(seed=3)
     engine = HFEngine(model, max_batch_size=4, eos_token_ids=[299])

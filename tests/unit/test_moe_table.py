@@ -7,28 +7,12 @@ import torch
 
 from srpo_megatron.conversion.table import ConversionTable, canonical_name, merge_tp_shards, split_tp_shard
 from srpo_megatron.models.architecture import Architecture, UnsupportedModelError
-
-CONFIG = {
-    "model_type": "qwen3_moe",
-    "vocab_size": 300,
-    "hidden_size": 64,
-    "intermediate_size": 96,
-    "moe_intermediate_size": 32,
-    "num_experts": 4,
-    "num_experts_per_tok": 2,
-    "norm_topk_prob": True,
-    "num_hidden_layers": 2,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "head_dim": 16,
-    "rope_theta": 1e6,
-    "decoder_sparse_step": 1,
-    "mlp_only_layers": [],
-}
+from srpo_megatron.testing.tiny import tiny_moe_model
+from tests.helpers.conversion import MOE_CONFIG
 
 
 def test_architecture_reads_moe_fields_and_rejects_dense_layers():
-    arch = Architecture.from_hf(CONFIG)
+    arch = Architecture.from_hf(MOE_CONFIG)
     assert (arch.num_experts, arch.moe_top_k, arch.moe_intermediate_size, arch.norm_topk_prob) == (
         4,
         2,
@@ -37,16 +21,16 @@ def test_architecture_reads_moe_fields_and_rejects_dense_layers():
     )
     assert arch.is_moe and arch.qk_norm
     # transformers 5's to_dict() spells the expert count num_local_experts.
-    renamed = {k: v for k, v in CONFIG.items() if k != "num_experts"} | {"num_local_experts": 4}
+    renamed = {k: v for k, v in MOE_CONFIG.items() if k != "num_experts"} | {"num_local_experts": 4}
     assert Architecture.from_hf(renamed).num_experts == 4
     with pytest.raises(UnsupportedModelError, match="mlp_only_layers"):
-        Architecture.from_hf(CONFIG | {"mlp_only_layers": [0]})
+        Architecture.from_hf(MOE_CONFIG | {"mlp_only_layers": [0]})
     with pytest.raises(UnsupportedModelError, match="num_experts_per_tok"):
-        Architecture.from_hf({k: v for k, v in CONFIG.items() if k != "num_experts_per_tok"})
+        Architecture.from_hf({k: v for k, v in MOE_CONFIG.items() if k != "num_experts_per_tok"})
 
 
 def test_expert_rows_use_global_indices_and_file_names():
-    table = ConversionTable(Architecture.from_hf(CONFIG))
+    table = ConversionTable(Architecture.from_hf(MOE_CONFIG))
     layer1 = "decoder.layers.1.mlp."
     assert table.hf_names_for(layer1 + "router.weight") == ("model.layers.1.mlp.gate.weight",)
     assert table.hf_names_for(layer1 + "experts.local_experts.3.linear_fc1.weight") == (
@@ -68,7 +52,7 @@ def test_rank_names_map_to_global_experts_for_sequential_and_grouped_experts():
 
 
 def test_expert_round_trip_and_etp_shards():
-    table = ConversionTable(Architecture.from_hf(CONFIG))
+    table = ConversionTable(Architecture.from_hf(MOE_CONFIG))
     name = "decoder.layers.0.mlp.experts.local_experts.2.linear_fc1.weight"
     gate, up = torch.randn(32, 64), torch.randn(32, 64)
     hf = dict(zip(table.hf_names_for(name), (gate, up), strict=True))
@@ -108,7 +92,6 @@ def test_routed_experts_from_sglang_payload_and_from_hf_router_logits():
         decode_sglang_routed_experts,
         hf_routed_experts,
     )
-    from tests.dist.test_moe import tiny_moe_model
 
     ids = np.arange(3 * 2 * 2, dtype=np.int32)
     payload = base64.b64encode(ids.tobytes()).decode()

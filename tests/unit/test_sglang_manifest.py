@@ -6,32 +6,11 @@ in-memory model rejects every MoE sync (issue 24, D5; planted below as ``in_memo
 from __future__ import annotations
 
 import pytest
-import torch
 
-from srpo_megatron.config import SGLangEngineConfig
 from srpo_megatron.rollout.base import EngineError
-from srpo_megatron.rollout.sglang.engine import SGLangEngine
 from srpo_megatron.rollout.sglang.protocol import hf_manifest
-from tests.unit.test_sglang_engine_memory import SGLangMemoryRules
-
-
-def in_memory_manifest(model_path: str) -> dict[str, tuple[int, ...]]:
-    """The planted defect: transformers' in-memory parameter names (the old ``protocol.hf_manifest``)."""
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_path))
-    return {name: tuple(p.shape) for name, p in model.named_parameters()}
-
-
-def file_tensors(folder) -> dict[str, torch.Tensor]:
-    from safetensors import safe_open
-
-    out = {}
-    for f in sorted(folder.glob("*.safetensors")):
-        with safe_open(f, framework="pt") as h:
-            out.update({k: h.get_tensor(k) for k in h.keys()})  # noqa: SIM118 - safe_open is not a dict
-    return out
+from tests.helpers.conversion import read_hf_tensors
+from tests.helpers.sglang import in_memory_manifest, sync_through_gate
 
 
 @pytest.fixture(scope="module")
@@ -48,17 +27,9 @@ def tiny_dense(tmp_path_factory):
     return write_tiny_qwen3(tmp_path_factory.mktemp("tiny_dense"))
 
 
-def sync_through_gate(model_path, stream, manifest=None) -> SGLangEngine:
-    """One full sync of ``stream`` into an SGLang engine whose manifest is built as in production."""
-    cfg = SGLangEngineConfig(mode="http", url="http://unused", model_path=str(model_path), bucket_bytes=2**20)
-    engine = SGLangEngine(cfg, transport=SGLangMemoryRules(), manifest=manifest, serializer=lambda d: "p")
-    engine.update_weights(stream, version=1)
-    return engine
-
-
 @pytest.mark.moe
 def test_moe_manifest_is_the_per_expert_file_names(tiny_moe):
-    files = file_tensors(tiny_moe)
+    files = read_hf_tensors(tiny_moe)
     manifest = hf_manifest(str(tiny_moe))
     assert manifest == {n: tuple(t.shape) for n, t in files.items()}
     assert "model.layers.1.mlp.experts.3.gate_proj.weight" in manifest
@@ -66,13 +37,13 @@ def test_moe_manifest_is_the_per_expert_file_names(tiny_moe):
 
 
 def test_dense_manifest_is_the_file_names(tiny_dense):
-    files = file_tensors(tiny_dense)
+    files = read_hf_tensors(tiny_dense)
     assert hf_manifest(str(tiny_dense)) == {n: tuple(t.shape) for n, t in files.items()}
 
 
 @pytest.mark.moe
 def test_moe_file_stream_passes_the_gate_and_the_in_memory_manifest_rejects_it(tiny_moe):
-    files = file_tensors(tiny_moe)  # what the trainer streams (tests/dist/test_sglang_moe_sync.py)
+    files = read_hf_tensors(tiny_moe)  # what the trainer streams (tests/dist/test_sglang_moe_sync.py)
     assert sync_through_gate(tiny_moe, files.items()).weight_version == 1
     with pytest.raises(EngineError, match=r"unexpected tensor model\.layers\.0\.mlp\.experts\.0\."):
         sync_through_gate(tiny_moe, files.items(), manifest=in_memory_manifest(str(tiny_moe)))

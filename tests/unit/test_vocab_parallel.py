@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from srpo_megatron.ops import append_tail, entropy, log_probs, token_stats, top_k
-from tests.unit.losses_reference import (
+from tests.helpers.losses_reference import (
     ref_bucket_probs,
     ref_entropy,
     ref_log_softmax,

