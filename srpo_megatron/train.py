@@ -1,11 +1,11 @@
 """``srpo train``: the SRPO loop (method §1); a step = generate → reward → route → score → train → EMA → sync.
 
-The torchrun (SPMD) job is the controller: global rank 0 hosts the rollout engine (the CPU transformers
-engine, or a client of SGLang engines) and the reward pool, and broadcasts the routed batch; every rank
-then scores its data-parallel share once (π_old, teacher) and takes ``train.mini_batches`` optimizer
-steps on it. A run resumes from the newest checkpoint of ``<run.dir>/checkpoints`` that verifies
-(``latest`` is a hint), refusing recipe changes the checkpoint fixes (trainer/resume.py). Checkpoints
-must come from a trusted source.
+The torchrun (SPMD) job is the controller: the engine hosts send their completions to global rank 0,
+which holds the reward pool, routes the batch and ships every rank its data-parallel share once; every
+rank then scores its share once (π_old, teacher) and takes ``train.mini_batches`` optimizer steps on it.
+What flows between the phases is typed in ``trainer/step_types.py``. A run resumes from the newest
+checkpoint of ``<run.dir>/checkpoints`` that verifies (``latest`` is a hint), refusing recipe changes the
+checkpoint fixes (trainer/resume.py). Checkpoints must come from a trusted source.
 """
 
 from __future__ import annotations
@@ -22,7 +22,6 @@ from srpo_megatron.models.architecture import load_hf_config_dict
 from srpo_megatron.parallel import destroy_model_parallel, initialize_model_parallel
 from srpo_megatron.rewards import register_reward, reward_target
 from srpo_megatron.rollout.factory import load_tokenizer
-from srpo_megatron.trainer.batches import rank_share
 from srpo_megatron.trainer.checkpoint import load_checkpoint, save_checkpoint
 from srpo_megatron.trainer.evaluation import BudgetClock, evaluate_policy
 from srpo_megatron.trainer.learning import learn
@@ -34,6 +33,7 @@ from srpo_megatron.trainer.rollouts import RolloutService
 from srpo_megatron.trainer.scoring import score_rollouts
 from srpo_megatron.trainer.stats import reduce_stats
 from srpo_megatron.trainer.step_metrics import gather_stats, step_metrics
+from srpo_megatron.trainer.step_types import TrainerState, merge_metrics
 
 
 def train(cfg: TrainConfig) -> dict:
@@ -56,50 +56,50 @@ def train(cfg: TrainConfig) -> dict:
     ckpt = resume_point(cfg, log)  # latest is a hint; refuses changed recipes and silent restarts
     policy = Policy(cfg, groups)
     rollouts = RolloutService(cfg, tokenizer, policy, groups)
-    # Version 1 = the starting weights; each training step's sync carries the next version.
-    step, version, history, clock = 0, 1, {"evals": [], "sdpo_fracs": []}, BudgetClock()
+    st = TrainerState()  # weight version 1 = the starting weights; each step's sync carries the next one
     if ckpt is not None:
         log(f"resuming from {ckpt}")
-        state = load_checkpoint(policy, ckpt, log)
-        step, version, history = state["step"], state["weight_version"], state["history"]
-        sampler.load_state_dict(state["sampler"])
-        clock = BudgetClock(state.get("budget_clock_s", 0.0))
+        st = TrainerState.from_checkpoint(load_checkpoint(policy, ckpt, log))
+        sampler.load_state_dict(st.sampler)
+    clock = BudgetClock(st.budget_clock_s)
     policy.offload.before_rollouts()  # parallel.offload_during_rollout (trainer/offload.py)
-    rollouts.sync(version)  # the engine serves exactly the trainer's weights from here on
-    logger = MetricsLogger(run_dir, cfg.run, total=cfg.train.steps, start=step) if rank0 else None
+    rollouts.sync(st.weight_version)  # the engine serves exactly the trainer's weights from here on
+    logger = MetricsLogger(run_dir, cfg.run, total=cfg.train.steps, start=st.step) if rank0 else None
     if rank0:
         (run_dir / "config.yaml").write_text(_yaml(to_dict(cfg)))
-    evaluate = lambda: history["evals"].append(  # noqa: E731
-        evaluate_policy(cfg, rollouts.eval_engine, tokenizer, run_dir, step, clock)
+    evaluate = lambda: st.evals.append(  # noqa: E731
+        evaluate_policy(cfg, rollouts.eval_engine, tokenizer, run_dir, st.step, clock)
     )
-    if cfg.train.eval_at_ends and cfg.train.eval_at_start and step == 0:
+    if cfg.train.eval_at_ends and cfg.train.eval_at_start and st.step == 0:
         evaluate()
-    while step < cfg.train.steps:
+    while st.step < cfg.train.steps:
         t0 = time.monotonic()
-        batch = rollouts.collect(
-            [train_set[i] for i in sampler.next_indices(cfg.rollout.prompts_per_step)], step
+        mine = rollouts.collect(  # this rank's DP share of the routed batch, and the batch's metrics
+            [train_set[i] for i in sampler.next_indices(cfg.rollout.prompts_per_step)], st.step
         )
         rollout_memory = policy.offload.after_rollouts()  # the engine released its memory: take it back
-        mine = rank_share(batch.samples, cfg.train.mini_batches, groups.dp_size, groups.dp_rank)
-        scored = score_rollouts(policy, mine)  # π_old, top-K ids, teacher: once, before any optimizer step
+        scored = score_rollouts(policy, mine.samples)  # π_old, top-K ids, teacher: once, before any step
         learned = learn(policy, scored, cfg.train.mini_batches)
         policy.update_teacher()
-        version += 1
+        st.weight_version += 1
+        version = st.weight_version
         policy.offload.before_rollouts()
         sync_s = rollouts.sync(version)
-        step += 1
+        st.step += 1
+        step = st.step
         stats = gather_stats(reduce_stats([scored.stats, learned]), groups.host)
-        metrics = step_metrics(batch, stats, sync_s, time.monotonic() - t0)
-        metrics["engine/restarts"] = float(rollouts.restarts)
-        metrics.update(rollout_memory)
-        history["sdpo_fracs"].append(metrics["route/sdpo_frac"])
+        metrics = merge_metrics(
+            step_metrics(mine, stats, sync_s, time.monotonic() - t0),
+            {"engine/restarts": float(rollouts.restarts)},
+            rollout_memory,
+        )
+        st.sdpo_fracs.append(metrics["route/sdpo_frac"])
         if rank0:
             logger.log(step, metrics)
         if cfg.eval.every_n_steps and step % cfg.eval.every_n_steps == 0 and step < cfg.train.steps:
             evaluate()
         if (cfg.run.save_every and step % cfg.run.save_every == 0) or step == cfg.train.steps:
-            state = {"weight_version": version, "sampler": sampler.state_dict(), "history": history}
-            state["budget_clock_s"] = clock.elapsed()
+            state = st.to_checkpoint(sampler.state_dict(), clock.elapsed())
             with rollouts.offloaded_for_save(policy.offload, version):  # the offloaded state back
                 save_checkpoint(policy, run_dir, step, state, cfg.run.keep_last)
     if cfg.train.eval_at_ends:
@@ -110,15 +110,15 @@ def train(cfg: TrainConfig) -> dict:
     destroy_model_parallel()
     return {
         "rank": dist.get_rank() if dist.is_initialized() else 0,
-        "summary": _summary(history, step, wall0),
+        "summary": _summary(st, wall0),
     }
 
 
-def _summary(history: dict, step: int, wall0: float) -> dict:
-    evals = [e for e in history["evals"] if e]
-    fracs = history["sdpo_fracs"]
+def _summary(st: TrainerState, wall0: float) -> dict:
+    evals = [e for e in st.evals if e]
+    fracs = st.sdpo_fracs
     return {
-        "steps": step,
+        "steps": st.step,
         "wall_time_s": round(time.monotonic() - wall0, 1),
         "before": evals[0] if len(evals) > 1 else None,
         "after": evals[-1] if evals else None,

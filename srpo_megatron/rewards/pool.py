@@ -38,8 +38,7 @@ class RewardResult:
         return {
             "reward/timeouts": float(self.num_timeouts),
             "reward/errors": float(self.num_errors),
-            "time/reward_s": self.seconds,
-        }
+        }  # the batch's reward seconds are the caller's ``time/reward_s`` (trainer/rollouts.py)
 
 
 def _check_value(value: object) -> float:

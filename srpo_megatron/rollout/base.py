@@ -34,8 +34,8 @@ class SamplingParams:
     seed: int | None = None  # makes a call reproducible when set
     prompt_offset: int = 0  # global index of prompts[0]: per-sample seeds follow the global prompt index,
     # so a prompt's samples do not depend on how prompts are split across engines
-    # MoE: report each token's routed experts in ``Completion.meta["routed_experts"]`` (rollout routing
-    # replay; SGLang needs ``--enable-return-routed-experts``). Ignored by dense models.
+    # MoE: report each token's routed experts in ``Completion.routed_experts`` (rollout routing replay;
+    # SGLang needs ``--enable-return-routed-experts``). Ignored by dense models.
     return_routed_experts: bool = False
 
 
@@ -55,10 +55,12 @@ class Completion:
     logprobs: list[float]  # log π_rollout(y_t | ...) at the sampling temperature, len == len(token_ids)
     finish_reason: FinishReason
     weight_version: int = 0  # weight version that produced this sample
-    # "routed_experts" (when requested from an MoE model): int tensor holding ``[P + R - 1, layers, top_k]``
-    # global expert ids (flat from SGLang), one row per position the engine forwarded: the prompt and every
-    # response token but the last, in SGLang's layout.
-    meta: dict = field(default_factory=dict)
+    # MoE, when ``SamplingParams.return_routed_experts``: int ``[P + R - 1, layers, top_k]`` global expert
+    # ids (flat ``[(P + R - 1) · layers · top_k]`` from SGLang), one row per position the engine forwarded:
+    # the prompt and every response token but the last, in SGLang's layout (``rollout/routed_experts.py``).
+    # None for dense models or when not requested.
+    routed_experts: torch.Tensor | None = None
+    meta: dict = field(default_factory=dict)  # engine-specific extras for logs (sample index, raw reason)
 
 
 @dataclass(frozen=True)

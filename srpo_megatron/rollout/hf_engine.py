@@ -24,7 +24,7 @@ that the log-prob semantics, seeding and stopping are ours to state and test:
   ``EngineError`` naming them and the old version keeps serving. Tied aliases (``lm_head.weight`` when
   tied to the embedding) are accepted but not required.
 - **Routed experts (MoE).** With ``params.return_routed_experts`` each completion's
-  ``meta["routed_experts"]`` holds the experts the HF model's routers chose (top-k of their router logits)
+  ``routed_experts`` holds the experts the HF model's routers chose (top-k of their router logits)
   at every forward the decode loop ran (prompt prefill, then one per fed-back token): int32
   ``[P + R - 1, layers, top_k]``, SGLang's layout (rollout routing replay, ``rollout/routed_experts.py``).
   They are read by forward hooks on the routers, not ``output_router_logits=True``, which makes the HF
@@ -389,12 +389,12 @@ class HFEngine:
             step_ids = next_ids[:, None]
             step_pos = step_pos[:, -1:] + 1
             mask = torch.cat([mask, mask.new_ones(bsz, 1)], dim=-1)
-        metas: list[dict] = [{"sample_index": j} for _, j in rows]
+        experts: list[torch.Tensor | None] = [None] * bsz
         if top_k:  # SGLang's layout: the prompt positions, then every response token but the last
             for r in range(bsz):
                 decoded = [routed[t][r, 0] for t in range(1, len(tokens[r]))]
                 prompt = routed[0][r, width - lengths[r] :]
-                metas[r]["routed_experts"] = torch.cat([prompt, *(d[None] for d in decoded)])
+                experts[r] = torch.cat([prompt, *(d[None] for d in decoded)])
         return [
             Completion(
                 prompt_index=i,
@@ -402,9 +402,10 @@ class HFEngine:
                 logprobs=logprobs[r],
                 finish_reason=finished[r] or "length",
                 weight_version=self._version,
-                meta=metas[r],
+                routed_experts=experts[r],
+                meta={"sample_index": j},
             )
-            for r, (i, _j) in enumerate(rows)
+            for r, (i, j) in enumerate(rows)
         ]
 
     def _moe_top_k(self) -> int:

@@ -25,7 +25,7 @@ import torch
 
 def compact_ids(ids: torch.Tensor) -> torch.Tensor:
     """Expert ids in the smallest integer dtype that holds them (uint8 below 256 experts, else int16/int32):
-    they travel to every trainer rank with the rollout batch."""
+    they travel to the trainer ranks of their DP share with the rollout batch."""
     top = int(ids.max()) if ids.numel() else 0
     dtype = torch.uint8 if top < 256 else torch.int16 if top < 32768 else torch.int32
     return ids.to(dtype)

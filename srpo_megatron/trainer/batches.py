@@ -4,7 +4,7 @@ Sequences are ``prompt + response`` right-padded to one length per pass (PP need
 t of a sample is the logit position that predicts response token t (logits at position p predict token
 p+1, so response token t sits at ``len(prompt) + t`` and its row is one earlier). Rows are taken from
 the ``[b, S, V/TP]`` logits shard with a ``[b, S]`` mask, in sample then position order, which is the
-order of the flat per-token tensors of ``losses.TokenBatch`` and of ``ScoredBatch.tokens``.
+order of the flat per-token tensors of ``losses.TokenBatch`` and of ``step_types.ScoredBatch.tokens``.
 
 Packing (``train.max_tokens_per_micro_batch`` > 0, see ``trainer/packing.py``): sequences are laid end
 to end in token-budget micro-batches (THD, ``PackedSeqParams``) instead; a micro-batch then holds tokens
@@ -13,7 +13,7 @@ With context parallelism (``parallel.cp`` > 1) a rank holds only its CP chunks `
 micro-batch's ``row_index`` says which of the members' rows those are (``trainer/context_parallel.py``).
 
 Device discipline: everything here is built once on the host (Python lists → tensors) and moved to the
-runtime's ``device`` once, at the hand-off (``make_micro_batches``, ``ScoredBatch.on``); the passes never
+runtime's ``device`` once, at the hand-off (``make_micro_batches``, ``sample_tokens``); the passes never
 create host tensors that reach the model or a collective.
 """
 
@@ -21,16 +21,13 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
 from srpo_megatron.losses import TokenBatch
 from srpo_megatron.trainer import packing
-from srpo_megatron.trainer.stats import StepStats
-
-if TYPE_CHECKING:  # rollouts ships batches through batch_shipping, which uses rank_share from here
-    from srpo_megatron.trainer.rollouts import Sample
+from srpo_megatron.trainer.step_types import Sample
 
 
 @dataclass(frozen=True)
@@ -211,53 +208,6 @@ def sample_tokens(samples: list[Sample], top_k: int, device: torch.device) -> To
         teacher=torch.zeros(t, dtype=torch.bool),
     )
     return host.to(device)
-
-
-@dataclass
-class ScoredBatch:
-    """This rank's share of one rollout batch after the scoring pass (method §3), ready for training.
-
-    samples: N samples, mini-batch-major (mini-batch j is ``samples[j·N/M : (j+1)·N/M]``).
-    offsets: N + 1 host ints; sample i owns rows ``[offsets[i], offsets[i + 1])`` of ``tokens``.
-    tokens: ``TokenBatch`` over T = Σ response lengths rows on the runtime's device, holding π_old [T],
-        the student's top-K ids [T, K] and the teacher's log-probs [T, K+1], entropy [T] and sampled-token
-        log-prob [T]. Only the last pipeline stage sees logits, so other stages hold None.
-    stats: the scoring pass's own stats (times, teacher forwards).
-    """
-
-    samples: list[Sample]
-    offsets: list[int]
-    tokens: TokenBatch | None
-    stats: StepStats
-
-    def select(self, start: int, end: int) -> ScoredBatch:
-        """Samples ``[start, end)`` with their rows (views of ``tokens``, no copies)."""
-        a, b = self.offsets[start], self.offsets[end]
-        return ScoredBatch(
-            self.samples[start:end],
-            [o - a for o in self.offsets[start : end + 1]],
-            None if self.tokens is None else self.tokens.slice(a, b),
-            StepStats(),
-        )
-
-    def mini_batches(self, m: int) -> list[ScoredBatch]:
-        """The ``m`` mini-batches (one optimizer step each) in order."""
-        k = len(self.samples) // m
-        return [self.select(j * k, (j + 1) * k) for j in range(m)]
-
-    def micro_tokens(self, members: list[int | None]) -> TokenBatch:
-        """Rows of a micro-batch's members in member order: views when they are consecutive (padded
-        micro-batches), else gathered (packed micro-batches take members out of order)."""
-        idx = [i for i in members if i is not None]
-        assert self.tokens is not None
-        if idx == list(range(idx[0], idx[-1] + 1)):
-            return self.tokens.slice(self.offsets[idx[0]], self.offsets[idx[-1] + 1])
-        return self.tokens.take(self.row_index(idx))
-
-    def row_index(self, members: list[int]) -> torch.Tensor:
-        """[R] rows of ``members`` (sample indices) in the flat layout, on the tokens' device."""
-        rows = [r for i in members for r in range(self.offsets[i], self.offsets[i + 1])]
-        return torch.tensor(rows, dtype=torch.long).to(self.tokens.mask.device)
 
 
 def rank_share(samples: list[Sample], mini_batches: int, dp_size: int, dp_rank: int) -> list[Sample]:

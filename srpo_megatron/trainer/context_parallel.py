@@ -33,7 +33,7 @@ import torch.distributed as dist
 from srpo_megatron.losses import TokenBatch
 from srpo_megatron.parallel import ParallelGroups
 from srpo_megatron.trainer.packing import pad_multiple
-from srpo_megatron.trainer.stats import SUM, StepStats
+from srpo_megatron.trainer.step_types import SUM, StepStats
 
 STUDENT_FIELDS = ("old_logp", "topk_ids")  # written by the student scoring pass
 TEACHER_FIELDS = ("teacher_logp", "teacher_entropy", "teacher_token_logp")  # written by the teacher pass

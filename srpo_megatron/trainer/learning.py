@@ -24,12 +24,13 @@ import torch.distributed as dist
 from srpo_megatron.losses import Normalizers, global_normalizers, routed_loss
 from srpo_megatron.models import performance as perf_choice
 from srpo_megatron.trainer import context_parallel as cpar
-from srpo_megatron.trainer.batches import ScoredBatch, micro_batches_for, student_sequences
+from srpo_megatron.trainer.batches import micro_batches_for, student_sequences
 from srpo_megatron.trainer.lockstep import lockstep
 from srpo_megatron.trainer.moe_replay import moe_replay_for
 from srpo_megatron.trainer.policy import Policy
 from srpo_megatron.trainer.schedule import run_schedule
-from srpo_megatron.trainer.stats import StepStats, reduce_stats
+from srpo_megatron.trainer.stats import reduce_stats
+from srpo_megatron.trainer.step_types import ScoredBatch, StepStats
 
 
 def learn(policy: Policy, scored: ScoredBatch, mini_batches: int) -> StepStats:

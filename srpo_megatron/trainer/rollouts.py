@@ -1,9 +1,10 @@
 """method §1 steps 1–4: rollouts, rewards, routing and the teacher's context, as one ``RolloutBatch``.
 
-Rollouts run data-parallel over every colocated engine (``RolloutService``); the completions are gathered
-on global rank 0, which scores and routes them, and ``batch_shipping.ship_batch`` ships the plain-Python
-result to every trainer rank, so all ranks agree on routing and advantages (an MoE batch's routed experts
-go to their DP share only).
+Rollouts run data-parallel over every colocated engine (``RolloutService``); each engine host sends its
+completions to global rank 0 only (``batch_shipping.gather_to_rank0``), rank 0 rewards and routes them
+(``route_rollouts``: every ``Sample`` built once, frozen), and ``batch_shipping.ship_shares`` sends each
+trainer rank its data-parallel share of the samples once, MoE routed experts included, with the batch's
+metrics. Routing and advantages are decided on rank 0 alone, so all ranks agree on them.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import os
 import re
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -24,41 +25,15 @@ from srpo_megatron.data.dataset import Prompt
 from srpo_megatron.data.templating import encode_text, template_text
 from srpo_megatron.losses import group_advantages, route, routing_masks
 from srpo_megatron.rewards.pool import RewardPool
-from srpo_megatron.rollout.base import EngineError, RolloutEngine, SamplingParams
+from srpo_megatron.rollout.base import Completion, EngineError, SamplingParams
 from srpo_megatron.rollout.placement import EngineLayout, engine_urls, separate_layout, split_prompts
 from srpo_megatron.rollout.routed_experts import compact_ids
-from srpo_megatron.trainer.batch_shipping import ship_batch
+from srpo_megatron.trainer.batch_shipping import broadcast_from_rank0, gather_to_rank0, ship_shares
 from srpo_megatron.trainer.offload import Offloader
+from srpo_megatron.trainer.step_types import METRICS, RolloutBatch, Sample, merge_metrics, reduce_values
 from srpo_megatron.weights.weight_sync import build_weight_sync
 
 _THINK = re.compile(r"<think>.*?</think>", re.DOTALL)
-
-
-@dataclass
-class Sample:
-    """One rollout y_i of prompt group ``group`` (index ``member`` in the group)."""
-
-    group: int
-    member: int
-    prompt_ids: list[int]
-    response_ids: list[int]
-    rollout_logp: list[float]  # the engine's log-prob of each sampled token (TIS)
-    reward: float = 0.0
-    advantage: float = 0.0
-    grpo: bool = True  # z^GRPO under the loss mode
-    sdpo: bool = False  # z^SDPO under the loss mode
-    needs_teacher: bool = False  # the teacher forward runs on this sample
-    teacher_prompt_ids: list[int] | None = None  # teacher context (sibling's solution), method §1.4
-    finish_reason: str = "stop"
-    # MoE: the engine's experts per forwarded position, [P + R - 1, layers, top_k] (or flat), small int
-    # dtype; None when the engine reported none. Replayed by the policy (trainer/moe_routing.py).
-    routed_experts: torch.Tensor | None = None
-
-
-@dataclass
-class RolloutBatch:
-    samples: list[Sample]
-    metrics: dict[str, float] = field(default_factory=dict)
 
 
 def clean_solution(text: str) -> str:
@@ -73,24 +48,6 @@ def teacher_prompt_ids(tokenizer: Any, prompt: Prompt, sibling_text: str, cfg: T
     )
     ids = encode_text(tokenizer, template_text(tokenizer, user, prompt.row.system, enable_thinking=False))
     return ids[: cfg.max_prompt_tokens]
-
-
-def collect_rollouts(
-    engine: RolloutEngine,
-    tokenizer: Any,
-    prompts: list[Prompt],
-    rollout: RolloutConfig,
-    loss: LossConfig,
-    teacher: TeacherConfig,
-    rewards: RewardPool,
-    seed: int,
-) -> RolloutBatch:
-    """Generate G rollouts per prompt, score, route and build teacher prompts (method §1 steps 1–4)."""
-    t0 = time.monotonic()
-    completions = engine.generate([list(p.ids) for p in prompts], sampling_params(rollout, seed))
-    return score_rollouts(
-        tokenizer, prompts, completions, rollout, loss, teacher, rewards, time.monotonic() - t0
-    )
 
 
 def sampling_params(rollout: RolloutConfig, seed: int, prompt_offset: int = 0) -> SamplingParams:
@@ -109,29 +66,27 @@ def sampling_params(rollout: RolloutConfig, seed: int, prompt_offset: int = 0) -
     )
 
 
-def score_rollouts(
+def route_rollouts(
     tokenizer: Any,
     prompts: list[Prompt],
-    completions: list[list[Any]],
+    completions: list[list[Completion]],
     rollout: RolloutConfig,
     loss: LossConfig,
     teacher: TeacherConfig,
     rewards: RewardPool,
     t_gen: float,
 ) -> RolloutBatch:
-    """Rewards, routing, advantages and teacher prompts for ``completions[prompt][sample]``."""
-    samples: list[Sample] = []
-    texts: list[str] = []
-    for g, (prompt, group) in enumerate(zip(prompts, completions, strict=True)):
-        for m, c in enumerate(group):
-            samples.append(Sample(g, m, list(prompt.ids), list(c.token_ids), list(c.logprobs)))
-            samples[-1].finish_reason = c.finish_reason
-            if c.meta.get("routed_experts") is not None:
-                samples[-1].routed_experts = compact_ids(c.meta["routed_experts"])
-            texts.append(tokenizer.decode(c.token_ids, skip_special_tokens=True))
+    """Rank 0: rewards, routing, advantages and teacher prompts for ``completions[prompt][sample]``; each
+    ``Sample`` is built once with all its fields, in prompt then member order."""
+    rows = [
+        (i, m, c)
+        for i, (_, group) in enumerate(zip(prompts, completions, strict=True))
+        for m, c in enumerate(group)
+    ]
+    texts = [tokenizer.decode(c.token_ids, skip_special_tokens=True) for _, _, c in rows]
     t1 = time.monotonic()
     scored = rewards.score(
-        [prompts[s.group].row.kind for s in samples], texts, [prompts[s.group].row.answer for s in samples]
+        [prompts[i].row.kind for i, _, _ in rows], texts, [prompts[i].row.answer for i, _, _ in rows]
     )
     t_reward = time.monotonic() - t1
     b, g = len(prompts), rollout.group_size
@@ -139,13 +94,29 @@ def score_rollouts(
     routing = route(r, loss.success_threshold)
     grpo, sdpo, needs_teacher = routing_masks(routing, loss.mode)
     adv = group_advantages(r, loss.std_normalize, loss.std_eps)
-    for s in samples:
-        i, j = s.group, s.member
-        s.reward, s.advantage = float(r[i, j]), float(adv[i, j])
-        s.grpo, s.sdpo, s.needs_teacher = bool(grpo[i, j]), bool(sdpo[i, j]), bool(needs_teacher[i, j])
-        if s.needs_teacher:
+    samples: list[Sample] = []
+    for i, j, c in rows:
+        context = None
+        if needs_teacher[i, j]:
             sib = int(routing.sibling[i, j])
-            s.teacher_prompt_ids = teacher_prompt_ids(tokenizer, prompts[i], texts[i * g + sib], teacher)
+            context = teacher_prompt_ids(tokenizer, prompts[i], texts[i * g + sib], teacher)
+        samples.append(
+            Sample(
+                i,
+                j,
+                list(prompts[i].ids),
+                list(c.token_ids),
+                list(c.logprobs),
+                reward=float(r[i, j]),
+                advantage=float(adv[i, j]),
+                grpo=bool(grpo[i, j]),
+                sdpo=bool(sdpo[i, j]),
+                needs_teacher=bool(needs_teacher[i, j]),
+                teacher_prompt_ids=context,
+                finish_reason=c.finish_reason,
+                routed_experts=None if c.routed_experts is None else compact_ids(c.routed_experts),
+            )
+        )
     n = len(samples)
     lengths = torch.tensor([len(s.response_ids) for s in samples], dtype=torch.float64)
     fallback = (~routing.correct & ~routing.has_teacher).double().mean().item()
@@ -164,18 +135,17 @@ def score_rollouts(
         "response/truncated_frac": sum(s.finish_reason == "length" for s in samples) / n,
         "time/generate_s": t_gen,
         "time/reward_s": t_reward,
-        **scored.metrics(),
     }
-    return RolloutBatch(samples, metrics)
+    return RolloutBatch(samples, merge_metrics(metrics, scored.metrics()))
 
 
 @dataclass
 class EngineShare:
-    """What one engine produced for a step (sent from its host to rank 0)."""
+    """What one engine produced for a step (sent from its host to rank 0 only)."""
 
     engine: int
     prompts: range  # global prompt indices it served
-    completions: list[list[Any]] | None = None  # [prompt][sample], None on failure
+    completions: list[list[Completion]] | None = None  # [prompt][sample], None on failure
     seconds: float = 0.0
     error: str = ""
 
@@ -189,7 +159,7 @@ class RolloutService:
     - ``collect`` (collective) splits the step's prompts across the engines (balanced, a prompt's G
       samples on one engine, per-sample seeds from the global prompt index: results do not depend on
       the number of engines), checks that all engines serve the same version, gathers the completions on
-      rank 0, scores and routes them there, and returns the same batch on every rank;
+      rank 0 only, rewards and routes them there, and returns each rank its DP share of the batch;
     - a failed engine is restarted alone (shut down, rebuilt on its host, resynced to the current version)
       and its prompts retried; a second failure stops the job naming the engine, its ranks and the version.
     """
@@ -324,30 +294,35 @@ class RolloutService:
         share.seconds = time.monotonic() - t0
         return share
 
-    def _gather(self, share: EngineShare | None) -> list[EngineShare]:
-        """Collective: every rank's share (None off the hosts) to every rank, hosts only, engine order."""
-        if self.layout.world_size == 1:
-            return [share] if share is not None else []
-        everyone: list[Any] = [None] * self.layout.world_size
-        dist.all_gather_object(everyone, share, group=self.host_group)
-        return [s for s in everyone if s is not None]
+    def _gather_shares(self, share: EngineShare | None) -> dict[int, EngineShare]:
+        """Collective: the engine hosts' shares on rank 0, by engine ({} elsewhere)."""
+        everyone = gather_to_rank0(share, self.host_group)
+        return {s.engine: s for s in everyone or [] if s is not None}
+
+    def _failures(self, shares: dict[int, EngineShare]) -> list[tuple[int, str]]:
+        """Collective: the engines whose share failed and why, from rank 0 to every rank (which then
+        restart them, resync and regenerate together)."""
+        failed = [(k, s.error) for k, s in sorted(shares.items()) if s.error] if self.rank0 else None
+        return broadcast_from_rank0(failed, self.host_group)
 
     def collect(self, prompts: list[Prompt], step: int) -> RolloutBatch:
-        """Collective: rollouts, rewards and routing for ``prompts`` (method §1 steps 1–4)."""
+        """Collective: rollouts, rewards and routing for ``prompts`` (method §1 steps 1–4); this rank's DP
+        share of the samples (``batches.rank_share``) and the whole batch's metrics."""
         self._check_versions()
         all_engines = set(range(self.layout.num_engines))
-        shares = {s.engine: s for s in self._gather(self._generate(prompts, step, all_engines))}
-        failed = sorted(k for k, s in shares.items() if s.error)
+        shares = self._gather_shares(self._generate(prompts, step, all_engines))
+        failed = self._failures(shares)
         if failed:
-            for k in failed if self.rank0 else []:
-                print(f"[srpo] {shares[k].error}", flush=True)
-            self._restart(failed, f"failed at step {step + 1}")
-            self.sync(self.version, targets=failed)
-            retried = {s.engine: s for s in self._gather(self._generate(prompts, step, set(failed)))}
-            again = [k for k in failed if retried[k].error]
+            for _, error in failed if self.rank0 else []:
+                print(f"[srpo] {error}", flush=True)
+            engines = [k for k, _ in failed]
+            self._restart(engines, f"failed at step {step + 1}")
+            self.sync(self.version, targets=engines)
+            retried = self._gather_shares(self._generate(prompts, step, set(engines)))
+            again = self._failures(retried)
             if again:
                 raise EngineError(
-                    "; ".join(f"{retried[k].error} (again after a restart; giving up)" for k in again)
+                    "; ".join(f"{error} (again after a restart; giving up)" for _, error in again)
                 )
             shares.update(retried)
         batch = None
@@ -355,12 +330,14 @@ class RolloutService:
             completions = [c for k in sorted(shares) for c in shares[k].completions]
             c = self.cfg
             t_gen = max(s.seconds for s in shares.values())
-            batch = score_rollouts(
+            batch = route_rollouts(
                 self.tokenizer, prompts, completions, c.rollout, c.loss, c.teacher, self.rewards, t_gen
             )
-            batch.metrics.update(engine_metrics(list(shares.values()), self.last_sync_s))
+            batch.metrics = merge_metrics(
+                batch.metrics, engine_metrics(list(shares.values()), self.last_sync_s)
+            )
         g = self.groups
-        return ship_batch(
+        return ship_shares(
             batch,
             dp_rank=g.dp_rank,
             dp_size=g.dp_size,
@@ -397,15 +374,17 @@ class RolloutService:
 
 def engine_metrics(shares: list[EngineShare], sync_s: float) -> dict[str, float]:
     """``rollout/*``: engine count, per-engine samples and response tokens (min, max), the slowest
-    engine's seconds, and the last weight sync's seconds."""
+    engine's seconds, and the last weight sync's seconds; each reduced over engines as declared."""
     samples = [sum(len(g) for g in s.completions) for s in shares]
     tokens = [sum(len(c.token_ids) for g in s.completions for c in g) for s in shares]
-    return {
-        "rollout/engines": float(len(shares)),
-        "rollout/samples_per_engine_min": float(min(samples)),
-        "rollout/samples_per_engine_max": float(max(samples)),
-        "rollout/response_tokens_per_engine_min": float(min(tokens)),
-        "rollout/response_tokens_per_engine_max": float(max(tokens)),
-        "rollout/engine_seconds_max": max(s.seconds for s in shares),
-        "rollout/sync_s": sync_s,
+    per_engine = {
+        "rollout/samples_per_engine_min": samples,
+        "rollout/samples_per_engine_max": samples,
+        "rollout/response_tokens_per_engine_min": tokens,
+        "rollout/response_tokens_per_engine_max": tokens,
+        "rollout/engine_seconds_max": [s.seconds for s in shares],
     }
+    out = {"rollout/engines": float(len(shares))}
+    out.update({name: reduce_values(METRICS[name].reduce, values) for name, values in per_engine.items()})
+    out["rollout/sync_s"] = sync_s
+    return out

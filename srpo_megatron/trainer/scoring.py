@@ -23,7 +23,6 @@ import torch
 from srpo_megatron.losses import score_student, score_teacher
 from srpo_megatron.trainer import context_parallel as cpar
 from srpo_megatron.trainer.batches import (
-    ScoredBatch,
     micro_batches_for,
     row_offsets,
     sample_tokens,
@@ -33,9 +32,9 @@ from srpo_megatron.trainer.batches import (
 from srpo_megatron.trainer.lockstep import lockstep
 from srpo_megatron.trainer.moe_replay import moe_replay_for
 from srpo_megatron.trainer.policy import Policy
-from srpo_megatron.trainer.rollouts import Sample
 from srpo_megatron.trainer.schedule import run_schedule
-from srpo_megatron.trainer.stats import StepStats, reduce_stats
+from srpo_megatron.trainer.stats import reduce_stats
+from srpo_megatron.trainer.step_types import Sample, ScoredBatch, StepStats
 
 
 @torch.no_grad()

@@ -1,7 +1,8 @@
 """Assemble one step's method §6 metrics on rank 0 from the rollout batch and every rank's ``StepStats``.
 
 The per-rank stats travel over the host (gloo) group as Python objects and are combined with
-``reduce_stats``, the same reduction the learning pass uses over mini-batches.
+``reduce_stats``, the same reduction the learning pass uses over mini-batches. Every name is declared, with
+its reduction, in ``step_types.METRICS``; ``merge_metrics`` refuses a name the batch already produced.
 """
 
 from __future__ import annotations
@@ -11,8 +12,8 @@ from typing import Any
 
 import torch.distributed as dist
 
-from srpo_megatron.trainer.rollouts import RolloutBatch
-from srpo_megatron.trainer.stats import StepStats, reduce_stats
+from srpo_megatron.trainer.stats import reduce_stats
+from srpo_megatron.trainer.step_types import RolloutBatch, StepStats, merge_metrics
 
 
 def gather_stats(stats: StepStats, host_group: Any = None) -> StepStats:
@@ -30,38 +31,35 @@ def step_metrics(batch: RolloutBatch, s: StepStats, sync_s: float, step_s: float
     sdpo, grpo = s.sdpo_tokens, s.grpo_tokens
     w_mean = s.w_tilde_sum / max(sdpo, 1.0)
     w_var = s.w_tilde_sq_sum / max(sdpo, 1.0) - w_mean**2
-    m = dict(batch.metrics)
-    m.update(
-        {
-            "loss/total": s.loss,
-            "loss/grpo": s.grpo_loss_sum / tokens,
-            "loss/sdpo": s.sdpo_loss_sum / tokens,
-            "loss/grpo_clip_frac": s.grpo_clipped_sum / max(grpo, 1.0),
-            "tokens/grpo_frac": grpo / tokens,
-            "tokens/sdpo_frac": sdpo / tokens,
-            "tokens/total": tokens,
-            "teacher/entropy_mean": s.teacher_entropy_sum / max(sdpo, 1.0),
-            "teacher/divergence_mean": s.divergence_sum / max(sdpo, 1.0),
-            "samples/teacher_forward": s.teacher_runs,
-            "dw/w_tilde_mean": w_mean,
-            "dw/w_tilde_std": math.sqrt(max(w_var, 0.0)),
-            "grad_norm": s.grad_norm_sum / s.optimizer_steps if s.optimizer_steps else math.nan,
-            "train/skipped_steps": s.skipped,
-            "train/lr": s.lr,
-            "logprob/gap_mean": s.rollout_logp_gap_sum / tokens,
-            "logprob/gap_max": s.rollout_logp_gap_max,
-            "time/score_s": s.score_s,
-            "time/teacher_s": s.teacher_s,
-            "time/train_s": s.train_s,
-            "time/weight_sync_s": sync_s,
-            "time/step_s": step_s,
-            "perf/tokens_per_s": tokens / max(step_s, 1e-9),
-        }
-    )
+    m = {
+        "loss/total": s.loss,
+        "loss/grpo": s.grpo_loss_sum / tokens,
+        "loss/sdpo": s.sdpo_loss_sum / tokens,
+        "loss/grpo_clip_frac": s.grpo_clipped_sum / max(grpo, 1.0),
+        "tokens/grpo_frac": grpo / tokens,
+        "tokens/sdpo_frac": sdpo / tokens,
+        "tokens/total": tokens,
+        "teacher/entropy_mean": s.teacher_entropy_sum / max(sdpo, 1.0),
+        "teacher/divergence_mean": s.divergence_sum / max(sdpo, 1.0),
+        "samples/teacher_forward": s.teacher_runs,
+        "dw/w_tilde_mean": w_mean,
+        "dw/w_tilde_std": math.sqrt(max(w_var, 0.0)),
+        "grad_norm": s.grad_norm_sum / s.optimizer_steps if s.optimizer_steps else math.nan,
+        "train/skipped_steps": s.skipped,
+        "train/lr": s.lr,
+        "logprob/gap_mean": s.rollout_logp_gap_sum / tokens,
+        "logprob/gap_max": s.rollout_logp_gap_max,
+        "time/score_s": s.score_s,
+        "time/teacher_s": s.teacher_s,
+        "time/train_s": s.train_s,
+        "time/weight_sync_s": sync_s,
+        "time/step_s": step_s,
+        "perf/tokens_per_s": tokens / max(step_s, 1e-9),
+    }
     if s.moe:  # MoE policies: routing of the scoring pass (trainer/moe_routing.py)
         m["moe/expert_load_max_over_mean"] = s.moe_expert_load
         m["moe/router_entropy"] = s.moe_router_entropy
         if s.moe_compared:
             m["moe/topk_mismatch_share"] = s.moe_topk_mismatch
             m["moe/router_disagreement_share"] = s.moe_router_disagreement
-    return m
+    return merge_metrics(batch.metrics, m)

@@ -49,7 +49,7 @@ def tiny(tmp_path_factory):
 def _samples():
     """The packed == padded test's samples plus one SDPO sample whose teacher sequence (26-token teacher
     prompt, 1 response token) fills a micro-batch alone: one CP rank holds none of its response rows."""
-    from srpo_megatron.trainer.rollouts import Sample
+    from srpo_megatron.trainer.step_types import Sample
 
     extra = Sample(
         2,

@@ -44,7 +44,7 @@ def tiny(tmp_path_factory):
 
 
 def _samples(dp_rank: int, step: int):
-    from srpo_megatron.trainer.rollouts import Sample
+    from srpo_megatron.trainer.step_types import Sample
 
     g = torch.Generator().manual_seed(100 * step + dp_rank)
     out = []

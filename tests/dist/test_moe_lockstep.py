@@ -35,7 +35,7 @@ def tiny(tmp_path_factory):
 
 
 def _grpo_samples():
-    from srpo_megatron.trainer.rollouts import Sample
+    from srpo_megatron.trainer.step_types import Sample
 
     g = torch.Generator().manual_seed(11)
     out = []

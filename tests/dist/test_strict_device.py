@@ -34,15 +34,26 @@ def tiny_moe(tmp_path_factory):
 
 def _samples(n: int = 8):
     """Routed samples: odd members succeed (GRPO), even members take SDPO with a teacher context."""
-    from srpo_megatron.trainer.rollouts import Sample
+    from srpo_megatron.trainer.step_types import Sample
 
     out = []
     for m in range(n):
         sdpo = m % 2 == 0
-        s = Sample(m // 4, m % 4, [1, 2, 3], [4 + m, 5, 6], [-1.0] * 3, advantage=0.5 if sdpo else -0.5)
-        s.grpo, s.sdpo, s.needs_teacher = not sdpo, sdpo, sdpo
-        s.teacher_prompt_ids = [1, 7, 8, 9, 3] if sdpo else None
-        out.append(s)
+        teacher = [1, 7, 8, 9, 3] if sdpo else None
+        out.append(
+            Sample(
+                m // 4,
+                m % 4,
+                [1, 2, 3],
+                [4 + m, 5, 6],
+                [-1.0] * 3,
+                advantage=0.5 if sdpo else -0.5,
+                grpo=not sdpo,
+                sdpo=sdpo,
+                needs_teacher=sdpo,
+                teacher_prompt_ids=teacher,
+            )
+        )
     return out
 
 

@@ -27,7 +27,7 @@ def tiny(tmp_path_factory):
 
 
 def _samples(n: int):
-    from srpo_megatron.trainer.rollouts import Sample
+    from srpo_megatron.trainer.step_types import Sample
 
     g = torch.Generator().manual_seed(3)
     out = []

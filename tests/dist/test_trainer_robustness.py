@@ -25,8 +25,8 @@ def _nonfinite_step(rank, world, tiny, run_dir):
     from srpo_megatron.parallel import initialize_model_parallel
     from srpo_megatron.trainer.learning import train_mini_batch
     from srpo_megatron.trainer.policy import Policy
-    from srpo_megatron.trainer.rollouts import Sample
     from srpo_megatron.trainer.scoring import score_rollouts
+    from srpo_megatron.trainer.step_types import Sample
 
     cfg = tiny_config(tiny, run_dir, ["loss.mode=grpo"])
     groups = initialize_model_parallel(1, 1, seed=1)
@@ -71,8 +71,8 @@ def _teacher_update(rank, world, tiny, run_dir, kind):
     from srpo_megatron.parallel import initialize_model_parallel
     from srpo_megatron.trainer.learning import learn
     from srpo_megatron.trainer.policy import Policy
-    from srpo_megatron.trainer.rollouts import Sample
     from srpo_megatron.trainer.scoring import score_rollouts
+    from srpo_megatron.trainer.step_types import Sample
 
     cfg = tiny_config(tiny, run_dir, [f"teacher.kind={kind}", "teacher.ema_alpha=0.25"])
     groups = initialize_model_parallel(1, 1, seed=1)

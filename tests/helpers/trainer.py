@@ -52,7 +52,7 @@ def tiny_policy(tiny, run_dir, extra):
 
 
 def tiny_samples(rank: int, step: int):
-    from srpo_megatron.trainer.rollouts import Sample
+    from srpo_megatron.trainer.step_types import Sample
 
     g = torch.Generator().manual_seed(1000 * step + rank)
     out = []
@@ -71,7 +71,7 @@ def tiny_step(policy, rank: int, step: int) -> None:
 
 
 def packing_samples():
-    from srpo_megatron.trainer.rollouts import Sample
+    from srpo_megatron.trainer.step_types import Sample
 
     g = torch.Generator().manual_seed(7)
     out = []

@@ -22,7 +22,7 @@ import pytest
 from safetensors.torch import load_file
 
 from srpo_megatron.testing.distributed import run_distributed
-from srpo_megatron.trainer.metrics import METHOD_METRICS
+from srpo_megatron.trainer.step_types import METHOD_METRICS
 from tests.helpers.train import export_hf, read_metrics, train_overrides, train_rank
 
 REPO = Path(__file__).resolve().parents[2]

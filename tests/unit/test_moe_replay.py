@@ -36,12 +36,12 @@ def test_hf_engine_reports_the_experts_of_every_forwarded_position():
     for i, group in enumerate(out):
         for c in group:
             ids = prompts[i] + c.token_ids
-            got = c.meta["routed_experts"]
+            got = c.routed_experts
             assert got.dtype == torch.int32 and got.shape == (len(ids) - 1, 2, TOP_K)
             want = hf_routed_experts(model, torch.tensor([ids[:-1]]), TOP_K)
             assert torch.equal(got.long().sort(-1).values, want), f"prompt {i}"
     plain = engine.generate(prompts, SamplingParams(n=2, max_new_tokens=5, seed=11))
-    assert "routed_experts" not in plain[0][0].meta
+    assert plain[0][0].routed_experts is None
     assert [c.token_ids for c in plain[0]] == [c.token_ids for c in out[0]], "reporting changes nothing"
 
 
@@ -178,4 +178,4 @@ def test_sglang_request_asks_for_routed_experts_and_the_reply_is_decoded():
         "routed_experts": base64.b64encode(ids.tobytes()).decode(),
     }
     [[c]] = parse_generate_response([{"meta_info": meta}], rows, 1, weight_version=0)
-    assert c.meta["routed_experts"].tolist() == ids.tolist()
+    assert c.routed_experts.tolist() == ids.tolist()

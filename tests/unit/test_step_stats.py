@@ -7,7 +7,8 @@ import dataclasses
 import pytest
 import torch
 
-from srpo_megatron.trainer.stats import MAX, SUM, StepStats, reduce_stats
+from srpo_megatron.trainer.stats import reduce_stats
+from srpo_megatron.trainer.step_types import MAX, SUM, StepStats
 
 
 def test_every_field_declares_sum_or_max():

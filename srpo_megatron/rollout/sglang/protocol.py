@@ -229,9 +229,7 @@ def parse_generate_response(
                 "the engine serves other weights than the trainer synced"
             )
         finish = parse_finish_reason(meta)
-        extra = {}
-        if meta.get("routed_experts"):  # base64 int32 [P + R - 1, layers, top_k], flat here
-            extra["routed_experts"] = decode_sglang_routed_experts(meta["routed_experts"])
+        routed = meta.get("routed_experts")  # base64 int32 [P + R - 1, layers, top_k], flat here
         result[i].append(
             Completion(
                 prompt_index=i,
@@ -239,7 +237,8 @@ def parse_generate_response(
                 logprobs=logprobs,
                 finish_reason=finish,  # type: ignore[arg-type]
                 weight_version=weight_version,
-                meta={"sample_index": j, "finish_reason": meta.get("finish_reason"), **extra},
+                routed_experts=decode_sglang_routed_experts(routed) if routed else None,
+                meta={"sample_index": j, "finish_reason": meta.get("finish_reason")},
             )
         )
     return result
