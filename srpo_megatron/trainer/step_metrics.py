@@ -56,7 +56,7 @@ def step_metrics(batch: RolloutBatch, s: StepStats, sync_s: float, step_s: float
         "time/step_s": step_s,
         "perf/tokens_per_s": tokens / max(step_s, 1e-9),
     }
-    if s.moe:  # MoE policies: routing of the scoring pass (trainer/moe_routing.py)
+    if s.moe:  # MoE policies: routing of the scoring pass (trainer/moe_replay.py)
         m["moe/expert_load_max_over_mean"] = s.moe_expert_load
         m["moe/router_entropy"] = s.moe_router_entropy
         if s.moe_compared:

@@ -75,7 +75,7 @@ class Sample:
     teacher_prompt_ids: list[int] | None = None  # teacher context (sibling's solution), method §1.4
     finish_reason: str = "stop"
     # MoE: the engine's experts per forwarded position, [P + R - 1, layers, top_k] (or flat), small int
-    # dtype; None when the engine reported none. Replayed by the policy (trainer/moe_routing.py).
+    # dtype; None when the engine reported none. Replayed by the policy (trainer/moe_replay.py).
     routed_experts: torch.Tensor | None = None
 
 
@@ -180,7 +180,7 @@ class StepStats:
     score_s: float = _stat(MAX)  # scoring pass (student), seconds
     teacher_s: float = _stat(MAX)  # teacher scoring, seconds
     train_s: float = _stat(MAX)  # training pass (all mini-batches), seconds
-    # MoE routing metrics of the scoring pass (trainer/moe_routing.py): already reduced over all ranks, so
+    # MoE routing metrics of the scoring pass (trainer/moe_replay.py): already reduced over all ranks, so
     # every rank reports the same value (MAX). moe = 1 marks an MoE policy, moe_compared = 1 that the
     # engine reported experts (the two top-k shares are only defined then).
     moe: float = _stat(MAX)  # 1 for an MoE policy
