@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-from srpo_megatron.config import TrainConfig, load_recipe, to_dict
+from srpo_megatron.config import TrainConfig, to_dict
 from srpo_megatron.data.dataset import EpochSampler, build_datasets
 from srpo_megatron.models.architecture import load_hf_config_dict
 from srpo_megatron.parallel import destroy_model_parallel, initialize_model_parallel
@@ -130,7 +130,3 @@ def _yaml(data: dict) -> str:
     import yaml
 
     return yaml.safe_dump(data, sort_keys=False)
-
-
-def main(recipe: str, overrides: list[str]) -> dict:
-    return train(load_recipe(recipe, overrides))
