@@ -80,6 +80,18 @@ class RolloutConfig:
     # MoE: the engine reports each token's experts and the policy's scoring and training passes replay them
     # (rollout routing replay, "R3"; the EMA teacher is not replayed). Needs an MoE model.
     routing_replay: bool = False
+    # Off-policy rollouts (separate placement only): the engines generate the batches of up to N steps
+    # ahead while the trainer trains (0 = on-policy, today's synchronous step). A sample whose weight
+    # version is more than N behind the trainer's when it would be trained is dropped (async/dropped_stale).
+    off_policy_steps: int = 0
+    # Partial rollouts (needs off_policy_steps >= 1): a generation unfinished at a weight sync is aborted,
+    # kept, and continued with the new weights; every token records the version that generated it.
+    partial: bool = False
+    # Dynamic sampling (DAPO): keep only groups that carry signal (for SRPO: mixed groups, some correct and
+    # some not), drawing more prompts, up to max_sampling_rounds rounds per step, until prompts_per_step
+    # such groups are complete.
+    dynamic_sampling: bool = False
+    max_sampling_rounds: int = 4
 
     def __post_init__(self) -> None:
         if self.prompts_per_step < 1 or self.group_size < 2:
@@ -161,6 +173,27 @@ class RolloutConfig:
             )
         if self.gpus_per_engine < 0:
             raise ConfigError(f"rollout.gpus_per_engine={self.gpus_per_engine} must be >= 0 (0 = engine TP)")
+        if self.off_policy_steps < 0:
+            raise ConfigError(
+                f"rollout.off_policy_steps={self.off_policy_steps} must be >= 0 (0 = on-policy, 1 = one "
+                "step off, N = up to N steps off)"
+            )
+        if self.off_policy_steps and self.placement == "colocated":
+            raise ConfigError(
+                f"rollout.off_policy_steps={self.off_policy_steps} needs rollout.placement: separate: "
+                "colocated engines share the trainer's GPUs, so generation and training cannot overlap; "
+                "set rollout.off_policy_steps: 0, or use placement separate with rollout.engine_nodes"
+            )
+        if self.partial and not self.off_policy_steps:
+            raise ConfigError(
+                "rollout.partial=true needs rollout.off_policy_steps >= 1: only an off-policy run syncs "
+                "weights while generations are unfinished; set off_policy_steps (e.g. 1) or partial: false"
+            )
+        if self.max_sampling_rounds < 1:
+            raise ConfigError(
+                f"rollout.max_sampling_rounds={self.max_sampling_rounds} must be >= 1 (rounds of prompts "
+                "drawn per step when rollout.dynamic_sampling is on)"
+            )
 
     def engine_size(self) -> int:
         """Trainer ranks (devices) per colocated engine: ``gpus_per_engine`` or the engine's TP size."""

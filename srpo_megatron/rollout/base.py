@@ -54,7 +54,10 @@ class Completion:
     token_ids: list[int]
     logprobs: list[float]  # log π_rollout(y_t | ...) at the sampling temperature, len == len(token_ids)
     finish_reason: FinishReason
-    weight_version: int = 0  # weight version that produced this sample
+    weight_version: int = 0  # weight version the engine served when the sample was dispatched
+    # Partial rollouts: the version that generated each token (len == len(token_ids)); None = every token
+    # is ``weight_version``'s (an uninterrupted generation).
+    token_versions: list[int] | None = None
     # MoE, when ``SamplingParams.return_routed_experts``: int ``[P + R - 1, layers, top_k]`` global expert
     # ids (flat ``[(P + R - 1) · layers · top_k]`` from SGLang), one row per position the engine forwarded:
     # the prompt and every response token but the last, in SGLang's layout (``rollout/routed_experts.py``).

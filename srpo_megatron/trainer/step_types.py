@@ -77,6 +77,12 @@ class Sample:
     # MoE: the engine's experts per forwarded position, [P + R - 1, layers, top_k] (or flat), small int
     # dtype; None when the engine reported none. Replayed by the policy (trainer/moe_replay.py).
     routed_experts: torch.Tensor | None = None
+    # Off-policy bookkeeping (trainer/off_policy.py): a run-unique id (``dispatch/prompt/member``: the
+    # resume tests count samples by it), the weight version the engine served when the sample was
+    # dispatched (its oldest token's), and, for partial rollouts, each response token's version.
+    uid: str = ""
+    weight_version: int = 0
+    token_versions: list[int] | None = None
 
 
 @dataclass
@@ -312,6 +318,16 @@ METRICS: dict[str, Metric] = _declare(
     _M("rollout/engine_seconds_max", MAX, "the slowest engine's generation seconds"),
     _M("rollout/sync_s", LAST, "seconds of the weight sync before this step's rollouts"),
     _M("engine/restarts", LAST, "engines restarted since the run started"),
+    # off-policy rollouts, partial rollouts and dynamic sampling (trainer/off_policy.py)
+    _M("async/staleness_mean", MEAN, "trainer version minus each trained sample's version, mean"),
+    _M("async/staleness_max", MAX, "trainer version minus the oldest trained sample's version"),
+    _M("async/dropped_stale", SUM, "samples dropped this step: staler than rollout.off_policy_steps"),
+    _M("async/partial_share", MEAN, "share of trained samples whose tokens span several weight versions"),
+    _M("async/engine_idle_share", MEAN, "share of the step's engine-seconds the engines were idle"),
+    _M("async/trainer_idle_share", MEAN, "share of the step the trainer waited for rollouts"),
+    _M("sampling/rounds", SUM, "rounds of prompts dispatched for this step's batch (dynamic sampling)"),
+    _M("sampling/kept_groups", SUM, "groups kept for this step's batch (mixed: some correct, some not)"),
+    _M("sampling/dropped_groups", SUM, "groups dropped by dynamic sampling (all correct or all wrong)"),
     # the scoring and learning passes, reduced over ranks (trainer/step_metrics.step_metrics)
     _M("loss/total", SUM, "the objective L, summed over mini-batches", method=True),
     _M("loss/grpo", MEAN, "GRPO loss per response token", method=True),
