@@ -464,14 +464,14 @@ class RolloutService:
             self.pool.add(d, [c for k in sorted(shares) for c in shares[k].completions])
             self._unreported.extend(shares[k] for k in sorted(shares))
 
-    def _decide(self, trainer_version: int, t_gen: float) -> tuple[bool, RolloutBatch | None]:
+    def _decide(self, n: int, trainer_version: int, t_gen: float) -> tuple[bool, RolloutBatch | None]:
         """Collective: rank 0 tries to take a batch from the pool; every rank learns whether it did
         (rank 0 gets the batch itself)."""
         batch = None
         if self.rank0:
             assert self.pool is not None
             r = self.cfg.rollout
-            batch = self.pool.take(r.prompts_per_step, trainer_version, r.off_policy_steps, t_gen)
+            batch = self.pool.take(n, trainer_version, r.off_policy_steps, t_gen)
         return broadcast_from_rank0(batch is not None if self.rank0 else None, self.host_group), batch
 
     def _pooled(self) -> int:
@@ -479,16 +479,21 @@ class RolloutService:
         return broadcast_from_rank0(len(self.pool) if self.rank0 else None, self.host_group)
 
     def next_batch(
-        self, draw: Callable[[int], list[Prompt]], step: int, trainer_version: int
+        self,
+        draw: Callable[[int], list[Prompt]],
+        step: int,
+        trainer_version: int,
+        prompts_per_batch: int | None = None,
     ) -> RolloutBatch:
         """Collective: this rank's DP share of the routed batch that trains step ``step`` (method §1 steps
         1–4), and the batch's metrics. ``draw(n)`` gives the next ``n`` prompts of the data order (every
         rank draws the same). Up to ``rollout.off_policy_steps`` rounds beyond this step's stay in flight
-        on the engines; a sample staler than that bound is dropped (counted), never trained."""
+        on the engines; a sample staler than that bound is dropped (counted), never trained. A batch (and a
+        round) holds ``prompts_per_batch`` groups, default ``rollout.prompts_per_step``."""
         self._check_versions()
         self._step = step
         r = self.cfg.rollout
-        b = r.prompts_per_step
+        b = prompts_per_batch or r.prompts_per_step
         pending = lambda: sum(len(d.prompts) for d in self.pending)  # noqa: E731
         supply = self._pooled() + pending()
         while supply < (r.off_policy_steps + 1) * b:  # keep N rounds in flight beyond this step's
@@ -496,7 +501,7 @@ class RolloutService:
             supply += b
         rounds = 0
         while True:
-            ready, batch = self._decide(trainer_version, _generation_seconds(self._unreported))
+            ready, batch = self._decide(b, trainer_version, _generation_seconds(self._unreported))
             if ready:
                 break
             if not self.pending:
@@ -521,7 +526,7 @@ class RolloutService:
     def collect(self, prompts: list[Prompt], step: int) -> RolloutBatch:
         """Collective: one round of exactly ``prompts``, routed (the on-policy step; tests and tools)."""
         given = [prompts]
-        return self.next_batch(lambda n: given.pop(), step, self.version)
+        return self.next_batch(lambda n: given.pop(), step, self.version, len(prompts))
 
     def drain(self) -> None:
         """Collective: receive every dispatched round into rank 0's pool (before a checkpoint: the pool
