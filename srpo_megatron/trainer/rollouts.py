@@ -229,10 +229,41 @@ class _InterimPool:
         return batch
 
     def state_dict(self) -> dict:
-        return {}
+        def completion(c: Completion) -> dict:
+            out = dataclasses.asdict(c)
+            out["meta"] = {}
+            return out
+
+        return {
+            "groups": [
+                {
+                    "dispatch": d,
+                    "index": i,
+                    "prompt": {
+                        "ids": list(p.ids),
+                        "row": dataclasses.asdict(p.row),
+                        "truncated": p.truncated,
+                    },
+                    "completions": [completion(c) for c in g],
+                }
+                for d, i, p, g in self.groups
+            ],
+            "dropped_stale": self.dropped_stale,
+        }
 
     def load_state_dict(self, state: dict) -> None:
-        pass
+        from srpo_megatron.data.rows import Row
+
+        self.groups = [
+            (
+                g["dispatch"],
+                g["index"],
+                Prompt(tuple(g["prompt"]["ids"]), Row(**g["prompt"]["row"]), g["prompt"]["truncated"]),
+                [Completion(**c) for c in g["completions"]],
+            )
+            for g in state["groups"]
+        ]
+        self.dropped_stale = state["dropped_stale"]
 
 
 class RolloutService:
@@ -284,7 +315,7 @@ class RolloutService:
         self.pending: collections.deque[Dispatch] = collections.deque()  # dispatched, not yet received
         self.next_dispatch = 0
         self._step = 0  # the step whose batch is being assembled (for messages)
-        self._unreported: list[EngineShare] = []  # received shares not yet in a batch's metrics
+        self._unreported: list[RoundFigures] = []  # received rounds not yet in a batch's metrics
         self.version = 0
         self.restarts = 0
         self.last_sync_s = 0.0
@@ -462,7 +493,7 @@ class RolloutService:
         if self.rank0:
             assert self.pool is not None
             self.pool.add(d, [c for k in sorted(shares) for c in shares[k].completions])
-            self._unreported.extend(shares[k] for k in sorted(shares))
+            self._unreported.extend(RoundFigures.of(shares[k]) for k in sorted(shares))
 
     def _decide(self, n: int, trainer_version: int, t_gen: float) -> tuple[bool, RolloutBatch | None]:
         """Collective: rank 0 tries to take a batch from the pool; every rank learns whether it did
@@ -539,13 +570,19 @@ class RolloutService:
         """Collective: receive every round in flight (``drain``), then rank 0's pool state for the checkpoint
         (None elsewhere)."""
         self.drain()
-        return self.pool.state_dict() if self.pool is not None else None
+        if self.pool is None:
+            return None
+        return {
+            "pool": self.pool.state_dict(),
+            "rounds": [dataclasses.asdict(f) for f in self._unreported],  # reported with the next batch
+        }
 
-    def load_buffer_state(self, next_dispatch: int, pool: dict | None) -> None:
+    def load_buffer_state(self, next_dispatch: int, state: dict | None) -> None:
         """After a resume: the next round's number and (rank 0) the pool's saved rollouts, trained next."""
         self.next_dispatch = next_dispatch
-        if self.pool is not None and pool is not None:
-            self.pool.load_state_dict(pool)
+        if self.pool is not None and state is not None:
+            self.pool.load_state_dict(state["pool"])
+            self._unreported = [RoundFigures(**f) for f in state["rounds"]]
 
     def idle_metrics(self, since: float) -> dict[str, float]:
         """Collective: ``async/engine_idle_share`` (mean over engines of the share of ``[since, now]`` their
@@ -591,28 +628,51 @@ class RolloutService:
             self.engine.shutdown()
 
 
-def _generation_seconds(shares: list[EngineShare]) -> float:
+@dataclass(frozen=True)
+class RoundFigures:
+    """One engine's figures for one received round (what ``engine_metrics`` reports; saved with the pool)."""
+
+    engine: int
+    dispatch: int
+    samples: int
+    tokens: int
+    seconds: float
+
+    @classmethod
+    def of(cls, share: EngineShare) -> RoundFigures:
+        groups = share.completions or []
+        return cls(
+            share.engine,
+            share.dispatch,
+            sum(len(g) for g in groups),
+            sum(len(c.token_ids) for g in groups for c in g),
+            share.seconds,
+        )
+
+
+def _generation_seconds(figures: list[RoundFigures]) -> float:
     """Generation seconds of the received rounds: per round the slowest engine's, summed over rounds."""
     rounds: dict[int, float] = {}
-    for s in shares:
-        rounds[s.dispatch] = max(rounds.get(s.dispatch, 0.0), s.seconds)
+    for f in figures:
+        rounds[f.dispatch] = max(rounds.get(f.dispatch, 0.0), f.seconds)
     return sum(rounds.values())
 
 
-def engine_metrics(shares: list[EngineShare], sync_s: float) -> dict[str, float]:
+def engine_metrics(figures: list[RoundFigures], sync_s: float) -> dict[str, float]:
     """``rollout/*``: engine count, per-engine samples and response tokens (min, max), the slowest
     engine's seconds, and the last weight sync's seconds; each engine's figures summed over the rounds
-    received for the batch, then reduced over engines as declared."""
-    engines = sorted({s.engine for s in shares})
-    mine = {k: [s for s in shares if s.engine == k] for k in engines}
-    samples = [sum(len(g) for s in mine[k] for g in s.completions) for k in engines]
-    tokens = [sum(len(c.token_ids) for s in mine[k] for g in s.completions for c in g) for k in engines]
+    received for the batch, then reduced over engines as declared (a batch entirely from rounds already
+    reported, e.g. dynamic sampling's surplus, reports no engine)."""
+    if not figures:
+        return {"rollout/engines": 0.0, "rollout/sync_s": sync_s}
+    engines = sorted({f.engine for f in figures})
+    mine = {k: [f for f in figures if f.engine == k] for k in engines}
     per_engine = {
-        "rollout/samples_per_engine_min": samples,
-        "rollout/samples_per_engine_max": samples,
-        "rollout/response_tokens_per_engine_min": tokens,
-        "rollout/response_tokens_per_engine_max": tokens,
-        "rollout/engine_seconds_max": [sum(s.seconds for s in mine[k]) for k in engines],
+        "rollout/samples_per_engine_min": [sum(f.samples for f in mine[k]) for k in engines],
+        "rollout/samples_per_engine_max": [sum(f.samples for f in mine[k]) for k in engines],
+        "rollout/response_tokens_per_engine_min": [sum(f.tokens for f in mine[k]) for k in engines],
+        "rollout/response_tokens_per_engine_max": [sum(f.tokens for f in mine[k]) for k in engines],
+        "rollout/engine_seconds_max": [sum(f.seconds for f in mine[k]) for k in engines],
     }
     out = {"rollout/engines": float(len(engines))}
     out.update({name: reduce_values(METRICS[name].reduce, values) for name, values in per_engine.items()})

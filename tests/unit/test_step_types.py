@@ -28,7 +28,7 @@ from srpo_megatron.losses import group_advantages, route, routing_masks
 from srpo_megatron.rewards import register_reward
 from srpo_megatron.rewards.pool import RewardPool, RewardResult
 from srpo_megatron.rollout.base import Completion
-from srpo_megatron.trainer.rollouts import EngineShare, engine_metrics, route_rollouts
+from srpo_megatron.trainer.rollouts import EngineShare, RoundFigures, engine_metrics, route_rollouts
 from srpo_megatron.trainer.step_types import (
     METHOD_METRICS,
     METRICS,
@@ -160,7 +160,7 @@ def test_every_metric_declares_a_reduction_and_the_method_set_is_unchanged():
 def test_engine_metrics_reduce_over_engines_as_declared():
     def share(k, n, tokens, seconds):
         group = [Completion(0, [1] * tokens, [0.0] * tokens, "stop") for _ in range(n)]
-        return EngineShare(k, 0, range(k, k + 1), [group], seconds)
+        return RoundFigures.of(EngineShare(k, 0, range(k, k + 1), [group], seconds))
 
     m = engine_metrics([share(0, 4, 3, 2.0), share(1, 2, 5, 1.0)], sync_s=0.25)
     assert m == {
