@@ -33,11 +33,11 @@ CORRECTIONS = {
 }
 
 
-def _problem(seed: int):
+def _problem(seed: int, spread: float = 0.4):
     """The shared scenario with π_rollout spread so that ratios fall below, inside and above the bounds."""
     prob = make_problem(seed=seed)
     gen = torch.Generator().manual_seed(100 + seed)
-    prob.rollout_logp = prob.old_logp + 0.4 * torch.randn(
+    prob.rollout_logp = prob.old_logp + spread * torch.randn(
         len(prob.old_logp), generator=gen, dtype=torch.float64
     )
     return prob
@@ -158,7 +158,8 @@ def test_corrections_differ_from_each_other_on_this_batch():
 
 
 def test_bounds_that_admit_every_ratio_weight_by_the_plain_ratio_like_uncapped_tis():
-    prob = _problem(seed=3)
+    prob = _problem(seed=3, spread=1.0)
+    assert float((prob.old_logp - prob.rollout_logp)[prob.mask].exp().max()) > 3.0  # far above TIS's cap 2
     wide = {"is_low": 1e-12, "is_high": 1e12}
     tis, _, _, _ = _ours(prob, _cfg("tis", tis_cap=1e30))
     for name in ("mis-token", "icepop"):
