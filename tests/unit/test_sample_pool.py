@@ -267,7 +267,7 @@ def test_planted_stale_group_trained_is_caught(rewards, monkeypatch):
 
 def test_oldest_groups_first_and_the_surplus_stays_for_the_next_step(rewards):
     pool = make_pool(rewards)
-    arrivals = [group(1, 0, MIXED), group(0, 2, MIXED), group(0, 0, MIXED), group(1, 1, MIXED)]
+    arrivals = [group(1, 1, MIXED), group(1, 0, MIXED), group(0, 2, MIXED), group(0, 0, MIXED)]  # young first
     pool.add(arrivals[:2])
     pool.add(arrivals[2:])
     first = pool.take(3, trainer_version=0, bound=0)
@@ -297,7 +297,7 @@ def test_take_needs_exactly_n_groups(rewards):
 
 
 def _pool_with_everything(rewards) -> SamplePool:
-    pool = make_pool(rewards, dynamic_sampling=True, max_sampling_rounds=3)
+    pool = make_pool(rewards, dynamic_sampling=True, max_sampling_rounds=2)
     assert pool.missing(2) == 2
     x = group(3, 0, MIXED, version=2, newest=[3, None, 4, 3], experts=True)
     x.completions[1].meta = {"sample": 1}
@@ -327,21 +327,23 @@ def test_state_dict_round_trips_through_torch_save_and_trains_the_same_batch(rew
     buf = io.BytesIO()
     torch.save(state, buf)
     buf.seek(0)
-    restored = make_pool(rewards, dynamic_sampling=True, max_sampling_rounds=3)
+    restored = make_pool(rewards, dynamic_sampling=True, max_sampling_rounds=2)
     restored.load_state_dict(torch.load(buf, weights_only=True))
     _same_state(restored.state_dict(), state)
     assert restored.counters == pool.counters and restored.counters.rounds == 1
     assert restored.kept[0].completions[0].token_versions == pool.kept[0].completions[0].token_versions
     assert restored.kept[0].completions[1].meta == {"sample": 1}
 
+    assert len(state["kept"]) == 1 and len(state["set_aside"]) == 2
     for p in (pool, restored):
-        assert p.missing(2) == 1
-        p.add([group(4, 0, MIXED, version=3)])
+        assert p.missing(2) == 1  # the second and last round; nothing comes back: the batch is topped up
     a, b = pool.take(2, trainer_version=3, bound=2), restored.take(2, trainer_version=3, bound=2)
     assert a is not None and b is not None
     _same_batch(b, a, [f.name for f in dataclasses.fields(Sample)])
-    assert a.metrics["sampling/rounds"] == 2.0 and a.metrics["sampling/dropped_groups"] == 2.0
-    assert a.samples[0].routed_experts is not None and a.samples[2].token_versions[-1] == 4
+    assert [s.uid for s in b.samples[::4]] == ["3/0/0", "3/2/0"]  # the restored set-aside group tops up
+    assert b.metrics["sampling/rounds"] == 2.0 and b.metrics["sampling/dropped_groups"] == 2.0
+    assert b.metrics["sampling/topped_up"] == 1.0
+    assert b.samples[0].routed_experts is not None and b.samples[2].token_versions[-1] == 4
 
 
 def test_state_dict_is_a_snapshot_and_refuses_another_format(rewards):
