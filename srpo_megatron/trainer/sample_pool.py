@@ -94,6 +94,21 @@ class CompletedGroup:
         return [max(c.token_versions) if c.token_versions else c.weight_version for c in self.completions]
 
 
+def groups_of(
+    dispatch: int,
+    prompts: list[Prompt],
+    completions: list[list[Completion]],
+    round: int = 0,
+    dataset_indices: list[int] | None = None,
+) -> list[CompletedGroup]:
+    """A dispatched round's completed groups: ``completions[i]`` answers ``prompts[i]``, index ``i``."""
+    where: list[int | None] = list(dataset_indices) if dataset_indices else [None] * len(prompts)
+    return [
+        CompletedGroup(p, g, dispatch, i, round, k)
+        for i, (p, g, k) in enumerate(zip(prompts, completions, where, strict=True))
+    ]
+
+
 @dataclass
 class _StepCounters:
     """What the pool counted since the last batch it answered (the next batch's metrics)."""
@@ -122,6 +137,10 @@ class SamplePool:
     kept: list[CompletedGroup] = field(default_factory=list)  # mixed (or all, without dynamic sampling)
     set_aside: list[CompletedGroup] = field(default_factory=list)  # not mixed, in arrival order
     counters: _StepCounters = field(default_factory=_StepCounters)
+
+    def __len__(self) -> int:
+        """Groups that may be trained (kept; before ``take`` drops the stale ones)."""
+        return len(self.kept)
 
     # ------------------------------------------------------------------------------------------ arrive
 
@@ -159,7 +178,8 @@ class SamplePool:
 
     def missing(self, n: int, in_flight: int = 0) -> int:
         """How many prompts the next round should draw for a batch of ``n`` groups, with ``in_flight``
-        prompts already dispatched and not yet added; a nonzero answer counts one round of the step."""
+        prompts already dispatched and not yet added; a nonzero answer counts one round of the step. Ask
+        after a ``take`` that answered None (it has dropped the stale groups by then)."""
         have = len(self.kept) + in_flight + (len(self.set_aside) if self.rounds_exhausted() else 0)
         need = max(0, n - have)
         if need:

@@ -29,7 +29,7 @@ from srpo_megatron.rewards.pool import RewardPool
 from srpo_megatron.rollout.routed_experts import compact_ids
 from srpo_megatron.trainer.rollouts import route_rollouts
 from srpo_megatron.trainer.routing_batch import teacher_prompt_ids
-from srpo_megatron.trainer.sample_pool import CompletedGroup, SamplePool
+from srpo_megatron.trainer.sample_pool import CompletedGroup, SamplePool, groups_of
 from srpo_megatron.trainer.step_types import RolloutBatch, Sample, merge_metrics
 from tests.helpers.sample_pool import (
     ALL_CORRECT,
@@ -286,7 +286,10 @@ def test_oldest_groups_first_and_the_surplus_stays_for_the_next_step(rewards):
 def test_take_needs_exactly_n_groups(rewards):
     pool = make_pool(rewards)
     assert pool.take(2, trainer_version=0, bound=0) is None
-    pool.add([group(0, 0, MIXED)])
+    x = group(0, 0, MIXED)
+    pool.add(groups_of(0, [x.prompt], [x.completions], round=1, dataset_indices=[7]))
+    first = pool.kept[0]
+    assert len(pool) == 1 and (first.key, first.round, first.dataset_index) == ((0, 0), 1, 7)
     assert pool.take(2, trainer_version=0, bound=0) is None
     assert pool.missing(2) == 1 and pool.missing(2, in_flight=1) == 0
     with pytest.raises(ValueError, match="group_size = 4"):
