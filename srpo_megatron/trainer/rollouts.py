@@ -13,134 +13,29 @@ import collections
 import contextlib
 import dataclasses
 import os
-import re
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
-import torch
 import torch.distributed as dist
 
-from srpo_megatron.config import LossConfig, RolloutConfig, TeacherConfig
 from srpo_megatron.data.dataset import Prompt
-from srpo_megatron.data.templating import encode_text, template_text
-from srpo_megatron.losses import group_advantages, route, routing_masks
 from srpo_megatron.rewards.pool import RewardPool
-from srpo_megatron.rollout.base import Completion, EngineError, SamplingParams
+from srpo_megatron.rollout.base import Completion, EngineError
 from srpo_megatron.rollout.placement import EngineLayout, engine_urls, separate_layout, split_prompts
-from srpo_megatron.rollout.routed_experts import compact_ids
 from srpo_megatron.trainer.batch_shipping import broadcast_from_rank0, gather_to_rank0, ship_shares
 from srpo_megatron.trainer.metrics import SampleLog
 from srpo_megatron.trainer.off_policy import GenerationWorker, Job
 from srpo_megatron.trainer.offload import Offloader
-from srpo_megatron.trainer.step_types import METRICS, RolloutBatch, Sample, merge_metrics, reduce_values
+from srpo_megatron.trainer.routing_batch import (  # noqa: F401  (re-exported for tools/)
+    clean_solution,
+    route_rollouts,
+    sampling_params,
+    teacher_prompt_ids,
+)
+from srpo_megatron.trainer.step_types import METRICS, RolloutBatch, merge_metrics, reduce_values
 from srpo_megatron.weights.weight_sync import build_weight_sync
-
-_THINK = re.compile(r"<think>.*?</think>", re.DOTALL)
-
-
-def clean_solution(text: str) -> str:
-    """The sibling's response as the teacher sees it: ``<think>…</think>`` blocks removed."""
-    return _THINK.sub("", text).strip()
-
-
-def teacher_prompt_ids(tokenizer: Any, prompt: Prompt, sibling_text: str, cfg: TeacherConfig) -> list[int]:
-    """method §1.4: system kept, the user turn shows the correct sibling's solution; right-truncated."""
-    user = cfg.solution_template.format(
-        user_prompt=prompt.row.prompt, sibling_response=clean_solution(sibling_text)
-    )
-    ids = encode_text(tokenizer, template_text(tokenizer, user, prompt.row.system, enable_thinking=False))
-    return ids[: cfg.max_prompt_tokens]
-
-
-def sampling_params(rollout: RolloutConfig, seed: int, prompt_offset: int = 0) -> SamplingParams:
-    """G samples per prompt; per-sample seeds follow the global prompt index (``prompt_offset`` + i)."""
-    return SamplingParams(
-        n=rollout.group_size,
-        temperature=rollout.temperature,
-        top_p=rollout.top_p,
-        top_k=rollout.top_k,
-        max_new_tokens=rollout.max_new_tokens,
-        seed=seed,
-        prompt_offset=prompt_offset,
-        # The CPU engine reports experts for free (the mismatch metric); SGLang only when replaying, since
-        # its server must run with --enable-return-routed-experts.
-        return_routed_experts=rollout.routing_replay or rollout.engine == "hf",
-    )
-
-
-def route_rollouts(
-    tokenizer: Any,
-    prompts: list[Prompt],
-    completions: list[list[Completion]],
-    rollout: RolloutConfig,
-    loss: LossConfig,
-    teacher: TeacherConfig,
-    rewards: RewardPool,
-    t_gen: float,
-) -> RolloutBatch:
-    """Rank 0: rewards, routing, advantages and teacher prompts for ``completions[prompt][sample]``; each
-    ``Sample`` is built once with all its fields, in prompt then member order."""
-    rows = [
-        (i, m, c)
-        for i, (_, group) in enumerate(zip(prompts, completions, strict=True))
-        for m, c in enumerate(group)
-    ]
-    texts = [tokenizer.decode(c.token_ids, skip_special_tokens=True) for _, _, c in rows]
-    t1 = time.monotonic()
-    scored = rewards.score(
-        [prompts[i].row.kind for i, _, _ in rows], texts, [prompts[i].row.answer for i, _, _ in rows]
-    )
-    t_reward = time.monotonic() - t1
-    b, g = len(prompts), rollout.group_size
-    r = torch.tensor(scored.rewards, dtype=torch.float64).view(b, g)
-    routing = route(r, loss.success_threshold)
-    grpo, sdpo, needs_teacher = routing_masks(routing, loss.mode)
-    adv = group_advantages(r, loss.std_normalize, loss.std_eps)
-    samples: list[Sample] = []
-    for i, j, c in rows:
-        context = None
-        if needs_teacher[i, j]:
-            sib = int(routing.sibling[i, j])
-            context = teacher_prompt_ids(tokenizer, prompts[i], texts[i * g + sib], teacher)
-        samples.append(
-            Sample(
-                i,
-                j,
-                list(prompts[i].ids),
-                list(c.token_ids),
-                list(c.logprobs),
-                reward=float(r[i, j]),
-                advantage=float(adv[i, j]),
-                grpo=bool(grpo[i, j]),
-                sdpo=bool(sdpo[i, j]),
-                needs_teacher=bool(needs_teacher[i, j]),
-                teacher_prompt_ids=context,
-                finish_reason=c.finish_reason,
-                routed_experts=None if c.routed_experts is None else compact_ids(c.routed_experts),
-            )
-        )
-    n = len(samples)
-    lengths = torch.tensor([len(s.response_ids) for s in samples], dtype=torch.float64)
-    fallback = (~routing.correct & ~routing.has_teacher).double().mean().item()
-    metrics = {
-        "reward/mean": r.mean().item(),
-        "reward/accuracy": routing.correct.double().mean().item(),
-        "route/grpo_frac": (~routing.to_sdpo & routing.correct).double().mean().item(),
-        "route/sdpo_frac": routing.to_sdpo.double().mean().item(),
-        "route/fallback_frac": fallback,
-        "route/has_teacher_frac": routing.has_teacher.double().mean().item(),
-        # samples that take the SDPO loss under the mode (= sdpo_frac in srpo; differs in the SDPO modes)
-        "route/sdpo_loss_frac": sdpo.double().mean().item(),
-        "samples/routed_to_teacher": float(sum(s.needs_teacher for s in samples)),
-        "response/length_mean": lengths.mean().item(),
-        "response/length_max": lengths.max().item(),
-        "response/truncated_frac": sum(s.finish_reason == "length" for s in samples) / n,
-        "time/generate_s": t_gen,
-        "time/reward_s": t_reward,
-    }
-    return RolloutBatch(samples, merge_metrics(metrics, scored.metrics()))
 
 
 @dataclass

@@ -336,6 +336,7 @@ METRICS: dict[str, Metric] = _declare(
     _M("sampling/rounds", SUM, "rounds of prompts dispatched for this step's batch (dynamic sampling)"),
     _M("sampling/kept_groups", SUM, "groups kept for this step's batch (mixed: some correct, some not)"),
     _M("sampling/dropped_groups", SUM, "groups dropped by dynamic sampling (all correct or all wrong)"),
+    _M("sampling/topped_up", SUM, "dropped groups trained to fill the batch after max_sampling_rounds"),
     # the scoring and learning passes, reduced over ranks (trainer/step_metrics.step_metrics)
     _M("loss/total", SUM, "the objective L, summed over mini-batches", method=True),
     _M("loss/grpo", MEAN, "GRPO loss per response token", method=True),
