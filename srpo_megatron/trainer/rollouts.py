@@ -34,6 +34,7 @@ from srpo_megatron.trainer.routing_batch import (  # noqa: F401  (re-exported fo
     sampling_params,
     teacher_prompt_ids,
 )
+from srpo_megatron.trainer.sample_pool import SamplePool, groups_of
 from srpo_megatron.trainer.step_types import METRICS, RolloutBatch, merge_metrics, reduce_values
 from srpo_megatron.weights.weight_sync import build_weight_sync
 
@@ -61,104 +62,6 @@ class EngineShare:
     error: str = ""
     version: int = 0  # the version the engine served when the share started
     aborted: int = 0  # generations aborted by a sync and continued (partial rollouts)
-
-
-class _InterimPool:
-    """Rank 0: completed rounds waiting to be trained, oldest first (replaced by trainer/sample_pool.py)."""
-
-    def __init__(self, service: RolloutService) -> None:
-        self.s = service
-        self.groups: list[tuple[int, int, Prompt, list[Completion]]] = []  # (dispatch, index, prompt, group)
-        self.dropped_stale = 0
-
-    def __len__(self) -> int:
-        return len(self.groups)
-
-    def add(self, dispatch: Dispatch, completions: list[list[Completion]]) -> None:
-        for i, (p, g) in enumerate(zip(dispatch.prompts, completions, strict=True)):
-            self.groups.append((dispatch.id, i, p, g))
-
-    def take(self, n: int, version: int, bound: int, t_gen: float) -> RolloutBatch | None:
-        fresh = []
-        for item in self.groups:
-            if any(version - c.weight_version > bound for c in item[3]):
-                self.dropped_stale += len(item[3])
-            else:
-                fresh.append(item)
-        self.groups = fresh
-        if len(self.groups) < n:
-            return None
-        taken, self.groups = self.groups[:n], self.groups[n:]
-        c = self.s.cfg
-        batch = route_rollouts(
-            self.s.tokenizer,
-            [p for _, _, p, _ in taken],
-            [g for _, _, _, g in taken],
-            c.rollout,
-            c.loss,
-            c.teacher,
-            self.s.rewards,
-            t_gen,
-        )
-        g = c.rollout.group_size
-        batch.samples = [
-            dataclasses.replace(
-                s,
-                uid=f"{taken[s.group][0]}/{taken[s.group][1]}/{s.member}",
-                weight_version=taken[s.group][3][s.member].weight_version,
-                token_versions=taken[s.group][3][s.member].token_versions,
-            )
-            for s in batch.samples
-        ]
-        assert len(batch.samples) == n * g
-        ages = [version - s.weight_version for s in batch.samples]
-        batch.metrics = merge_metrics(
-            batch.metrics,
-            {
-                "async/staleness_mean": sum(ages) / len(ages),
-                "async/staleness_max": float(max(ages)),
-                "async/dropped_stale": float(self.dropped_stale),
-            },
-        )
-        self.dropped_stale = 0
-        return batch
-
-    def state_dict(self) -> dict:
-        def completion(c: Completion) -> dict:
-            out = dataclasses.asdict(c)
-            out["meta"] = {}
-            return out
-
-        return {
-            "groups": [
-                {
-                    "dispatch": d,
-                    "index": i,
-                    "prompt": {
-                        "ids": list(p.ids),
-                        "row": dataclasses.asdict(p.row),
-                        "truncated": p.truncated,
-                    },
-                    "completions": [completion(c) for c in g],
-                }
-                for d, i, p, g in self.groups
-            ],
-            "dropped_stale": self.dropped_stale,
-        }
-
-    def load_state_dict(self, state: dict) -> None:
-        from srpo_megatron.data.rows import Row
-
-        self.groups = [
-            (
-                g["dispatch"],
-                g["index"],
-                Prompt(tuple(g["prompt"]["ids"]), Row(**g["prompt"]["row"]), g["prompt"]["truncated"]),
-                [Completion(**c) for c in g["completions"]],
-            )
-            for g in state["groups"]
-        ]
-        self.dropped_stale = state["dropped_stale"]
 
 
 class RolloutService:
@@ -205,7 +108,9 @@ class RolloutService:
             if self.rank0
             else None
         )
-        self.pool = _InterimPool(self) if self.rank0 else None
+        self.pool = (
+            SamplePool(tokenizer, cfg.rollout, cfg.loss, cfg.teacher, self.rewards) if self.rewards else None
+        )
         self.sample_log = SampleLog(cfg.run.dir) if self.rank0 else None
         self.pending: collections.deque[Dispatch] = collections.deque()  # dispatched, not yet received
         self.next_dispatch = 0
@@ -387,7 +292,8 @@ class RolloutService:
             shares.update(retried)
         if self.rank0:
             assert self.pool is not None
-            self.pool.add(d, [c for k in sorted(shares) for c in shares[k].completions])
+            completions = [c for k in sorted(shares) for c in shares[k].completions]
+            self.pool.add_round(groups_of(d.id, d.prompts, completions))
             self._unreported.extend(RoundFigures.of(shares[k]) for k in sorted(shares))
 
     def _decide(self, n: int, trainer_version: int, t_gen: float) -> tuple[bool, RolloutBatch | None]:

@@ -170,6 +170,12 @@ class SamplePool:
                 self.set_aside.append(x)
                 c.dropped += 1
 
+    def add_round(self, groups: list[CompletedGroup]) -> None:
+        """``add`` one received round's groups and count the round for the next batch
+        (``sampling/rounds``: rounds received while its batch was assembled; the scheduler calls this)."""
+        self.add(groups)
+        self.counters.rounds += 1
+
     # ------------------------------------------------------------------------------------------ rounds
 
     def rounds_exhausted(self) -> bool:

@@ -201,7 +201,7 @@ def test_kill_9_with_buffered_rollouts_then_resume_loses_nothing_and_trains_noth
     finally:
         server.close()
     buffered = torch.load(killed_dir / "checkpoints" / "step_000002" / "rollout_buffer.pt", weights_only=True)
-    assert len(buffered["pool"]["groups"]) == 4, "the checkpoint holds the next step's completed round"
+    assert len(buffered["pool"]["kept"]) == 4, "the checkpoint holds the next step's completed round"
     assert len(_last_per_step(killed_dir / "samples.jsonl")) < STEPS, "the kill must interrupt the run"
 
     server = _server(tiny)
@@ -220,3 +220,24 @@ def test_kill_9_with_buffered_rollouts_then_resume_loses_nothing_and_trains_noth
     for step in (3, 4):
         diff = {k: (ref_m[step][k], got_m[step].get(k)) for k in ref_m[step] if not k.startswith(_TIMED)}
         assert all(a == b for a, b in diff.values()), {k: v for k, v in diff.items() if v[0] != v[1]}
+
+
+# ---- dynamic sampling through srpo train -----------------------------------------------------------------
+
+
+def test_dynamic_sampling_trains_only_mixed_groups_and_reports_rounds(tiny, tmp_path):
+    """``rollout.dynamic_sampling`` at N = 1: every trained group is mixed (the tiny run's coin reward makes
+    some groups all-correct or all-wrong) unless the step says it was topped up, and the rounds and drops
+    are reported."""
+    overrides = _overrides(tiny, 1, "rollout.dynamic_sampling=true", "rollout.max_sampling_rounds=3")
+    rows, metrics = _run(tiny, tmp_path, overrides)
+    g, mixed_trained = 4, 0
+    for r, m in zip(rows, metrics, strict=True):
+        groups = [r["rewards"][i : i + g] for i in range(0, len(r["rewards"]), g)]
+        unmixed = sum(len({x >= 0.5 for x in grp}) == 1 for grp in groups)
+        assert unmixed == m["sampling/topped_up"], (r["step"], groups)
+        mixed_trained += len(groups) - unmixed
+    # kept groups may be trained a step later (the surplus); every trained mixed group was kept once
+    assert sum(m["sampling/kept_groups"] for m in metrics) >= mixed_trained
+    assert sum(m["sampling/rounds"] for m in metrics) >= STEPS
+    assert sum(m["sampling/dropped_groups"] for m in metrics) > 0, "the coin made some groups unmixed"
