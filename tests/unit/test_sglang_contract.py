@@ -474,7 +474,10 @@ def test_sglang_contract_pause_bodies_are_sglangs_request_classes():
 
     real = sglang_import.load()
     if real is None or real.io_struct is None:
-        pytest.skip("no importable sglang io_struct here (tools/dev test runs this in the sglang tier)")
+        why = real.errors if real is not None else "no sglang wheel on the path"
+        pytest.skip(
+            f"SGLang io_struct does not import here ({why}); tools/dev test runs this in its sglang tier"
+        )
     import typing
 
     pause = real.io_struct.PauseGenerationReqInput(**build_pause_generation_request())
