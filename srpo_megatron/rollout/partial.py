@@ -34,7 +34,10 @@ sample's own (:func:`segment_seed`), so a deterministic engine repeats a run wit
 tokens differ from an uninterrupted run: the sampler's state cannot be resumed). An abort that landed
 on the step a sample ended (SGLang checks its abort before the stop and length checks) is settled
 without resubmitting: last token a stop/EOS id -> ``stop``, budget spent -> ``length``. A continuation
-aborted again (a later sync) is continued again, up to ``max_rounds``; after that it stays ``abort``.
+aborted again (a later sync) stays ``abort`` and is continued by the next call: one round per call by
+default, so a worker whose syncs wait for it to step aside (``trainer/off_policy.py``'s ``quiesced``)
+returns after every aborted round. ``max_rounds`` > 1 resubmits at once, which SGLang holds at its
+pause until ``/continue_generation``: only for callers whose sync does not wait for the worker.
 
 **Merge** (:func:`merge_segments`): token ids and log-probs concatenated; ``token_versions`` the first
 segment's per token, then the continuation's; ``finish_reason`` the last segment's; ``weight_version``
@@ -154,13 +157,13 @@ def continue_partial(
     params: SamplingParams,
     completions: list[list[Completion]],
     *,
-    max_rounds: int = 4,
+    max_rounds: int = 1,
     eos_token_ids: Sequence[int] | None = None,
 ) -> list[list[Completion]]:
     """Continue every aborted completion of ``engine.generate(prompts, params)`` (``completions[i][j]``)
-    until it ends or was continued ``max_rounds`` times; the others pass through unchanged (the same
-    objects). One ``engine.generate_requests`` call per round; a call made while the engine is paused
-    waits for ``continue_generation`` (SGLang holds it), so the worker thread may call this at once.
+    for up to ``max_rounds`` rounds (module doc: one by default; call again while any is aborted); the
+    others pass through unchanged (the same objects). One ``engine.generate_requests`` call per round; a
+    call made while the engine is paused waits for ``continue_generation`` (SGLang holds it).
     ``eos_token_ids``: the ids the engine stops at besides ``params.stop_token_ids`` (default: the
     engine's ``eos_token_ids``). Returns the same nesting; still-aborted samples keep finish reason
     ``abort`` (the caller drops or requeues them)."""

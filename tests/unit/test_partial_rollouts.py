@@ -129,7 +129,7 @@ def test_partial_continue_loops_while_aborted_and_passes_the_rest_through():
             [_c([3], version=3, finish="stop")],  # round 2
         ]
     )
-    res = continue_partial(engine, prompts, params, out)
+    res = continue_partial(engine, prompts, params, out, max_rounds=4)
     assert res[0][0] is done, "a finished completion passes through unchanged"
     assert res[1][1].finish_reason == "length" and engine.calls[0][0] == [[1, 2, 4], [3]], "settled"
     assert res[0][1].token_ids == [4, 6, 3] and res[0][1].token_versions == [1, 2, 3]
@@ -137,6 +137,8 @@ def test_partial_continue_loops_while_aborted_and_passes_the_rest_through():
     assert res[1][0].token_ids == [6, 6] and res[1][0].token_versions == [2, 2]
     assert engine.calls[1][0] == [[1, 2, 4, 6]] and engine.calls[1][1][0].max_new_tokens == 4
     assert out[0][1].token_ids == [4], "the input completions are not modified"
+    one = continue_partial(_ScriptedEngine([[_c([6])]]), [[1]], SamplingParams(max_new_tokens=9), [[_c([4])]])
+    assert one[0][0].finish_reason == "abort" and one[0][0].token_ids == [4, 6], "one round by default"
     stuck = _ScriptedEngine([[_c([6])], [_c([6])]])
     left = continue_partial(stuck, [[1]], SamplingParams(max_new_tokens=9), [[_c([4])]], max_rounds=2)
     assert left[0][0].finish_reason == "abort" and len(stuck.calls) == 2, "max_rounds bounds it"
@@ -235,7 +237,10 @@ def _worker(engine, out, **kw):
         try:
             first = engine.generate(PROMPTS, PARAMS)
             out["first"] = first
-            out["done"] = continue_partial(engine, PROMPTS, PARAMS, first, **kw)
+            done, calls = first, 0
+            while any(c.finish_reason == "abort" for g in done for c in g) and calls < 5:
+                done, calls = continue_partial(engine, PROMPTS, PARAMS, done, **kw), calls + 1
+            out["done"], out["calls"] = done, calls
         except BaseException as e:  # re-raised in the test thread
             out["error"] = e
 
@@ -286,11 +291,14 @@ def test_partial_pause_mid_generation_sync_and_continue_records_versions_and_log
     assert not server.dead
 
 
-def test_partial_aborted_twice_is_continued_twice(served, weights):
+@pytest.mark.parametrize("rounds", [1, 2])
+def test_partial_aborted_twice_is_continued_twice(served, weights, rounds):
+    """One round per call, the worker calling again while any is aborted (the off-policy scheduler), or
+    two rounds in one call (the second continuation waits at SGLang's pause)."""
     engine, server = served
     reached = server.hold_after_steps(3)
     out: dict = {}
-    worker = _worker(engine, out)
+    worker = _worker(engine, out, max_rounds=rounds)
     assert reached.wait(WAIT_S)
     again = _sync(engine, server, weights, 2, hold_next=2)  # the continuation is held at its step 2
     assert again.wait(WAIT_S), "the continuation never reached its decode step 2"
@@ -300,6 +308,7 @@ def test_partial_aborted_twice_is_continued_twice(served, weights):
     sample = out["done"][0][0]
     assert sample.token_versions[:5] == [1, 1, 1, 2, 2] and set(sample.token_versions[5:]) <= {3}
     assert sample.meta["segments"] == 3 and sample.finish_reason in ("stop", "length")
+    assert out["calls"] == (2 if rounds == 1 else 1)
     assert len(sample.token_ids) <= PARAMS.max_new_tokens
     for v in (1, 2, 3):
         at = [t for t, tv in enumerate(sample.token_versions) if tv == v]
