@@ -136,11 +136,15 @@ class GenerationWorker:
         paused = False
         try:
             if running and self.continue_partial is not None:
-                self.engine().pause_generation()  # the running generations return, aborted
+                # SGLang aborts the running requests and holds every request until continue_generation,
+                # so nothing generates during the sync. A request the worker sent just after the pause is
+                # held inside the server (its job stays running): waiting for the job here would deadlock.
+                self.engine().pause_generation()
                 paused = True
-            with self._cond:
-                while self._running:
-                    self._cond.wait(timeout=1.0)
+            else:
+                with self._cond:
+                    while self._running:
+                        self._cond.wait(timeout=1.0)
             yield
         finally:
             if paused:

@@ -23,6 +23,7 @@ import torch.distributed as dist
 from srpo_megatron.data.dataset import Prompt
 from srpo_megatron.rewards.pool import RewardPool
 from srpo_megatron.rollout.base import Completion, EngineError
+from srpo_megatron.rollout.partial import continue_partial
 from srpo_megatron.rollout.placement import EngineLayout, engine_urls, separate_layout, split_prompts
 from srpo_megatron.trainer.batch_shipping import broadcast_from_rank0, gather_to_rank0, ship_shares
 from srpo_megatron.trainer.metrics import SampleLog
@@ -128,7 +129,7 @@ class RolloutService:
             threaded=self.cfg.rollout.off_policy_steps > 0,
             # colocated: the engine gives its accelerator memory to training after each round
             after_generate=(lambda: self.engine.release_memory()) if colocated else None,
-            continue_partial=None,
+            continue_partial=continue_partial if self.cfg.rollout.partial else None,
         )
 
     @property

@@ -241,3 +241,44 @@ def test_dynamic_sampling_trains_only_mixed_groups_and_reports_rounds(tiny, tmp_
     assert sum(m["sampling/kept_groups"] for m in metrics) >= mixed_trained
     assert sum(m["sampling/rounds"] for m in metrics) >= STEPS
     assert sum(m["sampling/dropped_groups"] for m in metrics) > 0, "the coin made some groups unmixed"
+
+
+# ---- partial rollouts through srpo train -----------------------------------------------------------------
+
+
+def test_partial_rollouts_are_aborted_at_the_sync_and_continued_with_the_new_weights(tiny, tmp_path):
+    """``rollout.partial`` at N = 1: the stand-in holds every round dispatched ahead at its 3rd decode step
+    until the sync's pause aborts it (the rounds the trainer waits for, and the continuations, run
+    free), so a round's sample held mid-way holds tokens of the version the round was dispatched with
+    and of the next: per-token versions recorded, ``async/partial_share`` counts it, staleness is by the
+    dispatch version."""
+    from transformers import AutoModelForCausalLM
+
+    from srpo_megatron.testing.sglang_standin import SGLangStandInServer
+
+    server = SGLangStandInServer(AutoModelForCausalLM.from_pretrained(tiny[1]))
+    def hold_rounds_dispatched_ahead(step, aborted):  # after each decode step, numbered from 1
+        # /generate requests in order: 1 the first round (the trainer waits for it), then each round
+        # dispatched ahead (even: held until the sync aborts it) and its continuation (odd: free)
+        requests = sum(path == "/generate" for path, _ in list(server.bodies))
+        if step == 3 and requests % 2 == 0:
+            aborted.wait(timeout=300)
+
+    server.engine.step_hook = hold_rounds_dispatched_ahead
+    run_dir = tmp_path / "run"
+    try:
+        overrides = _overrides(tiny, 1, "rollout.partial=true")
+        run_distributed(_train, 1, tiny, str(run_dir), server.url, overrides, timeout=900)
+    finally:
+        server.close()
+    rows = [json.loads(x) for x in (run_dir / "samples.jsonl").read_text().splitlines()]
+    metrics = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert rows[0]["token_versions"] == [[1]] * 16 and metrics[0]["async/partial_share"] == 0.0
+    for r, m in zip(rows[1:], metrics[1:], strict=True):
+        v = r["trainer_version"]
+        # the stand-in decodes a request's samples one after another: the first was held mid-way (tokens
+        # of both versions); the others had not started and came back empty, so all their tokens are v's
+        assert r["token_versions"] == [[v - 1, v]] + [[v]] * 15, r
+        assert set(r["versions"]) == {v - 1} and m["async/staleness_max"] == 1.0, "stamped at dispatch"
+        assert m["async/partial_share"] == 1 / 16
+    assert "/pause_generation" in [p for p, _ in server.bodies]
