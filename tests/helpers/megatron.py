@@ -105,6 +105,19 @@ def run_policy(
     return (logits if shows_logits else None), grads
 
 
+def merge_rank_results(results: list[list[tuple]]) -> list[tuple[list[torch.Tensor], dict]]:
+    """``results[rank][case] = (logits or None, grads)`` of one launch, as :func:`run_policy` returns them per
+    rank, merged per case: (the logits of the rank that has them, every rank's gradients in one dict)."""
+    per_case = []
+    for i in range(len(results[0])):
+        logits = next(r[i][0] for r in results if r[i][0] is not None)
+        grads: dict[str, torch.Tensor] = {}
+        for r in results:
+            grads.update(r[i][1])
+        per_case.append((logits, grads))
+    return per_case
+
+
 def hf_named_grads(module, table, offset: int) -> dict[str, torch.Tensor]:
     """This stage's full gradients (DDP ``main_grad``) in HF names, TP shards merged (TP rank 0, else {})."""
     from megatron.core import parallel_state as ps

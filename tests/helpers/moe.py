@@ -9,7 +9,7 @@ import torch.distributed as dist
 from srpo_megatron.testing.distributed import run_distributed
 from srpo_megatron.testing.tiny import TINY_VOCAB
 from tests.helpers.conversion import read_hf_tensors
-from tests.helpers.megatron import run_schedule
+from tests.helpers.megatron import merge_rank_results, run_schedule
 
 VOCAB = TINY_VOCAB
 SEQ = 8  # divisible by TP: TP > 1 with MoE runs sequence parallel
@@ -88,15 +88,7 @@ def run_moe_layout(layout, cases, *, backward=True):
     """Per case: logits per micro-batch and all gradients (HF names) of one layout."""
     tp, pp, ep, etp = layout
     world = max(tp, etp * ep) * pp
-    results = run_distributed(moe_worker, world, layout, cases, backward, timeout=600)
-    per_case = []
-    for i in range(len(cases)):
-        logits = next(r[i][0] for r in results if r[i][0] is not None)
-        grads: dict[str, torch.Tensor] = {}
-        for r in results:
-            grads.update(r[i][1])
-        per_case.append((logits, grads))
-    return per_case
+    return merge_rank_results(run_distributed(moe_worker, world, layout, cases, backward, timeout=600))
 
 
 def batches_for(seed: int) -> list[torch.Tensor]:
