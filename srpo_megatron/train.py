@@ -22,7 +22,7 @@ from srpo_megatron.models.architecture import load_hf_config_dict
 from srpo_megatron.parallel import destroy_model_parallel, initialize_model_parallel
 from srpo_megatron.rewards import register_reward, reward_target
 from srpo_megatron.rollout.factory import load_tokenizer
-from srpo_megatron.trainer.checkpoint import load_checkpoint, save_checkpoint
+from srpo_megatron.trainer.checkpoint import load_checkpoint, load_rollout_buffer, save_checkpoint
 from srpo_megatron.trainer.evaluation import BudgetClock, evaluate_policy
 from srpo_megatron.trainer.learning import learn
 from srpo_megatron.trainer.metrics import MetricsLogger
@@ -61,6 +61,9 @@ def train(cfg: TrainConfig) -> dict:
         log(f"resuming from {ckpt}")
         st = TrainerState.from_checkpoint(load_checkpoint(policy, ckpt, log))
         sampler.load_state_dict(st.sampler)
+        # older checkpoints dispatched one round per step; rank 0 holds the saved (untrained) rollouts
+        first = st.step if st.next_dispatch is None else st.next_dispatch
+        rollouts.load_buffer_state(first, load_rollout_buffer(ckpt) if rank0 else None)
     clock = BudgetClock(st.budget_clock_s)
     policy.offload.before_rollouts()  # parallel.offload_during_rollout (trainer/offload.py)
     rollouts.sync(st.weight_version)  # the engine serves exactly the trainer's weights from here on
@@ -72,11 +75,12 @@ def train(cfg: TrainConfig) -> dict:
     )
     if cfg.train.eval_at_ends and cfg.train.eval_at_start and st.step == 0:
         evaluate()
+    draw = lambda n: [train_set[i] for i in sampler.next_indices(n)]  # noqa: E731  (same on every rank)
     while st.step < cfg.train.steps:
         t0 = time.monotonic()
-        mine = rollouts.collect(  # this rank's DP share of the routed batch, and the batch's metrics
-            [train_set[i] for i in sampler.next_indices(cfg.rollout.prompts_per_step)], st.step
-        )
+        # this rank's DP share of the routed batch, and the batch's metrics; off-policy: the engines
+        # keep generating the next rounds meanwhile (trainer/off_policy.py)
+        mine = rollouts.next_batch(draw, st.step, st.weight_version)
         rollout_memory = policy.offload.after_rollouts()  # the engine released its memory: take it back
         scored = score_rollouts(policy, mine.samples)  # π_old, top-K ids, teacher: once, before any step
         learned = learn(policy, scored, cfg.train.mini_batches)
@@ -91,6 +95,7 @@ def train(cfg: TrainConfig) -> dict:
         metrics = merge_metrics(
             step_metrics(mine, stats, sync_s, time.monotonic() - t0),
             {"engine/restarts": float(rollouts.restarts)},
+            rollouts.idle_metrics(t0),
             rollout_memory,
         )
         st.sdpo_fracs.append(metrics["route/sdpo_frac"])
@@ -99,9 +104,11 @@ def train(cfg: TrainConfig) -> dict:
         if cfg.eval.every_n_steps and step % cfg.eval.every_n_steps == 0 and step < cfg.train.steps:
             evaluate()
         if (cfg.run.save_every and step % cfg.run.save_every == 0) or step == cfg.train.steps:
+            buffered = rollouts.buffer_state()  # every round in flight received; rank 0: its pool
+            st.next_dispatch = rollouts.next_dispatch
             state = st.to_checkpoint(sampler.state_dict(), clock.elapsed())
             with rollouts.offloaded_for_save(policy.offload, version):  # the offloaded state back
-                save_checkpoint(policy, run_dir, step, state, cfg.run.keep_last)
+                save_checkpoint(policy, run_dir, step, state, cfg.run.keep_last, buffered)
     if cfg.train.eval_at_ends:
         evaluate()
     if rank0:

@@ -9,6 +9,7 @@ Layout of ``<run>/checkpoints/``::
         hf_config.json           the policy's HF config (tools/convert_megatron_to_hf.py reads it)
         trainer_state.json       step, LR scheduler, data cursor, engine weight version, metrics tail
         recipe.yaml              the recipe in force when it was saved (resume checks changes against it)
+        rollout_buffer.pt        completed rollouts not yet trained (off-policy, dynamic sampling), rank 0
         rng/rank_XXXXX.pt        RNG states of every rank, as plain tensors
         manifest.json            every other file with size and SHA-256, written last
     latest                       text file naming the newest complete checkpoint (a hint)
@@ -55,6 +56,7 @@ if TYPE_CHECKING:
 
 TEACHER_PREFIX = "teacher."
 STATE_FILE = "trainer_state.json"
+BUFFER_FILE = "rollout_buffer.pt"
 RECIPE_FILE = "recipe.yaml"
 
 
@@ -185,9 +187,15 @@ def _sharded_state(policy: Policy, loading: bool) -> dict[str, Any]:
 
 
 def save_checkpoint(
-    policy: Policy, run_dir: str | Path, step: int, trainer_state: dict, keep_last: int
+    policy: Policy,
+    run_dir: str | Path,
+    step: int,
+    trainer_state: dict,
+    keep_last: int,
+    rollout_buffer: dict | None = None,
 ) -> Path:
-    """Collective: write checkpoint ``step`` (manifest last, fsynced), rename it, move ``latest``, prune."""
+    """Collective: write checkpoint ``step`` (manifest last, fsynced), rename it, move ``latest``, prune.
+    ``rollout_buffer`` (rank 0: the rollout pool's state, plain values and tensors) is saved with it."""
     from megatron.core import dist_checkpointing
 
     from srpo_megatron.config import to_dict
@@ -210,6 +218,8 @@ def save_checkpoint(
         trainer_state = {**trainer_state, "scheduler": policy.scheduler.state_dict(), "step": step}
         (tmp / STATE_FILE).write_text(json.dumps(trainer_state, indent=2, default=float) + "\n")
         (tmp / RECIPE_FILE).write_text(yaml.safe_dump(to_dict(policy.cfg), sort_keys=False))
+        if rollout_buffer is not None:
+            torch.save(rollout_buffer, tmp / BUFFER_FILE)
     _barrier()
     digests = digest_files(tmp)  # every rank fsyncs and hashes its share
     if _rank() == 0:
@@ -224,6 +234,15 @@ def save_checkpoint(
             shutil.rmtree(old, ignore_errors=True)
     _barrier()
     return final
+
+
+def load_rollout_buffer(path: str | Path) -> dict | None:
+    """The rollout pool's state saved with checkpoint ``path`` (None when it holds none: on-policy runs
+    and checkpoints written before the pool was saved). Plain values and tensors, no unpickling."""
+    file = Path(path) / BUFFER_FILE
+    if not file.is_file():
+        return None
+    return torch.load(file, weights_only=True)
 
 
 def load_checkpoint(policy: Policy, path: str | Path, log=print) -> dict:

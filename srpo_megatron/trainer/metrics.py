@@ -75,3 +75,26 @@ def _clean(v: Any) -> Any:
     if isinstance(v, float) and not math.isfinite(v):
         return None
     return v
+
+
+class SampleLog:
+    """Rank 0: ``<run>/samples.jsonl``, one row per trained batch: the step it trains, the trainer's weight
+    version then, and every sample's id and weight version (with per-token versions: the distinct
+    versions its tokens came from). A resumed run appends the steps it redoes again; the last row of a
+    step is the one that counts. This is what the off-policy tests count samples by."""
+
+    def __init__(self, run_dir: str | Path) -> None:
+        self.path = Path(run_dir) / "samples.jsonl"
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+
+    def log(self, step: int, trainer_version: int, samples: list[Any]) -> None:
+        row = {
+            "step": step,
+            "trainer_version": trainer_version,
+            "uids": [s.uid for s in samples],
+            "versions": [s.weight_version for s in samples],
+            "token_versions": [sorted(set(s.token_versions or [s.weight_version])) for s in samples],
+        }
+        with self.path.open("a") as f:
+            f.write(json.dumps(row) + "\n")
+            f.flush()

@@ -9,11 +9,13 @@ metrics. Routing and advantages are decided on rank 0 alone, so all ranks agree 
 
 from __future__ import annotations
 
+import collections
 import contextlib
+import dataclasses
 import os
 import re
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -29,6 +31,8 @@ from srpo_megatron.rollout.base import Completion, EngineError, SamplingParams
 from srpo_megatron.rollout.placement import EngineLayout, engine_urls, separate_layout, split_prompts
 from srpo_megatron.rollout.routed_experts import compact_ids
 from srpo_megatron.trainer.batch_shipping import broadcast_from_rank0, gather_to_rank0, ship_shares
+from srpo_megatron.trainer.metrics import SampleLog
+from srpo_megatron.trainer.off_policy import GenerationWorker, Job
 from srpo_megatron.trainer.offload import Offloader
 from srpo_megatron.trainer.step_types import METRICS, RolloutBatch, Sample, merge_metrics, reduce_values
 from srpo_megatron.weights.weight_sync import build_weight_sync
@@ -140,26 +144,109 @@ def route_rollouts(
 
 
 @dataclass
+class Dispatch:
+    """One dispatched round of prompts (known to every rank: each engine host generates its share)."""
+
+    id: int  # run-unique; seeds the round's sampling (``run.seed · 1_000_003 + id``)
+    prompts: list[Prompt]
+
+    def shares(self, num_engines: int) -> list[range]:
+        return split_prompts(len(self.prompts), num_engines)
+
+
+@dataclass
 class EngineShare:
-    """What one engine produced for a step (sent from its host to rank 0 only)."""
+    """What one engine produced for one round (sent from its host to rank 0 only)."""
 
     engine: int
-    prompts: range  # global prompt indices it served
+    dispatch: int
+    prompts: range  # the round's prompt indices it served
     completions: list[list[Completion]] | None = None  # [prompt][sample], None on failure
     seconds: float = 0.0
     error: str = ""
+    version: int = 0  # the version the engine served when the share started
+    aborted: int = 0  # generations aborted by a sync and continued (partial rollouts)
+
+
+class _InterimPool:
+    """Rank 0: completed rounds waiting to be trained, oldest first (replaced by trainer/sample_pool.py)."""
+
+    def __init__(self, service: RolloutService) -> None:
+        self.s = service
+        self.groups: list[tuple[int, int, Prompt, list[Completion]]] = []  # (dispatch, index, prompt, group)
+        self.dropped_stale = 0
+
+    def __len__(self) -> int:
+        return len(self.groups)
+
+    def add(self, dispatch: Dispatch, completions: list[list[Completion]]) -> None:
+        for i, (p, g) in enumerate(zip(dispatch.prompts, completions, strict=True)):
+            self.groups.append((dispatch.id, i, p, g))
+
+    def take(self, n: int, version: int, bound: int, t_gen: float) -> RolloutBatch | None:
+        fresh = []
+        for item in self.groups:
+            if any(version - c.weight_version > bound for c in item[3]):
+                self.dropped_stale += len(item[3])
+            else:
+                fresh.append(item)
+        self.groups = fresh
+        if len(self.groups) < n:
+            return None
+        taken, self.groups = self.groups[:n], self.groups[n:]
+        c = self.s.cfg
+        batch = route_rollouts(
+            self.s.tokenizer,
+            [p for _, _, p, _ in taken],
+            [g for _, _, _, g in taken],
+            c.rollout,
+            c.loss,
+            c.teacher,
+            self.s.rewards,
+            t_gen,
+        )
+        g = c.rollout.group_size
+        batch.samples = [
+            dataclasses.replace(
+                s,
+                uid=f"{taken[s.group][0]}/{taken[s.group][1]}/{s.member}",
+                weight_version=taken[s.group][3][s.member].weight_version,
+                token_versions=taken[s.group][3][s.member].token_versions,
+            )
+            for s in batch.samples
+        ]
+        assert len(batch.samples) == n * g
+        ages = [version - s.weight_version for s in batch.samples]
+        batch.metrics = merge_metrics(
+            batch.metrics,
+            {
+                "async/staleness_mean": sum(ages) / len(ages),
+                "async/staleness_max": float(max(ages)),
+                "async/dropped_stale": float(self.dropped_stale),
+            },
+        )
+        self.dropped_stale = 0
+        return batch
+
+    def state_dict(self) -> dict:
+        return {}
+
+    def load_state_dict(self, state: dict) -> None:
+        pass
 
 
 class RolloutService:
-    """The rollout side of the SPMD job: one engine per group of ``rollout.gpus_per_engine`` ranks.
+    """The rollout side of the SPMD job: one engine per group of ``rollout.gpus_per_engine`` ranks (or per
+    separate SGLang server).
 
     - ``sync(version)`` (collective) pushes the policy through the recipe's ``WeightSync`` strategy
       (``weights.weight_sync``: colocated, broadcast or disk) and checks that every engine then serves
-      ``version``;
-    - ``collect`` (collective) splits the step's prompts across the engines (balanced, a prompt's G
-      samples on one engine, per-sample seeds from the global prompt index: results do not depend on
-      the number of engines), checks that all engines serve the same version, gathers the completions on
-      rank 0 only, rewards and routes them there, and returns each rank its DP share of the batch;
+      ``version``; with off-policy rollouts it lands between generations (``off_policy.GenerationWorker``);
+    - ``next_batch`` (collective) dispatches rounds of prompts to the engines (split across them,
+      balanced, a prompt's G samples on one engine, per-sample seeds from the round and the prompt's index
+      in it: results do not depend on the number of engines), keeps up to ``rollout.off_policy_steps``
+      rounds in flight ahead of the trainer, receives completed rounds on rank 0 only, rewards them there
+      and returns each rank its DP share of a routed batch of ``prompts_per_step`` groups;
     - a failed engine is restarted alone (shut down, rebuilt on its host, resynced to the current version)
       and its prompts retried; a second failure stops the job naming the engine, its ranks and the version.
     """
@@ -185,15 +272,33 @@ class RolloutService:
         self.rank0 = self.rank == 0
         self.engine_index = self.layout.engine_of(self.rank)
         self.engine = self._build() if self.layout.is_host(self.rank) else None
+        self.worker = self._worker() if self.engine is not None else None
         r = cfg.rollout
         self.rewards = (
             RewardPool(r.reward_workers, r.reward_timeout_s, import_timeout_s=r.reward_import_timeout_s)
             if self.rank0
             else None
         )
+        self.pool = _InterimPool(self) if self.rank0 else None
+        self.sample_log = SampleLog(cfg.run.dir) if self.rank0 else None
+        self.pending: collections.deque[Dispatch] = collections.deque()  # dispatched, not yet received
+        self.next_dispatch = 0
+        self._step = 0  # the step whose batch is being assembled (for messages)
+        self._unreported: list[EngineShare] = []  # received shares not yet in a batch's metrics
         self.version = 0
         self.restarts = 0
         self.last_sync_s = 0.0
+        self.waited_s = 0.0  # seconds this rank's trainer waited for rollouts (inline: generated them)
+
+    def _worker(self) -> GenerationWorker:
+        colocated = self.cfg.rollout.placement == "colocated"
+        return GenerationWorker(
+            engine=lambda: self.engine,
+            threaded=self.cfg.rollout.off_policy_steps > 0,
+            # colocated: the engine gives its accelerator memory to training after each round
+            after_generate=(lambda: self.engine.release_memory()) if colocated else None,
+            continue_partial=None,
+        )
 
     @property
     def eval_engine(self) -> Any:
@@ -235,22 +340,31 @@ class RolloutService:
                 + ", ".join(f"{self._describe(k)} serves v{v}" for k, v in stale)
             )
 
+    def _quiesced(self) -> contextlib.AbstractContextManager[None]:
+        """No generation runs on this host's engine inside the block (a sync, a restart)."""
+        if self.worker is None:
+            return contextlib.nullcontext()
+        return self.worker.quiesced()
+
     def sync(self, version: int, targets: list[int] | None = None) -> float:
         """Collective: install the policy into the engines (all, or ``targets``) as ``version``; returns the
         seconds taken. An engine that fails the update is restarted alone and resynced; a second failure
-        stops the job. Every engine serves ``version`` afterwards (checked)."""
+        stops the job. Every engine serves ``version`` afterwards (checked). Off-policy: the sync waits for
+        the running generation to end (``rollout.partial``: aborts it, continued after the sync)."""
         t0 = time.monotonic()
-        failed = self._sync_once(version, targets)
-        if failed:
-            self._restart(failed, f"failed the weight sync to v{version}")
-            again = self._sync_once(version, failed)
-            if again:
-                raise EngineError(
-                    "; ".join(
-                        f"{self._describe(k)} failed the weight sync again after a restart" for k in again
+        with self._quiesced():
+            self.waited_s += time.monotonic() - t0
+            failed = self._sync_once(version, targets)
+            if failed:
+                self._restart(failed, f"failed the weight sync to v{version}")
+                again = self._sync_once(version, failed)
+                if again:
+                    raise EngineError(
+                        "; ".join(
+                            f"{self._describe(k)} failed the weight sync again after a restart" for k in again
+                        )
                     )
-                )
-        self.version = version
+            self.version = version
         self._check_versions()
         self.last_sync_s = time.monotonic() - t0
         return self.last_sync_s
@@ -274,24 +388,42 @@ class RolloutService:
             self.engine = self._build()
         self.restarts += len(failed)
 
-    def _generate(self, prompts: list[Prompt], step: int, engines: set[int]) -> EngineShare | None:
-        """On an engine host whose engine is in ``engines``: its share of the step's rollouts."""
+    # ---------------------------------------------------------------------------------- dispatching
+
+    def _job(self, d: Dispatch) -> Job:
+        share = d.shares(self.layout.num_engines)[self.engine_index]
+        seed = self.cfg.run.seed * 1_000_003 + d.id
+        return Job(
+            d.id,
+            [list(d.prompts[i].ids) for i in share],
+            sampling_params(self.cfg.rollout, seed, prompt_offset=share.start),
+        )
+
+    def _dispatch(self, prompts: list[Prompt]) -> None:
+        """Every rank: a new round of ``prompts``; each engine host queues its share on its worker (inline
+        workers generate it now)."""
+        d = Dispatch(self.next_dispatch, prompts)
+        self.next_dispatch += 1
+        self.pending.append(d)
+        if self.worker is not None:
+            t0 = time.monotonic()
+            self.worker.submit(self._job(d))
+            if not self.worker.threaded:
+                self.waited_s += time.monotonic() - t0
+
+    def _share_of(self, d: Dispatch, engines: set[int]) -> EngineShare | None:
+        """On an engine host whose engine is in ``engines``: its finished share of round ``d``."""
         k = self.engine_index
-        if self.engine is None or k not in engines:
+        if self.worker is None or k not in engines:
             return None
-        share = EngineShare(k, split_prompts(len(prompts), self.layout.num_engines)[k])
         t0 = time.monotonic()
-        seed = self.cfg.run.seed * 1_000_003 + step
-        try:
-            mine = [list(prompts[i].ids) for i in share.prompts]
-            params = sampling_params(self.cfg.rollout, seed, prompt_offset=share.prompts.start)
-            share.completions = self.engine.generate(mine, params) if mine else []
-            if self.cfg.rollout.placement == "colocated":
-                self.engine.release_memory()  # give the accelerator memory to training
-        except EngineError as e:
-            share.error = f"{self._describe(k)} failed at step {step + 1}: {e}"
+        r = self.worker.wait(d.id)
+        self.waited_s += time.monotonic() - t0
+        share = EngineShare(k, d.id, d.shares(self.layout.num_engines)[k], r.completions, r.seconds)
+        share.version, share.aborted = r.version, r.aborted
+        if r.error:
+            share.error = f"{self._describe(k)} failed at step {self._step + 1} (round {d.id}): {r.error}"
             share.completions = None
-        share.seconds = time.monotonic() - t0
         return share
 
     def _gather_shares(self, share: EngineShare | None) -> dict[int, EngineShare]:
@@ -305,37 +437,78 @@ class RolloutService:
         failed = [(k, s.error) for k, s in sorted(shares.items()) if s.error] if self.rank0 else None
         return broadcast_from_rank0(failed, self.host_group)
 
-    def collect(self, prompts: list[Prompt], step: int) -> RolloutBatch:
-        """Collective: rollouts, rewards and routing for ``prompts`` (method §1 steps 1–4); this rank's DP
-        share of the samples (``batches.rank_share``) and the whole batch's metrics."""
-        self._check_versions()
+    def _receive(self, d: Dispatch) -> None:
+        """Collective: round ``d``'s completions on rank 0, into the pool; failed engines are restarted,
+        resynced and their share generated again (with the current weights)."""
         all_engines = set(range(self.layout.num_engines))
-        shares = self._gather_shares(self._generate(prompts, step, all_engines))
+        shares = self._gather_shares(self._share_of(d, all_engines))
         failed = self._failures(shares)
         if failed:
             for _, error in failed if self.rank0 else []:
                 print(f"[srpo] {error}", flush=True)
             engines = [k for k, _ in failed]
-            self._restart(engines, f"failed at step {step + 1}")
+            with self._quiesced():
+                self._restart(engines, f"failed at step {self._step + 1} (round {d.id})")
             self.sync(self.version, targets=engines)
-            retried = self._gather_shares(self._generate(prompts, step, set(engines)))
+            if self.worker is not None and self.engine_index in engines:
+                self.worker.submit(self._job(d))
+            retried = self._gather_shares(self._share_of(d, set(engines)))
             again = self._failures(retried)
             if again:
                 raise EngineError(
                     "; ".join(f"{error} (again after a restart; giving up)" for _, error in again)
                 )
             shares.update(retried)
+        if self.rank0:
+            assert self.pool is not None
+            self.pool.add(d, [c for k in sorted(shares) for c in shares[k].completions])
+            self._unreported.extend(shares[k] for k in sorted(shares))
+
+    def _decide(self, trainer_version: int, t_gen: float) -> tuple[bool, RolloutBatch | None]:
+        """Collective: rank 0 tries to take a batch from the pool; every rank learns whether it did
+        (rank 0 gets the batch itself)."""
         batch = None
         if self.rank0:
-            completions = [c for k in sorted(shares) for c in shares[k].completions]
-            c = self.cfg
-            t_gen = max(s.seconds for s in shares.values())
-            batch = route_rollouts(
-                self.tokenizer, prompts, completions, c.rollout, c.loss, c.teacher, self.rewards, t_gen
-            )
-            batch.metrics = merge_metrics(
-                batch.metrics, engine_metrics(list(shares.values()), self.last_sync_s)
-            )
+            assert self.pool is not None
+            r = self.cfg.rollout
+            batch = self.pool.take(r.prompts_per_step, trainer_version, r.off_policy_steps, t_gen)
+        return broadcast_from_rank0(batch is not None if self.rank0 else None, self.host_group), batch
+
+    def _pooled(self) -> int:
+        """Collective: the groups rank 0's pool holds (every rank)."""
+        return broadcast_from_rank0(len(self.pool) if self.rank0 else None, self.host_group)
+
+    def next_batch(
+        self, draw: Callable[[int], list[Prompt]], step: int, trainer_version: int
+    ) -> RolloutBatch:
+        """Collective: this rank's DP share of the routed batch that trains step ``step`` (method §1 steps
+        1–4), and the batch's metrics. ``draw(n)`` gives the next ``n`` prompts of the data order (every
+        rank draws the same). Up to ``rollout.off_policy_steps`` rounds beyond this step's stay in flight
+        on the engines; a sample staler than that bound is dropped (counted), never trained."""
+        self._check_versions()
+        self._step = step
+        r = self.cfg.rollout
+        b = r.prompts_per_step
+        pending = lambda: sum(len(d.prompts) for d in self.pending)  # noqa: E731
+        supply = self._pooled() + pending()
+        while supply < (r.off_policy_steps + 1) * b:  # keep N rounds in flight beyond this step's
+            self._dispatch(draw(b))
+            supply += b
+        rounds = 0
+        while True:
+            ready, batch = self._decide(trainer_version, _generation_seconds(self._unreported))
+            if ready:
+                break
+            if not self.pending:
+                self._dispatch(draw(b))
+            self._receive(self.pending.popleft())
+            rounds += 1
+        if self.rank0:
+            assert batch is not None
+            batch.metrics = merge_metrics(batch.metrics, engine_metrics(self._unreported, self.last_sync_s))
+            assert self.sample_log is not None
+            self.sample_log.log(step + 1, trainer_version, batch.samples)
+            self._unreported = []
         g = self.groups
         return ship_shares(
             batch,
@@ -344,6 +517,45 @@ class RolloutService:
             mini_batches=self.cfg.train.mini_batches,
             group=self.host_group,
         )
+
+    def collect(self, prompts: list[Prompt], step: int) -> RolloutBatch:
+        """Collective: one round of exactly ``prompts``, routed (the on-policy step; tests and tools)."""
+        given = [prompts]
+        return self.next_batch(lambda n: given.pop(), step, self.version)
+
+    def drain(self) -> None:
+        """Collective: receive every dispatched round into rank 0's pool (before a checkpoint: the pool
+        is saved with it; nothing is then in flight, and a resume draws the next rounds from the saved
+        data cursor exactly as the uninterrupted run does)."""
+        while self.pending:
+            self._receive(self.pending.popleft())
+
+    def buffer_state(self) -> dict | None:
+        """Collective: receive every round in flight (``drain``), then rank 0's pool state for the checkpoint
+        (None elsewhere)."""
+        self.drain()
+        return self.pool.state_dict() if self.pool is not None else None
+
+    def load_buffer_state(self, next_dispatch: int, pool: dict | None) -> None:
+        """After a resume: the next round's number and (rank 0) the pool's saved rollouts, trained next."""
+        self.next_dispatch = next_dispatch
+        if self.pool is not None and pool is not None:
+            self.pool.load_state_dict(pool)
+
+    def idle_metrics(self, since: float) -> dict[str, float]:
+        """Collective: ``async/engine_idle_share`` (mean over engines of the share of ``[since, now]`` their
+        engine was not generating) and ``async/trainer_idle_share`` (rank 0's waits for rollouts)."""
+        now = time.monotonic()
+        span = max(now - since, 1e-9)
+        mine = None if self.worker is None else self.worker.busy_seconds(since, now) / span
+        busy = [b for b in gather_to_rank0(mine, self.host_group) or [] if b is not None]
+        waited, self.waited_s = self.waited_s, 0.0
+        if not self.rank0:
+            return {}
+        return {
+            "async/engine_idle_share": 1.0 - sum(min(b, 1.0) for b in busy) / max(len(busy), 1),
+            "async/trainer_idle_share": min(waited / span, 1.0),
+        }
 
     @contextlib.contextmanager
     def offloaded_for_save(self, offloader: Offloader, version: int) -> Iterator[None]:
@@ -365,6 +577,8 @@ class RolloutService:
         self.sync(version)
 
     def close(self) -> None:
+        if self.worker is not None:
+            self.worker.close()
         self.weight_sync.close()
         if self.rewards is not None:
             self.rewards.close()
@@ -372,19 +586,30 @@ class RolloutService:
             self.engine.shutdown()
 
 
+def _generation_seconds(shares: list[EngineShare]) -> float:
+    """Generation seconds of the received rounds: per round the slowest engine's, summed over rounds."""
+    rounds: dict[int, float] = {}
+    for s in shares:
+        rounds[s.dispatch] = max(rounds.get(s.dispatch, 0.0), s.seconds)
+    return sum(rounds.values())
+
+
 def engine_metrics(shares: list[EngineShare], sync_s: float) -> dict[str, float]:
     """``rollout/*``: engine count, per-engine samples and response tokens (min, max), the slowest
-    engine's seconds, and the last weight sync's seconds; each reduced over engines as declared."""
-    samples = [sum(len(g) for g in s.completions) for s in shares]
-    tokens = [sum(len(c.token_ids) for g in s.completions for c in g) for s in shares]
+    engine's seconds, and the last weight sync's seconds; each engine's figures summed over the rounds
+    received for the batch, then reduced over engines as declared."""
+    engines = sorted({s.engine for s in shares})
+    mine = {k: [s for s in shares if s.engine == k] for k in engines}
+    samples = [sum(len(g) for s in mine[k] for g in s.completions) for k in engines]
+    tokens = [sum(len(c.token_ids) for s in mine[k] for g in s.completions for c in g) for k in engines]
     per_engine = {
         "rollout/samples_per_engine_min": samples,
         "rollout/samples_per_engine_max": samples,
         "rollout/response_tokens_per_engine_min": tokens,
         "rollout/response_tokens_per_engine_max": tokens,
-        "rollout/engine_seconds_max": [s.seconds for s in shares],
+        "rollout/engine_seconds_max": [sum(s.seconds for s in mine[k]) for k in engines],
     }
-    out = {"rollout/engines": float(len(shares))}
+    out = {"rollout/engines": float(len(engines))}
     out.update({name: reduce_values(METRICS[name].reduce, values) for name, values in per_engine.items()})
     out["rollout/sync_s"] = sync_s
     return out

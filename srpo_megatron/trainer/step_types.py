@@ -245,6 +245,9 @@ class TrainerState:
     evals: list[Any] = field(default_factory=list)  # each evaluation's summary (None where skipped)
     sdpo_fracs: list[float] = field(default_factory=list)  # route/sdpo_frac of every step
     budget_clock_s: float = 0.0  # seconds the evaluation budget clock had run
+    # the next rollout round's number (seeds its sampling); None in checkpoints written before rounds were
+    # counted, whose runs dispatched exactly one round per step (so the next is ``step``)
+    next_dispatch: int | None = None
 
     def to_checkpoint(self, sampler: dict[str, Any], budget_clock_s: float) -> dict[str, Any]:
         """The checkpoint's trainer state, with the sampler's and the clock's state at save time."""
@@ -253,6 +256,7 @@ class TrainerState:
             "sampler": sampler,
             "history": {"evals": self.evals, "sdpo_fracs": self.sdpo_fracs},
             "budget_clock_s": budget_clock_s,
+            "next_dispatch": self.next_dispatch,
         }
 
     @classmethod
@@ -265,6 +269,7 @@ class TrainerState:
             evals=history["evals"],
             sdpo_fracs=history["sdpo_fracs"],
             budget_clock_s=state.get("budget_clock_s", 0.0),
+            next_dispatch=state.get("next_dispatch"),
         )
 
 

@@ -22,7 +22,6 @@ from srpo_megatron.testing.distributed import RankFailed, run_distributed
 from tests.helpers.recipe import tiny_config
 
 
-
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
     from srpo_megatron.testing.tiny import write_tiny_run
@@ -174,7 +173,15 @@ def test_srpo_train_two_steps_on_two_engines(clean_run):
 
 
 # Timings differ between runs; everything else in a step's metrics is a function of the rollouts and weights.
-_TIMED = ("time/", "perf/", "rollout/engine_seconds_max", "rollout/sync_s", "engine/restarts")
+_TIMED = (
+    "time/",
+    "perf/",
+    "rollout/engine_seconds_max",
+    "rollout/sync_s",
+    "engine/restarts",
+    "async/engine_idle",
+    "async/trainer_idle",
+)
 
 
 def test_srpo_train_restarts_an_engine_killed_mid_rollout_alone_and_continues(tiny, tmp_path, clean_run):
