@@ -76,13 +76,13 @@ class StandInProcess:
                 return url_file.read_text().strip()
             if self._proc.poll() is not None:
                 raise StandInStartError(
-                    f"the stand-in server process exited with status {self._proc.returncode} before "
-                    f"serving; its log ({self.log_path}) ends:\n{self.log_tail()}"
+                    f"the stand-in server process (pid {self.pid}) exited with status "
+                    f"{self._proc.returncode} before serving; its log ends:\n{self.log_tail()}"
                 )
             time.sleep(0.05)
         raise StandInStartError(
-            f"the stand-in server process did not serve within {timeout_s:.0f} s (raise startup_timeout_s "
-            f"on a loaded machine); its log ends:\n{self.log_tail()}"
+            f"the stand-in server process (pid {self.pid}) did not serve within {timeout_s:g} s (raise "
+            f"startup_timeout_s on a loaded machine); its log ends:\n{self.log_tail()}"
         )
 
     def log_tail(self, chars: int = 4000) -> str:
