@@ -12,12 +12,18 @@ Step time: the median, over the steps after the first, of the wall-clock gap bet
 ``metrics.jsonl`` (when each row appeared); ``time/step_s`` (the trainer's own figure) is printed beside it.
 Idle share of process-seconds (two processes, one thread each): from ``async/engine_idle_share`` and
 ``async/trainer_idle_share`` when the run logs them, else from the phase times: engine busy =
-``time/generate_s``, trainer busy = score + teacher + train + weight sync, each over ``time/step_s``.
+``time/generate_s``, trainer busy = score + teacher + train + weight sync, each over ``time/step_s``. (At
+N >= 1 a weight sync waits for the running generation to end, so that fallback counts such a wait as
+busy; the logged ``async/trainer_idle_share`` counts only the waits for rollouts.)
+
+The engine and the trainer get a core each (``os.sched_setaffinity``; ``--no-pin`` to share all cores):
+separate devices, as the placement means (unpinned, the scheduler may run both on one core while other
+processes hold the other). Each (N=0, N=1) pair runs back to back, order alternating, and the ratio is the median of the pairs'.
 
 Expected when generation and training take similar time: ``ratio_n1_vs_n0`` <= 0.65. The machine's load
 average is printed before and after (other processes share these cores).
 
-Usage: ``python tools/bench_off_policy.py [--steps 5 --max-new-tokens 24 --prompts-per-step 4]``; the last
+Usage: ``python tools/bench_off_policy.py [--steps 5 --repeats 3 --max-new-tokens 48 --no-pin]``; the last
 line is one JSON object (``step_s_n0``, ``step_s_n1``, ``ratio_n1_vs_n0``, idle shares, phase times).
 """
 
@@ -206,9 +212,9 @@ def describe(n: int, s: dict) -> str:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--steps", type=int, default=4)
-    ap.add_argument("--repeats", type=int, default=2, help="(N=0, N=1) pairs, order alternating")
-    ap.add_argument("--max-new-tokens", type=int, default=32)
+    ap.add_argument("--steps", type=int, default=5)
+    ap.add_argument("--repeats", type=int, default=3, help="(N=0, N=1) pairs, order alternating")
+    ap.add_argument("--max-new-tokens", type=int, default=48)
     ap.add_argument("--prompts-per-step", type=int, default=4)
     ap.add_argument("--group-size", type=int, default=4)
     ap.add_argument("--micro-batch-size", type=int, default=4)
@@ -246,7 +252,9 @@ def main() -> None:
             f"{load['load_avg_before']} -> {load['load_avg_after']} on {load['cpus']} cores; "
             + ("engine and trainer pinned to a core each" if pin else "not pinned")
         )
-        print(result_line(n0, n1, ratio, {**load, "pinned": pin}), flush=True)
+        pair_ratios = [round(step_s(p[1]) / step_s(p[0]), 4) for p in pairs]
+        extra = {**load, "pinned": pin, "pair_ratios": pair_ratios, "max_new_tokens": args.max_new_tokens}
+        print(result_line(n0, n1, ratio, extra), flush=True)
 
 
 if __name__ == "__main__":
