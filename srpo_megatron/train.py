@@ -82,7 +82,8 @@ def train(cfg: TrainConfig) -> dict:
         # keep generating the next rounds meanwhile (trainer/off_policy.py)
         mine = rollouts.next_batch(draw, st.step, st.weight_version)
         rollout_memory = policy.offload.after_rollouts()  # the engine released its memory: take it back
-        scored = score_rollouts(policy, mine.samples)  # π_old, top-K ids, teacher: once, before any step
+        # π_old, top-K ids, teacher: once, before any step; tokens staler than the bound are masked there
+        scored = score_rollouts(policy, mine.samples, trainer_version=st.weight_version)
         learned = learn(policy, scored, cfg.train.mini_batches)
         policy.update_teacher()
         st.weight_version += 1

@@ -11,6 +11,9 @@ Mode = Literal[
     "srpo", "grpo", "sdpo", "srpo_no_dw", "sdpo_incorrect_only", "sdpo_correct_only", "advantage_mix"
 ]
 WeightScope = Literal["batch", "micro_batch"]
+ISCorrection = Literal["tis", "mis", "icepop"]
+ISLevel = Literal["token", "sequence"]
+IS_CORRECTIONS: tuple[str, ...] = ("tis", "mis", "icepop")
 MODES: tuple[str, ...] = (
     "srpo",
     "grpo",
@@ -43,6 +46,19 @@ class LossConfig:
     dual_clip: float | None = 3.0
     # truncated importance sampling cap on π_old / π_rollout (detached); null disables the correction
     tis_cap: float | None = 2.0
+    # off-policy correction by the ratio ρ = π_old / π_rollout (losses/importance.py): tis = min(ρ, tis_cap)
+    # (the paper's); mis = masked IS: ρ inside [is_low, is_high], else the token (or sequence) is dropped
+    # from the loss and from N_tokens; icepop = ρ inside [is_low, is_high], else weight 0 (kept in N_tokens)
+    is_correction: ISCorrection = "tis"
+    # mis only: the ratio the bounds test: each token's ρ_t, or the sequence's ρ = exp(Σ_t log ρ_t)
+    is_level: ISLevel = "token"
+    # mis / icepop: lower bound on ρ (IcePop's α)
+    is_low: float = 0.5
+    # mis / icepop: upper bound on ρ (IcePop's β)
+    is_high: float = 5.0
+    # drop tokens generated more than rollout.off_policy_steps weight versions before the trainer's from
+    # the loss and from N_tokens, instead of importance-weighting them
+    mask_stale_tokens: bool = False
     # coefficient of the k3 KL-to-reference penalty (needs reference log-probs when > 0)
     kl_coef: float = 0.0
     # coefficient of the student entropy bonus (loss −= coef·H)
@@ -91,6 +107,31 @@ class LossConfig:
                 "dual-clip must exceed 1 to leave the PPO region intact",
                 "use c > 1 (3.0) or null",
             )
+        if self.is_correction not in IS_CORRECTIONS:
+            raise bad(
+                "is_correction", "unknown off-policy correction", f"choose one of {list(IS_CORRECTIONS)}"
+            )
+        if self.is_level not in ("token", "sequence"):
+            raise bad("is_level", "unknown ratio level", "choose 'token' or 'sequence'")
+        if self.is_level == "sequence" and self.is_correction != "mis":
+            raise bad(
+                "is_level",
+                f"a sequence-level ratio is only defined for is_correction: mis, not {self.is_correction!r} "
+                "(TIS as in the paper and IcePop weight each token)",
+                "set loss.is_level: token, or loss.is_correction: mis",
+            )
+        if not 0.0 < self.is_low <= 1.0:
+            raise bad(
+                "is_low",
+                "the lower bound on π_old/π_rollout must be positive and admit ratio 1 (an on-policy token)",
+                "use 0 < is_low <= 1 (0.5)",
+            )
+        if self.is_high < 1.0:
+            raise bad(
+                "is_high",
+                "the upper bound on π_old/π_rollout must admit ratio 1 (an on-policy token)",
+                "use is_high >= 1 (5.0)",
+            )
         if self.tis_cap is not None and self.tis_cap <= 0.0:
             raise bad("tis_cap", "the importance weight cap must be positive", "use a cap > 0 (2.0) or null")
         if self.kl_coef < 0.0:
@@ -115,6 +156,11 @@ class LossConfig:
             raise bad("std_eps", "it is added to a standard deviation", "use a small value >= 0 (1e-6)")
         if self.chunk_tokens < 0:
             raise bad("chunk_tokens", "it is a number of tokens", "use 0 (automatic) or a positive count")
+
+    @property
+    def rejects_tokens(self) -> bool:
+        """Whether the off-policy correction removes tokens from the loss and from N_tokens (at scoring)."""
+        return self.is_correction == "mis" or self.mask_stale_tokens
 
     @property
     def uses_dynamic_weights(self) -> bool:

@@ -1,10 +1,12 @@
-"""SRPO losses: routing, group advantages, GRPO and SDPO token losses, the routed objective.
+"""SRPO losses: routing, group advantages, GRPO and SDPO token losses, off-policy corrections, the routed
+objective.
 
 All are pure functions of tensors (plus explicit process groups) returning ``(per-token loss, metrics)``
 where they are losses; ``routed_loss`` owns nothing global — the caller supplies the denominators.
 """
 
 from srpo_megatron.losses.grpo import grpo_token_loss, tis_weight
+from srpo_megatron.losses.importance import apply_rejections, bounded_is_weight, sequence_log_ratio
 from srpo_megatron.losses.routed import Normalizers, TokenBatch, global_normalizers, routed_loss
 from srpo_megatron.losses.routing import Routing, group_advantages, route, routing_masks
 from srpo_megatron.losses.scoring import StudentScore, TeacherScore, score_student, score_teacher
@@ -16,6 +18,8 @@ __all__ = [
     "StudentScore",
     "TeacherScore",
     "TokenBatch",
+    "apply_rejections",
+    "bounded_is_weight",
     "dynamic_weights",
     "global_normalizers",
     "group_advantages",
@@ -27,6 +31,7 @@ __all__ = [
     "score_student",
     "score_teacher",
     "sdpo_token_loss",
+    "sequence_log_ratio",
     "tis_weight",
     "topk_divergence",
 ]

@@ -2,6 +2,25 @@
 
 All inputs are per token ``[T]`` (the sample's advantage broadcast to its tokens). The loss is not
 reduced: the router masks it and divides by the global token count it is given.
+
+Three policies, as in decoupled PPO (Hilton et al. 2021, "Batch size-invariance for policy optimization"):
+the target π_θ (differentiable), the proximal policy π_old — the trainer's own log-probs, scored once per
+rollout batch before its first optimizer step (``trainer/scoring.py``) — and the behaviour policy
+π_rollout, the engine's log-probs of the sampled tokens. The PPO ratio and clip use π_θ / π_old; the
+detached importance weight uses π_old / π_rollout (``tis_weight``, or ``losses/importance.py``).
+
+On-policy (``rollout.off_policy_steps: 0``) this is the paper's objective exactly: π_old holds the weights
+that generated the batch, so π_old / π_rollout differs from 1 only by the engine's numerics (kernels,
+precision, MoE routing), and TIS with cap 2 is the paper's correction of that mismatch.
+
+Off-policy (N > 0): π_rollout is up to N weight versions older than π_old (with partial rollouts, each
+token its own version), so the importance weight now also corrects the behaviour-policy gap — TIS
+truncates it, MIS / IcePop (``loss.is_correction``) mask tokens whose ratio left [is_low, is_high], and
+``loss.mask_stale_tokens`` drops tokens beyond N versions instead. The clip still bounds the step from
+π_old, the current weights, so a stale batch cannot move the policy further than an on-policy one.
+Routing, advantages and teacher prompts are built from the completed group (whatever versions its members
+came from), and the EMA teacher is scored at training time, like π_old: it is the trainer's current
+teacher, not the one of the generating version.
 """
 
 from __future__ import annotations
@@ -18,6 +37,20 @@ def tis_weight(
     return (old_logp.detach() - rollout_logp.detach()).exp().clamp(max=cap)
 
 
+def importance_weight(
+    old_logp: torch.Tensor,
+    rollout_logp: torch.Tensor | None,
+    cap: float | None,
+    is_weight: torch.Tensor | None,
+) -> torch.Tensor | None:
+    """The importance weight of a token loss: ``is_weight`` when given, else TIS."""
+    if is_weight is None:
+        return tis_weight(old_logp, rollout_logp, cap)
+    if rollout_logp is not None:
+        raise ValueError("pass rollout_logp (TIS) or is_weight (a precomputed correction), not both")
+    return is_weight.detach()
+
+
 def grpo_token_loss(
     logp: torch.Tensor,
     old_logp: torch.Tensor,
@@ -32,6 +65,7 @@ def grpo_token_loss(
     kl_coef: float = 0.0,
     entropy: torch.Tensor | None = None,
     entropy_coef: float = 0.0,
+    is_weight: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Per-token GRPO loss [T] and per-token metrics (detached [T] tensors).
 
@@ -41,9 +75,11 @@ def grpo_token_loss(
     rollout_logp: [T] log π_rollout(y_t) from the engine, for the truncated IS weight (optional)
     ref_logp:     [T] reference-policy log-probs for the k3 KL term (needed when kl_coef > 0)
     entropy:      [T] student entropy for the entropy bonus (needed when entropy_coef > 0)
+    is_weight:    [T] a precomputed detached importance weight used instead of TIS (MIS / IcePop,
+                  ``losses/importance.py``); give it or ``rollout_logp``, not both
 
-    ℓ = −min(ρA, clip(ρ, 1−ε_low, 1+ε_high)A); for A < 0, ℓ = min(ℓ, −c·A) (dual clip); ℓ ·= w_TIS;
-    then + kl_coef·k3(π_ref, π_θ) − entropy_coef·H.
+    ℓ = −min(ρA, clip(ρ, 1−ε_low, 1+ε_high)A); for A < 0, ℓ = min(ℓ, −c·A) (dual clip); ℓ ·= w_TIS (or
+    ``is_weight``); then + kl_coef·k3(π_ref, π_θ) − entropy_coef·H.
     """
     adv = advantages.detach().to(logp.dtype)
     log_ratio = logp - old_logp.detach()
@@ -56,7 +92,7 @@ def grpo_token_loss(
         capped = torch.minimum(loss, -dual_clip * adv)
         metrics["dual_clipped"] = ((adv < 0) & (loss > -dual_clip * adv)).to(logp.dtype)
         loss = torch.where(adv < 0, capped, loss)
-    w = tis_weight(old_logp, rollout_logp, tis_cap)
+    w = importance_weight(old_logp, rollout_logp, tis_cap, is_weight)
     if w is not None:
         loss = loss * w
         metrics["tis_weight"] = w

@@ -22,6 +22,11 @@ SDPO's per-token self-distillation advantage A_SDPO = log q(y_t) − log π_old(
 log-prob of the sampled token; 0 for samples without a teacher), applied through the same clipped GRPO
 surrogate. In ``sdpo`` mode (and ``sdpo_incorrect_only`` / ``sdpo_correct_only``), samples without an
 SDPO route contribute no loss but their tokens still count in N_tokens (same denominator for every mode).
+
+Off-policy corrections (``loss.is_correction``, ``loss.mask_stale_tokens``; ``losses/importance.py``):
+the detached weight of each token's policy-gradient term is TIS (default), MIS or IcePop; tokens that MIS
+or the stale mask reject are cleared from ``mask`` once after scoring (``apply_rejections``), so they take
+no loss and are not in N_tokens, |Ω_sdpo| or Σ w̃; IcePop's zero-weight tokens stay in N_tokens.
 """
 
 from __future__ import annotations
@@ -36,6 +41,7 @@ import torch.distributed as dist
 
 from srpo_megatron.config import LossConfig
 from srpo_megatron.losses.grpo import grpo_token_loss
+from srpo_megatron.losses.importance import bounded_is_weight, check_rejections
 from srpo_megatron.losses.sdpo import dynamic_weights, raw_weights, sdpo_token_loss
 from srpo_megatron.ops.vocab_parallel import append_tail, token_stats
 
@@ -45,7 +51,7 @@ class TokenBatch:
     """One micro-batch of response tokens, flat over rows T (see the module docstring)."""
 
     response_ids: torch.Tensor  # [T] int64: sampled token y_t (global vocabulary id)
-    mask: torch.Tensor  # [T] bool: a valid response token (False = padding / prompt)
+    mask: torch.Tensor  # [T] bool: a valid response token (False = padding / prompt / rejected off-policy)
     advantages: torch.Tensor  # [T] float: group advantage A_i of the row's sample
     grpo: torch.Tensor  # [T] bool: z_i^GRPO of the row's sample under the mode
     sdpo: torch.Tensor  # [T] bool: z_i^SDPO of the row's sample under the mode
@@ -57,6 +63,8 @@ class TokenBatch:
     teacher_entropy: torch.Tensor | None = None  # [T] float: teacher full-vocabulary entropy H
     teacher_token_logp: torch.Tensor | None = None  # [T] float: log q(y_t) (advantage_mix only)
     teacher: torch.Tensor | None = None  # [T] bool: rows with teacher data (advantage_mix only)
+    stale: torch.Tensor | None = None  # [T] bool: generated > rollout.off_policy_steps versions ago
+    seq_log_ratio: torch.Tensor | None = None  # [T] float: Σ log π_old/π_rollout over the row's sample
 
     def __len__(self) -> int:
         return self.response_ids.shape[0]
@@ -144,6 +152,7 @@ def routed_loss(
     """
     if normalizers.num_tokens <= 0:
         raise ValueError("normalizers.num_tokens is 0: the batch has no valid response tokens")
+    check_rejections(batch, cfg)
     mask = batch.mask
     sdpo_rows = _sdpo_rows(batch).nonzero().squeeze(1)
     grpo_rows = batch.grpo & mask
@@ -165,6 +174,12 @@ def routed_loss(
     per_token = torch.zeros_like(logp)
     metrics: dict[str, torch.Tensor] = {}
     count = lambda m: m.sum().to(torch.float64)  # noqa: E731
+    # TIS stays inside the token losses (the paper's path, bit for bit); MIS / IcePop pass their weight.
+    tis = cfg.is_correction == "tis"
+    rollout_logp = batch.rollout_logp if tis else None
+    is_w = None if tis else bounded_is_weight(batch.old_logp, batch.rollout_logp, batch.seq_log_ratio, cfg)
+    if is_w is not None:  # IcePop's ratios outside the bounds (w > 0 inside, since is_low > 0)
+        metrics["is_zeroed_tokens"] = count((is_w == 0) & mask)
 
     if need_grpo:
         adv = batch.advantages.to(logp.dtype)
@@ -179,7 +194,7 @@ def routed_loss(
             logp,
             batch.old_logp,
             adv,
-            batch.rollout_logp,
+            rollout_logp,
             eps_low=cfg.eps_low,
             eps_high=cfg.eps_high,
             dual_clip=cfg.dual_clip,
@@ -188,6 +203,7 @@ def routed_loss(
             kl_coef=cfg.kl_coef,
             entropy=stats.entropy if stats.entropy.numel() else None,
             entropy_coef=cfg.entropy_coef,
+            is_weight=is_w,
         )
         per_token = torch.where(grpo_rows, loss_g, per_token)
         metrics["grpo_tokens"] = count(grpo_rows)
@@ -202,10 +218,11 @@ def routed_loss(
             batch.teacher_logp[sdpo_rows],
             logp[sdpo_rows],
             batch.old_logp[sdpo_rows],
-            None if batch.rollout_logp is None else batch.rollout_logp[sdpo_rows],
+            None if rollout_logp is None else rollout_logp[sdpo_rows],
             alpha=cfg.divergence_alpha,
             ratio_cap=cfg.sdpo_ratio_cap,
             tis_cap=cfg.tis_cap,
+            is_weight=None if is_w is None else is_w[sdpo_rows],
         )
         if cfg.uses_dynamic_weights:
             if batch.teacher_entropy is None:

@@ -14,7 +14,7 @@ import math
 
 import torch
 
-from srpo_megatron.losses.grpo import tis_weight
+from srpo_megatron.losses.grpo import importance_weight
 from srpo_megatron.ops.vocab_parallel import append_tail
 
 # log-probs are floored here so that 0·log 0 terms (p = 0 buckets) stay finite in value and gradient.
@@ -65,6 +65,7 @@ def sdpo_token_loss(
     alpha: float = 0.5,
     ratio_cap: float = 2.0,
     tis_cap: float | None = 2.0,
+    is_weight: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Per-token SDPO loss [T] = D(P‖Q buckets) × min(ρ_t, ratio_cap) × w_TIS (both factors detached).
 
@@ -72,12 +73,14 @@ def sdpo_token_loss(
     teacher_buckets: [T, K+1] teacher log-probs at the same ids plus tail (constant)
     logp, old_logp:  [T] log π_θ(y_t), log π_old(y_t) of the sampled token (for the ratio ρ_t)
     rollout_logp:    [T] engine log-probs for the truncated IS weight (optional)
+    is_weight:       [T] a precomputed detached importance weight used instead of TIS (MIS / IcePop);
+                     give it or ``rollout_logp``, not both
     """
     div = topk_divergence(student_buckets, teacher_buckets, alpha, add_tail=False)
     ratio = (logp.detach() - old_logp.detach()).exp().clamp(max=ratio_cap)
     loss = div * ratio
     metrics = {"divergence": div.detach()}
-    w = tis_weight(old_logp, rollout_logp, tis_cap)
+    w = importance_weight(old_logp, rollout_logp, tis_cap, is_weight)
     if w is not None:
         loss = loss * w
     return loss, metrics

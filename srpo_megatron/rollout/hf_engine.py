@@ -29,6 +29,12 @@ that the log-prob semantics, seeding and stopping are ours to state and test:
   ``[P + R - 1, layers, top_k]``, SGLang's layout (rollout routing replay, ``rollout/routed_experts.py``).
   They are read by forward hooks on the routers, not ``output_router_logits=True``, which makes the HF
   model also compute its load-balancing loss over the attention mask and fails on cached decode steps.
+- **Abort.** ``abort_running()`` (thread-safe) makes every ``generate``/``generate_requests`` call that is
+  running or waiting for the engine stop at the next decode step: its unfinished rows come back with
+  finish reason ``"abort"`` and the tokens, log-probs and routed experts so far, rows not yet started with
+  none (SGLang's abort of running and of waiting requests). Calls that start later are not affected.
+  ``step_hook(step, aborted)`` runs after every decode step (tests: hold a generation at step k until an
+  abort lands).
 - **Memory.** On CPU there is no accelerator memory to free: ``release_memory`` only makes ``generate``
   refuse (as a released SGLang engine would), ``resume_memory`` lifts that.
 """
@@ -38,7 +44,7 @@ from __future__ import annotations
 import contextlib
 import inspect
 import threading
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
@@ -128,6 +134,10 @@ class HFEngine:
         self._inconsistent = ""  # non-empty: a copy failed half-way; generate refuses until a full update
         self._shut_down = False
         self._lock = threading.Lock()
+        self._abort_lock = threading.Lock()  # guards _abort_events only (never held while decoding)
+        self._abort_events: set[threading.Event] = set()  # one per generate call running or waiting
+        # called after every decode step with (step number from 1, this call's abort event)
+        self.step_hook: Callable[[int, threading.Event], None] | None = None
         forward_params = inspect.signature(type(model).forward).parameters
         # transformers 5 renamed the KV cache argument ``past_key_values`` -> ``cache``.
         self._cache_kwarg = "cache" if "cache" in forward_params else "past_key_values"
@@ -169,6 +179,11 @@ class HFEngine:
     @property
     def weight_version(self) -> int:
         return self._version
+
+    @property
+    def eos_token_ids(self) -> tuple[int, ...]:
+        """The ids every generation stops at besides ``stop_token_ids``."""
+        return self._eos_ids
 
     @property
     def model(self) -> torch.nn.Module:
@@ -279,8 +294,43 @@ class HFEngine:
 
     # --------------------------------------------------------------- sampling
 
+    def abort_running(self) -> int:
+        """Abort every generate call running or waiting now (module doc); the number of calls told."""
+        with self._abort_lock:
+            for event in self._abort_events:
+                event.set()
+            return len(self._abort_events)
+
+    @contextlib.contextmanager
+    def _abortable(self):
+        event = threading.Event()
+        with self._abort_lock:
+            self._abort_events.add(event)
+        try:
+            yield event
+        finally:
+            with self._abort_lock:
+                self._abort_events.discard(event)
+
     def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams) -> list[list[Completion]]:
         """Sample ``params.n`` completions per prompt; ``result[i][j]`` is prompt i's sample j."""
+        with self._abortable() as aborted:
+            return self._generate(prompts, params, aborted)
+
+    def generate_requests(
+        self, inputs: Sequence[Sequence[int]], params: Sequence[SamplingParams]
+    ) -> list[Completion]:
+        """One completion per input with its own parameters (``n`` = 1; seed ``sample_seed(seed,
+        prompt_offset, 0)``), as ``SGLangEngine.generate_requests``: continuations of partial rollouts.
+        One abort reaches every request of the call."""
+        if len(inputs) != len(params) or any(p.n != 1 for p in params):
+            raise EngineError("generate_requests takes one SamplingParams with n=1 per input")
+        with self._abortable() as aborted:
+            return [self._generate([ids], p, aborted)[0][0] for ids, p in zip(inputs, params, strict=True)]
+
+    def _generate(
+        self, prompts: Sequence[Sequence[int]], params: SamplingParams, aborted: threading.Event
+    ) -> list[list[Completion]]:
         with self._lock:
             self._check_alive()
             if self._released:
@@ -297,7 +347,7 @@ class HFEngine:
             for start in range(0, len(rows), self._max_batch_size):
                 chunk = rows[start : start + self._max_batch_size]
                 for (i, _j), completion in zip(
-                    chunk, self._decode(prompts, chunk, params, base_seed), strict=True
+                    chunk, self._decode(prompts, chunk, params, base_seed, aborted), strict=True
                 ):
                     out[i].append(completion)
             return out
@@ -312,11 +362,12 @@ class HFEngine:
         rows: list[tuple[int, int]],
         params: SamplingParams,
         base_seed: int,
+        aborted: threading.Event,
     ) -> list[Completion]:
-        """Decode one batch of (prompt index, sample index) rows to completion."""
+        """Decode one batch of (prompt index, sample index) rows to completion (or to an abort)."""
         top_k = self._moe_top_k() if params.return_routed_experts else 0
         with _GateRecorder(self._model, top_k) if top_k else contextlib.nullcontext() as gates:
-            return self._decode_rows(prompts, rows, params, base_seed, top_k, gates)
+            return self._decode_rows(prompts, rows, params, base_seed, top_k, gates, aborted)
 
     def _decode_rows(
         self,
@@ -326,6 +377,7 @@ class HFEngine:
         base_seed: int,
         top_k: int,
         gates: _GateRecorder | None,
+        aborted: threading.Event,
     ) -> list[Completion]:
         """``_decode``'s loop; ``gates`` records the routers' experts when ``top_k`` > 0."""
         dev = self._device
@@ -352,7 +404,11 @@ class HFEngine:
         cache = None
         step_ids, step_pos = input_ids, positions
         routed: list[torch.Tensor] = []  # per forward: [B, positions, layers, top_k] expert ids (host)
-        for _ in range(params.max_new_tokens):
+        unfinished = "length"  # what a row that did not stop ends with
+        for step in range(params.max_new_tokens):
+            if aborted.is_set():  # checked between decode steps, as SGLang's scheduler does
+                unfinished = "abort"
+                break
             kwargs = {self._cache_kwarg: cache} if cache is not None else {}
             out = self._model(
                 input_ids=step_ids,
@@ -384,6 +440,8 @@ class HFEngine:
                 logprobs[r].append(chosen[r])
                 if ids_list[r] in stop_ids:
                     finished[r] = "stop"
+            if self.step_hook is not None:
+                self.step_hook(step + 1, aborted)
             if all(f is not None for f in finished):
                 break
             step_ids = next_ids[:, None]
@@ -392,6 +450,8 @@ class HFEngine:
         experts: list[torch.Tensor | None] = [None] * bsz
         if top_k:  # SGLang's layout: the prompt positions, then every response token but the last
             for r in range(bsz):
+                if not tokens[r]:  # aborted before its prefill: nothing was forwarded
+                    continue
                 decoded = [routed[t][r, 0] for t in range(1, len(tokens[r]))]
                 prompt = routed[0][r, width - lengths[r] :]
                 experts[r] = torch.cat([prompt, *(d[None] for d in decoded)])
@@ -400,7 +460,7 @@ class HFEngine:
                 prompt_index=i,
                 token_ids=tokens[r],
                 logprobs=logprobs[r],
-                finish_reason=finished[r] or "length",
+                finish_reason=finished[r] or unfinished,
                 weight_version=self._version,
                 routed_experts=experts[r],
                 meta={"sample_index": j},

@@ -183,10 +183,31 @@ def row_offsets(samples: list[Sample]) -> list[int]:
     return out
 
 
-def sample_tokens(samples: list[Sample], top_k: int, device: torch.device) -> TokenBatch:
+def token_versions(sample: Sample) -> list[int]:
+    """The weight version that generated each response token (one version unless partial)."""
+    if sample.token_versions is None:
+        return [sample.weight_version] * len(sample.response_ids)
+    if len(sample.token_versions) != len(sample.response_ids):
+        raise ValueError(
+            f"sample {sample.uid or (sample.group, sample.member)} has {len(sample.token_versions)} token "
+            f"versions for {len(sample.response_ids)} response tokens; the engine must report one per token"
+        )
+    return sample.token_versions
+
+
+def sample_tokens(
+    samples: list[Sample],
+    top_k: int,
+    device: torch.device,
+    *,
+    trainer_version: int | None = None,
+    max_staleness: int = 0,
+) -> TokenBatch:
     """The rollout side of a ``TokenBatch`` over ``samples`` (flat rows, no padding), on ``device``.
 
     The scoring pass fills ``old_logp``, ``topk_ids`` and the teacher fields in place; they start at 0.
+    ``trainer_version`` (None = unknown: ``stale`` stays None): a token is stale when
+    ``trainer_version − its version > max_staleness`` (``rollout.off_policy_steps``).
     """
     n = [len(s.response_ids) for s in samples]
     t = sum(n)
@@ -206,6 +227,12 @@ def sample_tokens(samples: list[Sample], top_k: int, device: torch.device) -> To
         teacher_entropy=torch.zeros(t, dtype=torch.float32),
         teacher_token_logp=torch.zeros(t, dtype=torch.float32),
         teacher=torch.zeros(t, dtype=torch.bool),
+        stale=None
+        if trainer_version is None
+        else torch.tensor(
+            [trainer_version - v > max_staleness for s in samples for v in token_versions(s)],
+            dtype=torch.bool,
+        ),
     )
     return host.to(device)
 

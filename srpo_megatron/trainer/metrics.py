@@ -79,8 +79,8 @@ def _clean(v: Any) -> Any:
 
 class SampleLog:
     """Rank 0: ``<run>/samples.jsonl``, one row per trained batch: the step it trains, the trainer's weight
-    version then, and every sample's id and weight version (with per-token versions: the distinct
-    versions its tokens came from). A resumed run appends the steps it redoes again; the last row of a
+    version then, and every sample's id, weight version, reward and (with per-token versions) the
+    distinct versions its tokens came from. A resumed run appends the steps it redoes again; the last row of a
     step is the one that counts. This is what the off-policy tests count samples by."""
 
     def __init__(self, run_dir: str | Path) -> None:
@@ -93,6 +93,7 @@ class SampleLog:
             "trainer_version": trainer_version,
             "uids": [s.uid for s in samples],
             "versions": [s.weight_version for s in samples],
+            "rewards": [s.reward for s in samples],
             "token_versions": [sorted(set(s.token_versions or [s.weight_version])) for s in samples],
         }
         with self.path.open("a") as f:

@@ -13,134 +13,30 @@ import collections
 import contextlib
 import dataclasses
 import os
-import re
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
-import torch
 import torch.distributed as dist
 
-from srpo_megatron.config import LossConfig, RolloutConfig, TeacherConfig
 from srpo_megatron.data.dataset import Prompt
-from srpo_megatron.data.templating import encode_text, template_text
-from srpo_megatron.losses import group_advantages, route, routing_masks
 from srpo_megatron.rewards.pool import RewardPool
-from srpo_megatron.rollout.base import Completion, EngineError, SamplingParams
+from srpo_megatron.rollout.base import Completion, EngineError
 from srpo_megatron.rollout.placement import EngineLayout, engine_urls, separate_layout, split_prompts
-from srpo_megatron.rollout.routed_experts import compact_ids
 from srpo_megatron.trainer.batch_shipping import broadcast_from_rank0, gather_to_rank0, ship_shares
 from srpo_megatron.trainer.metrics import SampleLog
 from srpo_megatron.trainer.off_policy import GenerationWorker, Job
 from srpo_megatron.trainer.offload import Offloader
-from srpo_megatron.trainer.step_types import METRICS, RolloutBatch, Sample, merge_metrics, reduce_values
+from srpo_megatron.trainer.routing_batch import (  # noqa: F401  (re-exported for tools/)
+    clean_solution,
+    route_rollouts,
+    sampling_params,
+    teacher_prompt_ids,
+)
+from srpo_megatron.trainer.sample_pool import SamplePool, groups_of
+from srpo_megatron.trainer.step_types import METRICS, RolloutBatch, merge_metrics, reduce_values
 from srpo_megatron.weights.weight_sync import build_weight_sync
-
-_THINK = re.compile(r"<think>.*?</think>", re.DOTALL)
-
-
-def clean_solution(text: str) -> str:
-    """The sibling's response as the teacher sees it: ``<think>…</think>`` blocks removed."""
-    return _THINK.sub("", text).strip()
-
-
-def teacher_prompt_ids(tokenizer: Any, prompt: Prompt, sibling_text: str, cfg: TeacherConfig) -> list[int]:
-    """method §1.4: system kept, the user turn shows the correct sibling's solution; right-truncated."""
-    user = cfg.solution_template.format(
-        user_prompt=prompt.row.prompt, sibling_response=clean_solution(sibling_text)
-    )
-    ids = encode_text(tokenizer, template_text(tokenizer, user, prompt.row.system, enable_thinking=False))
-    return ids[: cfg.max_prompt_tokens]
-
-
-def sampling_params(rollout: RolloutConfig, seed: int, prompt_offset: int = 0) -> SamplingParams:
-    """G samples per prompt; per-sample seeds follow the global prompt index (``prompt_offset`` + i)."""
-    return SamplingParams(
-        n=rollout.group_size,
-        temperature=rollout.temperature,
-        top_p=rollout.top_p,
-        top_k=rollout.top_k,
-        max_new_tokens=rollout.max_new_tokens,
-        seed=seed,
-        prompt_offset=prompt_offset,
-        # The CPU engine reports experts for free (the mismatch metric); SGLang only when replaying, since
-        # its server must run with --enable-return-routed-experts.
-        return_routed_experts=rollout.routing_replay or rollout.engine == "hf",
-    )
-
-
-def route_rollouts(
-    tokenizer: Any,
-    prompts: list[Prompt],
-    completions: list[list[Completion]],
-    rollout: RolloutConfig,
-    loss: LossConfig,
-    teacher: TeacherConfig,
-    rewards: RewardPool,
-    t_gen: float,
-) -> RolloutBatch:
-    """Rank 0: rewards, routing, advantages and teacher prompts for ``completions[prompt][sample]``; each
-    ``Sample`` is built once with all its fields, in prompt then member order."""
-    rows = [
-        (i, m, c)
-        for i, (_, group) in enumerate(zip(prompts, completions, strict=True))
-        for m, c in enumerate(group)
-    ]
-    texts = [tokenizer.decode(c.token_ids, skip_special_tokens=True) for _, _, c in rows]
-    t1 = time.monotonic()
-    scored = rewards.score(
-        [prompts[i].row.kind for i, _, _ in rows], texts, [prompts[i].row.answer for i, _, _ in rows]
-    )
-    t_reward = time.monotonic() - t1
-    b, g = len(prompts), rollout.group_size
-    r = torch.tensor(scored.rewards, dtype=torch.float64).view(b, g)
-    routing = route(r, loss.success_threshold)
-    grpo, sdpo, needs_teacher = routing_masks(routing, loss.mode)
-    adv = group_advantages(r, loss.std_normalize, loss.std_eps)
-    samples: list[Sample] = []
-    for i, j, c in rows:
-        context = None
-        if needs_teacher[i, j]:
-            sib = int(routing.sibling[i, j])
-            context = teacher_prompt_ids(tokenizer, prompts[i], texts[i * g + sib], teacher)
-        samples.append(
-            Sample(
-                i,
-                j,
-                list(prompts[i].ids),
-                list(c.token_ids),
-                list(c.logprobs),
-                reward=float(r[i, j]),
-                advantage=float(adv[i, j]),
-                grpo=bool(grpo[i, j]),
-                sdpo=bool(sdpo[i, j]),
-                needs_teacher=bool(needs_teacher[i, j]),
-                teacher_prompt_ids=context,
-                finish_reason=c.finish_reason,
-                routed_experts=None if c.routed_experts is None else compact_ids(c.routed_experts),
-            )
-        )
-    n = len(samples)
-    lengths = torch.tensor([len(s.response_ids) for s in samples], dtype=torch.float64)
-    fallback = (~routing.correct & ~routing.has_teacher).double().mean().item()
-    metrics = {
-        "reward/mean": r.mean().item(),
-        "reward/accuracy": routing.correct.double().mean().item(),
-        "route/grpo_frac": (~routing.to_sdpo & routing.correct).double().mean().item(),
-        "route/sdpo_frac": routing.to_sdpo.double().mean().item(),
-        "route/fallback_frac": fallback,
-        "route/has_teacher_frac": routing.has_teacher.double().mean().item(),
-        # samples that take the SDPO loss under the mode (= sdpo_frac in srpo; differs in the SDPO modes)
-        "route/sdpo_loss_frac": sdpo.double().mean().item(),
-        "samples/routed_to_teacher": float(sum(s.needs_teacher for s in samples)),
-        "response/length_mean": lengths.mean().item(),
-        "response/length_max": lengths.max().item(),
-        "response/truncated_frac": sum(s.finish_reason == "length" for s in samples) / n,
-        "time/generate_s": t_gen,
-        "time/reward_s": t_reward,
-    }
-    return RolloutBatch(samples, merge_metrics(metrics, scored.metrics()))
 
 
 @dataclass
@@ -166,73 +62,6 @@ class EngineShare:
     error: str = ""
     version: int = 0  # the version the engine served when the share started
     aborted: int = 0  # generations aborted by a sync and continued (partial rollouts)
-
-
-class _InterimPool:
-    """Rank 0: completed rounds waiting to be trained, oldest first (replaced by trainer/sample_pool.py)."""
-
-    def __init__(self, service: RolloutService) -> None:
-        self.s = service
-        self.groups: list[tuple[int, int, Prompt, list[Completion]]] = []  # (dispatch, index, prompt, group)
-        self.dropped_stale = 0
-
-    def __len__(self) -> int:
-        return len(self.groups)
-
-    def add(self, dispatch: Dispatch, completions: list[list[Completion]]) -> None:
-        for i, (p, g) in enumerate(zip(dispatch.prompts, completions, strict=True)):
-            self.groups.append((dispatch.id, i, p, g))
-
-    def take(self, n: int, version: int, bound: int, t_gen: float) -> RolloutBatch | None:
-        fresh = []
-        for item in self.groups:
-            if any(version - c.weight_version > bound for c in item[3]):
-                self.dropped_stale += len(item[3])
-            else:
-                fresh.append(item)
-        self.groups = fresh
-        if len(self.groups) < n:
-            return None
-        taken, self.groups = self.groups[:n], self.groups[n:]
-        c = self.s.cfg
-        batch = route_rollouts(
-            self.s.tokenizer,
-            [p for _, _, p, _ in taken],
-            [g for _, _, _, g in taken],
-            c.rollout,
-            c.loss,
-            c.teacher,
-            self.s.rewards,
-            t_gen,
-        )
-        g = c.rollout.group_size
-        batch.samples = [
-            dataclasses.replace(
-                s,
-                uid=f"{taken[s.group][0]}/{taken[s.group][1]}/{s.member}",
-                weight_version=taken[s.group][3][s.member].weight_version,
-                token_versions=taken[s.group][3][s.member].token_versions,
-            )
-            for s in batch.samples
-        ]
-        assert len(batch.samples) == n * g
-        ages = [version - s.weight_version for s in batch.samples]
-        batch.metrics = merge_metrics(
-            batch.metrics,
-            {
-                "async/staleness_mean": sum(ages) / len(ages),
-                "async/staleness_max": float(max(ages)),
-                "async/dropped_stale": float(self.dropped_stale),
-            },
-        )
-        self.dropped_stale = 0
-        return batch
-
-    def state_dict(self) -> dict:
-        return {}
-
-    def load_state_dict(self, state: dict) -> None:
-        pass
 
 
 class RolloutService:
@@ -279,12 +108,14 @@ class RolloutService:
             if self.rank0
             else None
         )
-        self.pool = _InterimPool(self) if self.rank0 else None
+        self.pool = (
+            SamplePool(tokenizer, cfg.rollout, cfg.loss, cfg.teacher, self.rewards) if self.rewards else None
+        )
         self.sample_log = SampleLog(cfg.run.dir) if self.rank0 else None
         self.pending: collections.deque[Dispatch] = collections.deque()  # dispatched, not yet received
         self.next_dispatch = 0
         self._step = 0  # the step whose batch is being assembled (for messages)
-        self._unreported: list[EngineShare] = []  # received shares not yet in a batch's metrics
+        self._unreported: list[RoundFigures] = []  # received rounds not yet in a batch's metrics
         self.version = 0
         self.restarts = 0
         self.last_sync_s = 0.0
@@ -461,17 +292,18 @@ class RolloutService:
             shares.update(retried)
         if self.rank0:
             assert self.pool is not None
-            self.pool.add(d, [c for k in sorted(shares) for c in shares[k].completions])
-            self._unreported.extend(shares[k] for k in sorted(shares))
+            completions = [c for k in sorted(shares) for c in shares[k].completions]
+            self.pool.add_round(groups_of(d.id, d.prompts, completions))
+            self._unreported.extend(RoundFigures.of(shares[k]) for k in sorted(shares))
 
-    def _decide(self, trainer_version: int, t_gen: float) -> tuple[bool, RolloutBatch | None]:
+    def _decide(self, n: int, trainer_version: int, t_gen: float) -> tuple[bool, RolloutBatch | None]:
         """Collective: rank 0 tries to take a batch from the pool; every rank learns whether it did
         (rank 0 gets the batch itself)."""
         batch = None
         if self.rank0:
             assert self.pool is not None
             r = self.cfg.rollout
-            batch = self.pool.take(r.prompts_per_step, trainer_version, r.off_policy_steps, t_gen)
+            batch = self.pool.take(n, trainer_version, r.off_policy_steps, t_gen)
         return broadcast_from_rank0(batch is not None if self.rank0 else None, self.host_group), batch
 
     def _pooled(self) -> int:
@@ -479,16 +311,21 @@ class RolloutService:
         return broadcast_from_rank0(len(self.pool) if self.rank0 else None, self.host_group)
 
     def next_batch(
-        self, draw: Callable[[int], list[Prompt]], step: int, trainer_version: int
+        self,
+        draw: Callable[[int], list[Prompt]],
+        step: int,
+        trainer_version: int,
+        prompts_per_batch: int | None = None,
     ) -> RolloutBatch:
         """Collective: this rank's DP share of the routed batch that trains step ``step`` (method §1 steps
         1–4), and the batch's metrics. ``draw(n)`` gives the next ``n`` prompts of the data order (every
         rank draws the same). Up to ``rollout.off_policy_steps`` rounds beyond this step's stay in flight
-        on the engines; a sample staler than that bound is dropped (counted), never trained."""
+        on the engines; a sample staler than that bound is dropped (counted), never trained. A batch (and a
+        round) holds ``prompts_per_batch`` groups, default ``rollout.prompts_per_step``."""
         self._check_versions()
         self._step = step
         r = self.cfg.rollout
-        b = r.prompts_per_step
+        b = prompts_per_batch or r.prompts_per_step
         pending = lambda: sum(len(d.prompts) for d in self.pending)  # noqa: E731
         supply = self._pooled() + pending()
         while supply < (r.off_policy_steps + 1) * b:  # keep N rounds in flight beyond this step's
@@ -496,7 +333,7 @@ class RolloutService:
             supply += b
         rounds = 0
         while True:
-            ready, batch = self._decide(trainer_version, _generation_seconds(self._unreported))
+            ready, batch = self._decide(b, trainer_version, _generation_seconds(self._unreported))
             if ready:
                 break
             if not self.pending:
@@ -521,7 +358,7 @@ class RolloutService:
     def collect(self, prompts: list[Prompt], step: int) -> RolloutBatch:
         """Collective: one round of exactly ``prompts``, routed (the on-policy step; tests and tools)."""
         given = [prompts]
-        return self.next_batch(lambda n: given.pop(), step, self.version)
+        return self.next_batch(lambda n: given.pop(), step, self.version, len(prompts))
 
     def drain(self) -> None:
         """Collective: receive every dispatched round into rank 0's pool (before a checkpoint: the pool
@@ -534,13 +371,19 @@ class RolloutService:
         """Collective: receive every round in flight (``drain``), then rank 0's pool state for the checkpoint
         (None elsewhere)."""
         self.drain()
-        return self.pool.state_dict() if self.pool is not None else None
+        if self.pool is None:
+            return None
+        return {
+            "pool": self.pool.state_dict(),
+            "rounds": [dataclasses.asdict(f) for f in self._unreported],  # reported with the next batch
+        }
 
-    def load_buffer_state(self, next_dispatch: int, pool: dict | None) -> None:
+    def load_buffer_state(self, next_dispatch: int, state: dict | None) -> None:
         """After a resume: the next round's number and (rank 0) the pool's saved rollouts, trained next."""
         self.next_dispatch = next_dispatch
-        if self.pool is not None and pool is not None:
-            self.pool.load_state_dict(pool)
+        if self.pool is not None and state is not None:
+            self.pool.load_state_dict(state["pool"])
+            self._unreported = [RoundFigures(**f) for f in state["rounds"]]
 
     def idle_metrics(self, since: float) -> dict[str, float]:
         """Collective: ``async/engine_idle_share`` (mean over engines of the share of ``[since, now]`` their
@@ -586,28 +429,51 @@ class RolloutService:
             self.engine.shutdown()
 
 
-def _generation_seconds(shares: list[EngineShare]) -> float:
+@dataclass(frozen=True)
+class RoundFigures:
+    """One engine's figures for one received round (what ``engine_metrics`` reports; saved with the pool)."""
+
+    engine: int
+    dispatch: int
+    samples: int
+    tokens: int
+    seconds: float
+
+    @classmethod
+    def of(cls, share: EngineShare) -> RoundFigures:
+        groups = share.completions or []
+        return cls(
+            share.engine,
+            share.dispatch,
+            sum(len(g) for g in groups),
+            sum(len(c.token_ids) for g in groups for c in g),
+            share.seconds,
+        )
+
+
+def _generation_seconds(figures: list[RoundFigures]) -> float:
     """Generation seconds of the received rounds: per round the slowest engine's, summed over rounds."""
     rounds: dict[int, float] = {}
-    for s in shares:
-        rounds[s.dispatch] = max(rounds.get(s.dispatch, 0.0), s.seconds)
+    for f in figures:
+        rounds[f.dispatch] = max(rounds.get(f.dispatch, 0.0), f.seconds)
     return sum(rounds.values())
 
 
-def engine_metrics(shares: list[EngineShare], sync_s: float) -> dict[str, float]:
+def engine_metrics(figures: list[RoundFigures], sync_s: float) -> dict[str, float]:
     """``rollout/*``: engine count, per-engine samples and response tokens (min, max), the slowest
     engine's seconds, and the last weight sync's seconds; each engine's figures summed over the rounds
-    received for the batch, then reduced over engines as declared."""
-    engines = sorted({s.engine for s in shares})
-    mine = {k: [s for s in shares if s.engine == k] for k in engines}
-    samples = [sum(len(g) for s in mine[k] for g in s.completions) for k in engines]
-    tokens = [sum(len(c.token_ids) for s in mine[k] for g in s.completions for c in g) for k in engines]
+    received for the batch, then reduced over engines as declared (a batch entirely from rounds already
+    reported, e.g. dynamic sampling's surplus, reports no engine)."""
+    if not figures:
+        return {"rollout/engines": 0.0, "rollout/sync_s": sync_s}
+    engines = sorted({f.engine for f in figures})
+    mine = {k: [f for f in figures if f.engine == k] for k in engines}
     per_engine = {
-        "rollout/samples_per_engine_min": samples,
-        "rollout/samples_per_engine_max": samples,
-        "rollout/response_tokens_per_engine_min": tokens,
-        "rollout/response_tokens_per_engine_max": tokens,
-        "rollout/engine_seconds_max": [sum(s.seconds for s in mine[k]) for k in engines],
+        "rollout/samples_per_engine_min": [sum(f.samples for f in mine[k]) for k in engines],
+        "rollout/samples_per_engine_max": [sum(f.samples for f in mine[k]) for k in engines],
+        "rollout/response_tokens_per_engine_min": [sum(f.tokens for f in mine[k]) for k in engines],
+        "rollout/response_tokens_per_engine_max": [sum(f.tokens for f in mine[k]) for k in engines],
+        "rollout/engine_seconds_max": [sum(f.seconds for f in mine[k]) for k in engines],
     }
     out = {"rollout/engines": float(len(engines))}
     out.update({name: reduce_values(METRICS[name].reduce, values) for name, values in per_engine.items()})

@@ -11,6 +11,11 @@ Results are written into one ``ScoredBatch`` on the runtime's device (last pipel
 context parallelism each CP rank scores the rows it holds and the CP group gathers them after each pass
 (``trainer/context_parallel.py``): the teacher needs the student's top-K ids of rows another CP rank may
 have scored, and the training pass needs every row on every CP rank.
+
+Off-policy (``loss.is_correction: mis``, ``loss.mask_stale_tokens``): once π_old is known on every row, the
+rows the correction rejects are cleared from the batch's mask (``losses.apply_rejections``), before any
+mini-batch's normalisers are counted. Staleness is ``trainer_version`` minus each token's version, bounded
+by ``rollout.off_policy_steps``.
 """
 
 from __future__ import annotations
@@ -20,7 +25,7 @@ import time
 
 import torch
 
-from srpo_megatron.losses import score_student, score_teacher
+from srpo_megatron.losses import apply_rejections, score_student, score_teacher
 from srpo_megatron.trainer import context_parallel as cpar
 from srpo_megatron.trainer.batches import (
     micro_batches_for,
@@ -38,14 +43,30 @@ from srpo_megatron.trainer.step_types import Sample, ScoredBatch, StepStats
 
 
 @torch.no_grad()
-def score_rollouts(policy: Policy, samples: list[Sample]) -> ScoredBatch:
-    """Student scoring of every sample and teacher scoring of ``needs_teacher`` samples (collective)."""
+def score_rollouts(
+    policy: Policy, samples: list[Sample], *, trainer_version: int | None = None
+) -> ScoredBatch:
+    """Student scoring of every sample and teacher scoring of ``needs_teacher`` samples (collective).
+
+    ``trainer_version``: the version of the policy's weights now (``TrainerState.weight_version``), for
+    ``loss.mask_stale_tokens``; None = unknown (no token is marked stale).
+    """
     t0 = time.monotonic()
     cfg, g, dev = policy.cfg, policy.groups, policy.device
     mbs, k_top, lc = cfg.train.micro_batch_size, cfg.loss.top_k, cfg.loss
     chunk = lc.chunk_tokens or None
     offsets = row_offsets(samples)
-    tokens = sample_tokens(samples, k_top, dev) if g.is_last_stage else None
+    tokens = (
+        sample_tokens(
+            samples,
+            k_top,
+            dev,
+            trainer_version=trainer_version,
+            max_staleness=cfg.rollout.off_policy_steps,
+        )
+        if g.is_last_stage
+        else None
+    )
     seqs = student_sequences(samples)
     budget = cfg.train.max_tokens_per_micro_batch
     layout = cpar.micro_batch_layout(g, policy.tconfig.sequence_parallel)
@@ -72,8 +93,11 @@ def score_rollouts(policy: Policy, samples: list[Sample]) -> ScoredBatch:
         run_schedule(policy.ddp, micro, on_student, policy.vocab_pad, forward_only=True, before_forward=hook)
     policy.ddp.train()
     moe_stats = StepStats() if moe is None else StepStats.from_moe(moe.summary())
+    rejections: dict[str, float] = {}
     if g.is_last_stage:
         cpar.gather_rows(tokens, cpar.STUDENT_FIELDS, g.cp)
+        if lc.rejects_tokens:  # every CP rank holds every row now, so all of them reject the same ones
+            rejections = {k: float(v) for k, v in apply_rejections(tokens, lc, offsets).items()}
     t_student = time.monotonic() - t0
 
     teacher_runs = 0
@@ -115,7 +139,10 @@ def score_rollouts(policy: Policy, samples: list[Sample]) -> ScoredBatch:
         if g.is_last_stage:
             cpar.gather_rows(tokens, cpar.TEACHER_FIELDS, g.cp)
     stats = StepStats(
-        teacher_runs=float(teacher_runs), score_s=t_student, teacher_s=time.monotonic() - t0 - t_student
+        teacher_runs=float(teacher_runs),
+        score_s=t_student,
+        teacher_s=time.monotonic() - t0 - t_student,
+        **rejections,
     ).counted_once(g.is_last_stage and g.tp_rank == 0 and g.cp_rank == 0)
     scored.stats = reduce_stats([stats, moe_stats])
     return scored

@@ -31,6 +31,7 @@ def step_metrics(batch: RolloutBatch, s: StepStats, sync_s: float, step_s: float
     sdpo, grpo = s.sdpo_tokens, s.grpo_tokens
     w_mean = s.w_tilde_sum / max(sdpo, 1.0)
     w_var = s.w_tilde_sq_sum / max(sdpo, 1.0) - w_mean**2
+    scored = max(s.tokens + s.rejected_tokens, 1.0)  # every response token, before off-policy rejections
     m = {
         "loss/total": s.loss,
         "loss/grpo": s.grpo_loss_sum / tokens,
@@ -49,6 +50,8 @@ def step_metrics(batch: RolloutBatch, s: StepStats, sync_s: float, step_s: float
         "train/lr": s.lr,
         "logprob/gap_mean": s.rollout_logp_gap_sum / tokens,
         "logprob/gap_max": s.rollout_logp_gap_max,
+        "loss/is_masked_frac": (s.rejected_tokens - s.stale_tokens + s.is_zeroed_tokens) / scored,
+        "loss/stale_masked_frac": s.stale_tokens / scored,
         "time/score_s": s.score_s,
         "time/teacher_s": s.teacher_s,
         "time/train_s": s.train_s,

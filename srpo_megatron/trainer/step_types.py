@@ -176,6 +176,9 @@ class StepStats:
     teacher_entropy_sum: float = _stat(SUM)  # Σ teacher entropy over SDPO tokens
     rollout_logp_gap_sum: float = _stat(SUM)  # Σ |log π_old − log π_rollout|
     rollout_logp_gap_max: float = _stat(MAX)  # max |log π_old − log π_rollout|
+    rejected_tokens: float = _stat(SUM)  # tokens dropped after scoring (loss.is_correction mis, stale)
+    stale_tokens: float = _stat(SUM)  # of those, the stale ones (loss.mask_stale_tokens)
+    is_zeroed_tokens: float = _stat(SUM)  # tokens kept in N_tokens with IS weight 0 (IcePop)
     w_tilde_sum: float = _stat(SUM)  # Σ w̃ over this rank's SDPO tokens (logged mean)
     w_tilde_sq_sum: float = _stat(SUM)  # Σ w̃² (logged spread)
     teacher_runs: float = _stat(SUM)  # samples the teacher forward scored
@@ -333,6 +336,7 @@ METRICS: dict[str, Metric] = _declare(
     _M("sampling/rounds", SUM, "rounds of prompts dispatched for this step's batch (dynamic sampling)"),
     _M("sampling/kept_groups", SUM, "groups kept for this step's batch (mixed: some correct, some not)"),
     _M("sampling/dropped_groups", SUM, "groups dropped by dynamic sampling (all correct or all wrong)"),
+    _M("sampling/topped_up", SUM, "dropped groups trained to fill the batch after max_sampling_rounds"),
     # the scoring and learning passes, reduced over ranks (trainer/step_metrics.step_metrics)
     _M("loss/total", SUM, "the objective L, summed over mini-batches", method=True),
     _M("loss/grpo", MEAN, "GRPO loss per response token", method=True),
@@ -351,6 +355,8 @@ METRICS: dict[str, Metric] = _declare(
     _M("train/lr", LAST, "learning rate of the step"),
     _M("logprob/gap_mean", MEAN, "mean |log π_old − log π_rollout| per token", method=True),
     _M("logprob/gap_max", MAX, "max |log π_old − log π_rollout|", method=True),
+    _M("loss/is_masked_frac", MEAN, "share of response tokens the IS correction gave no loss (mis, icepop)"),
+    _M("loss/stale_masked_frac", MEAN, "share of response tokens dropped as stale (loss.mask_stale_tokens)"),
     _M("time/score_s", MAX, "scoring pass (student), the slowest rank's seconds", method=True),
     _M("time/teacher_s", MAX, "teacher scoring, the slowest rank's seconds", method=True),
     _M("time/train_s", MAX, "training pass, the slowest rank's seconds", method=True),

@@ -6,17 +6,25 @@ stand-in SGLang server in this process, reached through ``SRPO_ENGINE_URLS``, we
   first step has no older weights: it trains the starting weights' samples). Planted: a version stamped
   when the trainer receives the round (after the sync that followed its generation) instead of when it
   was dispatched is caught by the same check.
+- ``srpo train`` SIGKILLed with a completed, untrained round in its last checkpoint, then resumed: per
+  sample id nothing is lost or trained twice, and the run equals the uninterrupted one.
 """
 
 from __future__ import annotations
 
 import json
+import os
+import signal
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
+import torch
 
 from srpo_megatron.testing.distributed import run_distributed
-from tests.helpers.recipe import tiny_config
+from tests.helpers.recipe import RECIPE, REPO, tiny_config, tiny_overrides
 
 STEPS = 4
 
@@ -118,3 +126,118 @@ def test_on_policy_separate_run_trains_the_current_version(tiny, tmp_path):
     assert all(set(r["versions"]) == {r["trainer_version"]} for r in rows)
     assert all(m["async/staleness_max"] == 0.0 for m in metrics)
     assert len(rows) == STEPS
+
+
+# ---- kill -9 with buffered rollouts, then resume -------------------------------------------------------
+
+_TIMED = (
+    "time/",
+    "perf/",
+    "rollout/engine_seconds_max",
+    "rollout/sync_s",
+    "async/engine_idle",
+    "async/trainer_idle",
+)
+
+
+def _srpo_train(tiny, run_dir: Path, url: str, overrides: list[str]) -> subprocess.Popen:
+    """`srpo train` as a process of its own (world 1), so it can be killed."""
+    env = {
+        **os.environ,
+        "PYTHONUNBUFFERED": "1",
+        "OMP_NUM_THREADS": "1",
+        "SRPO_ENGINE_URLS": url,
+        "SRPO_SYNC_HOST": "127.0.0.1",
+    }
+    cmd = [sys.executable, "-m", "srpo_megatron.cli", "train", str(RECIPE)]
+    for o in tiny_overrides(tiny, run_dir, overrides):
+        cmd += ["--override", o]
+    out = subprocess.PIPE
+    return subprocess.Popen(cmd, env=env, cwd=REPO, stdout=out, stderr=subprocess.STDOUT, text=True)
+
+
+def _server(tiny):
+    from transformers import AutoModelForCausalLM
+
+    from srpo_megatron.testing.sglang_standin import SGLangStandInServer
+
+    return SGLangStandInServer(AutoModelForCausalLM.from_pretrained(tiny[1]))
+
+
+def _finish(proc: subprocess.Popen) -> None:
+    out, _ = proc.communicate(timeout=900)
+    assert proc.returncode == 0, out[-4000:]
+
+
+def _last_per_step(path: Path) -> dict[int, dict]:
+    """A resumed run appends the steps it redoes: the last row of a step is the one that counts."""
+    return {r["step"]: r for r in map(json.loads, path.read_text().splitlines())}
+
+
+def test_kill_9_with_buffered_rollouts_then_resume_loses_nothing_and_trains_nothing_twice(tiny, tmp_path):
+    """At N = 1 every checkpoint holds the round generated for the next step (completed, not trained).
+    The run is SIGKILLed once step 2's checkpoint exists; the resumed run trains that buffered round at
+    step 3 and regenerates the round that was in flight: per sample id, every sample the uninterrupted
+    run trained is trained exactly once, and (deterministic engine) every metric matches it."""
+    overrides = [*_overrides(tiny, 1), "run.save_every=1"]
+    full_dir, killed_dir = tmp_path / "full", tmp_path / "killed"
+    server = _server(tiny)
+    try:
+        _finish(_srpo_train(tiny, full_dir, server.url, overrides))
+    finally:
+        server.close()
+
+    server = _server(tiny)
+    try:
+        proc = _srpo_train(tiny, killed_dir, server.url, overrides)
+        latest = killed_dir / "checkpoints" / "latest"
+        deadline = time.monotonic() + 900
+        while not (latest.is_file() and latest.read_text().strip() == "step_000002"):
+            assert proc.poll() is None, f"run ended before step 2 was saved:\n{proc.stdout.read()[-3000:]}"
+            assert time.monotonic() < deadline, "no step-2 checkpoint within 900 s"
+            time.sleep(0.05)
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+    finally:
+        server.close()
+    buffered = torch.load(killed_dir / "checkpoints" / "step_000002" / "rollout_buffer.pt", weights_only=True)
+    assert len(buffered["pool"]["kept"]) == 4, "the checkpoint holds the next step's completed round"
+    assert len(_last_per_step(killed_dir / "samples.jsonl")) < STEPS, "the kill must interrupt the run"
+
+    server = _server(tiny)
+    try:
+        _finish(_srpo_train(tiny, killed_dir, server.url, overrides))
+    finally:
+        server.close()
+    ref, got = _last_per_step(full_dir / "samples.jsonl"), _last_per_step(killed_dir / "samples.jsonl")
+    assert sorted(got) == list(range(1, STEPS + 1))
+    trained = [u for s in sorted(got) for u in got[s]["uids"]]
+    assert len(trained) == len(set(trained)), "no sample is trained twice"
+    assert trained == [u for s in sorted(ref) for u in ref[s]["uids"]], "nothing is lost"
+    assert got == ref, "the same samples, with the same versions, at the same steps"
+    ref_m = _last_per_step(full_dir / "metrics.jsonl")
+    got_m = _last_per_step(killed_dir / "metrics.jsonl")
+    for step in (3, 4):
+        diff = {k: (ref_m[step][k], got_m[step].get(k)) for k in ref_m[step] if not k.startswith(_TIMED)}
+        assert all(a == b for a, b in diff.values()), {k: v for k, v in diff.items() if v[0] != v[1]}
+
+
+# ---- dynamic sampling through srpo train -----------------------------------------------------------------
+
+
+def test_dynamic_sampling_trains_only_mixed_groups_and_reports_rounds(tiny, tmp_path):
+    """``rollout.dynamic_sampling`` at N = 1: every trained group is mixed (the tiny run's coin reward makes
+    some groups all-correct or all-wrong) unless the step says it was topped up, and the rounds and drops
+    are reported."""
+    overrides = _overrides(tiny, 1, "rollout.dynamic_sampling=true", "rollout.max_sampling_rounds=3")
+    rows, metrics = _run(tiny, tmp_path, overrides)
+    g, mixed_trained = 4, 0
+    for r, m in zip(rows, metrics, strict=True):
+        groups = [r["rewards"][i : i + g] for i in range(0, len(r["rewards"]), g)]
+        unmixed = sum(len({x >= 0.5 for x in grp}) == 1 for grp in groups)
+        assert unmixed == m["sampling/topped_up"], (r["step"], groups)
+        mixed_trained += len(groups) - unmixed
+    # kept groups may be trained a step later (the surplus); every trained mixed group was kept once
+    assert sum(m["sampling/kept_groups"] for m in metrics) >= mixed_trained
+    assert sum(m["sampling/rounds"] for m in metrics) >= STEPS
+    assert sum(m["sampling/dropped_groups"] for m in metrics) > 0, "the coin made some groups unmixed"

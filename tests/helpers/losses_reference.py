@@ -78,17 +78,26 @@ class RefCfg:
     beta: float = 1.0
     adv_mix_lambda: float = 0.9
     temperature: float = 1.0
+    is_correction: str = "tis"
+    is_level: str = "token"
+    is_low: float = 0.5
+    is_high: float = 5.0
+    mask_stale_tokens: bool = False
 
 
-def ref_grpo_token(logp, old, adv: float, rollout, cfg: RefCfg, ref=None, ent=None):
-    """One token's GRPO loss with the PPO / dual-clip rules spelled out as branches."""
+def ref_grpo_token(logp, old, adv: float, rollout, cfg: RefCfg, ref=None, ent=None, is_weight=None):
+    """One token's GRPO loss with the PPO / dual-clip rules spelled out as branches.
+
+    ``is_weight`` (a float) replaces the TIS weight (the MIS / IcePop corrections)."""
     ratio = torch.exp(logp - old)
     lo, hi = 1 - cfg.eps_low, 1 + cfg.eps_high
     clipped_ratio = torch.clamp(ratio, lo, hi)
     loss = -torch.minimum(ratio * adv, clipped_ratio * adv)
     if adv < 0 and cfg.dual_clip is not None and float(loss.detach()) > cfg.dual_clip * -adv:
         loss = torch.zeros_like(loss) + cfg.dual_clip * -adv
-    if rollout is not None and cfg.tis_cap is not None:
+    if is_weight is not None:
+        loss = loss * is_weight
+    elif rollout is not None and cfg.tis_cap is not None:
         loss = loss * min(math.exp(float(old) - float(rollout)), cfg.tis_cap)
     if cfg.kl_coef:
         d = ref - logp
@@ -111,6 +120,49 @@ def ref_route(rewards: list[list[float]], threshold: float):
     return out
 
 
+def ref_off_policy(
+    sample_of_token: list[int],
+    mask: torch.Tensor,
+    old_logp: torch.Tensor,
+    rollout_logp: torch.Tensor,
+    cfg: RefCfg,
+    stale: list[bool] | None = None,
+) -> tuple[list[bool], list[float | None]]:
+    """Per token: (kept, importance weight or None = the TIS rule) under the off-policy correction.
+
+    Spelled out from the definitions: ρ = π_old / π_rollout per token, or per sequence the product of the
+    sample's valid tokens' ratios; mis drops a token (or its whole sequence) whose ratio lies outside
+    [is_low, is_high] and weights the others by ρ; icepop weights by ρ inside and 0 outside; stale tokens
+    are dropped under mask_stale_tokens.
+    """
+    t_rows = len(sample_of_token)
+    seq_log = {}
+    for t in range(t_rows):
+        if mask[t]:
+            s = sample_of_token[t]
+            seq_log[s] = seq_log.get(s, 0.0) + float(old_logp[t]) - float(rollout_logp[t])
+    kept, weight = [], []
+    for t in range(t_rows):
+        keep, w = bool(mask[t]), None
+        if cfg.is_correction in ("mis", "icepop"):
+            log_rho = (
+                seq_log.get(sample_of_token[t], 0.0)
+                if cfg.is_level == "sequence"
+                else (float(old_logp[t]) - float(rollout_logp[t]))
+            )
+            rho = math.exp(log_rho)
+            inside = cfg.is_low <= rho <= cfg.is_high
+            if cfg.is_correction == "mis":
+                keep, w = keep and inside, rho
+            else:
+                w = rho if inside else 0.0
+        if cfg.mask_stale_tokens and stale is not None and stale[t]:
+            keep = False
+        kept.append(keep)
+        weight.append(w)
+    return kept, weight
+
+
 def ref_routed_loss(
     student_logits: torch.Tensor,
     teacher_logits: torch.Tensor,
@@ -123,11 +175,15 @@ def ref_routed_loss(
     cfg: RefCfg,
     ref_logp: torch.Tensor | None = None,
     scope_of_token: list[int] | None = None,
+    stale: list[bool] | None = None,
 ) -> torch.Tensor:
     """The method §2 objective for a whole batch: student_logits [T, V] fp64 (grad flows), teacher [T, V].
 
     ``scope_of_token`` (optional) assigns each token to a micro-batch for micro-batch-scope weights.
+    ``stale`` (optional) marks each token stale (dropped under ``cfg.mask_stale_tokens``). Tokens the
+    off-policy correction drops (``ref_off_policy``) are left out of every sum and count.
     """
+    kept, is_weight = ref_off_policy(sample_of_token, mask, old_logp, rollout_logp, cfg, stale)
     g = len(rewards[0])
     routes = ref_route(rewards, cfg.success_threshold)
     flat = [routes[s // g][s % g] for s in range(len(rewards) * g)]
@@ -156,7 +212,7 @@ def ref_routed_loss(
         assert cfg.mode == "sdpo", cfg.mode
         return False, has_teacher
 
-    sdpo_tokens = [t for t in range(t_rows) if mask[t] and routes_of(sample_of_token[t])[1]]
+    sdpo_tokens = [t for t in range(t_rows) if kept[t] and routes_of(sample_of_token[t])[1]]
     w_raw = {t: math.exp(-cfg.beta * float(h_t[t])) for t in sdpo_tokens}
     scope = scope_of_token or [0] * t_rows
     mean_w = {}
@@ -166,7 +222,7 @@ def ref_routed_loss(
     total = student_logits.new_zeros(())
     n_valid = 0
     for t in range(t_rows):
-        if not mask[t]:
+        if not kept[t]:
             continue
         n_valid += 1
         s = sample_of_token[t]
@@ -186,6 +242,7 @@ def ref_routed_loss(
                 cfg,
                 None if ref_logp is None else ref_logp[t].double(),
                 ent_s[t],
+                is_weight[t],
             )
         if to_sdpo:
             ids = top_ids[t : t + 1]
@@ -193,7 +250,9 @@ def ref_routed_loss(
             q = ref_bucket_probs(teacher_logits[t : t + 1], ids, cfg.temperature)
             d = ref_divergence(p, q, cfg.divergence_alpha)[0]
             ratio = min(math.exp(float(logp.detach()) - float(old_logp[t])), cfg.sdpo_ratio_cap)
-            tis = min(math.exp(float(old_logp[t]) - float(rollout_logp[t])), cfg.tis_cap)
+            tis = is_weight[t]
+            if tis is None:
+                tis = min(math.exp(float(old_logp[t]) - float(rollout_logp[t])), cfg.tis_cap)
             w = w_raw[t] / mean_w[scope[t]] if cfg.mode == "srpo" else 1.0
             total = total + d * ratio * tis * w
     return total / n_valid

@@ -23,6 +23,11 @@ ADDED_SINCE = {
     "rollout.partial": False,
     "rollout.dynamic_sampling": False,
     "rollout.max_sampling_rounds": 4,
+    "loss.is_correction": "tis",
+    "loss.is_level": "token",
+    "loss.is_low": 0.5,
+    "loss.is_high": 5.0,
+    "loss.mask_stale_tokens": False,
 }
 
 

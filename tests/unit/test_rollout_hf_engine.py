@@ -185,3 +185,39 @@ def test_real_smollm2_greedy_arithmetic_and_teacher_forced_logprobs():
                 logits = model(torch.tensor([p + c.token_ids])).logits[0, len(p) - 1 : -1].double()
             ref = torch.log_softmax(logits, -1).gather(-1, torch.tensor(c.token_ids)[:, None])[:, 0]
             assert c.logprobs == pytest.approx(ref.tolist(), abs=1e-4)
+
+
+def test_hf_engine_abort_between_decode_steps_returns_the_tokens_so_far(engine):
+    """``abort_running`` from another thread (partial rollouts): the running rows stop at the next decode
+    step with finish reason abort and exactly the tokens and log-probs an uninterrupted seeded call
+    starts with; rows of a chunk not started come back empty; later calls are not affected."""
+    import threading
+
+    params = SamplingParams(n=3, max_new_tokens=8, seed=5)  # 6 rows, max_batch_size 4: two chunks
+    whole = engine.generate(PROMPTS[:2], params)
+    reached = threading.Event()
+
+    def hold(step, aborted):
+        if step == 2 and not reached.is_set():
+            reached.set()
+            assert aborted.wait(60)
+
+    engine.step_hook = hold
+    out: dict = {}
+    t = threading.Thread(target=lambda: out.update(res=engine.generate(PROMPTS[:2], params)), daemon=True)
+    t.start()
+    assert reached.wait(60)
+    assert engine.abort_running() == 1
+    t.join(60)
+    rows = [(c, w) for g, wg in zip(out["res"], whole, strict=True) for c, w in zip(g, wg, strict=True)]
+    for c, w in rows[:4]:  # the running chunk
+        if c.finish_reason == "abort":
+            assert c.token_ids == w.token_ids[:2] and c.logprobs == pytest.approx(w.logprobs[:2], abs=1e-6)
+        else:  # it stopped on its own before the abort landed
+            assert c.finish_reason == "stop" and c.token_ids == w.token_ids
+    assert any(c.finish_reason == "abort" for c, _ in rows[:4])
+    assert all(c.finish_reason == "abort" and c.token_ids == [] for c, _ in rows[4:]), "not started"
+    engine.step_hook = None
+    assert engine.abort_running() == 0, "nothing runs now"
+    again = engine.generate(PROMPTS[:2], params)
+    assert [c.token_ids for g in again for c in g] == [c.token_ids for g in whole for c in g]

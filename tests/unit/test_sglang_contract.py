@@ -436,3 +436,70 @@ def test_sglang_contract_distributed_sync_broadcasts_every_bucket_into_every_ser
     finally:
         for s in servers:
             s.close()
+
+
+# ------------------------------------------------------------------ partial rollouts: pause / continue
+
+
+def test_sglang_contract_pause_and_continue_bodies():
+    from srpo_megatron.rollout.sglang.protocol import (
+        build_continue_generation_request,
+        build_pause_generation_request,
+        build_requests_body,
+    )
+
+    assert build_pause_generation_request() == {"mode": "abort"}
+    assert build_continue_generation_request() == {}
+    a = SamplingParams(max_new_tokens=5, seed=9)
+    body = build_requests_body([[1, 2], [3]], [a, SamplingParams(max_new_tokens=2, stop_token_ids=(4,))])
+    assert body["input_ids"] == [[1, 2], [3]] and body["return_logprob"] is True
+    assert body["sampling_params"][0]["sampling_seed"] == sample_seed(9, 0, 0)
+    assert (
+        body["sampling_params"][1]["max_new_tokens"] == 2
+        and "sampling_seed" not in body["sampling_params"][1]
+    )
+    with pytest.raises(EngineError, match="n=1"):
+        build_requests_body([[1]], [SamplingParams(n=2)])
+
+
+def test_sglang_contract_pause_bodies_are_sglangs_request_classes():
+    """The bodies against SGLang's own io_struct classes, where they import (the sglang tier): mode abort
+    is one of PauseGenerationReqInput's modes, its default; the empty continue body takes SGLang's
+    defaults; AbortReq(abort_all) is what the stand-in's /abort_request takes."""
+    from srpo_megatron.rollout.sglang.protocol import (
+        build_continue_generation_request,
+        build_pause_generation_request,
+    )
+    from srpo_megatron.testing import sglang_import
+
+    real = sglang_import.load()
+    if real is None or real.io_struct is None:
+        why = real.errors if real is not None else "no sglang wheel on the path"
+        pytest.skip(
+            f"SGLang io_struct does not import here ({why}); tools/dev test runs this in its sglang tier"
+        )
+    import typing
+
+    pause = real.io_struct.PauseGenerationReqInput(**build_pause_generation_request())
+    assert pause.mode == "abort" == real.io_struct.PauseGenerationReqInput().mode
+    modes = typing.get_args(typing.get_type_hints(real.io_struct.PauseGenerationReqInput)["mode"])
+    assert set(modes) == {"abort", "retract", "in_place"}, modes
+    cont = real.io_struct.ContinueGenerationReqInput(**build_continue_generation_request())
+    assert cont.torch_empty_cache is True
+    assert real.io_struct.AbortReq(abort_all=True).abort_all is True
+
+
+def test_sglang_contract_standin_spans_are_sglangs():
+    """Where SGLang's utils.weight_versions imports (0.5.23), the stand-in's spans are its own output and
+    parse back to one version per token; elsewhere (0.5.15.post1, no sglang) there are none."""
+    from srpo_megatron.testing.sglang_standin import weight_version_spans
+
+    spans = weight_version_spans("5", 3)
+    try:
+        from sglang.srt.utils import weight_versions  # noqa: F401
+    except ImportError:
+        assert spans is None
+        return
+    assert spans == [{"version": "5", "start": 0, "end": 3}]
+    out = _sglang_output([1, 2, 3], [-1.0, -1.0, -1.0], {"type": "stop"}, "5", spans)
+    assert parse_generate_response([out], [(0, 0)], 1, 5)[0][0].token_versions is None

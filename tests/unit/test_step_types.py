@@ -28,7 +28,7 @@ from srpo_megatron.losses import group_advantages, route, routing_masks
 from srpo_megatron.rewards import register_reward
 from srpo_megatron.rewards.pool import RewardPool, RewardResult
 from srpo_megatron.rollout.base import Completion
-from srpo_megatron.trainer.rollouts import EngineShare, engine_metrics, route_rollouts
+from srpo_megatron.trainer.rollouts import EngineShare, RoundFigures, engine_metrics, route_rollouts
 from srpo_megatron.trainer.step_types import (
     METHOD_METRICS,
     METRICS,
@@ -160,7 +160,7 @@ def test_every_metric_declares_a_reduction_and_the_method_set_is_unchanged():
 def test_engine_metrics_reduce_over_engines_as_declared():
     def share(k, n, tokens, seconds):
         group = [Completion(0, [1] * tokens, [0.0] * tokens, "stop") for _ in range(n)]
-        return EngineShare(k, range(k, k + 1), [group], seconds)
+        return RoundFigures.of(EngineShare(k, 0, range(k, k + 1), [group], seconds))
 
     m = engine_metrics([share(0, 4, 3, 2.0), share(1, 2, 5, 1.0)], sync_s=0.25)
     assert m == {
@@ -179,13 +179,15 @@ def test_trainer_state_round_trips_the_checkpoint_json_with_the_earlier_keys():
     st.evals.append({"acc": 0.5})
     st.sdpo_fracs.extend([0.25, 0.5, 0.125])
     saved = st.to_checkpoint({"epoch": 1, "pos": 6}, 12.5)
-    assert list(saved) == ["weight_version", "sampler", "history", "budget_clock_s"]
+    assert list(saved) == ["weight_version", "sampler", "history", "budget_clock_s", "next_dispatch"]
     assert saved["history"] == {"evals": [{"acc": 0.5}], "sdpo_fracs": [0.25, 0.5, 0.125]}
     on_disk = json.loads(json.dumps({**saved, "scheduler": {}, "step": 3}, default=float))  # save_checkpoint
     back = TrainerState.from_checkpoint(on_disk)
     assert back == dataclasses.replace(st, sampler={"epoch": 1, "pos": 6}, budget_clock_s=12.5)
     del on_disk["budget_clock_s"]  # written before the budget clock existed
     assert TrainerState.from_checkpoint(on_disk).budget_clock_s == 0.0
+    del on_disk["next_dispatch"]  # written before rollout rounds were counted: one round per step
+    assert TrainerState.from_checkpoint(on_disk).next_dispatch is None
 
 
 def test_sample_keyword_construction_keeps_defaults():

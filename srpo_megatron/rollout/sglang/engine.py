@@ -36,12 +36,16 @@ from srpo_megatron.config import SGLangEngineConfig
 from srpo_megatron.rollout.base import Completion, EngineError, EngineHealth, SamplingParams
 from srpo_megatron.rollout.gate import check_version, head, missing_names, validated_stream
 from srpo_megatron.rollout.sglang.protocol import (
+    build_continue_generation_request,
     build_generate_request,
     build_memory_occupation_request,
+    build_pause_generation_request,
+    build_requests_body,
     build_update_weights_from_disk_request,
     build_update_weights_from_tensor_request,
     hf_manifest,
     memory_tags,
+    model_eos_token_ids,
     parse_generate_response,
     parse_update_response,
     serialize_bucket_per_tp_rank,
@@ -110,6 +114,7 @@ class SGLangEngine:
         self._shut_down = False
         self._serializer = serializer
         self._tp: int | None = None
+        self._eos: tuple[int, ...] | None = None
         if transport is not None:
             self._transport = transport
         elif cfg.mode == "http":
@@ -150,10 +155,64 @@ class SGLangEngine:
             raise EngineError(self._inconsistent)
 
     def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams) -> list[list[Completion]]:
+        """Sample ``params.n`` completions per prompt. Thread-safe against the main thread's pause, sync and
+        continue (separate placement): the version is read at dispatch, before the request leaves, and
+        stamped on every Completion (``Completion.weight_version``); a sync that lands during the call
+        does not change it. A pause in the call returns the running completions with finish_reason
+        abort and the tokens so far (``rollout/partial.py`` continues them)."""
         self._check_serving()
+        dispatched = self._version  # before the call: a sync may land while the request runs
         body, rows = build_generate_request(prompts, params)
         outputs = self._transport.call("generate", body)
-        return parse_generate_response(outputs, rows, len(prompts), self._version)
+        return parse_generate_response(outputs, rows, len(prompts), dispatched)
+
+    def generate_requests(
+        self, inputs: Sequence[Sequence[int]], params: Sequence[SamplingParams]
+    ) -> list[Completion]:
+        """One completion per input, each request with its own sampling parameters (``n`` = 1, seed
+        ``sample_seed(seed, prompt_offset, 0)``), in one ``/generate`` call: the continuations of partial
+        rollouts. Versions as in ``generate``."""
+        self._check_serving()
+        dispatched = self._version
+        body = build_requests_body(inputs, params)
+        outputs = self._transport.call("generate", body)
+        rows = [(k, 0) for k in range(len(inputs))]
+        return [c for group in parse_generate_response(outputs, rows, len(inputs), dispatched) for c in group]
+
+    # ------------------------------------------------------------------------- pause (partial rollouts)
+    # SGLang's /pause_generation and /continue_generation exist on its HTTP server only (io_struct:
+    # "PauseGenerationRequests is only supported in SGLang Server"); the offline Engine has no such method.
+
+    def pause_generation(self) -> None:
+        """Abort every in-flight request (each comes back to its ``generate`` caller as finish_reason abort
+        with its tokens, log-probs and routed experts so far) and hold new ones until
+        ``continue_generation``; returns once SGLang holds no request. Call from another thread than the
+        one inside ``generate``; the weight sync follows, then ``continue_generation``."""
+        self._require_http("pause_generation")
+        self._transport.call("pause_generation", build_pause_generation_request())
+
+    def continue_generation(self) -> None:
+        """Let the held requests (and new ones) run on the weights installed since ``pause_generation``."""
+        self._require_http("continue_generation")
+        self._transport.call("continue_generation", build_continue_generation_request())
+
+    def _require_http(self, what: str) -> None:
+        if self._shut_down:
+            raise EngineError("the SGLang engine was shut down; start a new one and resync its weights")
+        if not getattr(self._transport, "supports_pause", False):
+            raise EngineError(
+                f"{what} needs an SGLang HTTP server (rollout.placement separate, sglang.mode http): the "
+                "offline sglang.Engine has no pause/continue routes, and its pipe serves one call at a time"
+            )
+
+    @property
+    def eos_token_ids(self) -> tuple[int, ...]:
+        """The ids SGLang stops at besides ``stop_token_ids``: the model's ``config.json`` and
+        ``generation_config.json`` ``eos_token_id`` (``ModelConfig._get_hf_eos_token_id``); () when the
+        folder holds neither (a continuation then cannot tell an aborted sample that ended in EOS)."""
+        if self._eos is None:
+            self._eos = model_eos_token_ids(self.cfg.model_path)
+        return self._eos
 
     def release_memory(self) -> None:
         """Free every memory type SGLang has (training phase, colocated). Idempotent: only tags that are

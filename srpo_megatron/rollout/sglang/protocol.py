@@ -16,7 +16,10 @@ Every update request carries ``weight_version`` (SGLang stamps it on each genera
 
 from __future__ import annotations
 
+import itertools
+import json
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -58,6 +61,45 @@ def build_generate_request(
     if params.return_routed_experts:  # MoE rollout routing replay: meta_info["routed_experts"] per output
         body["return_routed_experts"] = True
     return body, rows
+
+
+def build_requests_body(inputs: Sequence[Sequence[int]], params: Sequence[SamplingParams]) -> dict[str, Any]:
+    """The ``/generate`` body for one request per input, each with its own sampling parameters (``n`` must
+    be 1; the seed is ``sample_seed(seed, prompt_offset, 0)``): continuations of partial rollouts, whose
+    inputs, budgets and seeds differ per request (``rollout/partial.py``)."""
+    if len(inputs) != len(params):
+        raise EngineError(f"{len(inputs)} inputs but {len(params)} sampling parameters; give one per input")
+    if any(p.n != 1 for p in params):
+        raise EngineError("generate_requests takes n=1 per request (one input, one completion)")
+    body: dict[str, Any] = {
+        "input_ids": [[int(t) for t in ids] for ids in inputs],
+        "sampling_params": [build_sampling_params(p, 0, 0) for p in params],
+        "return_logprob": True,
+    }
+    routed = {p.return_routed_experts for p in params}
+    if len(routed) > 1:
+        raise EngineError("return_routed_experts must be the same for every request of one call")
+    if routed == {True}:
+        body["return_routed_experts"] = True
+    return body
+
+
+# Partial rollouts (module doc of ``rollout/partial.py``): SGLang's ``PauseGenerationReqInput.mode`` is one of
+# abort | retract | in_place; the project uses abort only.
+PAUSE_MODE = "abort"
+
+
+def build_pause_generation_request() -> dict[str, Any]:
+    """``/pause_generation`` (``io_struct.PauseGenerationReqInput``) in mode abort: SGLang aborts every
+    request it holds, answers once none is left (the running ones come back with ``finish_reason`` abort
+    and the tokens so far), and holds every generate that arrives later until ``/continue_generation``."""
+    return {"mode": PAUSE_MODE}
+
+
+def build_continue_generation_request() -> dict[str, Any]:
+    """``/continue_generation`` (``io_struct.ContinueGenerationReqInput``): the held requests run, on the
+    weights installed meanwhile. ``torch_empty_cache`` is left at SGLang's default (true)."""
+    return {}
 
 
 def build_init_weights_update_group_request(
@@ -190,13 +232,75 @@ def parse_finish_reason(meta: dict[str, Any]) -> str:
     raise EngineError(f"SGLang returned finish_reason={fr!r}; expected type stop, length or abort")
 
 
+def _version_number(raw: Any, what: str) -> int:
+    """SGLang's weight version string as the project's int (``"default"``: before any update = 0)."""
+    if raw == "default":
+        return 0
+    try:
+        return int(raw)
+    except (TypeError, ValueError):
+        raise EngineError(
+            f"SGLang reported weight version {raw!r} for {what}; the project sends integer versions, so "
+            "another client updated this server's weights"
+        ) from None
+
+
+def token_versions_from_meta(meta: dict[str, Any], n_tokens: int, dispatched: int, k: int) -> list[int]:
+    """The weight version that produced each of an output's ``n_tokens`` tokens.
+
+    SGLang 0.5.23 reports ``meta_info["weight_versions"]``: spans ``{"version", "start", "end"}`` over the
+    output tokens (``utils/weight_versions.py``; more than one only when a pause in mode retract/in_place
+    let a request run across an update) and sets ``weight_version`` to the last span's. Older releases
+    (0.5.15.post1) report only ``weight_version``, the version when the output was produced, which in
+    mode abort is the version of every token. No token may come from a version older than the one served
+    at dispatch (``dispatched``): that is a server nobody resynced."""
+    served = meta.get("weight_version")
+    spans = meta.get("weight_versions")
+    if spans:
+        out: list[int] = []
+        for span in spans:
+            if int(span["start"]) != len(out) or int(span["end"]) < int(span["start"]):
+                raise EngineError(
+                    f"SGLang output {k}: weight_versions spans {spans} do not tile its {n_tokens} tokens"
+                )
+            out += [_version_number(span["version"], f"output {k}")] * (int(span["end"]) - int(span["start"]))
+        if len(out) != n_tokens:
+            raise EngineError(
+                f"SGLang output {k}: weight_versions spans {spans} cover {len(out)} of {n_tokens} tokens"
+            )
+        if served is not None and str(spans[-1]["version"]) != str(served):
+            raise EngineError(
+                f"SGLang output {k}: weight_version {served!r} is not its last span's "
+                f"{spans[-1]['version']!r}"
+            )
+        if any(b < a for a, b in itertools.pairwise(out)):
+            raise EngineError(f"SGLang output {k}: weight_versions go backwards: {spans}")
+    else:
+        version = dispatched if served is None else _version_number(served, f"output {k}")
+        out = [version] * n_tokens
+    oldest = min(out) if out else (dispatched if served is None else _version_number(served, f"output {k}"))
+    if oldest < dispatched:
+        raise EngineError(
+            f"SGLang output {k} was produced by weight version {served if not spans else oldest}, expected "
+            f"{dispatched}; the engine serves other weights than the trainer synced"
+        )
+    return out
+
+
 def parse_generate_response(
     outputs: Any, rows: list[tuple[int, int]], n_prompts: int, weight_version: int
 ) -> list[list[Completion]]:
     """Turn SGLang's per-request outputs into ``result[prompt][sample]`` Completions.
 
     Each output is ``{"output_ids"?, "meta_info": {"output_token_logprobs": [[logprob, token_id, text|null],
-    ...], "finish_reason": {...}, "completion_tokens": int, "weight_version"?: str}}``.
+    ...], "finish_reason": {...}, "completion_tokens": int, "weight_version"?: str, "weight_versions"?:
+    [{"version", "start", "end"}], "routed_experts"?: base64}}``. ``finish_reason`` abort (a pause in mode
+    abort, ``/abort_request``) comes with the tokens and log-probs generated so far, and routed experts
+    for the positions forwarded so far.
+
+    ``weight_version`` is the version the engine served when the request was *dispatched* (read before
+    the call): each Completion carries it; ``token_versions`` is filled only when some token came from a
+    newer version (a request held by a pause ran after the sync).
     """
     if isinstance(outputs, dict):
         outputs = [outputs]
@@ -206,6 +310,10 @@ def parse_generate_response(
     result: list[list[Completion]] = [[] for _ in range(n_prompts)]
     for k, (out, (i, j)) in enumerate(zip(outputs, rows, strict=True)):
         meta = out.get("meta_info") if isinstance(out, dict) else None
+        if isinstance(meta, dict) and "output_token_logprobs" not in meta and not out.get("output_ids"):
+            fr = meta.get("finish_reason")
+            if isinstance(fr, dict) and fr.get("type") == "abort":  # aborted before its first token
+                meta = {**meta, "output_token_logprobs": []}
         if not isinstance(meta, dict) or "output_token_logprobs" not in meta:
             raise EngineError(
                 f"SGLang output {k} has no meta_info.output_token_logprobs; the request must set "
@@ -221,13 +329,7 @@ def parse_generate_response(
             raise EngineError(
                 f"SGLang output {k}: completion_tokens={n_tokens} but {len(token_ids)} output_token_logprobs"
             )
-        served = meta.get("weight_version")
-        fresh = served == "default" and weight_version == 0  # SGLang's version before any update
-        if served is not None and str(served) != str(weight_version) and not fresh:
-            raise EngineError(
-                f"SGLang output {k} was produced by weight version {served}, expected {weight_version}; "
-                "the engine serves other weights than the trainer synced"
-            )
+        versions = token_versions_from_meta(meta, len(token_ids), weight_version, k)
         finish = parse_finish_reason(meta)
         routed = meta.get("routed_experts")  # base64 int32 [P + R - 1, layers, top_k], flat here
         result[i].append(
@@ -237,6 +339,7 @@ def parse_generate_response(
                 logprobs=logprobs,
                 finish_reason=finish,  # type: ignore[arg-type]
                 weight_version=weight_version,
+                token_versions=None if all(v == weight_version for v in versions) else versions,
                 routed_experts=decode_sglang_routed_experts(routed) if routed else None,
                 meta={"sample_index": j, "finish_reason": meta.get("finish_reason")},
             )
@@ -270,6 +373,22 @@ def hf_manifest(model_path: str) -> dict[str, tuple[int, ...]]:
 
     table = ConversionTable(Architecture.from_hf(model_path))
     return {h: table.hf_shape(h) for h in table.hf_names()}
+
+
+def model_eos_token_ids(model_path: str) -> tuple[int, ...]:
+    """The EOS ids SGLang stops at for the model in ``model_path``: ``eos_token_id`` of ``config.json``
+    and of ``generation_config.json``, united (``ModelConfig._get_hf_eos_token_id``); missing files: none."""
+    ids: list[int] = []
+    for name in ("config.json", "generation_config.json"):
+        try:
+            with open(Path(model_path) / name) as f:
+                eos = json.load(f).get("eos_token_id")
+        except (OSError, ValueError):
+            continue
+        for e in [] if eos is None else [eos] if isinstance(eos, int) else list(eos):
+            if int(e) not in ids:
+                ids.append(int(e))
+    return tuple(ids)
 
 
 def server_tp_size(transport: Any, default: int) -> int:

@@ -21,7 +21,13 @@ from srpo_megatron.rollout.base import EngineError
 
 
 class HttpTransport:
-    """JSON over HTTP to ``sglang.launch_server`` (stdlib only)."""
+    """JSON over HTTP to ``sglang.launch_server`` (stdlib only).
+
+    Thread-safe: every call opens its own connection (``urlopen``) and the object holds nothing that a call
+    changes, so the main thread's ``/pause_generation`` or weight update runs while a worker thread waits
+    inside ``/generate`` (separate placement, partial rollouts)."""
+
+    supports_pause = True  # SGLang's HTTP server has /pause_generation and /continue_generation
 
     def __init__(self, url: str, timeout_s: float) -> None:
         self.url = url.rstrip("/")
@@ -142,7 +148,8 @@ def _engine_child(conn, engine_kwargs: dict[str, Any], factory: str, clear: list
 
 
 class ChildEngineTransport:
-    """An offline ``sglang.Engine`` in a spawned child process; method calls go over a pipe.
+    """An offline ``sglang.Engine`` in a spawned child process; method calls go over a pipe, one at a time
+    (a lock: a second thread waits for the first call's answer), so it cannot pause a running generate.
 
     ``engine_factory`` ("module:attr", called with ``engine_kwargs``) is SGLang's ``Engine``; the CPU
     tests put an engine there that does the scheduler's own rendezvous."""

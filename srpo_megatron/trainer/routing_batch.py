@@ -1,0 +1,196 @@
+"""method §1 steps 2–4 on rank 0: rewards of completed groups, then routing, advantages and the teacher's
+context of the groups a step trains, as one ``RolloutBatch``.
+
+Two phases, because dynamic sampling needs a group's rewards before the step's batch exists
+(``trainer/sample_pool.py``):
+
+- ``score_rollouts``: decode and reward completed groups (one ``RewardPool`` call);
+- ``route_groups``: route the groups a step trains, each group on its own rewards (routing, advantages and
+  the sibling are per group: a group routes the same whatever batch it lands in, and whatever weight
+  versions its samples came from), every ``Sample`` built once, frozen, in group then member order.
+
+``route_rollouts`` is the two in a row for one on-policy batch (what ``RolloutService.collect`` calls).
+"""
+
+from __future__ import annotations
+
+import re
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from srpo_megatron.config import LossConfig, RolloutConfig, TeacherConfig
+from srpo_megatron.data.dataset import Prompt
+from srpo_megatron.data.templating import encode_text, template_text
+from srpo_megatron.losses import group_advantages, route, routing_masks
+from srpo_megatron.rewards.pool import RewardPool, RewardResult
+from srpo_megatron.rollout.base import Completion, SamplingParams
+from srpo_megatron.rollout.routed_experts import compact_ids
+from srpo_megatron.trainer.step_types import RolloutBatch, Sample, merge_metrics
+
+_THINK = re.compile(r"<think>.*?</think>", re.DOTALL)
+
+
+def clean_solution(text: str) -> str:
+    """The sibling's response as the teacher sees it: ``<think>…</think>`` blocks removed."""
+    return _THINK.sub("", text).strip()
+
+
+def teacher_prompt_ids(tokenizer: Any, prompt: Prompt, sibling_text: str, cfg: TeacherConfig) -> list[int]:
+    """method §1.4: system kept, the user turn shows the correct sibling's solution; right-truncated."""
+    user = cfg.solution_template.format(
+        user_prompt=prompt.row.prompt, sibling_response=clean_solution(sibling_text)
+    )
+    ids = encode_text(tokenizer, template_text(tokenizer, user, prompt.row.system, enable_thinking=False))
+    return ids[: cfg.max_prompt_tokens]
+
+
+def sampling_params(rollout: RolloutConfig, seed: int, prompt_offset: int = 0) -> SamplingParams:
+    """G samples per prompt; per-sample seeds follow the global prompt index (``prompt_offset`` + i)."""
+    return SamplingParams(
+        n=rollout.group_size,
+        temperature=rollout.temperature,
+        top_p=rollout.top_p,
+        top_k=rollout.top_k,
+        max_new_tokens=rollout.max_new_tokens,
+        seed=seed,
+        prompt_offset=prompt_offset,
+        # The CPU engine reports experts for free (the mismatch metric); SGLang only when replaying, since
+        # its server must run with --enable-return-routed-experts.
+        return_routed_experts=rollout.routing_replay or rollout.engine == "hf",
+    )
+
+
+@dataclass
+class Scores:
+    """``score_rollouts``' answer: per group, each member's decoded response and reward.
+
+    texts, rewards: ``[groups][members]``; result: the pool's counters (``reward/timeouts``,
+    ``reward/errors``); seconds: the scoring's wall time (the step's ``time/reward_s``).
+    """
+
+    texts: list[list[str]]
+    rewards: list[list[float]]
+    result: RewardResult
+    seconds: float
+
+
+def score_rollouts(
+    tokenizer: Any, prompts: list[Prompt], completions: list[list[Completion]], rewards: RewardPool
+) -> Scores:
+    """Rank 0: decode and reward ``completions[group][member]`` against ``prompts[group]`` (one pool call)."""
+    rows = [(i, c) for i, (_, group) in enumerate(zip(prompts, completions, strict=True)) for c in group]
+    texts = [tokenizer.decode(c.token_ids, skip_special_tokens=True) for _, c in rows]
+    t1 = time.monotonic()
+    scored = rewards.score(
+        [prompts[i].row.kind for i, _ in rows], texts, [prompts[i].row.answer for i, _ in rows]
+    )
+    seconds = time.monotonic() - t1
+    text_groups: list[list[str]] = []
+    reward_groups: list[list[float]] = []
+    k = 0
+    for group in completions:
+        text_groups.append(texts[k : k + len(group)])
+        reward_groups.append([float(v) for v in scored.rewards[k : k + len(group)]])
+        k += len(group)
+    return Scores(text_groups, reward_groups, scored, seconds)
+
+
+def route_groups(
+    tokenizer: Any,
+    prompts: list[Prompt],
+    completions: list[list[Completion]],
+    texts: list[list[str]],
+    rewards: list[list[float]],
+    loss: LossConfig,
+    teacher: TeacherConfig,
+    uids: list[list[str]] | None = None,
+) -> RolloutBatch:
+    """Rank 0: routing, advantages and teacher prompts of scored groups; each ``Sample`` built once with
+    all its fields (``uid`` from ``uids[group][member]``, ``weight_version`` and ``token_versions`` from its
+    ``Completion``), in group then member order. Metrics: ``reward/*``, ``route/*``, ``samples/*``,
+    ``response/*`` over the batch (no times, no reward-pool counters: the caller adds those).
+
+    Every group needs the same number of members (rewards form ``[B, G]``); each row is routed on its own
+    (``losses.route`` and ``group_advantages`` work row by row).
+    """
+    r = torch.tensor(rewards, dtype=torch.float64)
+    if r.dim() != 2 or r.shape[0] != len(prompts):
+        raise ValueError(
+            f"route_groups needs [groups][members] rewards with one row per prompt and equal group sizes; "
+            f"got {len(prompts)} prompts and rewards of shape {tuple(r.shape)}"
+        )
+    routing = route(r, loss.success_threshold)
+    grpo, sdpo, needs_teacher = routing_masks(routing, loss.mode)
+    adv = group_advantages(r, loss.std_normalize, loss.std_eps)
+    samples: list[Sample] = []
+    for i, (prompt, group) in enumerate(zip(prompts, completions, strict=True)):
+        for j, c in enumerate(group):
+            context = None
+            if needs_teacher[i, j]:
+                sib = int(routing.sibling[i, j])
+                context = teacher_prompt_ids(tokenizer, prompt, texts[i][sib], teacher)
+            samples.append(
+                Sample(
+                    i,
+                    j,
+                    list(prompt.ids),
+                    list(c.token_ids),
+                    list(c.logprobs),
+                    reward=float(r[i, j]),
+                    advantage=float(adv[i, j]),
+                    grpo=bool(grpo[i, j]),
+                    sdpo=bool(sdpo[i, j]),
+                    needs_teacher=bool(needs_teacher[i, j]),
+                    teacher_prompt_ids=context,
+                    finish_reason=c.finish_reason,
+                    routed_experts=None if c.routed_experts is None else compact_ids(c.routed_experts),
+                    uid="" if uids is None else uids[i][j],
+                    weight_version=c.weight_version,
+                    token_versions=None if c.token_versions is None else list(c.token_versions),
+                )
+            )
+    n = len(samples)
+    lengths = torch.tensor([len(s.response_ids) for s in samples], dtype=torch.float64)
+    fallback = (~routing.correct & ~routing.has_teacher).double().mean().item()
+    metrics = {
+        "reward/mean": r.mean().item(),
+        "reward/accuracy": routing.correct.double().mean().item(),
+        "route/grpo_frac": (~routing.to_sdpo & routing.correct).double().mean().item(),
+        "route/sdpo_frac": routing.to_sdpo.double().mean().item(),
+        "route/fallback_frac": fallback,
+        "route/has_teacher_frac": routing.has_teacher.double().mean().item(),
+        # samples that take the SDPO loss under the mode (= sdpo_frac in srpo; differs in the SDPO modes)
+        "route/sdpo_loss_frac": sdpo.double().mean().item(),
+        "samples/routed_to_teacher": float(sum(s.needs_teacher for s in samples)),
+        "response/length_mean": lengths.mean().item(),
+        "response/length_max": lengths.max().item(),
+        "response/truncated_frac": sum(s.finish_reason == "length" for s in samples) / n,
+    }
+    return RolloutBatch(samples, metrics)
+
+
+def route_rollouts(
+    tokenizer: Any,
+    prompts: list[Prompt],
+    completions: list[list[Completion]],
+    rollout: RolloutConfig,
+    loss: LossConfig,
+    teacher: TeacherConfig,
+    rewards: RewardPool,
+    t_gen: float,
+) -> RolloutBatch:
+    """Rank 0: rewards, routing, advantages and teacher prompts for ``completions[prompt][sample]``; each
+    ``Sample`` is built once with all its fields, in prompt then member order (``score_rollouts`` then
+    ``route_groups``)."""
+    g = rollout.group_size
+    if any(len(group) != g for group in completions):
+        raise ValueError(
+            f"every prompt needs rollout.group_size = {g} completions; got {[len(c) for c in completions]}"
+        )
+    scores = score_rollouts(tokenizer, prompts, completions, rewards)
+    batch = route_groups(tokenizer, prompts, completions, scores.texts, scores.rewards, loss, teacher)
+    times = {"time/generate_s": t_gen, "time/reward_s": scores.seconds}
+    return RolloutBatch(batch.samples, merge_metrics(batch.metrics, times, scores.result.metrics()))

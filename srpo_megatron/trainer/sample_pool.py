@@ -1,0 +1,323 @@
+"""Rank 0's pool of completed, rewarded prompt groups, from "groups arrive" to "a step's batch is routed".
+
+The scheduler (``trainer/off_policy.py``) dispatches prompts to the engines and hands every completed
+group to ``SamplePool.add``; ``SamplePool.take`` answers a routed ``RolloutBatch`` of exactly ``n`` groups,
+or None while it needs more (``missing`` says how many prompts the next round should draw). Pure host
+bookkeeping: no collectives, nothing but rank 0 calls it. The rules:
+
+- **Rewards on arrival.** ``add`` rewards each group at once (one ``RewardPool`` call per ``add``):
+  dynamic sampling decides on them, and a group routes on its own rewards wherever it is trained.
+- **Dynamic sampling** (``rollout.dynamic_sampling``, after DAPO, Yu et al. 2025, §3.2). A group carries
+  signal when it is MIXED: some members pass ``loss.success_threshold``, some do not. An all-correct group
+  has zero GRPO advantage everywhere; an all-wrong one has zero advantage and no correct sibling for the
+  SDPO teacher. ``add`` keeps mixed groups and sets the others aside (``sampling/kept_groups``,
+  ``sampling/dropped_groups``). Without dynamic sampling every group is kept. The criterion is the SRPO
+  one for every ``loss.mode``.
+- **Rounds.** ``missing(n, in_flight)`` is how many prompts the next round should dispatch: ``n`` minus
+  the kept groups and the prompts still in flight; a nonzero answer counts one round of the step
+  (``sampling/rounds``). After ``rollout.max_sampling_rounds`` rounds the set-aside groups count too: the
+  batch is topped up with the most recently set-aside groups so it keeps its shape
+  (``sampling/topped_up``); only if those do not suffice either is another round drawn.
+- **Oldest first, surplus carried.** ``take`` trains the oldest kept groups by (dispatch, index in the
+  dispatch); kept groups beyond ``n`` stay for the next step (the staleness rule then decides). The
+  set-aside groups are forgotten when a batch is taken (they belonged to that step's rounds).
+- **Staleness** (``rollout.off_policy_steps``: the ``bound``). A sample is stale when
+  ``trainer_version − version > bound``, its version being its NEWEST token's (``max(token_versions)``
+  for a partial rollout, else the dispatch ``weight_version``); its older tokens are the loss's business
+  (importance corrections). ``take`` drops every group with a stale member before choosing, and counts
+  its samples in ``async/dropped_stale``: nothing stale is trained silently. Stale set-aside groups are
+  never used for a top-up (already counted as dropped groups, not again as stale).
+- **The step's metrics** (``take``): the routing metrics of ``routing_batch.route_groups`` over the trained
+  groups; ``time/reward_s``, ``reward/timeouts``, ``reward/errors`` of every ``add`` since the last batch;
+  ``sampling/*``; ``async/dropped_stale``; ``async/staleness_mean``/``_max`` (trainer version minus each
+  trained sample's dispatch ``weight_version``, i.e. its oldest token's); ``async/partial_share`` (share
+  of trained samples whose tokens span more than one version).
+- **Checkpoints.** ``state_dict`` holds every group not yet trained and the step's counters as plain
+  python and tensors (``torch.save``-able); ``load_state_dict`` restores them exactly, so a resumed run
+  trains them.
+
+Each trained ``Sample`` carries ``uid = f"{dispatch}/{index}/{member}"`` (run-unique as long as dispatch
+ids are), its ``weight_version`` and ``token_versions`` from its ``Completion``.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from srpo_megatron.config import LossConfig, RolloutConfig, TeacherConfig
+from srpo_megatron.data.dataset import Prompt
+from srpo_megatron.data.rows import Row
+from srpo_megatron.rewards.pool import RewardPool
+from srpo_megatron.rollout.base import Completion
+from srpo_megatron.trainer.routing_batch import route_groups, score_rollouts
+from srpo_megatron.trainer.step_types import RolloutBatch, merge_metrics
+
+STATE_FORMAT = 1  # bump when state_dict's layout changes
+
+
+@dataclass
+class CompletedGroup:
+    """One prompt's ``G`` completions as the engines returned them; rewarded by ``SamplePool.add``.
+
+    ``dispatch`` (the scheduler's id of the dispatch that drew the prompt) and ``index`` (the prompt's
+    position in it) identify the group in the run; ``round`` is the scheduler's label of the sampling
+    round (logged, the pool counts rounds itself); ``dataset_index`` where the prompt came from (None when
+    unknown). ``texts`` and ``rewards`` are ``[G]``, set by ``add``.
+    """
+
+    prompt: Prompt
+    completions: list[Completion]
+    dispatch: int
+    index: int
+    round: int = 0
+    dataset_index: int | None = None
+    texts: list[str] | None = None
+    rewards: list[float] | None = None
+
+    @property
+    def key(self) -> tuple[int, int]:
+        """Age order: older dispatches first, then prompt order within a dispatch."""
+        return (self.dispatch, self.index)
+
+    def mixed(self, threshold: float) -> bool:
+        """Some members pass ``threshold`` and some do not (SRPO's signal: GRPO advantage and a sibling)."""
+        assert self.rewards is not None, "a group is rewarded by SamplePool.add before it is judged"
+        correct = [r >= threshold for r in self.rewards]
+        return any(correct) and not all(correct)
+
+    def newest_versions(self) -> list[int]:
+        """Each member's newest token's weight version (the one staleness is measured by)."""
+        return [max(c.token_versions) if c.token_versions else c.weight_version for c in self.completions]
+
+
+def groups_of(
+    dispatch: int,
+    prompts: list[Prompt],
+    completions: list[list[Completion]],
+    round: int = 0,
+    dataset_indices: list[int] | None = None,
+) -> list[CompletedGroup]:
+    """A dispatched round's completed groups: ``completions[i]`` answers ``prompts[i]``, index ``i``."""
+    where: list[int | None] = list(dataset_indices) if dataset_indices else [None] * len(prompts)
+    return [
+        CompletedGroup(p, g, dispatch, i, round, k)
+        for i, (p, g, k) in enumerate(zip(prompts, completions, where, strict=True))
+    ]
+
+
+@dataclass
+class _StepCounters:
+    """What the pool counted since the last batch it answered (the next batch's metrics)."""
+
+    rounds: int = 0
+    kept: int = 0
+    dropped: int = 0
+    dropped_stale: int = 0
+    reward_s: float = 0.0
+    reward_timeouts: int = 0
+    reward_errors: int = 0
+
+
+@dataclass
+class SamplePool:
+    """Completed groups on rank 0 between the engines and the step's batch (rules: module docstring).
+
+    tokenizer decodes responses and builds teacher prompts; rewards is rank 0's ``RewardPool``.
+    """
+
+    tokenizer: Any
+    rollout: RolloutConfig
+    loss: LossConfig
+    teacher: TeacherConfig
+    rewards: RewardPool
+    kept: list[CompletedGroup] = field(default_factory=list)  # mixed (or all, without dynamic sampling)
+    set_aside: list[CompletedGroup] = field(default_factory=list)  # not mixed, in arrival order
+    counters: _StepCounters = field(default_factory=_StepCounters)
+
+    def __len__(self) -> int:
+        """Groups that may be trained (kept; before ``take`` drops the stale ones)."""
+        return len(self.kept)
+
+    # ------------------------------------------------------------------------------------------ arrive
+
+    def add(self, groups: list[CompletedGroup]) -> None:
+        """Reward ``groups`` (one pool call) and keep them, or, with dynamic sampling, keep the mixed ones
+        and set the others aside for a possible top-up."""
+        if not groups:
+            return
+        g = self.rollout.group_size
+        sizes = [len(x.completions) for x in groups]
+        if any(s != g for s in sizes):
+            raise ValueError(f"every group needs rollout.group_size = {g} completions; got sizes {sizes}")
+        t0 = time.monotonic()
+        scores = score_rollouts(
+            self.tokenizer, [x.prompt for x in groups], [x.completions for x in groups], self.rewards
+        )
+        c = self.counters
+        c.reward_s += time.monotonic() - t0
+        c.reward_timeouts += scores.result.num_timeouts
+        c.reward_errors += scores.result.num_errors
+        for x, texts, rewards in zip(groups, scores.texts, scores.rewards, strict=True):
+            x.texts, x.rewards = texts, rewards
+            if not self.rollout.dynamic_sampling or x.mixed(self.loss.success_threshold):
+                self.kept.append(x)
+                c.kept += 1
+            else:
+                self.set_aside.append(x)
+                c.dropped += 1
+
+    def add_round(self, groups: list[CompletedGroup]) -> None:
+        """``add`` one received round's groups and count the round for the next batch
+        (``sampling/rounds``: rounds received while its batch was assembled; the scheduler calls this)."""
+        self.add(groups)
+        self.counters.rounds += 1
+
+    # ------------------------------------------------------------------------------------------ rounds
+
+    def rounds_exhausted(self) -> bool:
+        """The step has drawn ``rollout.max_sampling_rounds`` rounds (dynamic sampling only)."""
+        return self.rollout.dynamic_sampling and self.counters.rounds >= self.rollout.max_sampling_rounds
+
+    def missing(self, n: int, in_flight: int = 0) -> int:
+        """How many prompts the next round should draw for a batch of ``n`` groups, with ``in_flight``
+        prompts already dispatched and not yet added; a nonzero answer counts one round of the step. Ask
+        after a ``take`` that answered None (it has dropped the stale groups by then)."""
+        have = len(self.kept) + in_flight + (len(self.set_aside) if self.rounds_exhausted() else 0)
+        need = max(0, n - have)
+        if need:
+            self.counters.rounds += 1
+        return need
+
+    # ------------------------------------------------------------------------------------------- train
+
+    def _is_stale(self, x: CompletedGroup, trainer_version: int, bound: int) -> bool:
+        return any(trainer_version - v > bound for v in x.newest_versions())
+
+    def take(
+        self, n: int, trainer_version: int, bound: int, t_gen: float | None = None
+    ) -> RolloutBatch | None:
+        """The step's routed batch of exactly ``n`` groups, oldest first, trained from ``trainer_version``
+        with at most ``bound`` versions of staleness; None while fewer than ``n`` groups qualify (stale
+        groups are dropped and counted even then). ``t_gen`` becomes ``time/generate_s`` when given."""
+        c = self.counters
+        fresh = []
+        for x in self.kept:
+            if self._is_stale(x, trainer_version, bound):
+                c.dropped_stale += len(x.completions)
+            else:
+                fresh.append(x)
+        self.kept = sorted(fresh, key=lambda x: x.key)
+        # stale set-aside groups are never a top-up (counted once, as dropped groups)
+        self.set_aside = [x for x in self.set_aside if not self._is_stale(x, trainer_version, bound)]
+        chosen, short = self.kept[:n], n - min(n, len(self.kept))
+        topped_up: list[CompletedGroup] = []
+        if short:
+            if not self.rounds_exhausted() or len(self.set_aside) < short:
+                return None
+            topped_up = self.set_aside[len(self.set_aside) - short :]  # the most recent ones
+        self.kept = self.kept[len(chosen) :]
+        batch = self._route(sorted(chosen + topped_up, key=lambda x: x.key))
+        times = {} if t_gen is None else {"time/generate_s": t_gen}
+        times["time/reward_s"] = c.reward_s
+        pool_metrics = {
+            "reward/timeouts": float(c.reward_timeouts),
+            "reward/errors": float(c.reward_errors),
+            "sampling/rounds": float(c.rounds),
+            "sampling/kept_groups": float(c.kept),
+            "sampling/dropped_groups": float(c.dropped),
+            "sampling/topped_up": float(len(topped_up)),
+            "async/dropped_stale": float(c.dropped_stale),
+        }
+        versions = async_metrics(batch, trainer_version)
+        batch.metrics = merge_metrics(batch.metrics, times, pool_metrics, versions)
+        self.set_aside, self.counters = [], _StepCounters()
+        return batch
+
+    def _route(self, groups: list[CompletedGroup]) -> RolloutBatch:
+        texts, rewards = [], []
+        for x in groups:
+            assert x.texts is not None and x.rewards is not None, "SamplePool.add rewards every group"
+            texts.append(x.texts)
+            rewards.append(x.rewards)
+        return route_groups(
+            self.tokenizer,
+            [x.prompt for x in groups],
+            [x.completions for x in groups],
+            texts,
+            rewards,
+            self.loss,
+            self.teacher,
+            uids=[[f"{x.dispatch}/{x.index}/{m}" for m in range(len(x.completions))] for x in groups],
+        )
+
+    # ------------------------------------------------------------------------------------- checkpoints
+
+    def state_dict(self) -> dict[str, Any]:
+        """Every group not yet trained (kept and set aside) and the step's counters: plain python and
+        tensors, ``torch.save``-able; ``load_state_dict`` restores it exactly."""
+        return copy.deepcopy(
+            {
+                "format": STATE_FORMAT,
+                "kept": [_group_state(x) for x in self.kept],
+                "set_aside": [_group_state(x) for x in self.set_aside],
+                "counters": dataclasses.asdict(self.counters),
+            }
+        )  # a snapshot: later steps do not change a state already handed to the checkpoint
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if state.get("format") != STATE_FORMAT:
+            raise ValueError(
+                f"sample pool state has format {state.get('format')!r}, this version reads {STATE_FORMAT}; "
+                "resume with the version that wrote the checkpoint"
+            )
+        state = copy.deepcopy(state)
+        self.kept = [_group_from_state(x) for x in state["kept"]]
+        self.set_aside = [_group_from_state(x) for x in state["set_aside"]]
+        self.counters = _StepCounters(**state["counters"])
+
+
+def async_metrics(batch: RolloutBatch, trainer_version: int) -> dict[str, float]:
+    """``async/staleness_mean``/``_max`` (trainer version minus each sample's dispatch version, its oldest
+    token's) and ``async/partial_share`` (share of samples whose tokens span several versions)."""
+    staleness = [trainer_version - s.weight_version for s in batch.samples]
+    spans = [len(set(s.token_versions or ())) > 1 for s in batch.samples]
+    return {
+        "async/staleness_mean": sum(staleness) / len(staleness),
+        "async/staleness_max": float(max(staleness)),
+        "async/partial_share": sum(spans) / len(spans),
+    }
+
+
+_COMPLETION_FIELDS = tuple(f.name for f in dataclasses.fields(Completion))
+
+
+def _group_state(x: CompletedGroup) -> dict[str, Any]:
+    p = x.prompt
+    return {
+        "prompt": {"ids": list(p.ids), "row": dataclasses.asdict(p.row), "truncated": p.truncated},
+        "completions": [{k: getattr(c, k) for k in _COMPLETION_FIELDS} for c in x.completions],
+        "dispatch": x.dispatch,
+        "index": x.index,
+        "round": x.round,
+        "dataset_index": x.dataset_index,
+        "texts": x.texts,
+        "rewards": x.rewards,
+    }
+
+
+def _group_from_state(s: dict[str, Any]) -> CompletedGroup:
+    p = s["prompt"]
+    return CompletedGroup(
+        prompt=Prompt(tuple(p["ids"]), Row(**p["row"]), p["truncated"]),
+        completions=[Completion(**c) for c in s["completions"]],
+        dispatch=s["dispatch"],
+        index=s["index"],
+        round=s["round"],
+        dataset_index=s["dataset_index"],
+        texts=s["texts"],
+        rewards=s["rewards"],
+    )
