@@ -12,7 +12,7 @@ import torch
 
 from srpo_megatron.testing.distributed import run_distributed
 from srpo_megatron.testing.tiny import TINY_VOCAB, tiny_hf_model
-from tests.helpers.megatron import hf_reference, run_policy
+from tests.helpers.megatron import hf_reference, merge_rank_results, run_policy
 
 VOCAB = TINY_VOCAB
 SEQ = 9
@@ -28,15 +28,7 @@ def policy_worker(rank, world, tp, pp, cases, backward):
 
 def run_layout(tp: int, pp: int, cases: list[tuple], *, backward: bool = True):
     """Per case: logits per micro-batch and all gradients (HF names) of one layout."""
-    results = run_distributed(policy_worker, tp * pp, tp, pp, cases, backward, timeout=600)
-    per_case = []
-    for i in range(len(cases)):
-        logits = next(r[i][0] for r in results if r[i][0] is not None)
-        grads: dict[str, torch.Tensor] = {}
-        for r in results:
-            grads.update(r[i][1])
-        per_case.append((logits, grads))
-    return per_case
+    return merge_rank_results(run_distributed(policy_worker, tp * pp, tp, pp, cases, backward, timeout=600))
 
 
 def test_logits_and_grads_match_hf_at_every_layout():

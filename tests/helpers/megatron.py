@@ -30,6 +30,44 @@ def hf_reference(model, batches: list[torch.Tensor]) -> tuple[list[torch.Tensor]
     return logits, grads
 
 
+def run_schedule(model, batches: list[torch.Tensor], vocab: int, *, backward: bool = True):
+    """Wrap this rank's policy ``model`` in megatron DDP and run megatron's schedule over ``batches`` (ids
+    ``[b, s]`` per micro-batch) with :func:`lm_loss`. Returns (the DDP model, whose ``module`` holds the
+    ``main_grad``s, and the logits per micro-batch this stage produced: empty except on the last stage)."""
+    from megatron.core.distributed import (
+        DistributedDataParallel,
+        DistributedDataParallelConfig,
+        finalize_model_grads,
+    )
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    # Megatron DDP + finalize_model_grads, as in training: they sum the QK-norm gradients over TP
+    # (each TP rank only sees its heads) and the tied embedding gradients over the first/last stage.
+    model.config.finalize_model_grads_func = finalize_model_grads
+    model = DistributedDataParallel(model.config, DistributedDataParallelConfig(), model)
+    model.config.no_sync_func = model.no_sync
+    seq = batches[0].shape[1]
+    positions = torch.arange(seq).expand_as(batches[0])
+
+    def loss_func(ids, output):
+        return lm_loss(output, ids, vocab), {"logits": output.detach()}
+
+    def forward_step(data_iterator, model):
+        ids = next(data_iterator)
+        return model(ids, positions, None), functools.partial(loss_func, ids)
+
+    out = get_forward_backward_func()(
+        forward_step_func=forward_step,
+        data_iterator=iter(batches),
+        model=[model],
+        num_microbatches=len(batches),
+        seq_length=seq,
+        micro_batch_size=batches[0].shape[0],
+        forward_only=not backward,
+    )
+    return model, [o["logits"] for o in out]
+
+
 def run_policy(
     hf_config: dict,
     tp: int,
@@ -44,12 +82,6 @@ def run_policy(
     """On this rank: build the policy, load weights, run the schedule. Returns (logits per micro-batch on the
     last stage's TP rank 0 else None, this stage's full gradients in HF names on TP rank 0 else {})."""
     from megatron.core import parallel_state as ps
-    from megatron.core.distributed import (
-        DistributedDataParallel,
-        DistributedDataParallelConfig,
-        finalize_model_grads,
-    )
-    from megatron.core.pipeline_parallel import get_forward_backward_func
 
     from srpo_megatron.conversion.checkpoint import load_policy_checkpoint
     from srpo_megatron.conversion.table import ConversionTable
@@ -67,34 +99,23 @@ def run_policy(
     else:
         load_hf_weights(model, table, hf_state.__getitem__)
     offset = stage_layer_offset(model)
-    # Megatron DDP + finalize_model_grads, as in training: they sum the QK-norm gradients over TP
-    # (each TP rank only sees its heads) and the tied embedding gradients over the first/last stage.
-    model.config.finalize_model_grads_func = finalize_model_grads
-    model = DistributedDataParallel(model.config, DistributedDataParallelConfig(), model)
-    model.config.no_sync_func = model.no_sync
-    seq = batches[0].shape[1]
-    positions = torch.arange(seq).expand_as(batches[0])
-
-    def loss_func(ids, output):
-        return lm_loss(output, ids, arch.vocab_size), {"logits": output.detach()}
-
-    def forward_step(data_iterator, model):
-        ids = next(data_iterator)
-        return model(ids, positions, None), functools.partial(loss_func, ids)
-
-    out = get_forward_backward_func()(
-        forward_step_func=forward_step,
-        data_iterator=iter(batches),
-        model=[model],
-        num_microbatches=len(batches),
-        seq_length=seq,
-        micro_batch_size=batches[0].shape[0],
-        forward_only=not backward,
-    )
-    tp_rank = ps.get_tensor_model_parallel_rank()
-    logits = [o["logits"] for o in out] if ps.is_pipeline_last_stage() and tp_rank == 0 else None
+    model, logits = run_schedule(model, batches, arch.vocab_size, backward=backward)
+    shows_logits = ps.is_pipeline_last_stage() and ps.get_tensor_model_parallel_rank() == 0
     grads = hf_named_grads(model.module, table, offset) if backward else {}
-    return logits, grads
+    return (logits if shows_logits else None), grads
+
+
+def merge_rank_results(results: list[list[tuple]]) -> list[tuple[list[torch.Tensor], dict]]:
+    """``results[rank][case] = (logits or None, grads)`` of one launch, as :func:`run_policy` returns them per
+    rank, merged per case: (the logits of the rank that has them, every rank's gradients in one dict)."""
+    per_case = []
+    for i in range(len(results[0])):
+        logits = next(r[i][0] for r in results if r[i][0] is not None)
+        grads: dict[str, torch.Tensor] = {}
+        for r in results:
+            grads.update(r[i][1])
+        per_case.append((logits, grads))
+    return per_case
 
 
 def hf_named_grads(module, table, offset: int) -> dict[str, torch.Tensor]:

@@ -3,15 +3,13 @@ tests): the MoE policy at a (tp, pp, ep, etp) layout on gloo ranks, its logits a
 
 from __future__ import annotations
 
-import functools
-
 import torch
 import torch.distributed as dist
 
 from srpo_megatron.testing.distributed import run_distributed
 from srpo_megatron.testing.tiny import TINY_VOCAB
 from tests.helpers.conversion import read_hf_tensors
-from tests.helpers.megatron import lm_loss
+from tests.helpers.megatron import merge_rank_results, run_schedule
 
 VOCAB = TINY_VOCAB
 SEQ = 8  # divisible by TP: TP > 1 with MoE runs sequence parallel
@@ -33,12 +31,6 @@ def run_moe_policy(hf_config, layout, dispatcher, batches, *, hf_state=None, ckp
     """On this rank: build the MoE policy at ``layout``, load weights, run the schedule. Returns (logits per
     micro-batch on the last stage's TP rank 0 else None, full gradients in HF names this rank can name)."""
     from megatron.core import parallel_state as ps
-    from megatron.core.distributed import (
-        DistributedDataParallel,
-        DistributedDataParallelConfig,
-        finalize_model_grads,
-    )
-    from megatron.core.pipeline_parallel import get_forward_backward_func
 
     from srpo_megatron.config import MoEConfig
     from srpo_megatron.conversion.checkpoint import load_policy_checkpoint
@@ -63,28 +55,8 @@ def run_moe_policy(hf_config, layout, dispatcher, batches, *, hf_state=None, ckp
     else:
         load_hf_weights(model, table, hf_state.__getitem__)
     offset, expert_offset = stage_layer_offset(model), stage_expert_offset(table)
-    model.config.finalize_model_grads_func = finalize_model_grads
-    model = DistributedDataParallel(model.config, DistributedDataParallelConfig(), model)
-    model.config.no_sync_func = model.no_sync
-    positions = torch.arange(SEQ).expand_as(batches[0])
-
-    def loss_func(ids, output):
-        return lm_loss(output, ids, arch.vocab_size), {"logits": output.detach()}
-
-    def forward_step(data_iterator, model):
-        ids = next(data_iterator)
-        return model(ids, positions, None), functools.partial(loss_func, ids)
-
-    out = get_forward_backward_func()(
-        forward_step_func=forward_step,
-        data_iterator=iter(batches),
-        model=[model],
-        num_microbatches=len(batches),
-        seq_length=SEQ,
-        micro_batch_size=batches[0].shape[0],
-        forward_only=not backward,
-    )
-    logits = [o["logits"] for o in out] if ps.is_pipeline_last_stage() and groups.tp_rank == 0 else None
+    model, logits = run_schedule(model, batches, arch.vocab_size, backward=backward)
+    logits = logits if ps.is_pipeline_last_stage() and groups.tp_rank == 0 else None
     grads: dict[str, torch.Tensor] = {}
     if backward:
         for local_name, param in model.module.named_parameters():
@@ -116,15 +88,7 @@ def run_moe_layout(layout, cases, *, backward=True):
     """Per case: logits per micro-batch and all gradients (HF names) of one layout."""
     tp, pp, ep, etp = layout
     world = max(tp, etp * ep) * pp
-    results = run_distributed(moe_worker, world, layout, cases, backward, timeout=600)
-    per_case = []
-    for i in range(len(cases)):
-        logits = next(r[i][0] for r in results if r[i][0] is not None)
-        grads: dict[str, torch.Tensor] = {}
-        for r in results:
-            grads.update(r[i][1])
-        per_case.append((logits, grads))
-    return per_case
+    return merge_rank_results(run_distributed(moe_worker, world, layout, cases, backward, timeout=600))
 
 
 def batches_for(seed: int) -> list[torch.Tensor]:
