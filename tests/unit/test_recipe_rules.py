@@ -51,8 +51,33 @@ def test_every_recipe_loads_to_exactly_the_config_it_had_before_the_shrink(name)
     assert not changed, f"{name}: (before, now) per key: {changed}"
 
 
+# Recipes written after the snapshot (each inherits a recorded one).
+ADDED_RECIPES = {"qwen3_8b_srpo_async.yaml"}
+
+
 def test_every_example_recipe_is_recorded():
-    assert sorted(p.name for p in EXAMPLES.glob("*.yaml")) == sorted(BEFORE)
+    assert sorted(p.name for p in EXAMPLES.glob("*.yaml")) == sorted({*BEFORE, *ADDED_RECIPES})
+
+
+def test_the_off_policy_recipe_is_the_separate_recipe_one_step_off():
+    sep = _flat(to_dict(load_recipe(EXAMPLES / "qwen3_8b_srpo_separate.yaml")))
+    off = _flat(to_dict(load_recipe(EXAMPLES / "qwen3_8b_srpo_async.yaml")))
+    changed = {k for k in sep.keys() | off.keys() if sep.get(k) != off.get(k)}
+    assert changed == {"run.dir", "rollout.off_policy_steps"} and off["rollout.off_policy_steps"] == 1
+
+
+@pytest.mark.parametrize(
+    ("overrides", "says"),
+    [
+        (["rollout.off_policy_steps=1"], "needs rollout.placement: separate"),
+        (["rollout.partial=true"], "needs rollout.off_policy_steps >= 1"),
+        (["rollout.off_policy_steps=-1"], "must be >= 0"),
+        (["rollout.max_sampling_rounds=0"], "must be >= 1"),
+    ],
+)
+def test_off_policy_keys_are_refused_where_they_cannot_work(overrides, says):
+    with pytest.raises(ConfigError, match=says):
+        load_recipe(TINY, overrides)
 
 
 def test_the_qwen3_variants_inherit_the_8b_recipe_and_state_only_their_differences():
