@@ -124,9 +124,10 @@ class GenerationWorker:
 
     @contextlib.contextmanager
     def quiesced(self) -> Iterator[None]:
-        """No generation runs inside (a weight sync, an engine restart): waits for the running job to end
-        (``partial``: aborts its generations first, continued after the block with the new weights) and
-        starts no other job until the block is left."""
+        """No generation runs inside (a weight sync, an engine restart) and no job starts until the block
+        is left. Without partial rollouts it waits for the running job to end; with them it pauses SGLang
+        (mode abort: the running generations return aborted, continued after the block with the new
+        weights, and any request sent meanwhile is held by the server until ``continue_generation``)."""
         if not self.threaded:
             yield
             return

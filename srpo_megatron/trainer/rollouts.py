@@ -1,10 +1,13 @@
 """method §1 steps 1–4: rollouts, rewards, routing and the teacher's context, as one ``RolloutBatch``.
 
-Rollouts run data-parallel over every colocated engine (``RolloutService``); each engine host sends its
-completions to global rank 0 only (``batch_shipping.gather_to_rank0``), rank 0 rewards and routes them
-(``route_rollouts``: every ``Sample`` built once, frozen), and ``batch_shipping.ship_shares`` sends each
-trainer rank its data-parallel share of the samples once, MoE routed experts included, with the batch's
-metrics. Routing and advantages are decided on rank 0 alone, so all ranks agree on them.
+Rollouts run data-parallel over every engine (``RolloutService``), in rounds dispatched to the engines'
+workers (``trainer/off_policy.py``: inline on-policy, a thread per engine host off-policy); each engine
+host sends its completions of a round to global rank 0 only (``batch_shipping.gather_to_rank0``), rank 0
+rewards them into its ``SamplePool`` (``trainer/sample_pool.py``: dynamic sampling, staleness) and routes
+a batch from it (``routing_batch.route_groups``: every ``Sample`` built once, frozen), and
+``batch_shipping.ship_shares`` sends each trainer rank its data-parallel share of the samples once, MoE
+routed experts included, with the batch's metrics. Routing and advantages are decided on rank 0 alone,
+so all ranks agree on them.
 """
 
 from __future__ import annotations
