@@ -234,11 +234,11 @@ class RolloutService:
             sampling_params(self.cfg.rollout, seed, prompt_offset=share.start),
         )
 
-    def _dispatch(self, prompts: list[Prompt]) -> None:
-        """Every rank: a new round of ``prompts``; each engine host queues its share on its worker (inline
-        workers generate it now)."""
-        d = Dispatch(self.next_dispatch, prompts)
-        self.next_dispatch += 1
+    def _dispatch(self, prompts: list[Prompt], round_id: int | None = None) -> None:
+        """Every rank: a new round of ``prompts`` (numbered ``round_id``, default the next); each engine
+        host queues its share on its worker (inline workers generate it now)."""
+        d = Dispatch(self.next_dispatch if round_id is None else round_id, prompts)
+        self.next_dispatch = max(self.next_dispatch, d.id) + 1
         self.pending.append(d)
         if self.worker is not None:
             t0 = time.monotonic()
@@ -320,12 +320,14 @@ class RolloutService:
         step: int,
         trainer_version: int,
         prompts_per_batch: int | None = None,
+        round_id: int | None = None,
     ) -> RolloutBatch:
         """Collective: this rank's DP share of the routed batch that trains step ``step`` (method §1 steps
         1–4), and the batch's metrics. ``draw(n)`` gives the next ``n`` prompts of the data order (every
         rank draws the same). Up to ``rollout.off_policy_steps`` rounds beyond this step's stay in flight
         on the engines; a sample staler than that bound is dropped (counted), never trained. A batch (and a
-        round) holds ``prompts_per_batch`` groups, default ``rollout.prompts_per_step``."""
+        round) holds ``prompts_per_batch`` groups, default ``rollout.prompts_per_step``; ``round_id``
+        numbers the first round dispatched (its sampling seed), default the next round."""
         self._check_versions()
         self._step = step
         r = self.cfg.rollout
@@ -333,8 +335,8 @@ class RolloutService:
         pending = lambda: sum(len(d.prompts) for d in self.pending)  # noqa: E731
         supply = self._pooled() + pending()
         while supply < (r.off_policy_steps + 1) * b:  # keep N rounds in flight beyond this step's
-            self._dispatch(draw(b))
-            supply += b
+            self._dispatch(draw(b), round_id)
+            round_id, supply = None, supply + b
         rounds = 0
         while True:
             ready, batch = self._decide(b, trainer_version, _generation_seconds(self._unreported))
@@ -360,9 +362,10 @@ class RolloutService:
         )
 
     def collect(self, prompts: list[Prompt], step: int) -> RolloutBatch:
-        """Collective: one round of exactly ``prompts``, routed (the on-policy step; tests and tools)."""
+        """Collective: one round of exactly ``prompts``, routed (the on-policy step; tests and tools). The
+        round is numbered ``step``, so its sampling seed is the step's, as in the synchronous loop."""
         given = [prompts]
-        return self.next_batch(lambda n: given.pop(), step, self.version, len(prompts))
+        return self.next_batch(lambda n: given.pop(), step, self.version, len(prompts), round_id=step)
 
     def drain(self) -> None:
         """Collective: receive every dispatched round into rank 0's pool (before a checkpoint: the pool
