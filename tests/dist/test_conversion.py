@@ -251,7 +251,7 @@ def test_bad_inputs_raise_named_errors(tiny_folders, tmp_path):
 
     bad = _copy(tiny_folders["qwen3"], tmp_path / "yarn")
     _edit_config(bad, rope_parameters={"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e6})
-    with pytest.raises(UnsupportedModelError, match="rope scaling type 'yarn' is not supported"):
+    with pytest.raises(UnsupportedModelError, match="rope scaling type 'yarn' is not supported for qwen3"):
         quiet(bad, out)
 
     bad = _copy(tiny_folders["qwen3"], tmp_path / "missing")
