@@ -163,12 +163,17 @@ EXPERT_ROW = TPPartition(1, expert=True)
 
 @dataclasses.dataclass(frozen=True)
 class Row:
-    """One table row; ``{i}`` in names stands for the global layer index, ``{e}`` for the global expert."""
+    """One table row; ``{i}`` in names stands for the global layer index, ``{e}`` for the global expert.
+
+    ``layers`` selects the decoder layers a ``{i}`` row exists in: ``"all"``, ``"dense"`` (layers with a dense
+    MLP: every layer of a dense model, the first ``first_dense_layers`` of DeepSeek-V3/GLM-4.5) or ``"moe"``
+    (``Architecture.is_moe_layer``)."""
 
     megatron: str
     hf: tuple[str, ...]
     transform: Transform
     partition: TPPartition
+    layers: str = "all"
 
 
 _L = "decoder.layers.{i}."
@@ -206,18 +211,57 @@ QK_NORM = (
 )
 
 ATTENTION = LAYER[:4]  # input norm, QKV, output projection, pre-MLP norm
-ROUTER = Row(_L + "mlp.router.weight", (_H + "mlp.gate.weight",), IDENTITY, REPLICATED)
+ROUTER = Row(_L + "mlp.router.weight", (_H + "mlp.gate.weight",), IDENTITY, REPLICATED, layers="moe")
 EXPERT_FC1 = Row(
     _L + "mlp.experts.local_experts.{e}.linear_fc1.weight",
     (_H + "mlp.experts.{e}.gate_proj.weight", _H + "mlp.experts.{e}.up_proj.weight"),
     FUSE_GATE_UP,
     EXPERT_GATED_COLUMN,
+    layers="moe",
 )
 EXPERT_FC2 = Row(
     _L + "mlp.experts.local_experts.{e}.linear_fc2.weight",
     (_H + "mlp.experts.{e}.down_proj.weight",),
     IDENTITY,
     EXPERT_ROW,
+    layers="moe",
+)
+# DeepSeek-V3 / GLM-4.5 MoE layers: the first ``first_dense_layers`` layers keep the dense MLP rows; the
+# others have the router (with its selection-only expert bias, a non-trained buffer in megatron), the
+# routed experts and the always-on shared experts (one SwiGLU of n_shared * moe_intermediate_size,
+# split over TP like a dense MLP).
+DENSE_FC1 = dataclasses.replace(LAYER[4], layers="dense")
+DENSE_FC2 = dataclasses.replace(LAYER[5], layers="dense")
+ROUTER_EXPERT_BIAS = Row(
+    _L + "mlp.router.expert_bias",
+    (_H + "mlp.gate.e_score_correction_bias",),
+    IDENTITY,
+    REPLICATED,
+    layers="moe",
+)
+SHARED_FC1 = Row(
+    _L + "mlp.shared_experts.linear_fc1.weight",
+    (_H + "mlp.shared_experts.gate_proj.weight", _H + "mlp.shared_experts.up_proj.weight"),
+    FUSE_GATE_UP,
+    GATED_COLUMN,
+    layers="moe",
+)
+SHARED_FC2 = Row(
+    _L + "mlp.shared_experts.linear_fc2.weight",
+    (_H + "mlp.shared_experts.down_proj.weight",),
+    IDENTITY,
+    ROW,
+    layers="moe",
+)
+DEEPSEEK_MOE = (
+    DENSE_FC1,
+    DENSE_FC2,
+    ROUTER,
+    ROUTER_EXPERT_BIAS,
+    EXPERT_FC1,
+    EXPERT_FC2,
+    SHARED_FC1,
+    SHARED_FC2,
 )
 
 # The per-architecture tables. Optional rows (QKV bias on Llama with attention_bias, the untied output
@@ -227,6 +271,8 @@ QWEN2 = (EMBEDDING, *LAYER, QKV_BIAS, FINAL_NORM, OUTPUT)
 QWEN3 = (EMBEDDING, *LAYER, *QK_NORM, FINAL_NORM, OUTPUT)
 QWEN3_MOE = (EMBEDDING, *ATTENTION, *QK_NORM, ROUTER, EXPERT_FC1, EXPERT_FC2, FINAL_NORM, OUTPUT)
 TABLES = {"llama": LLAMA, "qwen2": QWEN2, "qwen3": QWEN3, "qwen3_moe": QWEN3_MOE}
+# GLM-4.5 (``glm4_moe``), DeepSeek-V3 (``deepseek_v3``) and gpt-oss (``gpt_oss``) tables are added by the
+# work of issue 27; DEEPSEEK_MOE above is their shared MoE part.
 
 # Transformer Engine / dist_checkpointing aliases of local-spec names.
 _ALIASES = (
@@ -301,12 +347,13 @@ class ConversionTable:
         self.arch = arch
         rows = list(TABLES[arch.model_type])
         if arch.qkv_bias and QKV_BIAS not in rows:
-            rows.insert(rows.index(LAYER[-1]) + 1, QKV_BIAS)
+            last_layer_row = max(k for k, r in enumerate(rows) if "{i}" in r.megatron)
+            rows.insert(last_layer_row + 1, QKV_BIAS)
         if arch.tie_embeddings:
             rows.remove(OUTPUT)
         self._rows: dict[str, Row] = {}
         for row in rows:
-            layers = range(arch.num_layers) if "{i}" in row.megatron else [None]
+            layers = self._layers(row) if "{i}" in row.megatron else [None]
             experts = range(arch.num_experts) if "{e}" in row.megatron else [None]
             for i in layers:
                 for e in experts:
@@ -315,11 +362,23 @@ class ConversionTable:
                         tuple(h.format(i=i, e=e) for h in row.hf),
                         row.transform,
                         row.partition,
+                        row.layers,
                     )
                     self._rows[concrete.megatron] = concrete
         # HF name -> its row: MoE tables have tens of thousands of names, so lookups must not scan rows.
         self._hf_rows: dict[str, Row] = {h: row for row in self._rows.values() for h in row.hf}
         self._hf_shapes: dict[str, tuple[int, ...]] = {}
+
+    def _layers(self, row: Row) -> list[int]:
+        """The global decoder layers ``row`` exists in (see ``Row.layers``)."""
+        every = range(self.arch.num_layers)
+        if row.layers == "all":
+            return list(every)
+        if row.layers == "moe":
+            return [i for i in every if self.arch.is_moe_layer(i)]
+        if row.layers == "dense":
+            return [i for i in every if not self.arch.is_moe_layer(i)]
+        raise ValueError(f"Row.layers={row.layers!r} for {row.megatron}; use 'all', 'dense' or 'moe'")
 
     # -------------------------------------------------------------------------------------- lookup
     def megatron_names(self) -> list[str]:
@@ -353,6 +412,11 @@ class ConversionTable:
         name = self.row(megatron_name).megatron
         qkv = (a.num_heads + 2 * a.num_kv_heads) * a.head_dim
         vocab = padded_vocab_size(a.vocab_size, tp)
+        if ".mlp.shared_experts." in name:
+            f = a.shared_expert_intermediate_size
+            return (2 * f, a.hidden_size) if name.endswith("linear_fc1.weight") else (a.hidden_size, f)
+        if name.endswith("mlp.router.expert_bias"):
+            return (a.num_experts,)
         if ".mlp.experts." in name:
             fc1 = name.endswith("linear_fc1.weight")
             return (
