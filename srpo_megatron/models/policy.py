@@ -112,6 +112,10 @@ def transformer_config_from_hf(
         # megatron's MoE layer refuses TP > 1 in training without sequence parallelism.
         kwargs["sequence_parallel"] = tp > 1
     kwargs.update(overrides)
+    if arch.is_mla:  # DeepSeek-V3: megatron's MLA config (models/mla.py)
+        from srpo_megatron.models.mla import mla_transformer_config
+
+        return mla_transformer_config(arch, kwargs)
     return TransformerConfig(**kwargs)
 
 
@@ -128,6 +132,15 @@ def layer_spec(
     True), ``SequentialMLP`` experts on the local spec (MoE with TP > 1 trains under SP)."""
     if use_te is None:
         use_te = transformer_engine_available()
+    if arch.is_mla:  # DeepSeek-V3: the MLP part as for any architecture, MLA attention (models/mla.py)
+        from srpo_megatron.models.mla import with_mla_attention
+
+        experts = arch.num_experts if arch.is_moe else 0  # first_k_dense_replace = all layers: dense
+        base = dataclasses.replace(arch, kv_lora_rank=0, qk_norm=False, num_experts=experts)
+        spec = layer_spec(
+            base, use_te=use_te, sequence_parallel=sequence_parallel, moe_grouped_gemm=moe_grouped_gemm
+        )
+        return with_mla_attention(spec, use_te=use_te, sequence_parallel=sequence_parallel)
     experts = arch.num_experts or None
     if use_te:
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
