@@ -317,8 +317,8 @@ def tiny_deepseek_config(
     (``q_lora_rank``; None: one q projection), kv latent 16, q/k heads of 12 (nope) + 8 (RoPE), v heads of 10,
     YaRN (factor 4 over 32 original positions; ``mscale_all_dim`` changes the softmax scale and, unless equal
     to ``mscale``, the cos/sin factor), HF's ``rope_interleave``. ``first_k_dense_replace`` defaults to every
-    layer dense; below ``num_layers`` the later layers are MoE: 4 routed experts in 2 groups (1 group chosen,
-    top-2), one shared expert, routed scaling 2.5."""
+    layer dense; below ``num_layers`` the later layers are MoE: 8 routed experts in 2 groups of 4 (1 group
+    chosen, top-2 in it), one shared expert, routed scaling 2.5."""
     from transformers import DeepseekV3Config
 
     rope = {
@@ -345,8 +345,8 @@ def tiny_deepseek_config(
         qk_nope_head_dim=12,
         qk_rope_head_dim=8,
         v_head_dim=10,
-        n_routed_experts=TINY_MOE_EXPERTS,
-        num_experts_per_tok=TINY_MOE_TOP_K,
+        n_routed_experts=8,
+        num_experts_per_tok=2,
         n_shared_experts=1,
         n_group=2,
         topk_group=1,
