@@ -383,3 +383,37 @@ def tiny_deepseek_model(seed: int = 0, **config):
             if name.endswith("e_score_correction_bias"):
                 b.normal_(0.0, 0.3)
     return model.eval()
+
+
+def write_tiny_deepseek(out_dir: str | Path, seed: int = 0) -> Path:
+    """The full tiny DeepSeek-V3 of :func:`tiny_deepseek_config` (3 layers: layer 0 dense, MLA with q
+    compression, YaRN, 8 grouped experts top-2 + a shared expert, a nonzero expert bias) sized to the real
+    Qwen vocabulary, with its tokenizer and chat template, saved as an HF folder; an existing one is reused."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from srpo_megatron.testing.assets import qwen3_tokenizer
+
+    out = Path(out_dir)
+    if (out / "config.json").is_file() and (out / "tokenizer_config.json").is_file():
+        return out
+    tok = qwen3_tokenizer()
+    config = tiny_deepseek_config(num_layers=3, first_k_dense_replace=1)
+    config.vocab_size = len(tok)
+    config.eos_token_id = tok.convert_tokens_to_ids("<|im_end|>")
+    config.pad_token_id = tok.convert_tokens_to_ids("<|endoftext|>")
+    config.bos_token_id = None
+    config.num_nextn_predict_layers = 0
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("mlp.gate.weight"):
+                p.normal_(0.0, 0.5)
+        for name, b in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                b.normal_(0.0, 0.3)
+    out.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(out)
+    tok.save_pretrained(out)
+    return out
