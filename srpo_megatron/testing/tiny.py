@@ -388,7 +388,7 @@ def tiny_deepseek_model(seed: int = 0, **config):
 def write_tiny_deepseek(out_dir: str | Path, seed: int = 0) -> Path:
     """The full tiny DeepSeek-V3 of :func:`tiny_deepseek_config` (3 layers: layer 0 dense, MLA with q
     compression, YaRN, 8 grouped experts top-2 + a shared expert, a nonzero expert bias) sized to the real
-    Qwen vocabulary, with its tokenizer and chat template, saved as an HF folder; an existing one is reused."""
+    Qwen vocabulary, with its tokenizer and chat template, saved as an HF folder ; reused if present."""
     import torch
     from transformers import AutoModelForCausalLM
 

@@ -116,3 +116,29 @@ def test_sglang_mla_kv_cache_rule_for_deepseek_v3():
     cfg = tiny_deepseek_config(num_layers=61).to_dict()
     cfg.update(kv_lora_rank=512, qk_rope_head_dim=64, qk_nope_head_dim=128, v_head_dim=128)
     assert sglang_mla_kv_cache_bytes_per_token(Architecture.from_hf(cfg), 2) == 70_272
+
+
+def test_no_bucket_splits_a_q_a_kv_a_pair():
+    """Every bucketizer of the weight sync keeps a layer's q_a_proj and kv_a_proj_with_mqa in one bucket
+    (SGLang fuses them only within one load call), at any bucket size; other tensors still split."""
+    from srpo_megatron.buckets import PendingParam, TensorSpec, bucketize, bucketize_pending, flat_buckets
+
+    arch = Architecture.from_hf(tiny_deepseek_config(num_layers=3, first_k_dense_replace=1).to_dict())
+    table = ConversionTable(arch)
+    tensors = [(n, torch.zeros(table.hf_shape(n))) for n in table.hf_names()]
+
+    def pending():
+        for n, t in tensors:
+            spec = TensorSpec(n, t.dtype, tuple(t.shape))
+            yield PendingParam(n, t.numel() * 4, lambda n=n, t=t: [(n, t)], (spec,), None)
+
+    def check(buckets: list[list[str]], limit: int):
+        assert len(buckets) > 10
+        for names in buckets:
+            for q in (n for n in names if n.endswith("self_attn.q_a_proj.weight")):
+                assert q.replace("q_a_proj", "kv_a_proj_with_mqa") in names, (limit, names)
+
+    for limit in (1, 700, 2048, 5000):
+        check([[n for n, _ in b] for b in bucketize(iter(tensors), limit)], limit)
+        check([[n for n, _ in b] for b in bucketize_pending(pending(), limit)], limit)
+        check([[s.name for s in b.specs] for b in flat_buckets(pending(), limit)], limit)
