@@ -7,7 +7,8 @@ absent, ``enable_cpu_compat()`` covers exactly those places and nothing else:
    arguments (``device="cuda"``, ``device=0``, ``torch.device("cuda")``, ``tensor.cuda()``,
    ``tensor.to("cuda")``) to the CPU, and ``torch.device(0)`` / ``torch.device("cuda")`` built under the mode
    are the CPU device. Used by megatron for buffers, p2p shapes, the schedules' ``total_num_tokens`` and
-   the default-device block of the YaRN RoPE of MLA (``with torch.device(torch.cuda.current_device())``).
+   the default-device block of the YaRN RoPE of MLA (``with torch.device(torch.cuda.current_device())``);
+   ``pin_memory=True`` (host staging before a ``.cuda()``, e.g. megatron's per-CP-rank RoPE slice) is dropped.
 2. Type strings. ``clip_grad_by_total_norm_fp32`` and the distributed optimizer compare
    ``tensor.type()`` with ``'torch.cuda.FloatTensor'``-style names; the same mode answers a bare
    ``tensor.type()`` with the ``torch.cuda.`` name of the tensor's dtype.
@@ -70,6 +71,8 @@ class _CudaAsCpu(TorchFunctionMode):
             return torch.device("cpu")
         if "device" in kwargs and _is_cuda_device(kwargs["device"]):
             kwargs["device"] = "cpu"
+        if kwargs.get("pin_memory"):  # staging for a host-to-GPU copy (megatron's CP RoPE slice): no GPU
+            kwargs["pin_memory"] = False
         if func is torch.Tensor.to and len(args) > 1 and _is_cuda_device(args[1]):
             args = (args[0], "cpu", *args[2:])
         if func in _BACKWARD_FUNCS:

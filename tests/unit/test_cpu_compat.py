@@ -41,6 +41,12 @@ def test_cuda_default_device_blocks_run_on_cpu(active):
         assert t.device.type == "cpu"
 
 
+def test_pinned_host_staging_runs_on_cpu(active):
+    """megatron's ``get_pos_emb_on_this_cp_rank`` (MLA's YaRN under CP): a pinned index, then ``.cuda()``."""
+    idx = torch.tensor([0, 3], device="cpu", pin_memory=True).cuda(non_blocking=True)
+    assert idx.tolist() == [0, 3] and not idx.is_pinned()
+
+
 def test_bare_type_answers_cuda_name_but_type_conversion_still_works(active):
     assert torch.ones(1).type() == "torch.cuda.FloatTensor"
     assert torch.ones(1, dtype=torch.bfloat16).type() == "torch.cuda.BFloat16Tensor"
