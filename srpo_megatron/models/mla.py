@@ -3,8 +3,10 @@
 ``mla_transformer_config`` turns the policy's TransformerConfig fields into megatron's
 ``MLATransformerConfig`` (q/kv LoRA ranks, the q/k head split into ``qk_head_dim`` (no RoPE) and
 ``qk_pos_emb_head_dim`` (RoPE), ``v_head_dim``, YaRN). ``with_mla_attention`` puts megatron's
-``MLASelfAttention`` (local spec: :class:`SDPACoreAttention` in the ``core_attention`` slot) into a layer
-spec whose MLP part was built as for any architecture.
+``MLASelfAttention`` (local spec: :class:`SDPACoreAttention` in the ``core_attention`` slot, whose output
+width follows MLA's ``v_channels``) into a layer spec whose MLP part was built as for any architecture
+(dense or MoE per layer). :class:`MLASelfAttentionWholeKVDown` fixes megatron's gradient of the shared
+RoPE key under TP (megatron-core 0.16.1 to 0.19.2 miss the other ranks' heads).
 
 What was checked against transformers' ``DeepseekV3Attention`` (the tests compare logits and gradients):
 - Layout. megatron's ``linear_q_up_proj`` (or ``linear_q_proj``) and HF's ``q_b_proj`` (``q_proj``) are
