@@ -85,8 +85,10 @@ def mla_transformer_config(arch: Architecture, fields: dict[str, Any]) -> MLATra
             mscale_all_dim=yarn.mscale_all_dim or 0.0,
         )
     elif arch.rope_type == "default":
-        # rotary_scaling_factor 1 and mscale_all_dim 0: megatron's MLA softmax scale is 1/sqrt(q_head_dim)
+        # rotary_scaling_factor 1 and mscale_all_dim 0: megatron's MLA softmax scale is 1/sqrt(q_head_dim);
+        # megatron fuses MLA's RoPE only for YaRN (MLATransformerConfig refuses it otherwise)
         rope = dict(rope_type="rope", rotary_scaling_factor=1.0, mscale=1.0, mscale_all_dim=0.0)
+        fields = {**fields, "apply_rope_fusion": False}
     else:
         raise UnsupportedModelError(
             f"deepseek_v3 with rope scaling {arch.rope_type!r} is not supported; megatron's MLA has "

@@ -312,11 +312,13 @@ def tiny_deepseek_config(
     first_k_dense_replace: int | None = None,
     mscale: float | None = 1.0,
     mscale_all_dim: float = 0.8,
+    yarn: bool = True,
 ):
     """A tiny in-memory DeepSeek-V3 config (vocabulary ``TINY_VOCAB``): MLA with q compression
     (``q_lora_rank``; None: one q projection), kv latent 16, q/k heads of 12 (nope) + 8 (RoPE), v heads of 10,
     YaRN (factor 4 over 32 original positions; ``mscale_all_dim`` changes the softmax scale and, unless equal
-    to ``mscale``, the cos/sin factor), HF's ``rope_interleave``. ``first_k_dense_replace`` defaults to every
+    to ``mscale``, the cos/sin factor; ``yarn=False``: plain RoPE), HF's ``rope_interleave``.
+    ``first_k_dense_replace`` defaults to every
     layer dense; below ``num_layers`` the later layers are MoE: 8 routed experts in 2 groups of 4 (1 group
     chosen, top-2 in it), one shared expert, routed scaling 2.5."""
     from transformers import DeepseekV3Config
@@ -332,6 +334,8 @@ def tiny_deepseek_config(
     }
     if mscale is not None:
         rope["mscale"] = mscale
+    if not yarn:  # plain RoPE
+        rope = {"rope_type": "default", "rope_theta": 10000.0}
     return DeepseekV3Config(
         vocab_size=TINY_VOCAB,
         hidden_size=64,

@@ -142,3 +142,16 @@ def test_no_bucket_splits_a_q_a_kv_a_pair():
         check([[n for n, _ in b] for b in bucketize(iter(tensors), limit)], limit)
         check([[n for n, _ in b] for b in bucketize_pending(pending(), limit)], limit)
         check([[s.name for s in b.specs] for b in flat_buckets(pending(), limit)], limit)
+
+
+def test_default_rope_mla_turns_rope_fusion_off():
+    """megatron fuses MLA's RoPE only for YaRN: a GPU run's ``apply_rope_fusion`` must not break a plain-RoPE
+    DeepSeek config (MLATransformerConfig would refuse it)."""
+    from srpo_megatron.models.mla import mla_transformer_config
+
+    arch = Architecture.from_hf(tiny_deepseek_config().to_dict())
+    plain = dataclasses.replace(arch, rope_type="default", yarn=None, rope_factor=None)
+    base = dict(num_layers=2, hidden_size=64, num_attention_heads=4, apply_rope_fusion=True)
+    cfg = mla_transformer_config(plain, base)
+    assert cfg.rope_type == "rope" and cfg.apply_rope_fusion is False
+    assert mla_transformer_config(arch, base).apply_rope_fusion is True
