@@ -81,8 +81,12 @@ class HFCheckpointReader:
         return handle
 
     def dtype(self) -> torch.dtype:
-        """dtype of the first tensor (checkpoints are uniform in practice)."""
-        return self.get(next(iter(self.weight_map))).dtype
+        """dtype of the first floating-point tensor (checkpoints are uniform in practice; MXFP4 blocks and
+        scales are uint8 beside bf16 tensors)."""
+        for name in self.weight_map:
+            if (dtype := self.get(name).dtype).is_floating_point:
+                return dtype
+        raise ValueError(f"{self.dir} has no floating-point tensor")
 
     def close(self) -> None:
         self._handles.clear()

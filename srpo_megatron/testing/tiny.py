@@ -283,14 +283,15 @@ def tiny_gpt_oss_config(num_layers: int = 2) -> dict:
     )
 
 
-def tiny_gpt_oss_model(seed: int = 0, num_layers: int = 2):
+def tiny_gpt_oss_model(seed: int = 0, num_layers: int = 2, **overrides):
     """Random HF gpt-oss (eager attention, fp32) with every gpt-oss feature active on random data: sinks
     ~N(0, 1), every bias nonzero, expert weights wide enough that both SwiGLU clamps cut, a router wide
-    enough that no two experts tie, norm weights around 1."""
+    enough that no two experts tie, norm weights around 1. ``overrides``: config fields (e.g. sizes)."""
     import torch
     from transformers import AutoModelForCausalLM, GptOssConfig
 
-    config = GptOssConfig(**{k: v for k, v in tiny_gpt_oss_config(num_layers).items() if k != "model_type"})
+    fields = {**tiny_gpt_oss_config(num_layers), **overrides}
+    config = GptOssConfig(**{k: v for k, v in fields.items() if k != "model_type"})
     config._attn_implementation = "eager"
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
