@@ -174,9 +174,10 @@ class SDPACoreAttention(MegatronModule):
             )
         cu = params.cu_seqlens_q_padded if params.cu_seqlens_q_padded is not None else params.cu_seqlens_q
         bounds = cu.tolist()
-        group = params.cp_group or self.cp_group or parallel_state.get_context_parallel_group()
-        cp = 1 if self.config.context_parallel_size == 1 else dist.get_world_size(group)
-        rank = 0 if cp == 1 else dist.get_rank(group)
+        cp, rank, group = 1, 0, None
+        if self.config.context_parallel_size != 1:
+            group = params.cp_group or self.cp_group or parallel_state.get_context_parallel_group()
+            cp, rank = dist.get_world_size(group), dist.get_rank(group)
         if cp > 1:
             key, value = (_gather_cp_sequences(t, bounds, cp, group) for t in (key, value))
         outs = []
