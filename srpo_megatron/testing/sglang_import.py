@@ -123,7 +123,7 @@ _MODULES = {
     "server_args": "sglang.srt.server_args",
     "io_struct": "sglang.srt.managers.io_struct",
 }
-_MODELS = ("qwen3", "qwen3_moe")
+_MODELS = ("qwen3", "qwen3_moe", "gpt_oss")
 
 
 @functools.cache
