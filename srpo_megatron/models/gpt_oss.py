@@ -113,10 +113,20 @@ class ExpertRowParallelLinear(RowParallelLinear):
 
 
 def with_expert_biases(spec: ModuleSpec) -> ModuleSpec:
-    """The local MoE layer spec with :class:`ExpertRowParallelLinear` as the routed experts' fc2."""
-    mlp = spec.submodules.mlp
-    experts = mlp.submodules.experts
-    expert_mlp = dataclasses.replace(experts.submodules, linear_fc2=ExpertRowParallelLinear)
-    experts = dataclasses.replace(experts, submodules=expert_mlp)
-    mlp = dataclasses.replace(mlp, submodules=dataclasses.replace(mlp.submodules, experts=experts))
-    return dataclasses.replace(spec, submodules=dataclasses.replace(spec.submodules, mlp=mlp))
+    """The local MoE layer spec with :class:`ExpertRowParallelLinear` as the routed experts' fc2.
+    megatron-core 0.16 builds the MoE layer and its experts as ``ModuleSpec``s, 0.19 as partials."""
+    mlp = _submodules(spec.submodules.mlp)
+    experts = _submodules(mlp.experts)
+    experts = _with_submodules(mlp.experts, dataclasses.replace(experts, linear_fc2=ExpertRowParallelLinear))
+    moe = _with_submodules(spec.submodules.mlp, dataclasses.replace(mlp, experts=experts))
+    return dataclasses.replace(spec, submodules=dataclasses.replace(spec.submodules, mlp=moe))
+
+
+def _submodules(spec):
+    return spec.keywords["submodules"] if isinstance(spec, functools.partial) else spec.submodules
+
+
+def _with_submodules(spec, submodules):
+    if isinstance(spec, functools.partial):
+        return functools.partial(spec.func, *spec.args, **{**spec.keywords, "submodules": submodules})
+    return dataclasses.replace(spec, submodules=submodules)
