@@ -1,6 +1,6 @@
 """One declarative two-way HF <-> megatron-core parameter table per architecture.
 
-The tables (``LLAMA``, ``QWEN2``, ``QWEN3``, ``QWEN3_MOE`` below) list, per megatron ``GPTModel``
+The tables (``LLAMA``, ``QWEN2``, ``QWEN3``, ``QWEN3_MOE``, ``GPT_OSS`` below) list, per megatron ``GPTModel``
 parameter, the HF tensors it is made of and the *named transform* between them. Every direction of
 every consumer (the ``tools/convert_*`` CLIs, checkpoint import/export, rollout weight sync) goes through
 :class:`ConversionTable` built from these rows; there is no second mapping.
@@ -34,6 +34,15 @@ also writes; in memory it fuses them, see ``rollout.hf_engine``) are
 and maps Transformer Engine's grouped-GEMM names (``mlp.experts.linear_fc1.weight{e}``) to the same rows.
 Expert weights are split over the expert-tensor-parallel group (ETP), not TP: their partitions carry
 ``expert=True`` and consumers use the ETP size/rank for them.
+
+Fused HF tensors (``GPT_OSS``): gpt-oss stores each layer's experts as one tensor per kind
+(``mlp.experts.gate_up_proj`` ``[E, H, 2F]``, gate/up interleaved; ``down_proj`` ``[E, F, H]``; their biases).
+A row names expert ``e``'s slice on dim 0 as ``x[e]`` (:func:`slice_name`), so every row stays one megatron
+tensor <-> its HF tensors and the lookups stay dict hits; ``hf_tensor`` reads a slice as a view of the
+(mmapped) fused tensor (MXFP4 experts: that expert's blocks dequantized, ``conversion/mxfp4.py``), and the
+exporter writes each slice at its offset in the fused tensor (``hf_file_plan``, ``PlannedSafetensorsWriter``).
+``hf_names``/``hf_shape`` speak the slice names (weight sync, gradients); ``hf_file_names``/``hf_file_shape``
+the checkpoint files' (also the SGLang manifest).
 
 Gradients (for trainers, not weight sync): the replicated QK-norm weights see only the local heads on
 each TP rank, so their gradients are partial sums; megatron's ``finalize_model_grads`` (with megatron
@@ -363,8 +372,8 @@ QWEN2 = (EMBEDDING, *LAYER, QKV_BIAS, FINAL_NORM, OUTPUT)
 QWEN3 = (EMBEDDING, *LAYER, *QK_NORM, FINAL_NORM, OUTPUT)
 QWEN3_MOE = (EMBEDDING, *ATTENTION, *QK_NORM, ROUTER, EXPERT_FC1, EXPERT_FC2, FINAL_NORM, OUTPUT)
 TABLES = {"llama": LLAMA, "qwen2": QWEN2, "qwen3": QWEN3, "qwen3_moe": QWEN3_MOE, "gpt_oss": GPT_OSS}
-# GLM-4.5 (``glm4_moe``), DeepSeek-V3 (``deepseek_v3``) and gpt-oss (``gpt_oss``) tables are added by the
-# work of issue 27; DEEPSEEK_MOE above is their shared MoE part.
+# GLM-4.5 (``glm4_moe``) and DeepSeek-V3 (``deepseek_v3``) tables are added by the work of issue 27;
+# DEEPSEEK_MOE above is their shared MoE part.
 
 # Transformer Engine / dist_checkpointing aliases of local-spec names.
 _ALIASES = (

@@ -22,6 +22,10 @@ Each HF feature maps onto an existing megatron-core 0.16.1 setting (checked agai
   instance); megatron's attention multiplies cos/sin of q and k by the concentration factor, HF's
   ``attention_scaling`` (``0.1 ln(factor) + 1``).
 
+The bias-activation and bias-dropout fusions stay off for gpt-oss whatever ``performance.fusions`` says
+(``policy.transformer_config_from_hf``): the alpha gate has no fused kernel, and TE's grouped MLP refuses
+bias-dropout fusion with biases.
+
 Not verified on a GPU: TE's sink support (``softmax_type`` needs TE >= 2.8 and its fused attention) and TE's
 sliding windows with sinks.
 """

@@ -16,7 +16,8 @@ their logits are 0, not -inf: samplers, log-probs and entropies must exclude tok
 
 Deviations from the HF models: attention runs through SDPA (same maths, different kernel order, fp32
 differences ~1e-6); llama3 RoPE scaling accepts only megatron's fixed band parameters (see
-``architecture.py``); sliding-window attention is rejected rather than approximated.
+``architecture.py``); sliding-window attention is rejected rather than approximated except for gpt-oss,
+whose sinks, per-layer windows, biases, clamped SwiGLU and YaRN are ``models/gpt_oss.py``'s.
 """
 
 from __future__ import annotations
@@ -115,6 +116,8 @@ def transformer_config_from_hf(
     if arch.model_type == "gpt_oss":  # sinks, sliding windows, biases, clamped SwiGLU (models/gpt_oss.py)
         kwargs.update(gpt_oss_config_overrides(arch))
     kwargs.update(overrides)
+    if arch.model_type == "gpt_oss":  # no fused kernel for the alpha gate; TE's grouped MLP refuses
+        kwargs.update(bias_activation_fusion=False, bias_dropout_fusion=False)  # bias-dropout fusion w/ bias
     return TransformerConfig(**kwargs)
 
 
