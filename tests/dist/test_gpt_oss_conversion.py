@@ -111,3 +111,33 @@ def test_mxfp4_folder_imports_to_the_dequantized_values(tmp_path):
     for name, t in state.items():  # everything else unchanged
         if t.dtype != torch.uint8:
             assert torch.equal(exported[name], t), name
+
+
+@pytest.mark.parametrize("layout", [(1, 1, 2, 1), (2, 1, 2, 1)], ids=["ep2", "tp2ep2"])
+def test_policy_sync_installs_in_the_hf_engine(layout):
+    """The trainer's weight export (``weights.export``: experts gathered over EP, TP shards merged) sends the
+    table's names (``x[e]`` expert slices) bit-exact; the transformers engine installs them into its fused
+    experts and then gives the source model's logits exactly."""
+    from srpo_megatron.conversion.table import ConversionTable
+    from srpo_megatron.models.architecture import Architecture
+    from srpo_megatron.rollout.hf_engine import HFEngine
+    from tests.dist.test_moe_weight_sync import export_worker
+
+    tp, pp, ep, etp = layout
+    source = tiny_gpt_oss_model(seed=6)
+    state = read_state(source)
+    results = run_distributed(export_worker, max(tp, ep) * pp, layout, source.config.to_dict(), state, timeout=600)
+    received = {name: t for buckets, _, _ in results for bucket in buckets for name, t in bucket}
+    table = ConversionTable(Architecture.from_hf(source.config))
+    assert sorted(received) == sorted(table.hf_names())
+    for name, got in received.items():
+        assert torch.equal(got, table.hf_tensor(name, state.__getitem__)), name
+    engine = HFEngine(tiny_gpt_oss_model(seed=99), initial_version=1)
+    engine.update_weights(received.items(), version=2)
+    ids = batches_for(3)[0]
+    with torch.no_grad():
+        assert torch.equal(engine.model(ids).logits, source(ids).logits)
+
+
+def read_state(model) -> dict[str, torch.Tensor]:
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
