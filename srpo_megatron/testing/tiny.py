@@ -242,6 +242,149 @@ def tiny_moe_model(seed: int = 0, norm_topk_prob: bool = True):
     return model.eval()
 
 
+# Tiny GLM-4.5 (``glm4_moe``): every DeepSeek-style MoE feature switched on (see ``tiny_glm_moe_config``).
+TINY_GLM_EXPERTS = 8
+TINY_GLM_TOP_K = 2
+
+
+def tiny_glm_moe_config(grouped: bool = False, num_layers: int = 3):
+    """A tiny in-memory GLM-4.5 config: layer 0 dense (``first_k_dense_replace=1``), the others MoE with
+    ``TINY_GLM_EXPERTS`` routed experts (top ``TINY_GLM_TOP_K``) plus one shared expert, a sigmoid router with
+    ``routed_scaling_factor`` 2.5 and normalised top-k, partial RoPE (half of each 16-wide head), QK-norm
+    and q/k/v bias. ``grouped``: group-limited routing (``n_group=2, topk_group=1``: every token's two
+    experts come from one group of four; HF and megatron score groups alike since top_k = 2 * topk_group)."""
+    from transformers import Glm4MoeConfig
+
+    return Glm4MoeConfig(
+        hidden_size=64,
+        intermediate_size=96,
+        moe_intermediate_size=32,
+        n_routed_experts=TINY_GLM_EXPERTS,
+        num_experts_per_tok=TINY_GLM_TOP_K,
+        n_shared_experts=1,
+        routed_scaling_factor=2.5,
+        n_group=2 if grouped else 1,
+        topk_group=1,
+        first_k_dense_replace=1,
+        norm_topk_prob=True,
+        use_qk_norm=True,
+        attention_bias=True,
+        num_hidden_layers=num_layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        vocab_size=TINY_VOCAB,
+        max_position_embeddings=64,
+        tie_word_embeddings=False,
+        num_nextn_predict_layers=0,
+        rope_parameters={"rope_type": "default", "rope_theta": 1e6, "partial_rotary_factor": 0.5},
+    )
+
+
+def tiny_glm_moe_model(seed: int = 0, grouped: bool = False):
+    """Random HF GLM-4.5 (``tiny_glm_moe_config``): norm weights around 1, biases and a router wide enough
+    that no two experts tie, and a NONZERO random ``e_score_correction_bias`` (std 0.3, the scale of the
+    sigmoid scores), so that the bias changes which experts win and a trainer that adds it to the routing
+    weights, or ignores it in the selection, fails the parity tests."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(tiny_glm_moe_config(grouped), dtype=torch.float32)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.normal_(1.0, 0.2)
+            elif "bias" in name:
+                p.normal_(0.0, 0.2)
+            elif name.endswith("mlp.gate.weight"):
+                p.normal_(0.0, 0.5)
+        for name, b in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                b.normal_(0.0, 0.3)
+    return model.eval()
+
+
+def tiny_deepseek_config(
+    q_lora_rank: int | None = 24,
+    rope_interleave: bool = True,
+    num_layers: int = 2,
+    first_k_dense_replace: int | None = None,
+    mscale: float | None = 1.0,
+    mscale_all_dim: float = 0.8,
+):
+    """A tiny in-memory DeepSeek-V3 config (vocabulary ``TINY_VOCAB``): MLA with q compression
+    (``q_lora_rank``; None: one q projection), kv latent 16, q/k heads of 12 (nope) + 8 (RoPE), v heads of 10,
+    YaRN (factor 4 over 32 original positions; ``mscale_all_dim`` changes the softmax scale and, unless equal
+    to ``mscale``, the cos/sin factor), HF's ``rope_interleave``. ``first_k_dense_replace`` defaults to every
+    layer dense; below ``num_layers`` the later layers are MoE: 8 routed experts in 2 groups of 4 (1 group
+    chosen, top-2 in it), one shared expert, routed scaling 2.5."""
+    from transformers import DeepseekV3Config
+
+    rope = {
+        "rope_type": "yarn",
+        "rope_theta": 10000.0,
+        "factor": 4.0,
+        "original_max_position_embeddings": 32,
+        "beta_fast": 32.0,
+        "beta_slow": 1.0,
+        "mscale_all_dim": mscale_all_dim,
+    }
+    if mscale is not None:
+        rope["mscale"] = mscale
+    return DeepseekV3Config(
+        vocab_size=TINY_VOCAB,
+        hidden_size=64,
+        intermediate_size=96,
+        moe_intermediate_size=32,
+        num_hidden_layers=num_layers,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        q_lora_rank=q_lora_rank,
+        kv_lora_rank=16,
+        qk_nope_head_dim=12,
+        qk_rope_head_dim=8,
+        v_head_dim=10,
+        n_routed_experts=8,
+        num_experts_per_tok=2,
+        n_shared_experts=1,
+        n_group=2,
+        topk_group=1,
+        routed_scaling_factor=2.5,
+        norm_topk_prob=True,
+        first_k_dense_replace=num_layers if first_k_dense_replace is None else first_k_dense_replace,
+        max_position_embeddings=128,
+        rope_parameters=rope,
+        rope_interleave=rope_interleave,
+        tie_word_embeddings=False,
+        attention_bias=False,
+        attention_dropout=0.0,
+    )
+
+
+def tiny_deepseek_model(seed: int = 0, **config):
+    """Random HF DeepSeek-V3 (:func:`tiny_deepseek_config` ``config``): weights with std 0.1 (attention far
+    from uniform, so a wrong softmax scale or RoPE layout shows), norm weights around 1, routers with std
+    0.5 and a nonzero expert bias."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(tiny_deepseek_config(**config), dtype=torch.float32)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.normal_(1.0, 0.2)
+            elif name.endswith("mlp.gate.weight"):
+                p.normal_(0.0, 0.5)
+            else:
+                p.normal_(0.0, 0.1)
+        for name, b in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                b.normal_(0.0, 0.3)
+    return model.eval()
+
+
 TINY_GPT_OSS_WINDOW = 3  # keys per query in the sliding layers: smaller than the parity tests' 8 tokens
 TINY_GPT_OSS_LIMIT = 1.0  # swiglu_limit: the expert weights below put |gate_up| well beyond it
 
