@@ -32,7 +32,13 @@ with saved-tensor hooks in tests/unit/test_planner.py): 6·H for the norms and r
 sequence parallelism), 5·q + 4·kv for attention (fused QKV output, q/k norms and RoPE, flash-style
 attention output, output-projection input), 5·F for SwiGLU, all ÷TP; MoE layers replace 5·F with the
 router's input and fp32 scores and, for each of the top-k routes, the permuted input, 5·Fe and the expert
-output. Full recompute keeps each layer's input plus one layer's working set during its backward.
+output, plus 5·Fs for the shared experts (DeepSeek-V3, GLM-4.5). MLA layers (DeepSeek-V3) are estimated,
+not measured: the latents of the replicated down projections and their norms, then per head q, k, v, the
+attention output and the projection input. Full recompute keeps each layer's input plus one layer's
+working set during its backward.
+
+The engine's KV cache follows SGLang's pools (``kv_bytes_per_token``): K and V per KV head, one latent per
+token and layer for MLA, and the hybrid sliding-window pool for gpt-oss.
 Transformer Engine fuses norms into the linears and saves a little less: the estimate is an upper bound.
 """
 
@@ -67,6 +73,9 @@ ENGINE_RELEASED_BYTES = 1 * GiB
 LOSS_CHUNK_BYTES = 3 * 128 * 1024**2
 # [T, V/TP] tensors alive at the loss: the logits, their gathered rows, the masked rows and the gradient.
 LOGITS_COPIES = 4
+# SGLang's default ``swa_full_tokens_ratio`` (sglang/srt/arg_groups/fields/schedule.py): the SWA pool holds
+# this share of the full pool's tokens.
+SGLANG_SWA_FULL_TOKENS_RATIO = 0.8
 
 Recompute = Literal["none", "selective", "full"]
 TeacherFp32 = Literal["none", "full", "sharded"]
@@ -95,6 +104,8 @@ class PlanSettings:
     engine_tp: int = 1  # SGLang tp_size (GPUs one engine spans)
     engine_mem_fraction: float = 0.6  # SGLang mem_fraction_static
     rollout_seq_len: int = 4096  # longest prompt + response the engine must hold in its KV cache
+    # SGLang swa_full_tokens_ratio for sliding-window models (None: disable_hybrid_swa_memory, one pool)
+    engine_swa_ratio: float | None = SGLANG_SWA_FULL_TOKENS_RATIO
 
 
 @dataclass
@@ -127,6 +138,7 @@ class Plan:
     stage: StageMemory  # the worst pipeline stage
     gpu_bytes: int
     problems: list[str]  # why it does not fit (empty when it fits)
+    shape: ModelShape | None = None  # the planned model
 
     @property
     def fits(self) -> bool:
@@ -168,12 +180,22 @@ class Plan:
 def layer_activation_elements(shape: ModelShape, layout: Layout, sp: bool, moe: bool) -> tuple[float, float]:
     """(elements in the params dtype, fp32 elements) one layer saves per token of a micro-batch."""
     tp, h = layout.tp, shape.hidden_size
-    q, kv = shape.num_heads * shape.head_dim, shape.num_kv_heads * shape.head_dim
-    main = 6 * h / (tp if sp else 1) + (5 * q + 4 * kv) / tp
-    fp32 = 2 + (2 * shape.num_heads + shape.num_kv_heads) / tp  # norm rstd's, attention log-sum-exp
+    seq = tp if sp else 1  # what sequence parallelism splits
+    if shape.is_mla:
+        # MLA (roughly): the replicated down projections' latents and their norms (split by SP, as their
+        # input), then per head q, k (RoPE part broadcast), v, the attention output and the projection input.
+        heads, hd, d_v = shape.num_heads, shape.head_dim, shape.v_head_dim
+        latents = 2 * shape.q_lora_rank + 2 * (shape.kv_lora_rank + shape.qk_rope_head_dim)
+        main = 6 * h / seq + latents / seq + heads * (4 * hd + (hd - shape.qk_rope_head_dim) + 3 * d_v) / tp
+        fp32 = 4 + heads / tp  # norm rstd's (two latent norms too), attention log-sum-exp
+    else:
+        q, kv = shape.num_heads * shape.head_dim, shape.num_kv_heads * shape.head_dim
+        main = 6 * h / seq + (5 * q + 4 * kv) / tp
+        fp32 = 2 + (2 * shape.num_heads + shape.num_kv_heads) / tp  # norm rstd's, attention log-sum-exp
     if moe:
         fe = shape.moe_ffn_hidden_size / layout.etp
-        main += h / (tp if sp else 1) + shape.moe_topk * (2 * h + 5 * fe)
+        main += h / seq + shape.moe_topk * (2 * h + 5 * fe)
+        main += 5 * shape.shared_ffn_hidden_size / tp  # the shared experts: a dense SwiGLU
         fp32 += 2 * shape.num_experts  # router logits and probabilities
     else:
         main += 5 * shape.ffn_hidden_size / tp
@@ -243,7 +265,7 @@ def plan_layout(shape: ModelShape, s: PlanSettings, exact: bool = True) -> Plan:
             f"{s.rollout_seq_len}: raise mem_fraction_static or the engine's tp_size, or offload during "
             "rollouts"
         )
-    return Plan(shape.name, layout, s, total_params(shape), worst, s.gpu_bytes, problems)
+    return Plan(shape.name, layout, s, total_params(shape), worst, s.gpu_bytes, problems, shape)
 
 
 def _buffers(shape: ModelShape, s: PlanSettings, stage: int, exact: bool = True) -> tuple[int, int]:
@@ -321,14 +343,33 @@ def _stage_memory(
         r["engine weights"] = weights
         r["engine KV cache"] = kv
         r["engine workspace"] = ENGINE_WORKSPACE_BYTES
-        m.kv_tokens = kv // kv_bytes_per_token(shape, s.engine_tp)
+        m.kv_tokens = kv // kv_bytes_per_token(shape, s.engine_tp, s.engine_swa_ratio)
     return m
 
 
-def kv_bytes_per_token(shape: ModelShape, engine_tp: int) -> int:
-    """bf16 K and V of all layers for one token on one engine GPU (KV heads replicated when TP > heads)."""
+def kv_bytes_per_token(shape: ModelShape, engine_tp: int, swa_ratio: float | None = None) -> int:
+    """bf16 KV-cache bytes per token of the engine's (full) pool on one engine GPU, by SGLang's pools.
+
+    - Standard attention (SGLang ``MHATokenToKVPool``, sglang/srt/mem_cache/memory_pool.py): K and V of
+      every layer, ``2 · kv_heads/TP · head_dim`` values (KV heads replicated when TP > heads).
+    - MLA (DeepSeek-V3; SGLang ``MLATokenToKVPool`` in the same file): ONE latent per token and layer,
+      ``kv_lora_rank + qk_rope_head_dim`` values (512 + 64 = 576), not per head, and the same on every TP
+      rank (the latent is not split by heads; SGLang's DP attention, which would divide it, is not
+      planned).
+    - Sliding-window layers (gpt-oss, which SGLang treats as a hybrid-SWA architecture: ``SWAKVPool``,
+      sglang/srt/mem_cache/swa_memory_pool.py, sized in sglang/srt/model_executor/pool_configurator.py):
+      each full token costs its full layers' KV plus ``swa_ratio`` (``swa_full_tokens_ratio``, default 0.8)
+      times the sliding layers' KV, since the SWA pool holds that share of the full pool's tokens.
+      ``swa_ratio=None`` (``disable_hybrid_swa_memory``) keeps every layer in the full pool.
+    """
+    if shape.is_mla:
+        return shape.num_layers * (shape.kv_lora_rank + shape.qk_rope_head_dim) * 2
     heads = max(1, shape.num_kv_heads // engine_tp)
-    return 2 * shape.num_layers * heads * shape.head_dim * 2
+    per_layer = 2 * heads * shape.head_dim * 2
+    sliding = sum(shape.is_sliding_layer(i) for i in range(shape.num_layers))
+    if swa_ratio is None:
+        return shape.num_layers * per_layer
+    return int((shape.num_layers - sliding) * per_layer + swa_ratio * sliding * per_layer)
 
 
 def candidate_layouts(shape: ModelShape, world: int, gpus_per_node: int, seq_len: int) -> list[Layout]:

@@ -1,0 +1,153 @@
+"""The planner on DeepSeek-V3, GLM-4.5(-Air) and gpt-oss: exact parameter counts of the packaged hub configs
+against HF's own model built on the meta device, per-rank shards by hand, and the rollout KV cache by
+SGLang's pools (MLA's one latent per token and layer; gpt-oss's hybrid sliding-window pool).
+
+Like with like: transformers builds ``num_hidden_layers`` decoder layers and no MTP layer (its DeepSeek-V3
+and GLM-4.5 classes drop ``model.layers.{L}.*`` on load), and the planner leaves the MTP layers out of the
+policy too; ``from_config`` does not quantize, so the hub's fp8 / MXFP4 ``quantization_config`` changes no
+shape (and the planner plans bf16). The expert-bias buffers are compared with HF's ``model.buffers()``.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from srpo_megatron.planner.command import HF_CONFIG_DIR
+from srpo_megatron.planner.memory import GiB, PlanSettings, kv_bytes_per_token, plan_layout
+from srpo_megatron.planner.model import (
+    Layout,
+    ModelShape,
+    active_params,
+    attention_numels,
+    mlp_numels,
+    param_tensors,
+    router_buffer_elements,
+    shared_expert_numels,
+    stage_param_counts,
+    total_params,
+)
+
+FAMILIES = ["DeepSeek-V3", "GLM-4.5", "GLM-4.5-Air", "gpt-oss-120b", "gpt-oss-20b"]
+# Published sizes (model cards; without MTP) and active counts with the convention each card uses:
+# (total, active, count the input embedding, count the output layer).
+PUBLISHED = {
+    "DeepSeek-V3": (671e9, 37e9, True, True),
+    "GLM-4.5": (355e9, 32e9, False, False),
+    "GLM-4.5-Air": (106e9, 12e9, False, False),
+    "gpt-oss-120b": (116.8e9, 5.1e9, False, True),
+    "gpt-oss-20b": (20.9e9, 3.6e9, False, True),
+}
+
+
+def hf(name: str) -> dict:
+    return json.loads((HF_CONFIG_DIR / f"{name}.json").read_text())
+
+
+@pytest.fixture(scope="module")
+def hf_models():
+    """name -> transformers' CausalLM of the packaged config, on the meta device (no memory)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    out = {}
+    for name in FAMILIES:
+        cfg = hf(name)
+        cfg.pop("auto_map", None)  # the hub's remote-code pointers; transformers has the classes
+        config = AutoConfig.for_model(cfg.pop("model_type"), **cfg)
+        with torch.device("meta"):
+            out[name] = AutoModelForCausalLM.from_config(config)
+    return out
+
+
+def _numel(module) -> int:
+    return sum(p.numel() for p in module.parameters())
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_parameter_counts_equal_the_hf_model_on_meta(name, hf_models):
+    model, shape = hf_models[name], ModelShape.from_hf(hf(name))
+    assert len(model.model.layers) == shape.num_layers == hf(name)["num_hidden_layers"]  # no MTP layer
+    assert total_params(shape) == _numel(model)
+    s = PlanSettings(layout=Layout(), gpu_bytes=int(80 * GiB), engine="none")
+    assert plan_layout(shape, s).policy_params == _numel(model)  # what `srpo plan` prints
+    # Layer by layer (a wrong count names its part): attention + input norm, MLP + its norm.
+    for i in sorted({0, shape.num_layers - 1}):
+        layer = model.model.layers[i]
+        assert sum(attention_numels(shape, 1)) == _numel(layer.self_attn) + _numel(layer.input_layernorm)
+        dense, expert = mlp_numels(shape, Layout(), shape.is_moe_layer(i))
+        mine = sum(dense) + (shape.num_experts * sum(expert) + sum(shared_expert_numels(shape, 1)))
+        mine = mine if shape.is_moe_layer(i) else sum(dense)
+        assert mine == _numel(layer.mlp) + _numel(layer.post_attention_layernorm), (name, i)
+    hf_bias = sum(b.numel() for n, b in model.named_buffers() if n.endswith("e_score_correction_bias"))
+    assert router_buffer_elements(shape) == hf_bias  # buffers, in neither count of parameters
+    # Active: HF's experts modules hold all E experts of a layer; a token uses k of them.
+    idle = sum(
+        _numel(layer.mlp.experts) * (shape.num_experts - shape.moe_topk) // shape.num_experts
+        for layer in model.model.layers
+        if hasattr(layer.mlp, "experts")
+    )
+    assert active_params(shape) == _numel(model) - idle
+    total, active, emb_in, emb_out = PUBLISHED[name]
+    assert abs(total_params(shape) / total - 1) < 0.01
+    assert abs(active_params(shape, emb_in, emb_out) / active - 1) < 0.02
+
+
+def test_mla_shards_by_hand():
+    """DeepSeek-V3 at TP8: the down projections and the latent norms are whole on every rank; the up
+    projections and the output projection are split by heads (128 / 8 = 16 heads per rank)."""
+    shape = ModelShape.from_hf(hf("DeepSeek-V3"))
+    assert attention_numels(shape, 8) == [
+        7168,  # input norm
+        7168 * 16 * 128,  # linear_proj [H, 16 heads * v 128]
+        1536 * 7168,  # linear_q_down_proj, replicated
+        1536,  # q_layernorm, replicated
+        16 * 192 * 1536,  # linear_q_up_proj [16 heads * (128 + 64), r_q]
+        576 * 7168,  # linear_kv_down_proj [r_kv 512 + rope 64, H], replicated
+        512,  # kv_layernorm, replicated
+        16 * 256 * 512,  # linear_kv_up_proj [16 heads * (k_nope 128 + v 128), r_kv]
+    ]
+    replicated = 1536 * 7168 + 1536 + 576 * 7168 + 512 + 7168
+    assert 8 * sum(attention_numels(shape, 8)) - 7 * replicated == sum(attention_numels(shape, 1))
+    # MoE layer at TP8 / EP64: 4 local experts; the shared expert split by TP, the router whole.
+    dense, expert = mlp_numels(shape, Layout(tp=8, dp=64, ep=64), True)
+    assert dense == [7168, 256 * 7168] and expert == [2 * 2048 * 7168, 7168 * 2048]
+    assert shared_expert_numels(shape, 8) == [2 * 256 * 7168, 7168 * 256]
+    lay = Layout(tp=8, pp=1, dp=64, ep=64)
+    d, e = stage_param_counts(shape, lay, 0)
+    assert e == 58 * 4 * 3 * 7168 * 2048
+    tensors = param_tensors(shape, lay, 0)
+    assert sum(t.numel for t in tensors if not t.expert) == d
+    assert sum(t.numel for t in tensors if t.expert) == e
+
+
+def test_gpt_oss_and_glm_shards_by_hand():
+    oss = ModelShape.from_hf(hf("gpt-oss-120b"))
+    # input norm, sinks [64/4], o_proj [2880, 4096/4] + bias, fused QKV [(4096 + 2*512)/4, 2880] + bias
+    assert attention_numels(oss, 4) == [2880, 16, 2880 * 1024, 2880, 1280 * 2880, 1280]
+    dense, expert = mlp_numels(oss, Layout(tp=4, dp=8, ep=8, etp=2), True)
+    assert dense == [2880, 128 * 2880, 128]  # norm, router weight + bias
+    assert expert == [2 * 1440 * 2880, 2 * 1440, 2880 * 1440, 2880]  # fc1 + bias, fc2 + bias (ETP2)
+    glm = ModelShape.from_hf(hf("GLM-4.5"))
+    # no output bias; q/k/v bias; QK-norm [128] x 2
+    assert attention_numels(glm, 8) == [5120, 5120 * 1536, 1792 * 5120, 1792, 128, 128]
+    assert [glm.is_moe_layer(i) for i in range(4)] == [False, False, False, True]
+    assert mlp_numels(glm, Layout(tp=8), False)[0] == [5120, 2 * 1536 * 5120, 5120 * 1536]  # F = 12288
+
+
+def test_rollout_kv_cache_by_sglangs_pools():
+    ds = ModelShape.from_hf(hf("DeepSeek-V3"))
+    # MLATokenToKVPool: one (512 + 64)-value bf16 latent per token and layer, whole on every TP rank.
+    assert kv_bytes_per_token(ds, 1) == kv_bytes_per_token(ds, 8) == 61 * 576 * 2 == 70_272
+    glm = ModelShape.from_hf(hf("GLM-4.5"))
+    assert kv_bytes_per_token(glm, 8) == 92 * 2 * 1 * 128 * 2  # MHA pool: K and V of one KV head per GPU
+    oss = ModelShape.from_hf(hf("gpt-oss-20b"))
+    # 12 full + 12 sliding layers, 8 KV heads of 64: 2048 bytes per layer at TP1; the SWA pool holds 0.8 of
+    # the full pool's tokens (SGLang's swa_full_tokens_ratio default).
+    assert kv_bytes_per_token(oss, 1, 0.8) == 12 * 2048 + int(0.8 * 12 * 2048) == 44_236
+    assert kv_bytes_per_token(oss, 1, None) == 24 * 2048  # disable_hybrid_swa_memory: one pool
+    # The plan divides the KV pool's bytes by these: a colocated DeepSeek engine keeps tokens by the latent.
+    s = PlanSettings(layout=Layout(tp=8, dp=32, ep=256), gpu_bytes=int(140 * GiB), engine_tp=8)
+    plan = plan_layout(ds, s, exact=False)
+    assert plan.stage.kv_tokens == plan.stage.rollout["engine KV cache"] // 70_272
