@@ -178,6 +178,9 @@ def format_plan(plan: Plan, ranked: list[Plan], source: str) -> str:
     lines.append(f"resident across phases: {', '.join(m.resident) or 'nothing'}")
     if plan.settings.engine == "colocated":
         lines.append(f"engine KV cache: {m.kv_tokens} tokens per engine GPU")
+    if plan.engine_gpu:
+        parts = ", ".join(f"{k} {v / GiB:.2f}" for k, v in plan.engine_gpu.items())
+        lines.append(f"separate engine, GiB per GPU: {parts}; KV cache {plan.engine_kv_tokens} tokens")
     verdict = "FITS" if plan.fits else "DOES NOT FIT"
     lines.append(
         f"peak {plan.peak_bytes / GiB:.2f} GiB ({m.peak_phase}) of {plan.gpu_bytes / GiB:.2f} GiB: {verdict}"

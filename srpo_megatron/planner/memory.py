@@ -139,6 +139,8 @@ class Plan:
     gpu_bytes: int
     problems: list[str]  # why it does not fit (empty when it fits)
     shape: ModelShape | None = None  # the planned model
+    engine_gpu: dict[str, int] = field(default_factory=dict)  # a separate engine's GPU: bytes per component
+    engine_kv_tokens: int = 0  # tokens a separate engine's KV cache holds per GPU
 
     @property
     def fits(self) -> bool:
@@ -172,6 +174,8 @@ class Plan:
             "components": {"train": self.stage.train, "rollout": self.stage.rollout},
             "resident": self.stage.resident,
             "kv_cache_tokens": self.stage.kv_tokens,
+            "separate_engine_gpu": self.engine_gpu,
+            "separate_engine_kv_tokens": self.engine_kv_tokens,
             "overflow": self.overflow,
             "problems": self.problems,
         }
@@ -193,10 +197,13 @@ def layer_activation_elements(shape: ModelShape, layout: Layout, sp: bool, moe: 
         main = 6 * h / seq + (5 * q + 4 * kv) / tp
         fp32 = 2 + (2 * shape.num_heads + shape.num_kv_heads) / tp  # norm rstd's, attention log-sum-exp
     if moe:
+        # Under sequence parallelism each TP rank routes its own s/TP tokens (megatron folds TP into the
+        # expert-parallel group) and an expert-TP group gathers its ETP ranks' tokens: ETP/TP of them.
+        routed = layout.etp / tp if sp else 1.0
         fe = shape.moe_ffn_hidden_size / layout.etp
-        main += h / seq + shape.moe_topk * (2 * h + 5 * fe)
+        main += h / seq + routed * shape.moe_topk * (2 * h + 5 * fe)
         main += 5 * shape.shared_ffn_hidden_size / tp  # the shared experts: a dense SwiGLU
-        fp32 += 2 * shape.num_experts  # router logits and probabilities
+        fp32 += 2 * shape.num_experts / seq  # router logits and probabilities of this rank's tokens
     else:
         main += 5 * shape.ffn_hidden_size / tp
     return main, fp32
@@ -265,7 +272,32 @@ def plan_layout(shape: ModelShape, s: PlanSettings, exact: bool = True) -> Plan:
             f"{s.rollout_seq_len}: raise mem_fraction_static or the engine's tp_size, or offload during "
             "rollouts"
         )
-    return Plan(shape.name, layout, s, total_params(shape), worst, s.gpu_bytes, problems, shape)
+    engine_gpu, engine_kv = separate_engine_memory(shape, s) if s.engine == "separate" else ({}, 0)
+    if engine_gpu and (engine_kv < s.rollout_seq_len or sum(engine_gpu.values()) > s.gpu_bytes):
+        problems.append(
+            f"a separate engine of tp_size {s.engine_tp} holds {engine_gpu['engine weights'] / GiB:.1f} GiB "
+            f"of bf16 weights per GPU and {engine_kv} KV tokens (mem_fraction_static "
+            f"{s.engine_mem_fraction}), less than one sequence of {s.rollout_seq_len} or more than the "
+            f"GPU's {s.gpu_bytes / GiB:.1f} GiB: raise the engine's tp_size or mem_fraction_static"
+        )
+    return Plan(
+        shape.name, layout, s, total_params(shape), worst, s.gpu_bytes, problems, shape, engine_gpu, engine_kv
+    )
+
+
+def separate_engine_memory(shape: ModelShape, s: PlanSettings) -> tuple[dict[str, int], int]:
+    """(bytes per component, KV tokens) of one GPU of an SGLang engine on nodes of its own
+    (``rollout.placement: separate``): SGLang takes ``mem_fraction_static`` of the GPU for its weights and
+    KV pool, so the pool is what the bf16 weights (1/tp_size of the model) leave of it."""
+    weights = 2 * total_params(shape) // s.engine_tp
+    kv = max(0, int(s.engine_mem_fraction * s.gpu_bytes) - weights)
+    parts = {
+        "engine weights": weights,
+        "engine KV cache": kv,
+        "engine workspace": ENGINE_WORKSPACE_BYTES,
+        "CUDA contexts": CONTEXT_BYTES,
+    }
+    return parts, kv // kv_bytes_per_token(shape, s.engine_tp, s.engine_swa_ratio)
 
 
 def _buffers(shape: ModelShape, s: PlanSettings, stage: int, exact: bool = True) -> tuple[int, int]:
