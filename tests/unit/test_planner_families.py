@@ -11,6 +11,10 @@ shape (and the planner plans bf16). The expert-bias buffers are compared with HF
 from __future__ import annotations
 
 import json
+import os
+import re
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -151,3 +155,72 @@ def test_rollout_kv_cache_by_sglangs_pools():
     s = PlanSettings(layout=Layout(tp=8, dp=32, ep=256), gpu_bytes=int(140 * GiB), engine_tp=8)
     plan = plan_layout(ds, s, exact=False)
     assert plan.stage.kv_tokens == plan.stage.rollout["engine KV cache"] // 70_272
+
+
+# ---- the recipes ---------------------------------------------------------------------------------------
+
+REPO = Path(__file__).resolve().parents[2]
+# (recipe, packaged config, training nodes, routing replay)
+FAMILY_RECIPES = [
+    ("deepseek_v3_srpo.yaml", "DeepSeek-V3", 32, False),
+    ("glm45_air_srpo.yaml", "GLM-4.5-Air", 8, True),
+    ("gpt_oss_20b_srpo.yaml", "gpt-oss-20b", 2, True),
+]
+
+
+@pytest.fixture
+def stdin_devnull(monkeypatch):
+    # nemo-run's `invoke` steps mirror stdin, which pytest's capture refuses (as in test_launch.py).
+    with open(os.devnull) as f:
+        monkeypatch.setattr(sys, "stdin", f)
+        yield
+
+
+@pytest.mark.parametrize(("recipe", "name", "nodes", "replay"), FAMILY_RECIPES, ids=lambda v: str(v))
+def test_family_recipes_plan_exactly_and_dryrun(recipe, name, nodes, replay, hf_models, tmp_path, capsys):
+    from srpo_megatron.cli import main
+    from srpo_megatron.config import TrainConfig, load_config
+    from srpo_megatron.models.architecture import Architecture
+    from srpo_megatron.trainer.moe_replay import check_replay_config
+
+    path = REPO / "examples" / recipe
+    cfg = load_config(TrainConfig, path)
+    dense = load_config(TrainConfig, REPO / "examples" / "qwen3_8b_srpo.yaml")  # the paper's SRPO settings
+    assert (cfg.loss, cfg.optim, cfg.teacher, cfg.train) == (
+        dense.loss,
+        dense.optim,
+        dense.teacher,
+        dense.train,
+    )
+    assert (cfg.rollout.prompts_per_step, cfg.rollout.group_size) == (32, 8)
+    assert cfg.rollout.routing_replay is replay
+    check_replay_config(cfg, Architecture.from_hf(hf(name)))  # the trainer's refusals (replay vs recompute)
+    rc = main(["plan", str(path), "--cluster", "h100", "--nodes", str(nodes), "--json"])
+    out = json.loads(capsys.readouterr().out)
+    assert rc == 0 and out["fits"], out["problems"]
+    assert f"packaged {name} config" in out["config_source"]
+    assert out["policy_params"] == _numel(hf_models[name])  # `srpo plan` counts exactly HF's parameters
+    text = " ".join(line.lstrip("# ") for line in path.read_text().splitlines())
+    stated = re.search(rf"--nodes {nodes}\): peak ([\d.]+) GiB per GPU", text)
+    assert stated and abs(out["peak_bytes"] / GiB - float(stated.group(1))) < 0.005, "update the comment"
+
+
+def test_deepseek_v3_engine_needs_servers_across_nodes(tmp_path, capsys, stdin_devnull):
+    """1.34 TB of bf16 weights do not fit one 8 x 80 GB node: the planner sizes the 4-node engine (TP32), and
+    `srpo launch` refuses it by name, since it starts SGLang servers within one node only."""
+    from srpo_megatron.launch import commands
+
+    base = ["launch", "examples/deepseek_v3_srpo.yaml", "--cluster", "h100", "--nodes", "32", "--dryrun"]
+    assert commands.main([*base, "--home", str(tmp_path)]) == 2
+    assert "tp_size=32 does not divide the 8 GPUs of an engine node" in capsys.readouterr().err
+    # On one node (tp_size 8) the planner refuses the engine, naming its weights per GPU.
+    from srpo_megatron.planner.command import plan_recipe
+
+    plan, _, _ = plan_recipe(
+        REPO / "examples/deepseek_v3_srpo.yaml",
+        ["rollout.sglang.engine_kwargs={tp_size: 8, ep_size: 8, mem_fraction_static: 0.88}"],
+        256,
+        8,
+        int(79.6 * GiB),
+    )
+    assert not plan.fits and "holds 156.2 GiB of bf16 weights per GPU" in " ".join(plan.problems)
