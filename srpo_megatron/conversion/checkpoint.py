@@ -285,7 +285,9 @@ def _sharded_layout(model: torch.nn.Module) -> tuple[dict, dict, dict[int, tuple
     sharded, common = save_preprocess(
         model.sharded_state_dict(prefix=POLICY_PREFIX), validate_access_integrity=False
     )
-    params = {id(p): (n, p) for n, p in model.named_parameters()}
+    from srpo_megatron.conversion.weights import policy_named_tensors
+
+    params = {id(p): (n, p) for n, p in policy_named_tensors(model)}
     groups: dict[int, list] = {}
     for sh in nested_values(sharded):
         if isinstance(sh, ShardedTensor) and is_main_replica(sh.replica_id):

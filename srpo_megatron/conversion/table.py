@@ -270,9 +270,13 @@ LLAMA = (EMBEDDING, *LAYER, FINAL_NORM, OUTPUT)
 QWEN2 = (EMBEDDING, *LAYER, QKV_BIAS, FINAL_NORM, OUTPUT)
 QWEN3 = (EMBEDDING, *LAYER, *QK_NORM, FINAL_NORM, OUTPUT)
 QWEN3_MOE = (EMBEDDING, *ATTENTION, *QK_NORM, ROUTER, EXPERT_FC1, EXPERT_FC2, FINAL_NORM, OUTPUT)
-TABLES = {"llama": LLAMA, "qwen2": QWEN2, "qwen3": QWEN3, "qwen3_moe": QWEN3_MOE}
-# GLM-4.5 (``glm4_moe``), DeepSeek-V3 (``deepseek_v3``) and gpt-oss (``gpt_oss``) tables are added by the
-# work of issue 27; DEEPSEEK_MOE above is their shared MoE part.
+# GLM-4.5: GQA attention with q/k/v bias (``attention_bias``; its rows are dropped when off) and QK-norm
+# (``use_qk_norm``; dropped when off), the DeepSeek-style MoE. The hub's MTP layers (``model.layers.{L..}``)
+# are not in the table: conversion skips them on import and re-emits them on export (conversion/mtp.py).
+GLM4_MOE = (EMBEDDING, *ATTENTION, QKV_BIAS, *QK_NORM, *DEEPSEEK_MOE, FINAL_NORM, OUTPUT)
+TABLES = {"llama": LLAMA, "qwen2": QWEN2, "qwen3": QWEN3, "qwen3_moe": QWEN3_MOE, "glm4_moe": GLM4_MOE}
+# DeepSeek-V3 (``deepseek_v3``) and gpt-oss (``gpt_oss``) tables are added by the work of issue 27;
+# DEEPSEEK_MOE above is their shared MoE part with GLM-4.5.
 
 # Transformer Engine / dist_checkpointing aliases of local-spec names.
 _ALIASES = (
@@ -346,6 +350,10 @@ class ConversionTable:
             )
         self.arch = arch
         rows = list(TABLES[arch.model_type])
+        if not arch.qkv_bias and QKV_BIAS in rows:  # GLM-4.5's attention_bias is optional
+            rows.remove(QKV_BIAS)
+        if not arch.qk_norm:  # GLM-4.5's use_qk_norm is optional
+            rows = [r for r in rows if r not in QK_NORM]
         if arch.qkv_bias and QKV_BIAS not in rows:
             last_layer_row = max(k for k, r in enumerate(rows) if "{i}" in r.megatron)
             rows.insert(last_layer_row + 1, QKV_BIAS)

@@ -2,6 +2,13 @@
 
 Used by tests and by callers that hold HF tensors in memory (e.g. a freshly converted model); the
 checkpoint path (``conversion.checkpoint``) goes through ``dist_checkpointing`` instead.
+
+Policy tensors are the parameters plus one kind of buffer: the router's ``expert_bias`` (GLM-4.5 /
+DeepSeek-V3's ``e_score_correction_bias``), which megatron keeps as a persistent buffer (no gradient, no
+optimizer state) but which is part of the model's function. :func:`policy_named_tensors` lists both, and
+every consumer of "the policy's tensors" (this loader, checkpoint import/export, weight sync in
+``weights/export.py``) iterates it, so the bias is loaded, saved (it is in megatron's state dict and
+``sharded_state_dict`` as a replicated tensor), exported and sent to the engine like a parameter.
 """
 
 from __future__ import annotations
@@ -13,6 +20,15 @@ from megatron.core import parallel_state
 from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
 
 from srpo_megatron.conversion.table import ConversionError, ConversionTable, canonical_name, split_tp_shard
+
+EXPERT_BIAS_SUFFIX = "mlp.router.expert_bias"
+
+
+def policy_named_tensors(model: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
+    """``(local name, tensor)`` of the policy's parameters, then its router ``expert_bias`` buffers."""
+    out: list[tuple[str, torch.Tensor]] = list(model.named_parameters())
+    out += [(n, b) for n, b in model.named_buffers() if n.endswith(EXPERT_BIAS_SUFFIX) and b is not None]
+    return out
 
 
 def stage_layer_offset(model: torch.nn.Module) -> int:
@@ -51,11 +67,12 @@ def load_hf_weights(
     tp: int | None = None,
     tp_rank: int | None = None,
 ) -> None:
-    """Fill every parameter of this rank's ``model`` stage from HF tensors fetched by ``get_hf(name)``."""
+    """Fill every parameter (and expert-bias buffer) of this rank's ``model`` stage from HF tensors fetched
+    by ``get_hf(name)``."""
     tp = parallel_state.get_tensor_model_parallel_world_size() if tp is None else tp
     tp_rank = parallel_state.get_tensor_model_parallel_rank() if tp_rank is None else tp_rank
     offset, expert_offset = stage_layer_offset(model), stage_expert_offset(table)
-    for local_name, param in model.named_parameters():
+    for local_name, param in policy_named_tensors(model):
         name = rank_param_name(table, local_name, offset, expert_offset)
         full = table.to_megatron(name, {h: get_hf(h) for h in table.hf_names_for(name)}, tp)
         part = table.partition(name)

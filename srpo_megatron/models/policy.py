@@ -28,10 +28,11 @@ import torch
 import torch.nn.functional as F
 from megatron.core import parallel_state
 from megatron.core.models.gpt import GPTModel
-from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+from megatron.core.models.gpt.gpt_layer_specs import LNImpl, get_gpt_layer_local_spec
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
 from megatron.core.transformer.transformer_config import TransformerConfig
+from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
 
 from srpo_megatron.config import MoEConfig
 from srpo_megatron.models.architecture import Architecture, padded_vocab_size, pipeline_stage_layers
@@ -121,14 +122,18 @@ def layer_spec(
     use_te: bool | None = None,
     sequence_parallel: bool = False,
     moe_grouped_gemm: bool | None = None,
+    moe_layer: bool | None = None,
 ) -> ModuleSpec:
     """Layer spec: TE's when available (or ``use_te=True``), else local with SDPA core attention (and, under
     sequence parallelism, :class:`SequenceParallelRMSNorm` norms: the local torch norm refuses SP). MoE
     architectures get megatron's MoE layer: TE grouped GEMM experts with TE (``moe_grouped_gemm`` None or
-    True), ``SequentialMLP`` experts on the local spec (MoE with TP > 1 trains under SP)."""
+    True), ``SequentialMLP`` experts on the local spec (MoE with TP > 1 trains under SP); the shared experts
+    come with it when the config sets ``moe_shared_expert_intermediate_size``. ``moe_layer``: this layer's
+    MLP is MoE (default: whenever the architecture is MoE); False gives the dense MLP of the first
+    ``first_dense_layers`` layers of GLM-4.5 / DeepSeek-V3."""
     if use_te is None:
         use_te = transformer_engine_available()
-    experts = arch.num_experts or None
+    experts = (arch.num_experts or None) if moe_layer is None or moe_layer else None
     if use_te:
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
 
@@ -162,11 +167,34 @@ def decoder_spec(
 ) -> ModuleSpec | TransformerBlockSubmodules:
     """The decoder's spec for ``config``: :func:`layer_spec`, and under sequence parallelism on the local
     spec the block too, whose final norm must be SP-aware (the layer count is this stage's, from
-    ``parallel_state``)."""
-    spec = layer_spec(
-        arch, use_te=use_te, sequence_parallel=config.sequence_parallel, moe_grouped_gemm=moe_grouped_gemm
-    )
-    if config.sequence_parallel and not use_te:
+    ``parallel_state``). With dense first layers (GLM-4.5, DeepSeek-V3) the block lists this stage's layer
+    specs one by one, dense or MoE by global layer index (as megatron's ``get_gpt_decoder_block_spec`` does
+    from ``moe_layer_freq``, but with this module's attention and norms in every layer)."""
+
+    def spec_of(moe_layer: bool | None = None) -> ModuleSpec:
+        return layer_spec(
+            arch,
+            use_te=use_te,
+            sequence_parallel=config.sequence_parallel,
+            moe_grouped_gemm=moe_grouped_gemm,
+            moe_layer=moe_layer,
+        )
+
+    local_norm = config.sequence_parallel and not use_te
+    if arch.is_moe and arch.first_dense_layers:
+        first = get_transformer_layer_offset(config, vp_stage=vp_stage)
+        count = get_num_layers_to_build(config, vp_stage=vp_stage)
+        specs = {flag: spec_of(flag) for flag in (False, True)}
+        if use_te:
+            from megatron.core.extensions.transformer_engine import TENorm as final_norm
+        else:
+            final_norm = SequenceParallelRMSNorm if local_norm else LNImpl
+        return TransformerBlockSubmodules(
+            layer_specs=[specs[arch.is_moe_layer(i)] for i in range(first, first + count)],
+            layer_norm=final_norm,
+        )
+    spec = spec_of()
+    if local_norm:
         return TransformerBlockSubmodules(
             layer_specs=[spec] * get_num_layers_to_build(config, vp_stage=vp_stage),
             layer_norm=SequenceParallelRMSNorm,
@@ -235,6 +263,7 @@ def build_policy(
         parallel_output=parallel_output,
         share_embeddings_and_output_weights=arch.tie_embeddings,
         position_embedding_type="rope",
+        rotary_percent=arch.rotary_percent,
         rotary_base=int(arch.rope_theta) if float(arch.rope_theta).is_integer() else arch.rope_theta,
         vp_stage=vp_stage,
         **rope,

@@ -240,3 +240,66 @@ def tiny_moe_model(seed: int = 0, norm_topk_prob: bool = True):
             elif name.endswith("mlp.gate.weight"):
                 p.normal_(0.0, 0.5)
     return model.eval()
+
+
+# Tiny GLM-4.5 (``glm4_moe``): every DeepSeek-style MoE feature switched on (see ``tiny_glm_moe_config``).
+TINY_GLM_EXPERTS = 8
+TINY_GLM_TOP_K = 2
+
+
+def tiny_glm_moe_config(grouped: bool = False, num_layers: int = 3):
+    """A tiny in-memory GLM-4.5 config: layer 0 dense (``first_k_dense_replace=1``), the others MoE with
+    ``TINY_GLM_EXPERTS`` routed experts (top ``TINY_GLM_TOP_K``) plus one shared expert, a sigmoid router with
+    ``routed_scaling_factor`` 2.5 and normalised top-k, partial RoPE (half of each 16-wide head), QK-norm
+    and q/k/v bias. ``grouped``: group-limited routing (``n_group=2, topk_group=1``: every token's two
+    experts come from one group of four; HF and megatron score groups alike since top_k = 2 * topk_group)."""
+    from transformers import Glm4MoeConfig
+
+    return Glm4MoeConfig(
+        hidden_size=64,
+        intermediate_size=96,
+        moe_intermediate_size=32,
+        n_routed_experts=TINY_GLM_EXPERTS,
+        num_experts_per_tok=TINY_GLM_TOP_K,
+        n_shared_experts=1,
+        routed_scaling_factor=2.5,
+        n_group=2 if grouped else 1,
+        topk_group=1,
+        first_k_dense_replace=1,
+        norm_topk_prob=True,
+        use_qk_norm=True,
+        attention_bias=True,
+        num_hidden_layers=num_layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        vocab_size=TINY_VOCAB,
+        max_position_embeddings=64,
+        tie_word_embeddings=False,
+        num_nextn_predict_layers=0,
+        rope_parameters={"rope_type": "default", "rope_theta": 1e6, "partial_rotary_factor": 0.5},
+    )
+
+
+def tiny_glm_moe_model(seed: int = 0, grouped: bool = False):
+    """Random HF GLM-4.5 (``tiny_glm_moe_config``): norm weights around 1, biases and a router wide enough
+    that no two experts tie, and a NONZERO random ``e_score_correction_bias`` (std 0.3, the scale of the
+    sigmoid scores), so that the bias changes which experts win and a trainer that adds it to the routing
+    weights, or ignores it in the selection, fails the parity tests."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(tiny_glm_moe_config(grouped), dtype=torch.float32)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.normal_(1.0, 0.2)
+            elif "bias" in name:
+                p.normal_(0.0, 0.2)
+            elif name.endswith("mlp.gate.weight"):
+                p.normal_(0.0, 0.5)
+        for name, b in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                b.normal_(0.0, 0.3)
+    return model.eval()

@@ -41,7 +41,13 @@ import torch.distributed as dist
 
 from srpo_megatron.buckets import PendingParam, TensorSpec
 from srpo_megatron.conversion.table import ConversionTable, TPPartition, merge_tp_shards, split_tp_shard
-from srpo_megatron.conversion.weights import rank_param_name, stage_expert_offset, stage_layer_offset
+from srpo_megatron.conversion.weights import (
+    EXPERT_BIAS_SUFFIX,
+    policy_named_tensors,
+    rank_param_name,
+    stage_expert_offset,
+    stage_layer_offset,
+)
 from srpo_megatron.parallel import ParallelGroups
 
 
@@ -61,7 +67,7 @@ def stage_param_names(model: torch.nn.Module, table: ConversionTable) -> list[tu
     model = _unwrap(model)
     offset, expert_offset = stage_layer_offset(model), stage_expert_offset(table)
     out = []
-    for local_name, _ in model.named_parameters():
+    for local_name, _ in policy_named_tensors(model):
         if local_name == "output_layer.weight" and table.arch.tie_embeddings:
             continue
         out.append((local_name, rank_param_name(table, local_name, offset, expert_offset)))
@@ -85,7 +91,7 @@ def iter_stage_params(
     engine can be fed by the replica it is colocated with; default: replica 0 only.
     """
     model = _unwrap(model)
-    params = dict(model.named_parameters())
+    params = dict(policy_named_tensors(model))
     for local_name, name in stage_param_names(model, table):
         expert = table.partition(name).expert
         # Replicas simply do not take part (unless ``all_replicas``): whole TP groups share a DP rank, whole
@@ -94,15 +100,18 @@ def iter_stage_params(
         if (not all_replicas and dp_like != 0) or (not expert and groups.cp_rank != 0):
             continue
         param = params[local_name].detach()
-        specs = _specs(table, groups, name, param, dtype, expert, all_replicas)
+        # The expert bias travels in fp32 whatever the engine dtype: HF and SGLang keep it in fp32, and a
+        # bf16 round trip would move near-tied experts' scores and with them the engine's choices.
+        dtype_here = None if name.endswith(EXPERT_BIAS_SUFFIX) else dtype
+        specs = _specs(table, groups, name, param, dtype_here, expert, all_replicas)
         nbytes = sum(s.nbytes for s in specs)
         if expert:
             fetch = functools.partial(
-                _fetch_expert, table, groups, name, param, dtype, all_replicas=all_replicas
+                _fetch_expert, table, groups, name, param, dtype_here, all_replicas=all_replicas
             )
             yield PendingParam(name, nbytes, fetch, specs)
             continue
-        fetch = functools.partial(_fetch, table, groups, name, param, dtype)
+        fetch = functools.partial(_fetch, table, groups, name, param, dtype_here)
         yield PendingParam(name, nbytes, fetch, specs, functools.partial(_fetch_into, fetch))
 
 
