@@ -52,6 +52,10 @@ LAYOUTS = [
     ("Qwen3-30B-A3B", Layout(tp=4, pp=1, dp=2, ep=8)),
     ("Qwen3-30B-A3B", Layout(tp=2, pp=4, dp=4, ep=4, etp=2)),
     ("Qwen3-235B-A22B", Layout(tp=2, pp=8, cp=2, dp=4, ep=16)),  # uneven: 11 / 12 x 6 / 11 layers
+    # dense first layers, shared experts, q/k/v bias (+ QK-norm on GLM-4.5), the expert-bias buffer
+    ("GLM-4.5-Air", Layout(tp=4, pp=2, dp=2, ep=8)),
+    ("GLM-4.5-Air", Layout(tp=2, pp=1, dp=4, ep=4, etp=2)),
+    ("GLM-4.5", Layout(tp=8, pp=4, dp=2, ep=16)),
 ]
 
 
