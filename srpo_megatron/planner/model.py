@@ -215,6 +215,11 @@ class Layout:
                 )
             if shape.moe_ffn_hidden_size % self.etp:
                 raise PlanError(f"ETP {self.etp} does not divide moe_intermediate_size")
+            if shape.shared_ffn_hidden_size % self.tp:
+                raise PlanError(
+                    f"TP {self.tp} does not divide the shared experts' width {shape.shared_ffn_hidden_size} "
+                    "(n_shared_experts * moe_intermediate_size); use a TP that divides it"
+                )
         elif self.ep != 1 or self.etp != 1:
             raise PlanError(f"EP {self.ep} / ETP {self.etp} need an MoE model; set parallel.ep=1")
 

@@ -10,6 +10,7 @@ shape (and the planner plans bf16). The expert-bias buffers are compared with HF
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import re
@@ -24,6 +25,7 @@ from srpo_megatron.planner.memory import GiB, PlanSettings, kv_bytes_per_token, 
 from srpo_megatron.planner.model import (
     Layout,
     ModelShape,
+    PlanError,
     active_params,
     attention_numels,
     mlp_numels,
@@ -138,6 +140,9 @@ def test_gpt_oss_and_glm_shards_by_hand():
     assert attention_numels(glm, 8) == [5120, 5120 * 1536, 1792 * 5120, 1792, 128, 128]
     assert [glm.is_moe_layer(i) for i in range(4)] == [False, False, False, True]
     assert mlp_numels(glm, Layout(tp=8), False)[0] == [5120, 2 * 1536 * 5120, 5120 * 1536]  # F = 12288
+    odd = dataclasses.replace(glm, shared_ffn_hidden_size=1537)
+    with pytest.raises(PlanError, match="shared experts' width 1537"):
+        Layout(tp=2, dp=4, ep=8).check(odd)
 
 
 def test_rollout_kv_cache_by_sglangs_pools():
