@@ -291,7 +291,7 @@ def separate_engine_memory(shape: ModelShape, s: PlanSettings) -> tuple[dict[str
     """(bytes per component, KV tokens) of one GPU of an SGLang engine on nodes of its own
     (``rollout.placement: separate``): SGLang takes ``mem_fraction_static`` of the GPU for its weights and
     KV pool, so the pool is what the bf16 weights (1/tp_size of the model) leave of it."""
-    weights = 2 * total_params(shape) // s.engine_tp
+    weights = engine_weight_bytes(shape, s.engine_tp)
     kv = max(0, int(s.engine_mem_fraction * s.gpu_bytes) - weights)
     parts = {
         "engine weights": weights,
@@ -371,7 +371,7 @@ def _stage_memory(
     m.resident = [n for n in keep if r[n] > 0]
     r["CUDA contexts"] = t["CUDA contexts"]
     if s.engine == "colocated":
-        weights = 2 * total_params(shape) // s.engine_tp
+        weights = engine_weight_bytes(shape, s.engine_tp)
         taken = sum(r.values())
         kv = max(0, int(s.engine_mem_fraction * s.gpu_bytes) - taken - weights)
         r["engine weights"] = weights
@@ -379,6 +379,20 @@ def _stage_memory(
         r["engine workspace"] = ENGINE_WORKSPACE_BYTES
         m.kv_tokens = kv // kv_bytes_per_token(shape, s.engine_tp, s.engine_swa_ratio)
     return m
+
+
+def engine_weight_bytes(shape: ModelShape, engine_tp: int) -> int:
+    """bf16 weight bytes of one engine GPU: the model over ``tp_size`` GPUs, except what SGLang replicates
+    on every rank: MLA's latent down projections (``fused_qkv_a_proj_with_mqa``, a ``ReplicatedLinear`` in
+    sglang/srt/models/deepseek_v2.py) with their norms, and every MoE layer's router (``MoEGate``)."""
+    replicated = 0
+    if shape.is_mla:
+        latent = shape.q_lora_rank + shape.kv_lora_rank + shape.qk_rope_head_dim
+        replicated += shape.num_layers * (latent * shape.hidden_size + shape.q_lora_rank + shape.kv_lora_rank)
+    if shape.is_moe:
+        moe_layers = sum(shape.is_moe_layer(i) for i in range(shape.num_layers))
+        replicated += moe_layers * shape.num_experts * shape.hidden_size
+    return 2 * ((total_params(shape) - replicated) // engine_tp + replicated)
 
 
 def kv_bytes_per_token(shape: ModelShape, engine_tp: int, swa_ratio: float | None = None) -> int:

@@ -21,7 +21,13 @@ import pytest
 import torch
 
 from srpo_megatron.planner.command import HF_CONFIG_DIR
-from srpo_megatron.planner.memory import GiB, PlanSettings, kv_bytes_per_token, plan_layout
+from srpo_megatron.planner.memory import (
+    GiB,
+    PlanSettings,
+    engine_weight_bytes,
+    kv_bytes_per_token,
+    plan_layout,
+)
 from srpo_megatron.planner.model import (
     Layout,
     ModelShape,
@@ -156,6 +162,10 @@ def test_rollout_kv_cache_by_sglangs_pools():
     # the full pool's tokens (SGLang's swa_full_tokens_ratio default).
     assert kv_bytes_per_token(oss, 1, 0.8) == 12 * 2048 + int(0.8 * 12 * 2048) == 44_236
     assert kv_bytes_per_token(oss, 1, None) == 24 * 2048  # disable_hybrid_swa_memory: one pool
+    # SGLang replicates MLA's latent down projections (with their norms) and the routers on every TP rank.
+    replicated = 61 * ((1536 + 512 + 64) * 7168 + 1536 + 512) + 58 * 256 * 7168
+    assert engine_weight_bytes(ds, 32) == 2 * ((671_026_404_352 - replicated) // 32 + replicated)
+    assert engine_weight_bytes(glm, 8) == 2 * ((total_params(glm) - 89 * 160 * 5120) // 8 + 89 * 160 * 5120)
     # The plan divides the KV pool's bytes by these: a colocated DeepSeek engine keeps tokens by the latent.
     s = PlanSettings(layout=Layout(tp=8, dp=32, ep=256), gpu_bytes=int(140 * GiB), engine_tp=8)
     plan = plan_layout(ds, s, exact=False)
@@ -228,4 +238,4 @@ def test_deepseek_v3_engine_needs_servers_across_nodes(tmp_path, capsys, stdin_d
         8,
         int(79.6 * GiB),
     )
-    assert not plan.fits and "holds 156.2 GiB of bf16 weights per GPU" in " ".join(plan.problems)
+    assert not plan.fits and "holds 157.9 GiB of bf16 weights per GPU" in " ".join(plan.problems)
