@@ -215,6 +215,10 @@ def test_family_recipes_plan_exactly_and_dryrun(recipe, name, nodes, replay, hf_
     assert rc == 0 and out["fits"], out["problems"]
     assert f"packaged {name} config" in out["config_source"]
     assert out["policy_params"] == _numel(hf_models[name])  # `srpo plan` counts exactly HF's parameters
+    shape = ModelShape.from_hf(hf(name))
+    assert out["active_params"] == active_params(shape)
+    assert (out["mtp_params_excluded"] > 0) == (name != "gpt-oss-20b")  # DeepSeek and GLM ship MTP layers
+    assert out["router_buffer_elements"] == router_buffer_elements(shape)
     text = " ".join(line.lstrip("# ") for line in path.read_text().splitlines())
     stated = re.search(rf"--nodes {nodes}\): peak ([\d.]+) GiB per GPU", text)
     assert stated and abs(out["peak_bytes"] / GiB - float(stated.group(1))) < 0.005, "update the comment"
