@@ -143,7 +143,8 @@ def model_notes(shape: ModelShape | None) -> list[str]:
         notes.append(f"  active per token: {active_params(shape) / 1e9:.2f} B (embeddings included)")
     if shape.router_expert_bias:
         notes.append(
-            f"  not parameters: {router_buffer_elements(shape)} fp32 expert-bias buffer elements (frozen)"
+            f"  not parameters: {router_buffer_elements(shape)} fp32 expert-bias buffer elements (no "
+            "gradient or optimizer state; frozen unless moe.expert_bias_update_rate > 0)"
         )
     if shape.mtp_layers:
         notes.append(
