@@ -151,6 +151,18 @@ TINY = dict(
     tie_word_embeddings=False,
 )
 TINY_MOE = dict(TINY, model_type="qwen3_moe", moe_intermediate_size=48, num_experts=8, num_experts_per_tok=2)
+# GLM-4.5's MoE: a dense first layer, shared experts beside the routed ones, q/k/v bias, QK-norm.
+TINY_GLM = dict(
+    TINY,
+    model_type="glm4_moe",
+    moe_intermediate_size=48,
+    n_routed_experts=8,
+    num_experts_per_tok=2,
+    n_shared_experts=4,  # wide enough that leaving its activations out is seen
+    first_k_dense_replace=1,
+    attention_bias=True,
+    use_qk_norm=True,
+)
 
 
 def _saved_bytes(cfg: dict, recompute: str, b: int, s: int) -> int:
@@ -159,7 +171,7 @@ def _saved_bytes(cfg: dict, recompute: str, b: int, s: int) -> int:
 
     from srpo_megatron.config import MoEConfig
     from srpo_megatron.models.architecture import Architecture
-    from srpo_megatron.models.policy import layer_spec, transformer_config_from_hf
+    from srpo_megatron.models.policy import decoder_spec, transformer_config_from_hf
     from srpo_megatron.parallel import initialize_model_parallel
 
     initialize_model_parallel(1, 1)
@@ -170,7 +182,7 @@ def _saved_bytes(cfg: dict, recompute: str, b: int, s: int) -> int:
     config = transformer_config_from_hf(
         arch, moe=MoEConfig(dispatcher="allgather", grouped_gemm=False), **extra
     )
-    spec = layer_spec(arch, use_te=False)  # the trainer's local spec: SDPA core attention
+    spec = decoder_spec(arch, config, use_te=False)  # the trainer's local spec: SDPA core attention
     torch.manual_seed(0)
     model = GPTModel(config, spec, vocab_size=512, max_sequence_length=1024, position_embedding_type="rope")
     params = {p.untyped_storage().data_ptr() for p in model.parameters()}
@@ -199,7 +211,9 @@ def moe_router_on_cpu(monkeypatch):
 
 
 @pytest.mark.parametrize("recompute", ["none", "full"])
-@pytest.mark.parametrize("cfg", [dict(TINY, model_type="qwen3"), TINY_MOE], ids=["dense", "moe"])
+@pytest.mark.parametrize(
+    "cfg", [dict(TINY, model_type="qwen3"), TINY_MOE, TINY_GLM], ids=["dense", "moe", "glm-moe"]
+)
 def test_activation_estimate_within_15_percent_of_autograd(cfg, recompute, moe_router_on_cpu):
     b, s = 2, 128
     measured = _saved_bytes(cfg, recompute, b, s)
