@@ -241,21 +241,26 @@ class ParamTensor:
     shared: bool = False  # a tied embedding/output weight: megatron gives it a bucket of its own
 
 
-def attention_numels(shape: ModelShape, tp: int) -> list[int]:
-    """One layer's attention parameters on one TP rank (input norm first), in megatron's order."""
+def attention_numels(shape: ModelShape, tp: int, local_spec: bool = False) -> list[int]:
+    """One layer's attention parameters on one TP rank (input norm first), in megatron's order.
+
+    ``local_spec``: MLA as megatron's local (CPU) spec builds it, whose down projections are
+    ``ColumnParallelLinear`` (split by TP, gathered after) and whose two latent norms come last; the plan
+    is for GPUs, where Transformer Engine's ``TELinear(parallel_mode='duplicated')`` keeps them whole and
+    ``TELayerNormColumnParallelLinear`` holds each norm in front of its up projection."""
     h, hd, heads = shape.hidden_size, shape.head_dim, shape.num_heads
     if shape.is_mla:
         d_rope, d_v = shape.qk_rope_head_dim, shape.v_head_dim
-        d_nope = hd - d_rope
+        d_nope, r_q, r_kv = hd - d_rope, shape.q_lora_rank, shape.kv_lora_rank
+        down = tp if local_spec else 1
         out = [h, h * (heads * d_v // tp)]  # input norm, output projection (split by heads)
-        if shape.q_lora_rank:
-            r_q = shape.q_lora_rank
-            out += [r_q * h, r_q, heads * hd // tp * r_q]  # q down (replicated), q norm, q up
-        else:
-            out.append(heads * hd // tp * h)  # q projection
-        r_kv = shape.kv_lora_rank
-        out += [(r_kv + d_rope) * h, r_kv, heads * (d_nope + d_v) // tp * r_kv]  # kv down, kv norm, kv up
-        return out
+        # q down (replicated on GPUs) and q up, or one q projection without q compression
+        q = [r_q // down * h, heads * hd // tp * r_q] if r_q else [heads * hd // tp * h]
+        kv = [(r_kv + d_rope) // down * h, heads * (d_nope + d_v) // tp * r_kv]  # kv down, kv up
+        norms = [r_q] * bool(r_q) + [r_kv]
+        if local_spec:
+            return out + q + kv + norms
+        return out + q[:1] + norms[:-1] + q[1:] + kv[:1] + norms[-1:] + kv[1:]
     q, kv = heads * hd, shape.num_kv_heads * hd
     # megatron's order: input norm, core attention (sinks), output (+ bias), fused QKV (+ bias), q/k norms
     out = [h] + ([heads // tp] if shape.attention_sinks else []) + [h * (q // tp)]
@@ -289,9 +294,12 @@ def shared_expert_numels(shape: ModelShape, tp: int) -> list[int]:
     return [2 * fs * shape.hidden_size, shape.hidden_size * fs]
 
 
-def param_tensors(shape: ModelShape, layout: Layout, stage: int) -> list[ParamTensor]:
+def param_tensors(
+    shape: ModelShape, layout: Layout, stage: int, local_spec: bool = False
+) -> list[ParamTensor]:
     """Every parameter tensor pipeline stage ``stage`` holds on one rank (TP/EP/ETP-sharded sizes), in the
-    order of megatron's ``named_parameters()`` (which decides DDP bucket boundaries)."""
+    order of megatron's ``named_parameters()`` (which decides DDP bucket boundaries); ``local_spec``: MLA
+    as the CPU spec builds it (see :func:`attention_numels`)."""
     tp, h = layout.tp, shape.hidden_size
     layers = stage_layers(shape.num_layers, layout.pp)
     first_layer = sum(layers[:stage])
@@ -299,7 +307,7 @@ def param_tensors(shape: ModelShape, layout: Layout, stage: int) -> list[ParamTe
     out: list[ParamTensor] = []
     if stage == 0:
         out.append(ParamTensor(v_pad // tp * h, shared=shape.tie_embeddings))
-    attention = [ParamTensor(n) for n in attention_numels(shape, tp)]
+    attention = [ParamTensor(n) for n in attention_numels(shape, tp, local_spec)]
     for i in range(first_layer, first_layer + layers[stage]):
         out += attention
         moe = shape.is_moe_layer(i)

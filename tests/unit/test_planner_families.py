@@ -134,6 +134,20 @@ def test_mla_shards_by_hand():
     assert sum(t.numel for t in tensors if t.expert) == e
 
 
+@pytest.mark.parametrize("stage", [0, 15])
+def test_deepseek_v3_tensors_equal_the_policy_on_meta(stage):
+    """The project's DeepSeek-V3 policy built by megatron on the meta device (CPU local spec) at TP4 PP16
+    EP16: stage 0 (embedding, 2 of the 3 dense layers), stage 15 (3 MoE layers, final norm, output), same
+    tensors in the same order, same expert flags. The CPU spec splits the MLA down projections by TP, which
+    Transformer Engine keeps whole: ``local_spec=True`` compares like with like."""
+    from srpo_megatron.planner.meta import meta_stage_params
+
+    layout = Layout(tp=4, pp=16, dp=4, ep=16)
+    ref = [(t.numel, t.expert, t.shared) for _, t in meta_stage_params(hf("DeepSeek-V3"), layout, stage)]
+    mine = param_tensors(ModelShape.from_hf(hf("DeepSeek-V3")), layout, stage, local_spec=True)
+    assert [(t.numel, t.expert, t.shared) for t in mine] == ref
+
+
 def test_gpt_oss_and_glm_shards_by_hand():
     oss = ModelShape.from_hf(hf("gpt-oss-120b"))
     # input norm, sinks [64/4], o_proj [2880, 4096/4] + bias, fused QKV [(4096 + 2*512)/4, 2880] + bias
