@@ -163,6 +163,24 @@ TINY_GLM = dict(
     attention_bias=True,
     use_qk_norm=True,
 )
+# DeepSeek-V3's MLA (q and kv latents, RoPE on part of each head, v heads narrower than q/k) and its MoE.
+TINY_DS = dict(
+    TINY,
+    model_type="deepseek_v3",
+    num_key_value_heads=4,
+    q_lora_rank=48,
+    kv_lora_rank=32,
+    qk_nope_head_dim=16,
+    qk_rope_head_dim=8,
+    v_head_dim=16,
+    moe_intermediate_size=48,
+    n_routed_experts=8,
+    num_experts_per_tok=2,
+    n_group=1,
+    topk_group=1,
+    n_shared_experts=1,
+    first_k_dense_replace=1,
+)
 
 
 def _saved_bytes(cfg: dict, recompute: str, b: int, s: int) -> int:
@@ -212,7 +230,9 @@ def moe_router_on_cpu(monkeypatch):
 
 @pytest.mark.parametrize("recompute", ["none", "full"])
 @pytest.mark.parametrize(
-    "cfg", [dict(TINY, model_type="qwen3"), TINY_MOE, TINY_GLM], ids=["dense", "moe", "glm-moe"]
+    "cfg",
+    [dict(TINY, model_type="qwen3"), TINY_MOE, TINY_GLM, TINY_DS],
+    ids=["dense", "moe", "glm-moe", "deepseek-mla"],
 )
 def test_activation_estimate_within_15_percent_of_autograd(cfg, recompute, moe_router_on_cpu):
     b, s = 2, 128
