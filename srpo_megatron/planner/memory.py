@@ -34,10 +34,11 @@ with saved-tensor hooks in tests/unit/test_planner.py): 6·H for the norms and r
 sequence parallelism), 5·q + 4·kv for attention (fused QKV output, q/k norms and RoPE, flash-style
 attention output, output-projection input), 5·F for SwiGLU, all ÷TP; MoE layers replace 5·F with the
 router's input and fp32 scores and, for each of the top-k routes, the permuted input, 5·Fe and the expert
-output, plus 5·Fs for the shared experts (DeepSeek-V3, GLM-4.5). MLA layers (DeepSeek-V3) are estimated,
-not measured: the latents of the replicated down projections and their norms, then per head q, k, v, the
-attention output and the projection input. Full recompute keeps each layer's input plus one layer's
-working set during its backward.
+output, plus 5·Fs for the shared experts (DeepSeek-V3, GLM-4.5). MLA layers (DeepSeek-V3): the latents of
+the replicated down projections and their norms, then per head q, k, v, the attention output and the
+projection input (0.9 of autograd's count on a tiny DeepSeek-V3; GLM-4.5's MoE 1.0, MoE at TP2 / EP2 under
+sequence parallelism within 15%: tests/dist/test_planner_activations.py). Full recompute keeps each
+layer's input plus one layer's working set during its backward.
 
 The engine's KV cache follows SGLang's pools (``kv_bytes_per_token``): K and V per KV head, one latent per
 token and layer for MLA, and the hybrid sliding-window pool for gpt-oss.
