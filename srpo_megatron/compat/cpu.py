@@ -70,6 +70,8 @@ class _CudaAsCpu(TorchFunctionMode):
             return torch.device("cpu")
         if "device" in kwargs and _is_cuda_device(kwargs["device"]):
             kwargs["device"] = "cpu"
+        if kwargs.get("pin_memory"):  # staging for a host->CUDA copy (rope_utils' CP index): no allocator
+            kwargs["pin_memory"] = False
         if func is torch.Tensor.to and len(args) > 1 and _is_cuda_device(args[1]):
             args = (args[0], "cpu", *args[2:])
         if func in _BACKWARD_FUNCS:

@@ -44,7 +44,7 @@ import torch
 
 from srpo_megatron.conversion.dist_reader import TorchDistReader
 from srpo_megatron.conversion.safetensors_io import HFCheckpointReader, PlannedSafetensorsWriter
-from srpo_megatron.conversion.table import ConversionError, ConversionTable, canonical_name
+from srpo_megatron.conversion.table import ConversionError, ConversionTable, canonical_name, slice_name
 from srpo_megatron.durable_io import fsync_dir, fsync_tree
 from srpo_megatron.models.architecture import Architecture, load_hf_config_dict
 
@@ -220,7 +220,7 @@ def hf_to_megatron(
     table = ConversionTable(arch)
     reader = HFCheckpointReader(hf_dir)
     table.check_hf_names(reader.names())
-    shapes = {name: reader.shape(name) for name in table.hf_names()}
+    shapes = {name: reader.shape(name) for name in table.hf_file_names()}
     with plain_torch_ops():
         table.check_hf_shapes(shapes)
     dtype = dtype or reader.dtype()
@@ -236,7 +236,7 @@ def hf_to_megatron(
         def data_of(group: list) -> list[list[torch.Tensor]]:
             local_name, param = params[_param_id(group[0].data)]
             name = rank_param_name(table, local_name, 0)
-            hf = {h: reader.get(h) for h in table.hf_names_for(name)}
+            hf = {h: table.hf_tensor(h, reader.get) for h in table.hf_names_for(name)}
             # Each HF tensor is a view of its own map of the shard (HFCheckpointReader), unmapped when the
             # tensor goes: resident file pages are those of the rows in flight.
             if table.full_shape(name) != tuple(param.shape):
@@ -259,6 +259,9 @@ def hf_to_megatron(
         with plain_torch_ops():
             write_streamed_checkpoint(tmp, sharded, common, data_of, list(groups.values()))
         reader.close()
+        if arch.mxfp4_experts:  # the checkpoint holds the dequantized experts: no quantization_config
+            config = {k: v for k, v in config.items() if k != "quantization_config"}
+            progress(f"MXFP4 expert blocks dequantized to {dtype} (quantization_config dropped)")
         config = _with_dtype(config, dtype)
         (tmp / HF_CONFIG_NAME).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
         _copy_assets(hf_dir, tmp / HF_ASSETS_DIR)
@@ -400,7 +403,7 @@ def megatron_to_hf(
         model = _skeleton(arch, stored)
         with plain_torch_ops():
             _, _, params, groups = _sharded_layout(model)
-            plan = [(h, table.hf_shape(h)) for n in table.megatron_names() for h in table.hf_names_for(n)]
+            plan = table.hf_file_plan()
         by_name = {params[pid][0]: (params[pid][1], group) for pid, group in groups.items()}
         progress(f"exporting {ckpt_dir} ({arch.model_type}, {stored} -> {out_dtype})")
         reader = TorchDistReader(ckpt_dir)
@@ -413,12 +416,15 @@ def megatron_to_hf(
                     param, group = by_name[name]
                     full = _read_param(reader, param, group)
                     for hf_name, tensor in table.to_hf(name, full):
-                        writer.write(hf_name, tensor.to(out_dtype))
+                        base, e = slice_name(hf_name) or (hf_name, None)  # x[e]: slice e of fused x
+                        writer.write(base, tensor.to(out_dtype), e)
                     if (i + 1) % 50 == 0:
                         progress(f"exported {i + 1}/{len(by_name)} megatron tensors")
             finally:
                 reader.close()
         writer.close()
+        if arch.model_type == "gpt_oss":
+            progress(f"gpt-oss experts written as dense {out_dtype} tensors (not MXFP4)")
         config = _with_dtype(config, out_dtype)
         (tmp / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
         assets = ckpt_dir / HF_ASSETS_DIR

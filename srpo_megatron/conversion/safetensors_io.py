@@ -81,8 +81,12 @@ class HFCheckpointReader:
         return handle
 
     def dtype(self) -> torch.dtype:
-        """dtype of the first tensor (checkpoints are uniform in practice)."""
-        return self.get(next(iter(self.weight_map))).dtype
+        """dtype of the first floating-point tensor (checkpoints are uniform in practice; MXFP4 blocks and
+        scales are uint8 beside bf16 tensors)."""
+        for name in self.weight_map:
+            if (dtype := self.get(name).dtype).is_floating_point:
+                return dtype
+        raise ValueError(f"{self.dir} has no floating-point tensor")
 
     def close(self) -> None:
         self._handles.clear()
@@ -278,21 +282,34 @@ class PlannedSafetensorsWriter:
                 self._where[name] = (fd, len(header) + offsets[name], shape)
                 self._weight_map[name] = file
         self._written: set[str] = set()
+        self._slices: dict[str, int] = {}  # fused tensors written slice by slice: slices written
 
-    def write(self, name: str, tensor: torch.Tensor) -> None:
+    def write(self, name: str, tensor: torch.Tensor, index: int | None = None) -> None:
+        """Write planned tensor ``name`` whole, or (``index``) its slice ``index`` on dim 0: a fused tensor
+        written one slice at a time (gpt-oss experts); it is complete when every slice is written."""
         if name not in self._where:
             raise ValueError(f"tensor {name} is not in the plan")
-        if name in self._written:
-            raise ValueError(f"tensor {name} written twice")
         fd, offset, shape = self._where[name]
+        key = name if index is None else f"{name}[{index}]"
+        if index is not None:
+            if not 0 <= index < shape[0]:
+                raise ValueError(f"tensor {name}: slice {index} outside its {shape[0]} slices")
+            offset += index * math.prod(shape[1:]) * self.dtype.itemsize
+            shape = shape[1:]
+        if key in self._written or name in self._written:
+            raise ValueError(f"tensor {key} written twice")
         if tuple(tensor.shape) != shape or tensor.dtype != self.dtype:
             raise ValueError(
-                f"tensor {name}: planned {shape} {self.dtype}, got {tuple(tensor.shape)} {tensor.dtype}"
+                f"tensor {key}: planned {shape} {self.dtype}, got {tuple(tensor.shape)} {tensor.dtype}"
             )
         if tensor.numel():
             _pwrite_all(fd, tensor_bytes(tensor.contiguous()), offset)
             self._behind[fd].wrote(tensor.nbytes)
-        self._written.add(name)
+        self._written.add(key)
+        if index is not None:
+            self._slices[name] = self._slices.get(name, 0) + 1
+            if self._slices[name] == self._where[name][2][0]:
+                self._written.add(name)
 
     def close(self) -> None:
         """Check every planned tensor was written, close the shards, write the index (when sharded)."""

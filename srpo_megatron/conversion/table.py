@@ -1,6 +1,6 @@
 """One declarative two-way HF <-> megatron-core parameter table per architecture.
 
-The tables (``LLAMA``, ``QWEN2``, ``QWEN3``, ``QWEN3_MOE`` below) list, per megatron ``GPTModel``
+The tables (``LLAMA``, ``QWEN2``, ``QWEN3``, ``QWEN3_MOE``, ``GPT_OSS`` below) list, per megatron ``GPTModel``
 parameter, the HF tensors it is made of and the *named transform* between them. Every direction of
 every consumer (the ``tools/convert_*`` CLIs, checkpoint import/export, rollout weight sync) goes through
 :class:`ConversionTable` built from these rows; there is no second mapping.
@@ -34,6 +34,15 @@ also writes; in memory it fuses them, see ``rollout.hf_engine``) are
 and maps Transformer Engine's grouped-GEMM names (``mlp.experts.linear_fc1.weight{e}``) to the same rows.
 Expert weights are split over the expert-tensor-parallel group (ETP), not TP: their partitions carry
 ``expert=True`` and consumers use the ETP size/rank for them.
+
+Fused HF tensors (``GPT_OSS``): gpt-oss stores each layer's experts as one tensor per kind
+(``mlp.experts.gate_up_proj`` ``[E, H, 2F]``, gate/up interleaved; ``down_proj`` ``[E, F, H]``; their biases).
+A row names expert ``e``'s slice on dim 0 as ``x[e]`` (:func:`slice_name`), so every row stays one megatron
+tensor <-> its HF tensors and the lookups stay dict hits; ``hf_tensor`` reads a slice as a view of the
+(mmapped) fused tensor (MXFP4 experts: that expert's blocks dequantized, ``conversion/mxfp4.py``), and the
+exporter writes each slice at its offset in the fused tensor (``hf_file_plan``, ``PlannedSafetensorsWriter``).
+``hf_names``/``hf_shape`` speak the slice names (weight sync, gradients); ``hf_file_names``/``hf_file_shape``
+the checkpoint files' (also the SGLang manifest).
 
 Gradients (for trainers, not weight sync): the replicated QK-norm weights see only the local heads on
 each TP rank, so their gradients are partial sums; megatron's ``finalize_model_grads`` (with megatron
@@ -130,6 +139,48 @@ def _vocab_pieces(arch: Architecture, ts: list[torch.Tensor], tp: int) -> list[t
     return [t, t.new_zeros(pad, *t.shape[1:])] if pad else [t]
 
 
+# gpt-oss experts: HF fuses every expert of a layer into one tensor per kind, gate/up INTERLEAVED on the
+# output features (``gate_up_proj`` [E, H, 2F]: columns g0 u0 g1 u1 ...; ``down_proj`` [E, F, H], both
+# ``x @ W`` oriented). A row reads expert e's slice (see ``slice_name``) and megatron holds
+# ``linear_fc1`` = [gate; up] [2F, H] and ``linear_fc2`` [H, F] (``x @ W.T``).
+def _deinterleave(t: torch.Tensor) -> torch.Tensor:
+    """[g0 u0 g1 u1 ...] on dim 0 -> [g0 g1 ...; u0 u1 ...]."""
+    return torch.cat([t[0::2], t[1::2]], dim=0)
+
+
+def _interleave(t: torch.Tensor) -> torch.Tensor:
+    gate, up = t.chunk(2, dim=0)
+    return torch.stack([gate, up], dim=1).reshape(t.shape).contiguous()
+
+
+def _oss_fc1_in(arch: Architecture, ts: list[torch.Tensor], tp: int) -> torch.Tensor:
+    """HF expert slice ``gate_up_proj[e]`` [H, 2F] (or its bias [2F]) -> megatron [gate; up] [2F, H]."""
+    t = ts[0]
+    return _deinterleave(t.transpose(0, 1) if t.dim() == 2 else t)
+
+
+def _oss_fc1_out(arch: Architecture, t: torch.Tensor) -> list[torch.Tensor]:
+    t = _interleave(t)
+    return [t.transpose(0, 1).contiguous() if t.dim() == 2 else t]
+
+
+def _oss_fc1_pieces(arch: Architecture, ts: list[torch.Tensor], tp: int) -> list[torch.Tensor]:
+    t = ts[0].transpose(0, 1) if ts[0].dim() == 2 else ts[0]
+    return [t[0::2], t[1::2]]
+
+
+def _transpose_in(arch: Architecture, ts: list[torch.Tensor], tp: int) -> torch.Tensor:
+    return ts[0].transpose(0, 1).contiguous()
+
+
+def _transpose_out(arch: Architecture, t: torch.Tensor) -> list[torch.Tensor]:
+    return [t.transpose(0, 1).contiguous()]
+
+
+def _transpose_pieces(arch: Architecture, ts: list[torch.Tensor], tp: int) -> list[torch.Tensor]:
+    return [ts[0].transpose(0, 1)]
+
+
 @dataclasses.dataclass(frozen=True)
 class Transform:
     name: str  # shown in errors and docs
@@ -143,6 +194,8 @@ IDENTITY = Transform("identity", _identity_in, _identity_out, _identity_pieces)
 FUSE_QKV = Transform("fuse_qkv_grouped", _qkv_in, _qkv_out, _qkv_pieces)
 FUSE_GATE_UP = Transform("fuse_gate_up", _gate_up_in, _gate_up_out, _gate_up_pieces)
 PAD_VOCAB = Transform("pad_vocab", _vocab_in, _vocab_out, _vocab_pieces)
+DEINTERLEAVE_GATE_UP = Transform("deinterleave_gate_up", _oss_fc1_in, _oss_fc1_out, _oss_fc1_pieces)
+TRANSPOSE = Transform("transpose", _transpose_in, _transpose_out, _transpose_pieces)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -160,6 +213,7 @@ ROW = TPPartition(1)
 GATED_COLUMN = TPPartition(0, gated=True)
 EXPERT_GATED_COLUMN = TPPartition(0, gated=True, expert=True)
 EXPERT_ROW = TPPartition(1, expert=True)
+EXPERT_REPLICATED = TPPartition(None, expert=True)  # an expert's fc2 bias (ETP 1 with biases)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -290,6 +344,53 @@ MLA = (
     LAYER[3],  # pre-MLP norm
 )
 
+# gpt-oss: biases on q/k/v (QKV_BIAS, switched on by qkv_bias), o, the router and the experts; the sink
+# logits are megatron's (and TE's) core_attention.softmax_offset, one per head, split over TP like the heads.
+# The experts are rows of SLICES of HF's fused per-layer tensors: ``{hf}[{e}]`` names expert e's slice on
+# dim 0 (``slice_name``); readers index the fused tensor, writers place the slice at its offset.
+_X = _H + "mlp.experts."
+GPT_OSS = (
+    EMBEDDING,
+    *ATTENTION,
+    Row(_L + "self_attention.linear_proj.bias", (_H + "self_attn.o_proj.bias",), IDENTITY, REPLICATED),
+    Row(_L + "self_attention.core_attention.softmax_offset", (_H + "self_attn.sinks",), IDENTITY, COLUMN),
+    Row(_L + "mlp.router.weight", (_H + "mlp.router.weight",), IDENTITY, REPLICATED, layers="moe"),
+    Row(_L + "mlp.router.bias", (_H + "mlp.router.bias",), IDENTITY, REPLICATED, layers="moe"),
+    Row(
+        _L + "mlp.experts.local_experts.{e}.linear_fc1.weight",
+        (_X + "gate_up_proj[{e}]",),
+        DEINTERLEAVE_GATE_UP,
+        EXPERT_GATED_COLUMN,
+        layers="moe",
+    ),
+    Row(
+        _L + "mlp.experts.local_experts.{e}.linear_fc1.bias",
+        (_X + "gate_up_proj_bias[{e}]",),
+        DEINTERLEAVE_GATE_UP,
+        EXPERT_GATED_COLUMN,
+        layers="moe",
+    ),
+    Row(
+        _L + "mlp.experts.local_experts.{e}.linear_fc2.weight",
+        (_X + "down_proj[{e}]",),
+        TRANSPOSE,
+        EXPERT_ROW,
+        layers="moe",
+    ),
+    Row(
+        _L + "mlp.experts.local_experts.{e}.linear_fc2.bias",
+        (_X + "down_proj_bias[{e}]",),
+        IDENTITY,
+        EXPERT_REPLICATED,
+        layers="moe",
+    ),
+    FINAL_NORM,
+    OUTPUT,
+)
+# MXFP4 hub checkpoints store these fused expert weights as ``<name>_blocks`` + ``<name>_scales``
+# (``conversion/mxfp4.py``); the biases stay dense.
+MXFP4_FUSED = ("mlp.experts.gate_up_proj", "mlp.experts.down_proj")
+
 # The per-architecture tables. Optional rows (QKV bias on Llama with attention_bias, the untied output
 # layer) are switched by the Architecture in ConversionTable.
 LLAMA = (EMBEDDING, *LAYER, FINAL_NORM, OUTPUT)
@@ -309,8 +410,8 @@ TABLES = {
     "qwen3_moe": QWEN3_MOE,
     "glm4_moe": GLM4_MOE,
     "deepseek_v3": DEEPSEEK_V3,
+    "gpt_oss": GPT_OSS,
 }
-# The gpt-oss (``gpt_oss``) table is added by the work of issue 27.
 
 # Transformer Engine / dist_checkpointing aliases of local-spec names.
 _ALIASES = (
@@ -320,8 +421,17 @@ _ALIASES = (
 _LAYER_RE = re.compile(r"^(decoder\.layers\.)(\d+)(\..*)$")
 # A rank's local expert parameter: SequentialMLP ``local_experts.{e}.linear_fcN.weight`` or TE grouped GEMM
 # ``linear_fcN.weight{e}``.
-_SEQUENTIAL_EXPERT_RE = re.compile(r"^\.mlp\.experts\.local_experts\.(\d+)\.(linear_fc[12]\.weight)$")
-_GROUPED_EXPERT_RE = re.compile(r"^\.mlp\.experts\.(linear_fc[12]\.weight)(\d+)$")
+_SEQUENTIAL_EXPERT_RE = re.compile(
+    r"^\.mlp\.experts\.local_experts\.(\d+)\.(linear_fc[12]\.(?:weight|bias))$"
+)
+_GROUPED_EXPERT_RE = re.compile(r"^\.mlp\.experts\.(linear_fc[12]\.(?:weight|bias))(\d+)$")
+_SLICE_RE = re.compile(r"^(.*)\[(\d+)\]$")
+
+
+def slice_name(hf_name: str) -> tuple[str, int] | None:
+    """``("x", e)`` for a table name ``x[e]`` (slice e on dim 0 of the HF tensor ``x``), else None."""
+    m = _SLICE_RE.match(hf_name)
+    return (m.group(1), int(m.group(2))) if m else None
 
 
 class ConversionError(ValueError):
@@ -464,6 +574,12 @@ class ConversionTable:
             return (2 * f, a.hidden_size) if name.endswith("linear_fc1.weight") else (a.hidden_size, f)
         if name.endswith("mlp.router.expert_bias"):
             return (a.num_experts,)
+        if name.endswith("core_attention.softmax_offset"):
+            return (a.num_heads,)
+        if name.endswith("mlp.router.bias"):
+            return (a.num_experts,)
+        if ".mlp.experts." in name and name.endswith(".bias"):
+            return (2 * a.moe_intermediate_size,) if "linear_fc1" in name else (a.hidden_size,)
         if ".mlp.experts." in name:
             fc1 = name.endswith("linear_fc1.weight")
             return (
@@ -500,6 +616,59 @@ class ConversionTable:
         for h, t in zip(row.hf, row.transform.to_hf(self.arch, meta), strict=True):
             self._hf_shapes[h] = tuple(t.shape)
         return self._hf_shapes[hf_name]
+
+    # ------------------------------------------------------------------------ HF files (fused slices)
+    def hf_file_names(self) -> list[str]:
+        """The tensor names of an HF checkpoint of this table, in table order: a fused tensor ``x`` once
+        for all its ``x[e]`` slices, and an MXFP4 one as ``x_blocks``, ``x_scales``."""
+        out: dict[str, None] = {}
+        for h in self._hf_rows:
+            sliced = slice_name(h)
+            base = sliced[0] if sliced else h
+            if self._is_mxfp4(base):
+                out.update({base + "_blocks": None, base + "_scales": None})
+            else:
+                out[base] = None
+        return list(out)
+
+    def _is_mxfp4(self, base: str) -> bool:
+        return self.arch.mxfp4_experts and base.endswith(MXFP4_FUSED)
+
+    def hf_file_shape(self, file_name: str) -> tuple[int, ...]:
+        """Shape of a tensor of :meth:`hf_file_names` (a fused tensor: ``[E, *slice]``)."""
+        for suffix in ("_blocks", "_scales"):
+            base = file_name.removesuffix(suffix)
+            if base != file_name and self._is_mxfp4(base):
+                slice_in, slice_out = self.hf_shape(base + "[0]")  # bf16 orientation [in, out]
+                blocks = (self.arch.num_experts, slice_out, slice_in // 32)
+                return (*blocks, 16) if suffix == "_blocks" else blocks
+        if file_name in self._hf_rows:
+            return self.hf_shape(file_name)
+        return (self.arch.num_experts, *self.hf_shape(file_name + "[0]"))
+
+    def hf_file_plan(self) -> list[tuple[str, tuple[int, ...]]]:
+        """``(name, shape)`` of every tensor an export writes (dense: MXFP4 is dequantized on import)."""
+        plan: dict[str, tuple[int, ...]] = {}
+        for h in self._hf_rows:
+            sliced = slice_name(h)
+            if sliced is None:
+                plan[h] = self.hf_shape(h)
+            elif sliced[0] not in plan:
+                plan[sliced[0]] = (self.arch.num_experts, *self.hf_shape(h))
+        return list(plan.items())
+
+    def hf_tensor(self, hf_name: str, get: Callable[[str], torch.Tensor]) -> torch.Tensor:
+        """The table's HF tensor ``hf_name`` read through ``get(file_name)``: a slice ``x[e]`` indexes the
+        fused ``x`` (a view), an MXFP4 one dequantizes expert e's blocks only."""
+        sliced = slice_name(hf_name)
+        if sliced is None:
+            return get(hf_name)
+        base, e = sliced
+        if self._is_mxfp4(base):
+            from srpo_megatron.conversion.mxfp4 import dequantize_expert
+
+            return dequantize_expert(get(base + "_blocks")[e], get(base + "_scales")[e])
+        return get(base)[e]
 
     # ---------------------------------------------------------------------------------- transforms
     def to_hf(self, megatron_name: str, full: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
@@ -545,7 +714,7 @@ class ConversionTable:
     def check_hf_names(self, names: set[str] | list[str]) -> None:
         """Raise listing every missing and unexpected HF tensor (``lm_head.weight`` tolerated when tied)."""
         names = set(names)
-        expected = set(self.hf_names())
+        expected = set(self.hf_file_names())
         tolerated = {"lm_head.weight"} if self.arch.tie_embeddings else set()
         missing = sorted(expected - names)
         unexpected = sorted(names - expected - tolerated)
@@ -557,10 +726,11 @@ class ConversionTable:
 
     def check_hf_shapes(self, shapes: Mapping[str, tuple[int, ...]]) -> None:
         """Raise listing every HF tensor whose shape differs from the table's (name, expected, got)."""
+        files = set(self.hf_file_names())
         bad = [
-            f"{name}: expected {self.hf_shape(name)}, got {tuple(shape)}"
+            f"{name}: expected {self.hf_file_shape(name)}, got {tuple(shape)}"
             for name, shape in shapes.items()
-            if name in self._hf_rows and self.hf_shape(name) != tuple(shape)
+            if name in files and self.hf_file_shape(name) != tuple(shape)
         ]
         if bad:
             raise ConversionError("shape mismatch: " + "; ".join(bad))
@@ -570,4 +740,4 @@ class ConversionTable:
     ) -> Iterator[tuple[str, torch.Tensor]]:
         """Stream ``(megatron_name, full_tensor)`` pulling HF tensors on demand via ``get_hf(name)``."""
         for name, row in self._rows.items():
-            yield name, self.to_megatron(name, {h: get_hf(h) for h in row.hf}, tp)
+            yield name, self.to_megatron(name, {h: self.hf_tensor(h, get_hf) for h in row.hf}, tp)

@@ -74,7 +74,7 @@ def load_hf_weights(
     offset, expert_offset = stage_layer_offset(model), stage_expert_offset(table)
     for local_name, param in policy_named_tensors(model):
         name = rank_param_name(table, local_name, offset, expert_offset)
-        full = table.to_megatron(name, {h: get_hf(h) for h in table.hf_names_for(name)}, tp)
+        full = table.to_megatron(name, {h: table.hf_tensor(h, get_hf) for h in table.hf_names_for(name)}, tp)
         part = table.partition(name)
         if part.expert:  # experts are split over the expert-tensor-parallel group
             shard = split_tp_shard(

@@ -131,3 +131,21 @@ def apply_router_controls(model: torch.nn.Module, moe: MoEConfig) -> None:
 def router_params(model: torch.nn.Module) -> dict[str, torch.nn.Parameter]:
     """The router parameters of a policy stage by local name (for tests and metrics)."""
     return {n: p for n, p in model.named_parameters() if ".mlp.router." in n}
+
+
+def mark_tp_replicated_experts(model: torch.nn.Module, *, tp: int, ep: int, etp: int) -> None:
+    """Give expert parameters replicated over TP their expert-data-parallel gradient reduction.
+
+    megatron-core 0.16.1 marks an expert parameter for the expert-data-parallel reduction
+    (``param.allreduce = False``) only when EP > 1. At EP 1 with ETP < TP each TP rank holds a full copy of
+    the experts and routes only its sequence-parallel share of the tokens, so the copies' gradients must be
+    summed over the expert-data-parallel group, which spans those TP ranks; as "dense" parameters they are
+    reduced over the (smaller) data-parallel group and each copy keeps its own tokens' gradient
+    (``tests/dist/test_gpt_oss.py`` at TP2, EP1, ETP1 compares with HF). Marking them as at EP > 1 gives
+    megatron DDP and the optimizer the same grouping they use there.
+    """
+    if ep != 1 or etp == tp:
+        return
+    for name, param in model.named_parameters():
+        if ".mlp.experts." in name:
+            param.allreduce = False

@@ -16,7 +16,8 @@ their logits are 0, not -inf: samplers, log-probs and entropies must exclude tok
 
 Deviations from the HF models: attention runs through SDPA (same maths, different kernel order, fp32
 differences ~1e-6); llama3 RoPE scaling accepts only megatron's fixed band parameters (see
-``architecture.py``); sliding-window attention is rejected rather than approximated.
+``architecture.py``); sliding-window attention is rejected rather than approximated except for gpt-oss,
+whose sinks, per-layer windows, biases, clamped SwiGLU and YaRN are ``models/gpt_oss.py``'s.
 """
 
 from __future__ import annotations
@@ -37,7 +38,8 @@ from megatron.core.transformer.transformer_layer import get_transformer_layer_of
 from srpo_megatron.config import MoEConfig
 from srpo_megatron.models.architecture import Architecture, padded_vocab_size, pipeline_stage_layers
 from srpo_megatron.models.attention import SDPACoreAttention
-from srpo_megatron.models.moe import apply_router_controls, moe_config_overrides
+from srpo_megatron.models.gpt_oss import gpt_oss_config_overrides, set_yarn_attributes, with_expert_biases
+from srpo_megatron.models.moe import apply_router_controls, mark_tp_replicated_experts, moe_config_overrides
 from srpo_megatron.models.norms import SequenceParallelRMSNorm
 
 
@@ -112,7 +114,11 @@ def transformer_config_from_hf(
         kwargs.update(moe_config_overrides(arch, moe or MoEConfig(), ep=ep, etp=etp, use_te=use_te))
         # megatron's MoE layer refuses TP > 1 in training without sequence parallelism.
         kwargs["sequence_parallel"] = tp > 1
+    if arch.model_type == "gpt_oss":  # sinks, sliding windows, biases, clamped SwiGLU (models/gpt_oss.py)
+        kwargs.update(gpt_oss_config_overrides(arch))
     kwargs.update(overrides)
+    if arch.model_type == "gpt_oss":  # no fused kernel for the alpha gate; TE's grouped MLP refuses
+        kwargs.update(bias_activation_fusion=False, bias_dropout_fusion=False)  # bias-dropout fusion w/ bias
     if arch.is_mla:  # DeepSeek-V3: megatron's MLA config (models/mla.py)
         from srpo_megatron.models.mla import mla_transformer_config
 
@@ -158,6 +164,8 @@ def layer_spec(
             num_experts=experts, moe_grouped_gemm=grouped, qk_layernorm=arch.qk_norm
         )
     spec = get_gpt_layer_local_spec(num_experts=experts, qk_layernorm=arch.qk_norm, normalization="RMSNorm")
+    if experts and arch.linear_bias:  # gpt-oss: expert biases on megatron's local MoE layer
+        spec = with_expert_biases(spec)
     attention = spec.submodules.self_attention
     attention_submodules = dataclasses.replace(attention.submodules, core_attention=SDPACoreAttention)
     norms: dict[str, Any] = {}
@@ -264,6 +272,10 @@ def build_policy(
             ignore_virtual=vp_stage is None, vp_stage=vp_stage
         )
     rope: dict[str, Any] = {}
+    position_embedding = "rope"
+    if arch.rope_type == "yarn" and not arch.is_mla:  # gpt-oss: YaRN on standard attention
+        set_yarn_attributes(config, arch)
+        position_embedding = "yarn"
     if arch.rope_type == "linear":
         rope["seq_len_interpolation_factor"] = arch.rope_factor
     elif arch.rope_type == "llama3":
@@ -278,7 +290,7 @@ def build_policy(
         post_process=post_process,
         parallel_output=parallel_output,
         share_embeddings_and_output_weights=arch.tie_embeddings,
-        position_embedding_type="rope",
+        position_embedding_type=position_embedding,
         rotary_percent=arch.rotary_percent,
         rotary_base=int(arch.rope_theta) if float(arch.rope_theta).is_integer() else arch.rope_theta,
         vp_stage=vp_stage,
@@ -286,6 +298,8 @@ def build_policy(
     )
     if arch.is_moe:
         apply_router_controls(model, moe)
+        ep, etp = config.expert_model_parallel_size, config.expert_tensor_parallel_size
+        mark_tp_replicated_experts(model, tp=tp, ep=ep, etp=etp)
     return model
 
 

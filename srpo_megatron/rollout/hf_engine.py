@@ -53,7 +53,7 @@ import torch
 from srpo_megatron.config import ConfigError
 from srpo_megatron.rollout.base import Completion, EngineError, EngineHealth, SamplingParams, sample_seed
 from srpo_megatron.rollout.gate import check_version, missing_names, tensor_problem
-from srpo_megatron.rollout.hf_moe_layout import file_format_params
+from srpo_megatron.rollout.hf_moe_layout import file_format_params, gpt_oss_slice_params
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -146,10 +146,12 @@ class HFEngine:
         # Fused MoE experts are addressed by their per-expert file names (views into the fused tensors):
         # the shared gate checks file names and shapes, the update copies into the fused layout in place.
         state = dict(self._model.state_dict(keep_vars=True))
-        self._params = file_format_params(state)
+        # gpt-oss names its fused experts' slices x[e] (rollout.hf_moe_layout.gpt_oss_slice_params)
+        views = gpt_oss_slice_params if _model_type(model) == "gpt_oss" else file_format_params
+        self._params = views(state)
         required = {name for name, _ in self._model.named_parameters()}
         required |= {name for name, _ in self._model.named_buffers() if name in state}
-        self._required = set(file_format_params({name: state[name] for name in required}))
+        self._required = set(views({name: state[name] for name in required}))
         self._manifest = {name: tuple(t.shape) for name, t in self._params.items()}
 
     @classmethod
@@ -476,6 +478,10 @@ class HFEngine:
         return int(config.num_experts_per_tok)
 
 
+def _model_type(model: torch.nn.Module) -> str | None:
+    return getattr(getattr(model, "config", None), "model_type", None)
+
+
 def _validate(prompts: Sequence[Sequence[int]], params: SamplingParams, vocab: int) -> None:
     if params.n < 1:
         raise EngineError(f"SamplingParams.n={params.n} must be >= 1")
@@ -503,7 +509,8 @@ class _GateRecorder(contextlib.AbstractContextManager):
     ones are a ``Linear`` whose logits' top-k is the choice (softmax keeps the order)."""
 
     def __init__(self, model: torch.nn.Module, top_k: int) -> None:
-        self._gates = [m for n, m in model.named_modules() if n.endswith("mlp.gate")]
+        # Qwen3-MoE ``mlp.gate``; gpt-oss ``mlp.router`` (also ``(logits, scores, indices)``)
+        self._gates = [m for n, m in model.named_modules() if n.endswith(("mlp.gate", "mlp.router"))]
         self._top_k, self._seen, self._hooks = top_k, [], []
 
     def __enter__(self) -> _GateRecorder:

@@ -33,3 +33,24 @@ def file_format_params(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor
         else:
             out[name] = tensor
     return out
+
+
+_GPT_OSS_FUSED = (
+    "mlp.experts.gate_up_proj",
+    "mlp.experts.gate_up_proj_bias",
+    "mlp.experts.down_proj",
+    "mlp.experts.down_proj_bias",
+)
+
+
+def gpt_oss_slice_params(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """gpt-oss: ``state`` with each fused expert tensor ``x`` ``[E, ...]`` (fused in memory AND in the hub
+    files: ``gate_up_proj`` ``[E, H, 2F]`` interleaved, its bias, ``down_proj`` ``[E, F, H]``, its bias)
+    replaced by the conversion table's per-expert names ``x[e]`` (what every weight sync sends), as views."""
+    out: dict[str, torch.Tensor] = {}
+    for name, tensor in state.items():
+        if name.endswith(_GPT_OSS_FUSED):
+            out.update({f"{name}[{e}]": tensor[e] for e in range(tensor.shape[0])})
+        else:
+            out[name] = tensor
+    return out

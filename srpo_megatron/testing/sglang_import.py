@@ -124,7 +124,7 @@ _MODULES = {
     "server_args": "sglang.srt.server_args",
     "io_struct": "sglang.srt.managers.io_struct",
 }
-_MODELS = ("qwen3", "qwen3_moe", "deepseek_v2")
+_MODELS = ("qwen3", "qwen3_moe", "deepseek_v2", "gpt_oss")
 
 
 @functools.cache

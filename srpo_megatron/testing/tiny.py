@@ -383,3 +383,71 @@ def tiny_deepseek_model(seed: int = 0, **config):
             if name.endswith("e_score_correction_bias"):
                 b.normal_(0.0, 0.3)
     return model.eval()
+
+
+TINY_GPT_OSS_WINDOW = 3  # keys per query in the sliding layers: smaller than the parity tests' 8 tokens
+TINY_GPT_OSS_LIMIT = 1.0  # swiglu_limit: the expert weights below put |gate_up| well beyond it
+
+
+def tiny_gpt_oss_config(num_layers: int = 2) -> dict:
+    """HF gpt-oss config: layers alternate sliding (window 3) / full, 4 experts top-2, YaRN factor 4 with
+    truncate=False, head_dim 16 (q/k/v heads wider than the hidden size, as gpt-oss's), swiglu_limit 1."""
+    return dict(
+        model_type="gpt_oss",
+        vocab_size=TINY_VOCAB,
+        hidden_size=32,
+        intermediate_size=48,
+        num_hidden_layers=num_layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        num_local_experts=TINY_MOE_EXPERTS,
+        num_experts_per_tok=TINY_MOE_TOP_K,
+        sliding_window=TINY_GPT_OSS_WINDOW,
+        layer_types=["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(num_layers)],
+        max_position_embeddings=256,
+        rope_parameters=dict(
+            rope_type="yarn",
+            rope_theta=10000.0,
+            factor=4.0,
+            beta_fast=32.0,
+            beta_slow=1.0,
+            truncate=False,
+            original_max_position_embeddings=64,
+        ),
+        swiglu_limit=TINY_GPT_OSS_LIMIT,
+        swiglu_alpha=1.702,
+        attention_bias=True,
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=False,
+        attention_dropout=0.0,
+        router_aux_loss_coef=0.0,
+        output_router_logits=False,
+    )
+
+
+def tiny_gpt_oss_model(seed: int = 0, num_layers: int = 2, **overrides):
+    """Random HF gpt-oss (eager attention, fp32) with every gpt-oss feature active on random data: sinks
+    ~N(0, 1), every bias nonzero, expert weights wide enough that both SwiGLU clamps cut, a router wide
+    enough that no two experts tie, norm weights around 1. ``overrides``: config fields (e.g. sizes)."""
+    import torch
+    from transformers import AutoModelForCausalLM, GptOssConfig
+
+    fields = {**tiny_gpt_oss_config(num_layers), **overrides}
+    config = GptOssConfig(**{k: v for k, v in fields.items() if k != "model_type"})
+    config._attn_implementation = "eager"
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.normal_(1.0, 0.2)
+            elif name.endswith("self_attn.sinks"):
+                p.normal_(0.0, 1.0)
+            elif name.endswith("mlp.router.weight"):
+                p.normal_(0.0, 0.5)
+            elif name.endswith("experts.gate_up_proj"):
+                p.normal_(0.0, 0.4)
+            elif name.endswith("experts.down_proj") or name.endswith("bias"):
+                p.normal_(0.0, 0.2)
+    return model.eval()

@@ -25,7 +25,8 @@ pytestmark = pytest.mark.moe
 EXPERTS = TINY_MOE_EXPERTS
 TOP_K = TINY_MOE_TOP_K
 # (tp, pp, ep, etp); world = tp * pp * dp must also be a multiple of etp * ep * pp.
-LAYOUTS = [(1, 1, 1, 1), (1, 1, 2, 1), (2, 1, 2, 1), (1, 2, 2, 1), (2, 1, 1, 2)]
+# (2, 1, 1, 1): experts replicated over TP at EP1 (models.moe.mark_tp_replicated_experts).
+LAYOUTS = [(1, 1, 1, 1), (1, 1, 2, 1), (2, 1, 2, 1), (1, 2, 2, 1), (2, 1, 1, 2), (2, 1, 1, 1)]
 
 
 def hf_in_file_names(grads: dict[str, torch.Tensor], model) -> dict[str, torch.Tensor]:

@@ -33,6 +33,13 @@ def test_current_device_and_cuda_factories_land_on_cpu(active):
     assert x.to(device="cuda", dtype=torch.float64).dtype == torch.float64
 
 
+def test_pinned_staging_tensors_are_plain_host_tensors(active):
+    """megatron's rope_utils stages the CP chunk index with ``pin_memory=True`` before ``.cuda()``; CPU
+    torch has no pinned allocator."""
+    t = torch.tensor([1, 2], device="cpu", pin_memory=True).cuda(non_blocking=True)
+    assert t.tolist() == [1, 2] and not t.is_pinned()
+
+
 def test_cuda_default_device_blocks_run_on_cpu(active):
     """megatron's YarnRotaryEmbedding (MLA) builds its frequencies under ``with torch.device(0):``."""
     for device in (torch.cuda.current_device(), "cuda"):

@@ -372,7 +372,7 @@ def hf_manifest(model_path: str) -> dict[str, tuple[int, ...]]:
     from srpo_megatron.models.architecture import Architecture
 
     table = ConversionTable(Architecture.from_hf(model_path))
-    return {h: table.hf_shape(h) for h in table.hf_names()}
+    return dict(table.hf_file_plan())  # gpt-oss: its fused expert tensors whole, as the files hold them
 
 
 def model_eos_token_ids(model_path: str) -> tuple[int, ...]:
