@@ -215,6 +215,11 @@ class Layout:
                 )
             if shape.moe_ffn_hidden_size % self.etp:
                 raise PlanError(f"ETP {self.etp} does not divide moe_intermediate_size")
+            if shape.linear_bias and self.etp > 1:
+                raise PlanError(
+                    f"ETP {self.etp} with expert biases (gpt-oss): megatron-core supports biases in MoE "
+                    "experts only at expert tensor parallel 1; set parallel.etp=1"
+                )
             if shape.shared_ffn_hidden_size % self.tp:
                 raise PlanError(
                     f"TP {self.tp} does not divide the shared experts' width {shape.shared_ffn_hidden_size} "

@@ -56,7 +56,10 @@ LAYOUTS = [
     ("GLM-4.5-Air", Layout(tp=4, pp=2, dp=2, ep=8)),
     ("GLM-4.5-Air", Layout(tp=2, pp=1, dp=4, ep=4, etp=2)),
     ("GLM-4.5", Layout(tp=8, pp=4, dp=2, ep=16)),
-]
+    # attention sinks, biases on q/k/v/o, the router and the experts
+    ("gpt-oss-20b", Layout(tp=4, pp=2, dp=2, ep=8)),
+    ("gpt-oss-120b", Layout(tp=8, pp=3, dp=2, ep=16)),
+]  # DeepSeek-V3 (MLA's CPU spec differs from the GPU plan): test_planner_families.py
 
 
 @pytest.mark.parametrize(("name", "layout"), LAYOUTS, ids=[f"{n}-{lay.label()}" for n, lay in LAYOUTS])

@@ -152,9 +152,11 @@ def test_gpt_oss_and_glm_shards_by_hand():
     oss = ModelShape.from_hf(hf("gpt-oss-120b"))
     # input norm, sinks [64/4], o_proj [2880, 4096/4] + bias, fused QKV [(4096 + 2*512)/4, 2880] + bias
     assert attention_numels(oss, 4) == [2880, 16, 2880 * 1024, 2880, 1280 * 2880, 1280]
-    dense, expert = mlp_numels(oss, Layout(tp=4, dp=8, ep=8, etp=2), True)
+    dense, expert = mlp_numels(oss, Layout(tp=4, dp=8, ep=8), True)
     assert dense == [2880, 128 * 2880, 128]  # norm, router weight + bias
-    assert expert == [2 * 1440 * 2880, 2 * 1440, 2880 * 1440, 2880]  # fc1 + bias, fc2 + bias (ETP2)
+    assert expert == [2 * 2880 * 2880, 2 * 2880, 2880 * 2880, 2880]  # fc1 + bias, fc2 + bias
+    with pytest.raises(PlanError, match="megatron-core supports biases in MoE experts only at expert tensor"):
+        Layout(tp=4, dp=8, ep=8, etp=2).check(oss)  # megatron: "Bias in Moe is only supported when ETP==1"
     glm = ModelShape.from_hf(hf("GLM-4.5"))
     # no output bias; q/k/v bias; QK-norm [128] x 2
     assert attention_numels(glm, 8) == [5120, 5120 * 1536, 1792 * 5120, 1792, 128, 128]
