@@ -1,8 +1,10 @@
 #!/usr/bin/env python3
 """Benchmark HF <-> megatron conversion against a plain safetensors read+write of the same bytes.
 
-Builds two random HF checkpoints (fp32): a dense one (default: SmolLM2-135M's shapes, 273 tensors) and a
-Qwen3-MoE one with many small experts (default: 8 layers x 128 experts, ~3,100 tensors). For each, in a
+Builds three random HF checkpoints (fp32): a dense one (default: SmolLM2-135M's shapes, 273 tensors), a
+Qwen3-MoE one with many small experts (default: 8 layers x 128 experts, ~3,100 tensors) and a DeepSeek-V3
+shaped one (default: 8 layers, the first dense, 256 routed experts + 1 shared, ~5,400 tensors; MLA when
+the DeepSeek-V3 table exists, else the same MoE as GLM-4.5: ``model_type`` in its JSON). For each, in a
 fresh child process per run (so the peak-RSS numbers are not polluted by each other), ``--repeats`` times
 in turn (copy, convert and export interleaved, so a burst of load from other jobs hits all three alike):
   1. copy:    read every tensor with ``safe_open``, write them all with ``save_file``, and fsync the file
@@ -11,7 +13,8 @@ in turn (copy, convert and export interleaved, so a burst of load from other job
   2. convert: ``srpo_megatron.conversion.checkpoint.hf_to_megatron`` (torch_dist output, fsynced);
   3. export:  ``megatron_to_hf`` of a converted checkpoint back to HF safetensors (fsynced).
 Dirty pages are flushed (``os.sync``) before every run, so no run pays for the previous one's writeback.
-Prints per-stage lines, then one JSON object as the last line with, per checkpoint (``dense``, ``moe``):
+Prints per-stage lines, then one JSON object as the last line with, per checkpoint (``dense``, ``moe``,
+``deepseek``):
 ``throughput_vs_copy`` / ``export_throughput_vs_copy`` (median copy seconds / median convert or export
 seconds, same bytes), the same from the best runs (``*_best``), ``cpu_vs_copy`` / ``export_cpu_vs_copy``
 (median CPU seconds of the copy / of the conversion or export: user + system time of the child, all
@@ -21,7 +24,8 @@ largest tensor bytes, worst run). Peak RSS is the kernel's VmHWM, restarted afte
 (issues #4, #13): throughput >= 0.5, peak <= 3; reported, not asserted.
 
     tools/bench_conversion.py [--layers 30] [--hidden 576] [--vocab 49152] [--moe-experts 128]
-                              [--only dense|moe] [--repeats 5] [--workdir DIR]
+                              [--ds-layers 8] [--ds-experts 256] [--only dense|moe|deepseek]
+                              [--repeats 5] [--workdir DIR]
 """
 
 from __future__ import annotations
@@ -148,6 +152,44 @@ def _moe_config(args):
     )
 
 
+def _deepseek_config(args):
+    """DeepSeek-V3's shape, small: MLA, dense first layer, 1 shared + many routed experts in 8 groups (4
+    chosen, top-8). Until the DeepSeek-V3 table is in ``conversion.table.TABLES`` the same MoE is built as
+    GLM-4.5 (GQA attention: no MLA rows measured); the JSON names which (``model_type``)."""
+    from srpo_megatron.conversion.table import TABLES
+
+    moe = dict(
+        hidden_size=args.ds_hidden,
+        intermediate_size=4 * args.ds_hidden,
+        moe_intermediate_size=args.ds_moe_intermediate,
+        n_routed_experts=args.ds_experts,
+        n_shared_experts=1,
+        num_experts_per_tok=8,
+        n_group=8,
+        topk_group=4,
+        first_k_dense_replace=1,
+        num_hidden_layers=args.ds_layers,
+        num_attention_heads=4,
+        vocab_size=args.moe_vocab,
+        tie_word_embeddings=False,
+    )
+    if "deepseek_v3" in TABLES:
+        from transformers import DeepseekV3Config
+
+        return DeepseekV3Config(
+            **moe,
+            num_key_value_heads=4,
+            q_lora_rank=args.ds_hidden // 2,
+            kv_lora_rank=args.ds_hidden // 4,
+            qk_nope_head_dim=32,
+            qk_rope_head_dim=16,
+            v_head_dim=32,
+        )
+    from transformers import Glm4MoeConfig
+
+    return Glm4MoeConfig(**moe, num_key_value_heads=2, head_dim=64, attention_bias=True)
+
+
 def _bench(name: str, config, work: Path, repeats: int) -> dict:
     import torch
     from transformers import AutoModelForCausalLM
@@ -217,6 +259,7 @@ def _bench(name: str, config, work: Path, repeats: int) -> dict:
         "repeats": repeats,
         "checkpoint_mb": round(total / 1e6, 1),
         "tensors": len(sizes),
+        "model_type": config.model_type,
     }
 
 
@@ -240,7 +283,11 @@ def main() -> None:
     p.add_argument("--moe-hidden", type=int, default=256)
     p.add_argument("--moe-intermediate", type=int, default=128)
     p.add_argument("--moe-vocab", type=int, default=32000)
-    p.add_argument("--only", choices=["dense", "moe"], help="benchmark one checkpoint only")
+    p.add_argument("--ds-layers", type=int, default=8)
+    p.add_argument("--ds-experts", type=int, default=256)
+    p.add_argument("--ds-hidden", type=int, default=256)
+    p.add_argument("--ds-moe-intermediate", type=int, default=64)
+    p.add_argument("--only", choices=["dense", "moe", "deepseek"], help="benchmark one checkpoint only")
     p.add_argument("--repeats", type=int, default=5, help="runs of each stage (median time, worst peak)")
     p.add_argument("--workdir", default=None, help="scratch directory (default: a temp dir)")
     p.add_argument("--child", nargs=3, help=argparse.SUPPRESS)
@@ -251,7 +298,8 @@ def main() -> None:
 
     work = Path(args.workdir or tempfile.mkdtemp(prefix="bench_conversion_"))
     result = {}
-    for name, config in (("dense", _dense_config(args)), ("moe", _moe_config(args))):
+    cases = (("dense", _dense_config(args)), ("moe", _moe_config(args)), ("deepseek", _deepseek_config(args)))
+    for name, config in cases:
         if args.only in (None, name):
             shutil.rmtree(work / name, ignore_errors=True)
             result[name] = _bench(name, config, work / name, args.repeats)

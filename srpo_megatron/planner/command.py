@@ -13,8 +13,8 @@ optimizer], ``model.params_dtype`` [auto: bf16], ``parallel.offload_during_rollo
 ``parallel.teacher_offload`` and ``parallel.teacher_fp32`` (see memory.py for which of these the
 trainer implements today). "auto" resolves as on a GPU machine, which is what is planned. The model's
 HF config is read from ``model.hf_dir``; when that folder is not on this machine (a cluster path) and
-its name is one of the packaged Qwen3 configs (``planner/hf_configs/``), the packaged config is used
-and named in the output.
+its name is one of the packaged configs (``planner/hf_configs/``: Qwen3, DeepSeek-V3, GLM-4.5, GLM-4.5-Air,
+gpt-oss-20b/120b; the hub's config.json files), the packaged config is used and named in the output.
 """
 
 from __future__ import annotations
@@ -27,8 +27,22 @@ from pathlib import Path
 from typing import Any
 
 from srpo_megatron.config import ConfigError, TrainConfig, load_cluster, load_recipe
-from srpo_megatron.planner.memory import GiB, Plan, PlanSettings, fitting_layouts, plan_layout
-from srpo_megatron.planner.model import Layout, ModelShape, PlanError
+from srpo_megatron.planner.memory import (
+    SGLANG_SWA_FULL_TOKENS_RATIO,
+    GiB,
+    Plan,
+    PlanSettings,
+    fitting_layouts,
+    plan_layout,
+)
+from srpo_megatron.planner.model import (
+    Layout,
+    ModelShape,
+    PlanError,
+    active_params,
+    mtp_params,
+    router_buffer_elements,
+)
 
 HF_CONFIG_DIR = Path(__file__).with_name("hf_configs")
 EXIT_DOES_NOT_FIT = 3
@@ -97,6 +111,11 @@ def settings_from_recipe(
         engine_tp=int(kwargs.get("tp_size", 1)),
         engine_mem_fraction=float(kwargs.get("mem_fraction_static", 0.6)),
         rollout_seq_len=cfg.data.max_prompt_tokens + roll.max_new_tokens,
+        engine_swa_ratio=(
+            None
+            if kwargs.get("disable_hybrid_swa_memory")
+            else float(kwargs.get("swa_full_tokens_ratio", SGLANG_SWA_FULL_TOKENS_RATIO))
+        ),
     )
     return shape, settings, source
 
@@ -115,12 +134,38 @@ def plan_recipe(
     return plan, fitting_layouts(shape, replace(settings), gpus), source
 
 
+def model_notes(shape: ModelShape | None) -> list[str]:
+    """What the parameter count includes and leaves out (MoE active share, buffers, MTP, hub dtype)."""
+    notes: list[str] = []
+    if shape is None:
+        return notes
+    if shape.is_moe:
+        notes.append(f"  active per token: {active_params(shape) / 1e9:.2f} B (embeddings included)")
+    if shape.router_expert_bias:
+        notes.append(
+            f"  not parameters: {router_buffer_elements(shape)} fp32 expert-bias buffer elements (no "
+            "gradient or optimizer state; frozen unless moe.expert_bias_update_rate > 0)"
+        )
+    if shape.mtp_layers:
+        notes.append(
+            f"  not in the policy: {shape.mtp_layers} MTP layer(s), {mtp_params(shape) / 1e9:.2f} B params "
+            "(skipped on import, re-emitted on export)"
+        )
+    if shape.hub_quantization:
+        notes.append(
+            f"  hub weights are {shape.hub_quantization}: planned as bf16 (the policy trains bf16 and the "
+            "engine receives its bf16 weights)"
+        )
+    return notes
+
+
 def format_plan(plan: Plan, ranked: list[Plan], source: str) -> str:
     """The human-readable table."""
     m = plan.stage
     gib = lambda b: f"{b / GiB:8.2f}"  # noqa: E731
     lines = [
         f"model {plan.model}: {plan.policy_params / 1e9:.2f} B params ({source})",
+        *model_notes(plan.shape),
         f"layout {plan.layout.label()}; worst pipeline stage {m.stage}; GiB per GPU:",
         f"  {'component':32s}{'train':>8s}{'rollout':>9s}",
     ]
@@ -134,6 +179,9 @@ def format_plan(plan: Plan, ranked: list[Plan], source: str) -> str:
     lines.append(f"resident across phases: {', '.join(m.resident) or 'nothing'}")
     if plan.settings.engine == "colocated":
         lines.append(f"engine KV cache: {m.kv_tokens} tokens per engine GPU")
+    if plan.engine_gpu:
+        parts = ", ".join(f"{k} {v / GiB:.2f}" for k, v in plan.engine_gpu.items())
+        lines.append(f"separate engine, GiB per GPU: {parts}; KV cache {plan.engine_kv_tokens} tokens")
     verdict = "FITS" if plan.fits else "DOES NOT FIT"
     lines.append(
         f"peak {plan.peak_bytes / GiB:.2f} GiB ({m.peak_phase}) of {plan.gpu_bytes / GiB:.2f} GiB: {verdict}"
@@ -186,6 +234,9 @@ def plan_main(args: argparse.Namespace) -> int:
     if args.json:
         out = plan.to_json()
         out["config_source"] = source
+        out["active_params"] = active_params(plan.shape)
+        out["router_buffer_elements"] = router_buffer_elements(plan.shape)
+        out["mtp_params_excluded"] = mtp_params(plan.shape)
         out["fitting_layouts"] = [{"layout": p.layout.label(), "peak_bytes": p.peak_bytes} for p in ranked]
         print(json.dumps(out, indent=2))
     else:

@@ -21,10 +21,12 @@ Options (``PlanSettings``), and which the trainer implements today:
   (the bf16 teacher in host memory between its forwards) and ``offload_during_rollout`` (grads,
   optimizer state and teacher leave the GPU while the engine runs; trainer/offload.py, whose resident
   bytes per component equal this plan's, tests/dist/test_offload.py), colocated SGLang that releases its
-  memory for training, no activation recompute (``recompute: none``), micro-batches padded to
+  memory for training, SGLang engines on nodes of their own (``placement: separate``: their GPU is
+  planned too, ``separate_engine_memory``), activation recompute (``recompute: none|full``;
+  ``selective`` is planned as ``none``: an upper bound, the estimate already leaves out what
+  core-attention recompute drops), ``sequence_parallel``, micro-batches padded to
   ``model.max_sequence_length``, ``cp`` (each rank holds 1/CP of every packed sequence; the trainer needs
-  packing for it), ``ep``/``etp`` (MoE, trainer/moe_replay.py);
-- modelled ahead of the trainer: ``recompute: selective|full`` and ``sequence_parallel``. The planner
+  packing for it), ``ep``/``etp`` (MoE, trainer/moe_replay.py). The planner
   models only keys the trainer's ``TrainConfig`` accepts (tests/unit/test_planner_recipe.py).
 
 Activations per layer and token follow what megatron's local layer spec saves for backward (measured
@@ -32,7 +34,14 @@ with saved-tensor hooks in tests/unit/test_planner.py): 6·H for the norms and r
 sequence parallelism), 5·q + 4·kv for attention (fused QKV output, q/k norms and RoPE, flash-style
 attention output, output-projection input), 5·F for SwiGLU, all ÷TP; MoE layers replace 5·F with the
 router's input and fp32 scores and, for each of the top-k routes, the permuted input, 5·Fe and the expert
-output. Full recompute keeps each layer's input plus one layer's working set during its backward.
+output, plus 5·Fs for the shared experts (DeepSeek-V3, GLM-4.5). MLA layers (DeepSeek-V3): the latents of
+the replicated down projections and their norms, then per head q, k, v, the attention output and the
+projection input (0.9 of autograd's count on a tiny DeepSeek-V3; GLM-4.5's MoE 1.0, MoE at TP2 / EP2 under
+sequence parallelism within 15%: tests/dist/test_planner_activations.py). Full recompute keeps each
+layer's input plus one layer's working set during its backward.
+
+The engine's KV cache follows SGLang's pools (``kv_bytes_per_token``): K and V per KV head, one latent per
+token and layer for MLA, and the hybrid sliding-window pool for gpt-oss.
 Transformer Engine fuses norms into the linears and saves a little less: the estimate is an upper bound.
 """
 
@@ -67,6 +76,9 @@ ENGINE_RELEASED_BYTES = 1 * GiB
 LOSS_CHUNK_BYTES = 3 * 128 * 1024**2
 # [T, V/TP] tensors alive at the loss: the logits, their gathered rows, the masked rows and the gradient.
 LOGITS_COPIES = 4
+# SGLang's default ``swa_full_tokens_ratio`` (sglang/srt/arg_groups/fields/schedule.py): the SWA pool holds
+# this share of the full pool's tokens.
+SGLANG_SWA_FULL_TOKENS_RATIO = 0.8
 
 Recompute = Literal["none", "selective", "full"]
 TeacherFp32 = Literal["none", "full", "sharded"]
@@ -95,6 +107,8 @@ class PlanSettings:
     engine_tp: int = 1  # SGLang tp_size (GPUs one engine spans)
     engine_mem_fraction: float = 0.6  # SGLang mem_fraction_static
     rollout_seq_len: int = 4096  # longest prompt + response the engine must hold in its KV cache
+    # SGLang swa_full_tokens_ratio for sliding-window models (None: disable_hybrid_swa_memory, one pool)
+    engine_swa_ratio: float | None = SGLANG_SWA_FULL_TOKENS_RATIO
 
 
 @dataclass
@@ -127,6 +141,9 @@ class Plan:
     stage: StageMemory  # the worst pipeline stage
     gpu_bytes: int
     problems: list[str]  # why it does not fit (empty when it fits)
+    shape: ModelShape | None = None  # the planned model
+    engine_gpu: dict[str, int] = field(default_factory=dict)  # a separate engine's GPU: bytes per component
+    engine_kv_tokens: int = 0  # tokens a separate engine's KV cache holds per GPU
 
     @property
     def fits(self) -> bool:
@@ -160,6 +177,8 @@ class Plan:
             "components": {"train": self.stage.train, "rollout": self.stage.rollout},
             "resident": self.stage.resident,
             "kv_cache_tokens": self.stage.kv_tokens,
+            "separate_engine_gpu": self.engine_gpu,
+            "separate_engine_kv_tokens": self.engine_kv_tokens,
             "overflow": self.overflow,
             "problems": self.problems,
         }
@@ -168,13 +187,26 @@ class Plan:
 def layer_activation_elements(shape: ModelShape, layout: Layout, sp: bool, moe: bool) -> tuple[float, float]:
     """(elements in the params dtype, fp32 elements) one layer saves per token of a micro-batch."""
     tp, h = layout.tp, shape.hidden_size
-    q, kv = shape.num_heads * shape.head_dim, shape.num_kv_heads * shape.head_dim
-    main = 6 * h / (tp if sp else 1) + (5 * q + 4 * kv) / tp
-    fp32 = 2 + (2 * shape.num_heads + shape.num_kv_heads) / tp  # norm rstd's, attention log-sum-exp
+    seq = tp if sp else 1  # what sequence parallelism splits
+    if shape.is_mla:
+        # MLA (roughly): the replicated down projections' latents and their norms (split by SP, as their
+        # input), then per head q, k (RoPE part broadcast), v, the attention output and the projection input.
+        heads, hd, d_v = shape.num_heads, shape.head_dim, shape.v_head_dim
+        latents = 2 * shape.q_lora_rank + 2 * (shape.kv_lora_rank + shape.qk_rope_head_dim)
+        main = 6 * h / seq + latents / seq + heads * (4 * hd + (hd - shape.qk_rope_head_dim) + 3 * d_v) / tp
+        fp32 = 4 + heads / tp  # norm rstd's (two latent norms too), attention log-sum-exp
+    else:
+        q, kv = shape.num_heads * shape.head_dim, shape.num_kv_heads * shape.head_dim
+        main = 6 * h / seq + (5 * q + 4 * kv) / tp
+        fp32 = 2 + (2 * shape.num_heads + shape.num_kv_heads) / tp  # norm rstd's, attention log-sum-exp
     if moe:
+        # Under sequence parallelism each TP rank routes its own s/TP tokens (megatron folds TP into the
+        # expert-parallel group) and an expert-TP group gathers its ETP ranks' tokens: ETP/TP of them.
+        routed = layout.etp / tp if sp else 1.0
         fe = shape.moe_ffn_hidden_size / layout.etp
-        main += h / (tp if sp else 1) + shape.moe_topk * (2 * h + 5 * fe)
-        fp32 += 2 * shape.num_experts  # router logits and probabilities
+        main += h / seq + routed * shape.moe_topk * (2 * h + 5 * fe)
+        main += 5 * shape.shared_ffn_hidden_size / tp  # the shared experts: a dense SwiGLU
+        fp32 += 2 * shape.num_experts / seq  # router logits and probabilities of this rank's tokens
     else:
         main += 5 * shape.ffn_hidden_size / tp
     return main, fp32
@@ -243,7 +275,32 @@ def plan_layout(shape: ModelShape, s: PlanSettings, exact: bool = True) -> Plan:
             f"{s.rollout_seq_len}: raise mem_fraction_static or the engine's tp_size, or offload during "
             "rollouts"
         )
-    return Plan(shape.name, layout, s, total_params(shape), worst, s.gpu_bytes, problems)
+    engine_gpu, engine_kv = separate_engine_memory(shape, s) if s.engine == "separate" else ({}, 0)
+    if engine_gpu and (engine_kv < s.rollout_seq_len or sum(engine_gpu.values()) > s.gpu_bytes):
+        problems.append(
+            f"a separate engine of tp_size {s.engine_tp} holds {engine_gpu['engine weights'] / GiB:.1f} GiB "
+            f"of bf16 weights per GPU and {engine_kv} KV tokens (mem_fraction_static "
+            f"{s.engine_mem_fraction}), less than one sequence of {s.rollout_seq_len} or more than the "
+            f"GPU's {s.gpu_bytes / GiB:.1f} GiB: raise the engine's tp_size or mem_fraction_static"
+        )
+    return Plan(
+        shape.name, layout, s, total_params(shape), worst, s.gpu_bytes, problems, shape, engine_gpu, engine_kv
+    )
+
+
+def separate_engine_memory(shape: ModelShape, s: PlanSettings) -> tuple[dict[str, int], int]:
+    """(bytes per component, KV tokens) of one GPU of an SGLang engine on nodes of its own
+    (``rollout.placement: separate``): SGLang takes ``mem_fraction_static`` of the GPU for its weights and
+    KV pool, so the pool is what the bf16 weights (1/tp_size of the model) leave of it."""
+    weights = engine_weight_bytes(shape, s.engine_tp)
+    kv = max(0, int(s.engine_mem_fraction * s.gpu_bytes) - weights)
+    parts = {
+        "engine weights": weights,
+        "engine KV cache": kv,
+        "engine workspace": ENGINE_WORKSPACE_BYTES,
+        "CUDA contexts": CONTEXT_BYTES,
+    }
+    return parts, kv // kv_bytes_per_token(shape, s.engine_tp, s.engine_swa_ratio)
 
 
 def _buffers(shape: ModelShape, s: PlanSettings, stage: int, exact: bool = True) -> tuple[int, int]:
@@ -315,20 +372,53 @@ def _stage_memory(
     m.resident = [n for n in keep if r[n] > 0]
     r["CUDA contexts"] = t["CUDA contexts"]
     if s.engine == "colocated":
-        weights = 2 * total_params(shape) // s.engine_tp
+        weights = engine_weight_bytes(shape, s.engine_tp)
         taken = sum(r.values())
         kv = max(0, int(s.engine_mem_fraction * s.gpu_bytes) - taken - weights)
         r["engine weights"] = weights
         r["engine KV cache"] = kv
         r["engine workspace"] = ENGINE_WORKSPACE_BYTES
-        m.kv_tokens = kv // kv_bytes_per_token(shape, s.engine_tp)
+        m.kv_tokens = kv // kv_bytes_per_token(shape, s.engine_tp, s.engine_swa_ratio)
     return m
 
 
-def kv_bytes_per_token(shape: ModelShape, engine_tp: int) -> int:
-    """bf16 K and V of all layers for one token on one engine GPU (KV heads replicated when TP > heads)."""
+def engine_weight_bytes(shape: ModelShape, engine_tp: int) -> int:
+    """bf16 weight bytes of one engine GPU: the model over ``tp_size`` GPUs, except what SGLang replicates
+    on every rank: MLA's latent down projections (``fused_qkv_a_proj_with_mqa``, a ``ReplicatedLinear`` in
+    sglang/srt/models/deepseek_v2.py) with their norms, and every MoE layer's router (``MoEGate``)."""
+    replicated = 0
+    if shape.is_mla:
+        latent = shape.q_lora_rank + shape.kv_lora_rank + shape.qk_rope_head_dim
+        replicated += shape.num_layers * (latent * shape.hidden_size + shape.q_lora_rank + shape.kv_lora_rank)
+    if shape.is_moe:
+        moe_layers = sum(shape.is_moe_layer(i) for i in range(shape.num_layers))
+        replicated += moe_layers * shape.num_experts * shape.hidden_size
+    return 2 * ((total_params(shape) - replicated) // engine_tp + replicated)
+
+
+def kv_bytes_per_token(shape: ModelShape, engine_tp: int, swa_ratio: float | None = None) -> int:
+    """bf16 KV-cache bytes per token of the engine's (full) pool on one engine GPU, by SGLang's pools.
+
+    - Standard attention (SGLang ``MHATokenToKVPool``, sglang/srt/mem_cache/memory_pool.py): K and V of
+      every layer, ``2 · kv_heads/TP · head_dim`` values (KV heads replicated when TP > heads).
+    - MLA (DeepSeek-V3; SGLang ``MLATokenToKVPool`` in the same file): ONE latent per token and layer,
+      ``kv_lora_rank + qk_rope_head_dim`` values (512 + 64 = 576), not per head, and the same on every TP
+      rank (the latent is not split by heads; SGLang's DP attention, which would divide it, is not
+      planned).
+    - Sliding-window layers (gpt-oss, which SGLang treats as a hybrid-SWA architecture: ``SWAKVPool``,
+      sglang/srt/mem_cache/swa_memory_pool.py, sized in sglang/srt/model_executor/pool_configurator.py):
+      each full token costs its full layers' KV plus ``swa_ratio`` (``swa_full_tokens_ratio``, default 0.8)
+      times the sliding layers' KV, since the SWA pool holds that share of the full pool's tokens.
+      ``swa_ratio=None`` (``disable_hybrid_swa_memory``) keeps every layer in the full pool.
+    """
+    if shape.is_mla:
+        return shape.num_layers * (shape.kv_lora_rank + shape.qk_rope_head_dim) * 2
     heads = max(1, shape.num_kv_heads // engine_tp)
-    return 2 * shape.num_layers * heads * shape.head_dim * 2
+    per_layer = 2 * heads * shape.head_dim * 2
+    sliding = sum(shape.is_sliding_layer(i) for i in range(shape.num_layers))
+    if swa_ratio is None:
+        return shape.num_layers * per_layer
+    return int((shape.num_layers - sliding) * per_layer + swa_ratio * sliding * per_layer)
 
 
 def candidate_layouts(shape: ModelShape, world: int, gpus_per_node: int, seq_len: int) -> list[Layout]:

@@ -28,6 +28,7 @@ def meta_stage_params(hf_config: Any, layout: Layout, stage: int) -> list[tuple[
     from megatron.core.models.gpt import GPTModel
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
+    from srpo_megatron.compat.cpu import cpu_compat_active, disable_cpu_compat, enable_cpu_compat
     from srpo_megatron.config import MoEConfig
     from srpo_megatron.models.architecture import Architecture
     from srpo_megatron.models.policy import decoder_spec, transformer_config_from_hf
@@ -41,6 +42,7 @@ def meta_stage_params(hf_config: Any, layout: Layout, stage: int) -> list[tuple[
     # Rank order tp-cp-ep-dp-pp: the first rank of stage s is s * (world / pp).
     rank = stage * (built.world // built.pp)
     dist.init_process_group("fake", rank=rank, world_size=built.world, store=FakeStore())
+    compat = False
     try:
         ps.initialize_model_parallel(
             tensor_model_parallel_size=built.tp,
@@ -61,6 +63,9 @@ def meta_stage_params(hf_config: Any, layout: Layout, stage: int) -> list[tuple[
             perform_initialization=False,  # shapes only: no init kernels on meta tensors
         )
         spec = decoder_spec(arch, config, use_te=False)
+        # The router's expert-bias buffer is made on torch.cuda.current_device(): on a CPU machine the
+        # project's CUDA-as-CPU layer answers it (the buffer lands on CPU; it is no parameter anyway).
+        compat = not cpu_compat_active() and enable_cpu_compat()
         with torch.device("meta"):
             model = GPTModel(
                 config=config,
@@ -84,5 +89,7 @@ def meta_stage_params(hf_config: Any, layout: Layout, stage: int) -> list[tuple[
             for name, p in model.named_parameters()
         ]
     finally:
+        if compat:
+            disable_cpu_compat()
         ps.destroy_model_parallel()
         dist.destroy_process_group()

@@ -1,5 +1,5 @@
-"""The Qwen3-MoE recipes load strictly, their layouts fit the models they name, and `srpo launch --dryrun`
-accepts them; the ``moe:`` keys validate with a named error."""
+"""The MoE recipes (Qwen3-MoE, GLM-4.5-Air, gpt-oss-20b) load strictly, their layouts fit the models they
+name, and `srpo launch --dryrun` accepts them; the ``moe:`` keys validate with a named error."""
 
 from __future__ import annotations
 
@@ -19,7 +19,9 @@ REPO = Path(__file__).resolve().parents[2]
 RECIPES = [
     ("examples/qwen3_30b_a3b_srpo.yaml", 2, 48, 128, 4, 768),
     ("examples/qwen3_235b_a22b_srpo.yaml", 32, 94, 128, 4, 1536),
-]
+    ("examples/glm45_air_srpo.yaml", 8, 46, 128, 8, 1408),
+    ("examples/gpt_oss_20b_srpo.yaml", 2, 24, 32, 8, 2880),
+]  # DeepSeek-V3 (61 layers on PP4, an engine across nodes): tests/unit/test_planner_families.py
 
 
 @pytest.fixture(autouse=True)

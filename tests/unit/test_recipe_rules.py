@@ -53,7 +53,12 @@ def test_every_recipe_loads_to_exactly_the_config_it_had_before_the_shrink(name)
 
 
 # Recipes written after the snapshot (each inherits a recorded one).
-ADDED_RECIPES = {"qwen3_8b_srpo_async.yaml"}
+ADDED_RECIPES = {
+    "qwen3_8b_srpo_async.yaml",
+    "deepseek_v3_srpo.yaml",
+    "glm45_air_srpo.yaml",
+    "gpt_oss_20b_srpo.yaml",
+}
 
 
 def test_every_example_recipe_is_recorded():
