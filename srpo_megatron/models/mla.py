@@ -152,6 +152,25 @@ class MLASelfAttentionWholeKVDown(MLASelfAttention):
 
         linear.forward = whole
 
+    def _resolve_qk_norm_config(self, submodules) -> dict[str, Any]:
+        """megatron-core >= 0.19 (0.16.1 has no such hook): the spec's projections and latent norms as given.
+
+        megatron's resolver (``mla_qk_norm_config``) ties the latent norms to ``config.qk_layernorm``: off, it
+        refuses ``kv_layernorm``; on, it wants a fused norm+linear ``linear_q_proj`` without q compression
+        (a norm HF's ``q_proj`` does not have, and that the local spec cannot build), and
+        ``finalize_model_grads`` then sums the replicated ``q_layernorm`` gradient over TP, which is already
+        whole without sequence parallelism. HF's MLA has exactly ``q_a_layernorm`` (with q compression) and
+        ``kv_a_layernorm``, which is what the policy's spec says."""
+        from megatron.core.transformer.identity_op import IdentityOp
+
+        return dict(
+            linear_q_proj=submodules.linear_q_proj,
+            linear_q_up_proj=submodules.linear_q_up_proj,
+            linear_kv_up_proj=submodules.linear_kv_up_proj,
+            q_layernorm=submodules.q_layernorm if self.config.q_lora_rank is not None else IdentityOp,
+            kv_layernorm=submodules.kv_layernorm,
+        )
+
 
 def with_mla_attention(spec: ModuleSpec, *, use_te: bool, sequence_parallel: bool) -> ModuleSpec:
     """``spec`` (a layer spec built for the MLP) with megatron's MLA self-attention and its input norm.
