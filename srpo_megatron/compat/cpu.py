@@ -296,7 +296,8 @@ def mark_te_absent_for_mla() -> bool:
     in TE's place), so ``TELinear`` is a MagicMock instance and ``MLASelfAttention.__init__`` raises
     ``TypeError: isinstance() arg 2 must be a type`` on ``isinstance(self.linear_proj, TELinear)``. False is
     what megatron's own import fallback means. Not CPU-specific: any TE-less process building MLA needs it.
-    ``tests/unit/test_cpu_compat_moe.py`` fails once megatron decides this itself.
+    megatron-core 0.19.2 reads TE's absence itself; ``tests/unit/test_deepseek_mla_rules.py`` pins which
+    versions need the shim and fails when one changes.
     """
     from megatron.core.extensions import transformer_engine as te_ext
     from megatron.core.transformer import multi_latent_attention as mla

@@ -155,3 +155,30 @@ def test_default_rope_mla_turns_rope_fusion_off():
     cfg = mla_transformer_config(plain, base)
     assert cfg.rope_type == "rope" and cfg.apply_rope_fusion is False
     assert mla_transformer_config(arch, base).apply_rope_fusion is True
+
+
+# megatron-core versions whose multi_latent_attention takes HAVE_TE = True without Transformer Engine (its
+# TELinear then is a MagicMock and MLASelfAttention raises TypeError): mark_te_absent_for_mla's reason.
+MLA_HAVE_TE_WITHOUT_TE = {(0, 16, 1): True, (0, 19, 2): False}
+
+
+def test_mla_have_te_shim_is_needed_exactly_where_megatron_misreads_te():
+    """A fresh process: on a version that needs it the shim flips HAVE_TE once; where megatron reads TE's
+    absence itself (0.19.2) it changes nothing. Fails when a pinned version changes its mind."""
+    import subprocess
+    import sys
+
+    from srpo_megatron.compat.mcore import mcore_version
+
+    version = mcore_version()
+    if version not in MLA_HAVE_TE_WITHOUT_TE:
+        pytest.skip(f"megatron-core {version} is not pinned in {sorted(MLA_HAVE_TE_WITHOUT_TE)}")
+    code = (
+        "import megatron.core.transformer.multi_latent_attention as m\n"
+        "from srpo_megatron.compat.cpu import mark_te_absent_for_mla\n"
+        "print(bool(getattr(m, 'HAVE_TE', False)), mark_te_absent_for_mla(), mark_te_absent_for_mla())\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-2000:]
+    needed = MLA_HAVE_TE_WITHOUT_TE[version]
+    assert out.stdout.split()[-3:] == [str(needed), str(needed), "False"], out.stdout
