@@ -113,7 +113,7 @@ def test_three_srpo_steps_at_ep2_replay_the_engines_experts(tiny, runs, tmp_path
 
 
 def test_without_replay_the_mismatch_shows(runs):
-    ep1_dir, ep2_dir, off_dir = runs
+    _, ep2_dir, off_dir = runs
     (off,) = _metrics(off_dir)
     on = _metrics(ep2_dir)[0]
     assert off["reward/mean"] == on["reward/mean"], "same engine, same seed: the same rollouts"
