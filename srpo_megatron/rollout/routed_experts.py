@@ -40,8 +40,17 @@ def decode_sglang_routed_experts(payload: str) -> torch.Tensor:
     return torch.from_numpy(raw.copy())
 
 
-def as_token_layer_topk(ids: torch.Tensor, num_layers: int, top_k: int, tokens: int) -> torch.Tensor:
-    """An engine's ids (flat or shaped) -> ``[tokens, layers, top_k]`` int64, checked against the model."""
+def as_token_layer_topk(
+    ids: torch.Tensor, num_layers: int, top_k: int, tokens: int, fused_shared: int = 0
+) -> torch.Tensor:
+    """An engine's ids (flat or shaped) -> ``[tokens, layers, top_k]`` int64, checked against the model.
+
+    ``fused_shared``: the model's shared experts (GLM-4.5, DeepSeek-V3). SGLang may fuse them into its
+    routed-expert kernel (shared-experts fusion, on by default where supported), and then reports
+    ``top_k + fused_shared`` ids per (token, layer): the routed ones first, then the shared expert's id
+    (or -1). Such a report is accepted and its routed columns are kept."""
+    if fused_shared and ids.numel() == tokens * num_layers * (top_k + fused_shared):
+        return ids.reshape(tokens, num_layers, top_k + fused_shared)[..., :top_k].long()
     per_token = num_layers * top_k
     if ids.numel() != tokens * per_token:
         raise ValueError(
