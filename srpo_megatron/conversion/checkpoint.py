@@ -415,7 +415,9 @@ def megatron_to_hf(
 ) -> Path:
     """Export the policy of a converter or trainer checkpoint to an HF folder loadable by transformers.
     MTP layers (GLM-4.5, DeepSeek-V3) are copied unchanged from ``mtp_from`` or the HF folder the checkpoint
-    records (``conversion/mtp.py``) when it has them."""
+    records (``conversion/mtp.py``) when it has them; the routers' expert biases stay fp32."""
+    from srpo_megatron.conversion.weights import EXPERT_BIAS_SUFFIX
+
     ckpt_dir = Path(ckpt_dir)
     if not (ckpt_dir / HF_CONFIG_NAME).is_file():
         raise FileNotFoundError(
@@ -437,10 +439,20 @@ def megatron_to_hf(
             plan = [(h, table.hf_shape(h)) for n in table.megatron_names() for h in table.hf_names_for(n)]
         mtp_reader, mtp = _mtp_source(arch, ckpt_dir, mtp_from, progress)
         plan += [(h, mtp_reader.shape(h)) for h in mtp]
+        # Written in their own dtype whatever the export's: the routers' expert biases in fp32 (HF and SGLang
+        # hold them in fp32 and the hub ships them so; bf16 would move near-tied choices), the MTP layers
+        # as the source has them (unchanged).
+        keep = {
+            h: torch.float32
+            for n in table.megatron_names()
+            if n.endswith(EXPERT_BIAS_SUFFIX)
+            for h in table.hf_names_for(n)
+        }
+        keep.update({h: mtp_reader.get(h).dtype for h in mtp})
         by_name = {params[pid][0]: (params[pid][1], group) for pid, group in groups.items()}
         progress(f"exporting {ckpt_dir} ({arch.model_type}, {stored} -> {out_dtype})")
         reader = TorchDistReader(ckpt_dir)
-        writer = PlannedSafetensorsWriter(tmp, plan, out_dtype, max_shard_bytes)
+        writer = PlannedSafetensorsWriter(tmp, plan, out_dtype, max_shard_bytes, dtypes=keep)
         with plain_torch_ops():
             try:
                 for i, name in enumerate(table.megatron_names()):
@@ -449,11 +461,11 @@ def megatron_to_hf(
                     param, group = by_name[name]
                     full = _read_param(reader, param, group)
                     for hf_name, tensor in table.to_hf(name, full):
-                        writer.write(hf_name, tensor.to(out_dtype))
+                        writer.write(hf_name, tensor.to(keep.get(hf_name, out_dtype)))
                     if (i + 1) % 50 == 0:
                         progress(f"exported {i + 1}/{len(by_name)} megatron tensors")
-                for h in mtp:  # unchanged: same name, same values (cast only to the export dtype)
-                    writer.write(h, mtp_reader.get(h).to(out_dtype))
+                for h in mtp:  # unchanged: same name, same values, same dtype
+                    writer.write(h, mtp_reader.get(h))
             finally:
                 reader.close()
                 if mtp_reader is not None:

@@ -123,3 +123,23 @@ def test_converted_checkpoint_loads_with_the_hf_logits(glm_folder, tmp_path, lay
     [(logits, _)] = run_moe_layout(layout, [case], backward=False)
     for got, want in zip(logits, ref, strict=True):
         assert (got[..., : want.shape[-1]] - want).abs().max().item() <= 1e-5
+
+
+def bf16_worker(rank, world, src, mg, dst):
+    from srpo_megatron.conversion.checkpoint import hf_to_megatron, megatron_to_hf
+
+    hf_to_megatron(src, mg, dtype=torch.bfloat16, progress=lambda _: None)
+    megatron_to_hf(mg, dst, progress=lambda _: None)
+
+
+def test_bf16_round_trip_keeps_the_expert_bias_and_mtp_exact(glm_folder, tmp_path):
+    """A bf16 checkpoint and its export: the fp32 e_score_correction_bias and the MTP layer come back bit
+    for bit (never through bf16), every other tensor is the source cast to bf16."""
+    mg, back = tmp_path / "mg", tmp_path / "back"
+    run_distributed(bf16_worker, 1, str(glm_folder), str(mg), str(back), timeout=300)
+    src, got = read_hf_tensors(glm_folder), read_hf_tensors(back)
+    assert sorted(src) == sorted(got)
+    for name, want in src.items():
+        keep = name.endswith("e_score_correction_bias") or name.startswith(f"model.layers.{NUM_LAYERS}.")
+        want = want if keep else want.to(torch.bfloat16)
+        assert got[name].dtype == want.dtype and torch.equal(got[name], want), name
