@@ -124,3 +124,36 @@ def test_sglang_gate_keeps_the_bias_in_fp32():
         pytest.skip(f"sglang {REAL.version}: glm4_moe does not import: {REAL.errors}")
     src = inspect.getsource(module.Glm4MoeGate.__init__)
     assert "e_score_correction_bias" in src and "torch.float32" in src
+
+
+def test_sglang_real_decodes_the_glm_policys_sync_with_an_fp32_bias(tmp_path):
+    """The megatron GLM policy's colocated sync (fp32, then bf16) into a TP2 stand-in: SGLang's decoder gives
+    every TP rank the checkpoint's tensors bit for bit, and in the bf16 sync the expert biases stay fp32."""
+    from transformers import AutoModelForCausalLM
+
+    from srpo_megatron.testing.distributed import run_distributed
+    from srpo_megatron.testing.sglang_standin import SGLangStandInServer
+    from srpo_megatron.testing.tiny import write_tiny_glm_moe
+    from tests.sglang_real.test_sglang_real import file_tensors, policy_sync_worker
+
+    if REAL.utils is None or REAL.tensor_bucket is None:
+        pytest.skip(f"sglang {REAL.version}: utils/tensor_bucket do not import: {REAL.errors}")
+    folder = write_tiny_glm_moe(tmp_path / "glm")
+    files = file_tensors(folder)
+    server = SGLangStandInServer(AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32), tp_size=2)
+    try:
+        (served,) = run_distributed(
+            policy_sync_worker, 1, str(folder), server.url, sorted(files), timeout=600
+        )
+        assert served == 2
+        versions = [b["weight_version"] for p, b in server.bodies if p == "/update_weights_from_tensor"]
+        for version, dtype in (("1", torch.float32), ("2", torch.bfloat16)):
+            updates = [u for v, u in zip(versions, server.tensor_updates, strict=True) if v == version]
+            for rank in range(2):
+                got = {n: t for update in updates for n, t in update[rank]}
+                assert set(got) == set(files)
+                for name, t in got.items():
+                    want = files[name] if name.endswith("e_score_correction_bias") else files[name].to(dtype)
+                    assert t.dtype == want.dtype and torch.equal(t, want), name
+    finally:
+        server.close()
