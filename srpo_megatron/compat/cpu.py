@@ -5,8 +5,9 @@ absent, ``enable_cpu_compat()`` covers exactly those places and nothing else:
 
 1. Devices. ``torch.cuda.current_device()`` answers 0, and a ``TorchFunctionMode`` rewrites CUDA device
    arguments (``device="cuda"``, ``device=0``, ``torch.device("cuda")``, ``tensor.cuda()``,
-   ``tensor.to("cuda")``) to the CPU. Used by megatron for buffers, p2p shapes and the schedules'
-   ``total_num_tokens``.
+   ``tensor.to("cuda")``) to the CPU, and ``torch.device(0)`` / ``torch.device("cuda")`` built under the mode
+   are the CPU device. Used by megatron for buffers, p2p shapes, the schedules' ``total_num_tokens`` and
+   the default-device block of the YaRN RoPE of MLA (``with torch.device(torch.cuda.current_device())``).
 2. Type strings. ``clip_grad_by_total_norm_fp32`` and the distributed optimizer compare
    ``tensor.type()`` with ``'torch.cuda.FloatTensor'``-style names; the same mode answers a bare
    ``tensor.type()`` with the ``torch.cuda.`` name of the tensor's dtype.
@@ -64,6 +65,9 @@ class _CudaAsCpu(TorchFunctionMode):
                 return _cuda_type_name(args[0])
         if func is torch.Tensor.cuda:
             return args[0]
+        if func is torch.device and len(args) == 1 and not kwargs and _is_cuda_device(args[0]):
+            # ``with torch.device(torch.cuda.current_device()):`` (megatron's YarnRotaryEmbedding, MLA)
+            return torch.device("cpu")
         if "device" in kwargs and _is_cuda_device(kwargs["device"]):
             kwargs["device"] = "cpu"
         if func is torch.Tensor.to and len(args) > 1 and _is_cuda_device(args[1]):
@@ -278,4 +282,23 @@ def bind_missing_te_names() -> bool:
     if hasattr(moe_utils, "te_general_gemm"):
         return False
     moe_utils.te_general_gemm = None
+    return True
+
+
+def mark_te_absent_for_mla() -> bool:
+    """Set ``multi_latent_attention.HAVE_TE`` to False when Transformer Engine is absent; True if changed.
+
+    megatron-core 0.16.1's MLA module takes ``HAVE_TE = True`` as soon as
+    ``megatron.core.extensions.transformer_engine`` imports, which it does without TE (it puts a MagicMock
+    in TE's place), so ``TELinear`` is a MagicMock instance and ``MLASelfAttention.__init__`` raises
+    ``TypeError: isinstance() arg 2 must be a type`` on ``isinstance(self.linear_proj, TELinear)``. False is
+    what megatron's own import fallback means. Not CPU-specific: any TE-less process building MLA needs it.
+    ``tests/unit/test_cpu_compat_moe.py`` fails once megatron decides this itself.
+    """
+    from megatron.core.extensions import transformer_engine as te_ext
+    from megatron.core.transformer import multi_latent_attention as mla
+
+    if te_ext.HAVE_TE or not mla.HAVE_TE:
+        return False
+    mla.HAVE_TE = False
     return True

@@ -52,6 +52,7 @@ from collections.abc import Callable, Iterator, Mapping
 
 import torch
 
+from srpo_megatron.conversion import mla_rows
 from srpo_megatron.models.architecture import Architecture, UnsupportedModelError, padded_vocab_size
 
 
@@ -264,6 +265,31 @@ DEEPSEEK_MOE = (
     SHARED_FC2,
 )
 
+# DeepSeek-V3 Multi-head Latent Attention (layouts and TP splits: conversion/mla_rows.py). The q rows come in
+# two kinds: q compression (q_lora_rank set: MLA_Q_LORA) or one q projection (MLA_Q_PROJ).
+Q_ROPE = Transform("q_rope_layout", mla_rows.q_rope_in, mla_rows.q_rope_out, mla_rows.q_rope_pieces)
+KV_A_ROPE = Transform(
+    "kv_a_rope_layout", mla_rows.kv_a_rope_in, mla_rows.kv_a_rope_out, mla_rows.kv_a_rope_pieces
+)
+_A = _L + "self_attention."
+_HA = _H + "self_attn."
+MLA_Q_LORA = (
+    Row(_A + "linear_q_down_proj.weight", (_HA + "q_a_proj.weight",), IDENTITY, COLUMN),
+    Row(_A + "q_layernorm.weight", (_HA + "q_a_layernorm.weight",), IDENTITY, REPLICATED),
+    Row(_A + "linear_q_up_proj.weight", (_HA + "q_b_proj.weight",), Q_ROPE, COLUMN),
+)
+MLA_Q_PROJ = Row(_A + "linear_q_proj.weight", (_HA + "q_proj.weight",), Q_ROPE, COLUMN)
+MLA = (
+    LAYER[0],  # input norm
+    *MLA_Q_LORA,
+    MLA_Q_PROJ,
+    Row(_A + "linear_kv_down_proj.weight", (_HA + "kv_a_proj_with_mqa.weight",), KV_A_ROPE, COLUMN),
+    Row(_A + "kv_layernorm.weight", (_HA + "kv_a_layernorm.weight",), IDENTITY, REPLICATED),
+    Row(_A + "linear_kv_up_proj.weight", (_HA + "kv_b_proj.weight",), IDENTITY, COLUMN),
+    LAYER[2],  # o_proj
+    LAYER[3],  # pre-MLP norm
+)
+
 # The per-architecture tables. Optional rows (QKV bias on Llama with attention_bias, the untied output
 # layer) are switched by the Architecture in ConversionTable.
 LLAMA = (EMBEDDING, *LAYER, FINAL_NORM, OUTPUT)
@@ -274,9 +300,17 @@ QWEN3_MOE = (EMBEDDING, *ATTENTION, *QK_NORM, ROUTER, EXPERT_FC1, EXPERT_FC2, FI
 # (``use_qk_norm``; dropped when off), the DeepSeek-style MoE. The hub's MTP layers (``model.layers.{L..}``)
 # are not in the table: conversion skips them on import and re-emits them on export (conversion/mtp.py).
 GLM4_MOE = (EMBEDDING, *ATTENTION, QKV_BIAS, *QK_NORM, *DEEPSEEK_MOE, FINAL_NORM, OUTPUT)
-TABLES = {"llama": LLAMA, "qwen2": QWEN2, "qwen3": QWEN3, "qwen3_moe": QWEN3_MOE, "glm4_moe": GLM4_MOE}
-# DeepSeek-V3 (``deepseek_v3``) and gpt-oss (``gpt_oss``) tables are added by the work of issue 27;
-# DEEPSEEK_MOE above is their shared MoE part with GLM-4.5.
+# DeepSeek-V3/R1: MLA and the DeepSeek-style MoE; the MTP layers as for GLM-4.5.
+DEEPSEEK_V3 = (EMBEDDING, *MLA, *DEEPSEEK_MOE, FINAL_NORM, OUTPUT)
+TABLES = {
+    "llama": LLAMA,
+    "qwen2": QWEN2,
+    "qwen3": QWEN3,
+    "qwen3_moe": QWEN3_MOE,
+    "glm4_moe": GLM4_MOE,
+    "deepseek_v3": DEEPSEEK_V3,
+}
+# The gpt-oss (``gpt_oss``) table is added by the work of issue 27.
 
 # Transformer Engine / dist_checkpointing aliases of local-spec names.
 _ALIASES = (
@@ -359,6 +393,9 @@ class ConversionTable:
             rows.insert(last_layer_row + 1, QKV_BIAS)
         if arch.tie_embeddings:
             rows.remove(OUTPUT)
+        if arch.is_mla:  # q compression or one q projection
+            drop = MLA_Q_LORA if arch.q_lora_rank is None else (MLA_Q_PROJ,)
+            rows = [r for r in rows if r not in drop]
         self._rows: dict[str, Row] = {}
         for row in rows:
             layers = self._layers(row) if "{i}" in row.megatron else [None]
@@ -420,6 +457,8 @@ class ConversionTable:
         name = self.row(megatron_name).megatron
         qkv = (a.num_heads + 2 * a.num_kv_heads) * a.head_dim
         vocab = padded_vocab_size(a.vocab_size, tp)
+        if a.is_mla and (mla := mla_rows.mla_full_shape(a, name)) is not None:
+            return mla
         if ".mlp.shared_experts." in name:
             f = a.shared_expert_intermediate_size
             return (2 * f, a.hidden_size) if name.endswith("linear_fc1.weight") else (a.hidden_size, f)

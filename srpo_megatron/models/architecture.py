@@ -140,7 +140,8 @@ class Architecture:
 
     @property
     def is_moe(self) -> bool:
-        return self.num_experts > 0
+        """Some layer has an MoE MLP (none when first_k_dense_replace covers every layer)."""
+        return self.num_experts > 0 and self.first_dense_layers < self.num_layers
 
     @property
     def is_mla(self) -> bool:

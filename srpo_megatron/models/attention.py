@@ -49,6 +49,8 @@ class SDPACoreAttention(MegatronModule):
         softmax_scale: float | None = None,
         cp_comm_type: str | None = None,
         pg_collection=None,
+        k_channels: int | None = None,
+        v_channels: int | None = None,
     ):
         super().__init__(config=config)
         self.cp_group = (
@@ -60,11 +62,13 @@ class SDPACoreAttention(MegatronModule):
                 f"SDPACoreAttention does not implement attention dropout (got {dropout}); set it to 0"
             )
         self.attn_mask_type = attn_mask_type
-        self.softmax_scale = (
-            softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(config.kv_channels)
-        )
+        # MLA (models/mla.py) passes its q/k head width and its narrower v head width, as to megatron's
+        # DotProductAttention; the output holds v heads
+        k_channels = k_channels or config.kv_channels
+        v_channels = v_channels or config.kv_channels
+        self.softmax_scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(k_channels)
         tp = pg_collection.tp.size() if pg_collection is not None else config.tensor_model_parallel_size
-        self.hidden_size_per_partition = divide(config.kv_channels * config.num_attention_heads, tp)
+        self.hidden_size_per_partition = divide(v_channels * config.num_attention_heads, tp)
 
     def forward(
         self,

@@ -113,6 +113,10 @@ def transformer_config_from_hf(
         # megatron's MoE layer refuses TP > 1 in training without sequence parallelism.
         kwargs["sequence_parallel"] = tp > 1
     kwargs.update(overrides)
+    if arch.is_mla:  # DeepSeek-V3: megatron's MLA config (models/mla.py)
+        from srpo_megatron.models.mla import mla_transformer_config
+
+        return mla_transformer_config(arch, kwargs)
     return TransformerConfig(**kwargs)
 
 
@@ -133,7 +137,19 @@ def layer_spec(
     ``first_dense_layers`` layers of GLM-4.5 / DeepSeek-V3."""
     if use_te is None:
         use_te = transformer_engine_available()
-    experts = (arch.num_experts or None) if moe_layer is None or moe_layer else None
+    if arch.is_mla:  # DeepSeek-V3: the MLP part as for any architecture, MLA attention (models/mla.py)
+        from srpo_megatron.models.mla import with_mla_attention
+
+        spec = layer_spec(
+            dataclasses.replace(arch, kv_lora_rank=0, qk_norm=False),
+            use_te=use_te,
+            sequence_parallel=sequence_parallel,
+            moe_grouped_gemm=moe_grouped_gemm,
+            moe_layer=moe_layer,
+        )
+        return with_mla_attention(spec, use_te=use_te, sequence_parallel=sequence_parallel)
+    # a DeepSeek-V3 config with first_k_dense_replace = every layer is not MoE (Architecture.is_moe)
+    experts = arch.num_experts if arch.is_moe and moe_layer is not False else None
     if use_te:
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
 

@@ -14,6 +14,7 @@ module                                             what the tests take from it
 ``sglang.srt.managers.io_struct``                  the request classes (``GenerateReqInput`` ...)
 ``sglang.srt.models.qwen3`` / ``qwen3_moe``        ``load_weights`` (which names SGLang consumes)
 ``sglang.srt.models.glm4_moe``                     ``load_weights`` (GLM-4.5, DeepSeek-style MoE names)
+``sglang.srt.models.deepseek_v2``                  ``DeepseekV3ForCausalLM.load_weights`` (MLA names)
 =================================================  ===============================================
 
 The shim: SGLang imports ``torchvision`` at import time (0.5.15.post1: ``sglang.srt.utils.common``, so
@@ -124,7 +125,7 @@ _MODULES = {
     "server_args": "sglang.srt.server_args",
     "io_struct": "sglang.srt.managers.io_struct",
 }
-_MODELS = ("qwen3", "qwen3_moe", "glm4_moe")
+_MODELS = ("qwen3", "qwen3_moe", "glm4_moe", "deepseek_v2")
 
 
 @functools.cache

@@ -59,7 +59,6 @@ class JobResult:
     completions: list[list[Completion]] | None = None  # [prompt][sample]; None on failure
     error: str = ""
     seconds: float = 0.0  # busy seconds on the engine
-    version: int = 0  # the version the engine served when the job started
     aborted: int = 0  # generations aborted by a sync and continued with newer weights (partial)
 
 
@@ -207,7 +206,6 @@ class GenerationWorker:
         result = JobResult(job.dispatch)
         t0 = time.monotonic()
         engine, version = self._start()
-        result.version = version
         try:
             out = engine.generate(job.prompts, job.params) if job.prompts else []
             for group in out:

@@ -64,7 +64,6 @@ class EngineShare:
     completions: list[list[Completion]] | None = None  # [prompt][sample], None on failure
     seconds: float = 0.0
     error: str = ""
-    version: int = 0  # the version the engine served when the share started
     aborted: int = 0  # generations aborted by a sync and continued (partial rollouts)
 
 
@@ -255,7 +254,7 @@ class RolloutService:
         r = self.worker.wait(d.id)
         self.waited_s += time.monotonic() - t0
         share = EngineShare(k, d.id, d.shares(self.layout.num_engines)[k], r.completions, r.seconds)
-        share.version, share.aborted = r.version, r.aborted
+        share.aborted = r.aborted
         if r.error:
             share.error = f"{self._describe(k)} failed at step {self._step + 1} (round {d.id}): {r.error}"
             share.completions = None
@@ -337,7 +336,6 @@ class RolloutService:
         while supply < (r.off_policy_steps + 1) * b:  # keep N rounds in flight beyond this step's
             self._dispatch(draw(b), round_id)
             round_id, supply = None, supply + b
-        rounds = 0
         while True:
             ready, batch = self._decide(b, trainer_version, _generation_seconds(self._unreported))
             if ready:
@@ -345,7 +343,6 @@ class RolloutService:
             if not self.pending:
                 self._dispatch(draw(b))
             self._receive(self.pending.popleft())
-            rounds += 1
         if self.rank0:
             assert batch is not None
             batch.metrics = merge_metrics(batch.metrics, engine_metrics(self._unreported, self.last_sync_s))
@@ -445,6 +442,7 @@ class RoundFigures:
     samples: int
     tokens: int
     seconds: float
+    aborted: int = 0  # generations a sync aborted and that were continued with newer weights
 
     @classmethod
     def of(cls, share: EngineShare) -> RoundFigures:
@@ -455,6 +453,7 @@ class RoundFigures:
             sum(len(g) for g in groups),
             sum(len(c.token_ids) for g in groups for c in g),
             share.seconds,
+            share.aborted,
         )
 
 
@@ -472,7 +471,7 @@ def engine_metrics(figures: list[RoundFigures], sync_s: float) -> dict[str, floa
     received for the batch, then reduced over engines as declared (a batch entirely from rounds already
     reported, e.g. dynamic sampling's surplus, reports no engine)."""
     if not figures:
-        return {"rollout/engines": 0.0, "rollout/sync_s": sync_s}
+        return {"rollout/engines": 0.0, "rollout/sync_s": sync_s, "rollout/aborted": 0.0}
     engines = sorted({f.engine for f in figures})
     mine = {k: [f for f in figures if f.engine == k] for k in engines}
     per_engine = {
@@ -485,4 +484,5 @@ def engine_metrics(figures: list[RoundFigures], sync_s: float) -> dict[str, floa
     out = {"rollout/engines": float(len(engines))}
     out.update({name: reduce_values(METRICS[name].reduce, values) for name, values in per_engine.items()})
     out["rollout/sync_s"] = sync_s
+    out["rollout/aborted"] = float(sum(f.aborted for f in figures))
     return out

@@ -325,6 +325,7 @@ METRICS: dict[str, Metric] = _declare(
     _M("rollout/response_tokens_per_engine_max", MAX, "most response tokens an engine produced"),
     _M("rollout/engine_seconds_max", MAX, "the slowest engine's generation seconds"),
     _M("rollout/sync_s", LAST, "seconds of the weight sync before this step's rollouts"),
+    _M("rollout/aborted", SUM, "generations a weight sync aborted and that were continued (rollout.partial)"),
     _M("engine/restarts", LAST, "engines restarted since the run started"),
     # off-policy rollouts, partial rollouts and dynamic sampling (trainer/off_policy.py)
     _M("async/staleness_mean", MEAN, "trainer version minus each trained sample's version, mean"),

@@ -281,4 +281,6 @@ def test_partial_rollouts_are_aborted_at_the_sync_and_continued_with_the_new_wei
         assert r["token_versions"] == [[v - 1, v]] + [[v]] * 15, r
         assert set(r["versions"]) == {v - 1} and m["async/staleness_max"] == 1.0, "stamped at dispatch"
         assert m["async/partial_share"] == 1 / 16
+        assert m["rollout/aborted"] > 0, "the generations the sync aborted are counted"
+    assert metrics[0]["rollout/aborted"] == 0.0
     assert "/pause_generation" in [p for p, _ in server.bodies]

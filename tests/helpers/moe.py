@@ -94,3 +94,21 @@ def run_moe_layout(layout, cases, *, backward=True):
 def batches_for(seed: int) -> list[torch.Tensor]:
     gen = torch.Generator().manual_seed(seed)
     return [torch.randint(0, VOCAB, (MICRO_BATCH_SIZE, SEQ), generator=gen) for _ in range(MICRO_BATCHES)]
+
+
+def hf_grads_in_file_names(grads: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """HF gradients of transformers' fused in-memory experts (``mlp.experts.gate_up_proj`` ``[E, 2F, H]``,
+    ``mlp.experts.down_proj``) under the per-expert FILE names (``mlp.experts.{e}.gate_proj.weight`` ...)."""
+    out = {}
+    for name, g in grads.items():
+        if name.endswith("mlp.experts.gate_up_proj"):
+            base = name[: -len("gate_up_proj")]
+            for e in range(g.shape[0]):
+                out[f"{base}{e}.gate_proj.weight"], out[f"{base}{e}.up_proj.weight"] = g[e].chunk(2, dim=0)
+        elif name.endswith("mlp.experts.down_proj"):
+            base = name[: -len("down_proj")]
+            for e in range(g.shape[0]):
+                out[f"{base}{e}.down_proj.weight"] = g[e]
+        else:
+            out[name] = g
+    return out

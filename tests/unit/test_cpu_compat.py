@@ -33,6 +33,14 @@ def test_current_device_and_cuda_factories_land_on_cpu(active):
     assert x.to(device="cuda", dtype=torch.float64).dtype == torch.float64
 
 
+def test_cuda_default_device_blocks_run_on_cpu(active):
+    """megatron's YarnRotaryEmbedding (MLA) builds its frequencies under ``with torch.device(0):``."""
+    for device in (torch.cuda.current_device(), "cuda"):
+        with torch.device(device):
+            t = torch.arange(4, dtype=torch.float32)
+        assert t.device.type == "cpu"
+
+
 def test_bare_type_answers_cuda_name_but_type_conversion_still_works(active):
     assert torch.ones(1).type() == "torch.cuda.FloatTensor"
     assert torch.ones(1, dtype=torch.bfloat16).type() == "torch.cuda.BFloat16Tensor"

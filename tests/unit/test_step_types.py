@@ -158,11 +158,11 @@ def test_every_metric_declares_a_reduction_and_the_method_set_is_unchanged():
 
 
 def test_engine_metrics_reduce_over_engines_as_declared():
-    def share(k, n, tokens, seconds):
+    def share(k, n, tokens, seconds, aborted=0):
         group = [Completion(0, [1] * tokens, [0.0] * tokens, "stop") for _ in range(n)]
-        return RoundFigures.of(EngineShare(k, 0, range(k, k + 1), [group], seconds))
+        return RoundFigures.of(EngineShare(k, 0, range(k, k + 1), [group], seconds, aborted=aborted))
 
-    m = engine_metrics([share(0, 4, 3, 2.0), share(1, 2, 5, 1.0)], sync_s=0.25)
+    m = engine_metrics([share(0, 4, 3, 2.0, aborted=3), share(1, 2, 5, 1.0, aborted=1)], sync_s=0.25)
     assert m == {
         "rollout/engines": 2.0,
         "rollout/samples_per_engine_min": 2.0,
@@ -171,6 +171,7 @@ def test_engine_metrics_reduce_over_engines_as_declared():
         "rollout/response_tokens_per_engine_max": 12.0,
         "rollout/engine_seconds_max": 2.0,
         "rollout/sync_s": 0.25,
+        "rollout/aborted": 4.0,  # summed over engines
     }
 
 
