@@ -1,5 +1,5 @@
 """Build a megatron-core ``GPTModel`` policy from an HF config (Llama/SmolLM2, Qwen2/2.5, Qwen3, Qwen3-MoE,
-GLM-4.5, DeepSeek-V3 (MLA: ``models/mla.py``), gpt-oss).
+GLM-4.5, DeepSeek-V3 (MLA: ``models/mla.py``)).
 
 ``transformer_config_from_hf`` maps an :class:`Architecture` onto megatron's ``TransformerConfig``
 (RMSNorm, SwiGLU, GQA via ``num_query_groups``, explicit ``head_dim`` as ``kv_channels``, QKV bias,
