@@ -1,5 +1,5 @@
 """GLM-4.5 policies (``glm4_moe``) match the HF model (transformers' Glm4MoeForCausalLM, fp32): logits and
-every gradient at TP1, TP2, PP2, EP2 and TP2xEP2, and the group-limited variant at TP1 and EP2.
+every gradient at TP1, TP2, PP2, EP2, TP2xEP2 and PP2xEP2, and the group-limited variant at TP1 and EP2.
 
 The tiny GLM switches every DeepSeek-style MoE feature on (``testing/tiny.py``): a dense first layer, a
 shared expert, the sigmoid router with a nonzero ``e_score_correction_bias`` (selection only), the scaled
@@ -24,7 +24,7 @@ pytestmark = pytest.mark.moe
 # (tp, pp, ep, etp)
 # "TP2" is TP2 x ETP2 (megatron's default ETP = TP): at TP2 x ETP1 x EP1 the expert gradients come out
 # partial for Qwen3-MoE as well (a harness or parallel-state gap outside this file, not GLM-specific).
-LAYOUTS = [(1, 1, 1, 1), (2, 1, 1, 2), (1, 2, 1, 1), (1, 1, 2, 1), (2, 1, 2, 1)]
+LAYOUTS = [(1, 1, 1, 1), (2, 1, 1, 2), (1, 2, 1, 1), (1, 1, 2, 1), (2, 1, 2, 1), (1, 2, 2, 1)]
 GROUPED_AT = {(1, 1, 1, 1), (1, 1, 2, 1)}
 
 
