@@ -117,7 +117,7 @@ def transformer_config_from_hf(
         attention_softmax_in_fp32=True,
     )
     if arch.is_moe:
-        kwargs.update(moe_config_overrides(arch, moe or MoEConfig(), ep=ep, etp=etp, use_te=use_te))
+        kwargs.update(moe_config_overrides(arch, moe or MoEConfig(), ep=ep, etp=etp, use_te=use_te, tp=tp))
         # megatron's MoE layer refuses TP > 1 in training without sequence parallelism.
         kwargs["sequence_parallel"] = tp > 1
     kwargs.update(overrides)

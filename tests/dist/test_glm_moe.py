@@ -22,8 +22,8 @@ from tests.helpers.moe import VOCAB, batches_for, hf_file_state, run_moe_layout
 pytestmark = pytest.mark.moe
 
 # (tp, pp, ep, etp)
-# "TP2" is TP2 x ETP2 (megatron's default ETP = TP): at TP2 x ETP1 x EP1 the expert gradients come out
-# partial for Qwen3-MoE as well (a harness or parallel-state gap outside this file, not GLM-specific).
+# "TP2" is TP2 x ETP2 (megatron's default ETP = TP): TP2 x ETP1 x EP1 gives partial expert gradients
+# (megatron reduces expert weights like dense ones at EP1) and is refused (test_moe_layout_refusal below).
 LAYOUTS = [(1, 1, 1, 1), (2, 1, 1, 2), (1, 2, 1, 1), (1, 1, 2, 1), (2, 1, 2, 1), (1, 2, 2, 1)]
 GROUPED_AT = {(1, 1, 1, 1), (1, 1, 2, 1)}
 
@@ -79,3 +79,18 @@ def test_glm_moe_logits_and_grads_match_hf(layout):
         for name, want in ref_grads.items():
             diff = (grads[name] - want).abs().max().item()
             assert diff <= 1e-5, f"{tag}: grad {name} differs by {diff}"
+
+
+def test_moe_layout_refusal_at_ep1_with_etp_other_than_tp():
+    """At EP1 megatron-core reduces expert gradients like dense ones (over DP only), so ETP != TP leaves
+    them partial (seen at TP2 x ETP1 x EP1 for Qwen3-MoE and GLM); the layout is refused by name."""
+    from srpo_megatron.models.architecture import Architecture
+    from srpo_megatron.models.policy import transformer_config_from_hf
+
+    arch = Architecture.from_hf(tiny_glm_moe_model(seed=0).config.to_dict())
+    with pytest.raises(ValueError, match="parallel.etp equal to parallel.tp"):
+        transformer_config_from_hf(arch, tp=2, ep=1, etp=1)
+    with pytest.raises(ValueError, match="parallel.etp equal to parallel.tp"):
+        transformer_config_from_hf(arch, tp=1, ep=1, etp=2)
+    transformer_config_from_hf(arch, tp=2, ep=1, etp=2)
+    transformer_config_from_hf(arch, tp=2, ep=2, etp=1)
