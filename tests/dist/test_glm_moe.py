@@ -15,9 +15,8 @@ import pytest
 import torch
 
 from srpo_megatron.testing.tiny import TINY_GLM_TOP_K, tiny_glm_moe_model
-from tests.dist.test_moe import hf_in_file_names
 from tests.helpers.megatron import hf_reference
-from tests.helpers.moe import VOCAB, batches_for, hf_file_state, run_moe_layout
+from tests.helpers.moe import VOCAB, batches_for, hf_file_state, hf_grads_in_file_names, run_moe_layout
 
 pytestmark = pytest.mark.moe
 
@@ -66,7 +65,7 @@ def test_glm_moe_logits_and_grads_match_hf(layout):
         hf = tiny_glm_moe_model(seed=i, grouped=grouped)
         batches = batches_for(20 + i)
         logits, grads = hf_reference(hf, batches)
-        refs.append((logits, hf_in_file_names(grads, hf)))
+        refs.append((logits, hf_grads_in_file_names(grads)))
         cases.append((hf.config.to_dict(), "alltoall", batches, hf_file_state(hf), None))
     for grouped, (logits, grads), (ref_logits, ref_grads) in zip(
         variants, run_moe_layout(layout, cases), refs, strict=True

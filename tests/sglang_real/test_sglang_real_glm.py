@@ -134,12 +134,13 @@ def test_sglang_real_decodes_the_glm_policys_sync_with_an_fp32_bias(tmp_path):
     from srpo_megatron.testing.distributed import run_distributed
     from srpo_megatron.testing.sglang_standin import SGLangStandInServer
     from srpo_megatron.testing.tiny import write_tiny_glm_moe
-    from tests.sglang_real.test_sglang_real import file_tensors, policy_sync_worker
+    from tests.helpers.conversion import read_hf_tensors
+    from tests.helpers.sglang_sync import policy_sync_worker
 
     if REAL.utils is None or REAL.tensor_bucket is None:
         pytest.skip(f"sglang {REAL.version}: utils/tensor_bucket do not import: {REAL.errors}")
     folder = write_tiny_glm_moe(tmp_path / "glm")
-    files = file_tensors(folder)
+    files = read_hf_tensors(folder)
     server = SGLangStandInServer(AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32), tp_size=2)
     try:
         (served,) = run_distributed(
