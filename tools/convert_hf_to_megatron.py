@@ -1,6 +1,7 @@
 #!/usr/bin/env python3
-"""Convert an HF checkpoint (Llama/SmolLM2, Qwen2/2.5, Qwen3; safetensors) to a megatron-core
-``dist_checkpointing`` policy checkpoint that loads at any TP/PP layout.
+"""Convert an HF checkpoint (Llama/SmolLM2, Qwen2/2.5, Qwen3, Qwen3-MoE, GLM-4.5; safetensors) to a
+megatron-core ``dist_checkpointing`` policy checkpoint that loads at any TP/PP layout. Hub MTP layers
+(GLM-4.5, DeepSeek-V3) are skipped with one line of notice (``srpo_megatron/conversion/mtp.py``).
 
     tools/convert_hf_to_megatron.py --hf-dir DIR --out-dir DIR [--dtype bf16|fp32] [--force]
 

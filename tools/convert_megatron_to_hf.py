@@ -3,7 +3,10 @@
 to an HF folder: sharded safetensors + index, config.json, tokenizer and generation config.
 
     tools/convert_megatron_to_hf.py --megatron-dir DIR --out-dir DIR [--dtype bf16|fp32]
-                                    [--max-shard-size 5GB] [--force]
+                                    [--max-shard-size 5GB] [--force] [--mtp-from HF_DIR]
+
+GLM-4.5 / DeepSeek-V3 MTP layers are re-emitted unchanged from --mtp-from, or by default from the HF folder
+the checkpoint was converted or trained from (``hf_source.json``), when that folder has them.
 
 Expected input layout: ``srpo_megatron/conversion/checkpoint.py``.
 """
@@ -27,6 +30,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dtype", choices=sorted(DTYPES), help="output dtype (default: the checkpoint's)")
     p.add_argument("--max-shard-size", default="5GB", help="largest safetensors shard (e.g. 5GB, 500MB)")
     p.add_argument("--force", action="store_true", help="overwrite a non-empty --out-dir")
+    p.add_argument("--mtp-from", help="HF folder whose MTP layers to copy (default: the recorded source)")
     args = p.parse_args(argv)
     megatron_to_hf(
         args.megatron_dir,
@@ -34,6 +38,7 @@ def main(argv: list[str] | None = None) -> int:
         dtype=DTYPES.get(args.dtype),
         max_shard_bytes=parse_size(args.max_shard_size),
         force=args.force,
+        mtp_from=args.mtp_from,
     )
     return 0
 

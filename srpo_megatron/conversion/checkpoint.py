@@ -43,6 +43,8 @@ from pathlib import Path
 import torch
 
 from srpo_megatron.conversion.dist_reader import TorchDistReader
+from srpo_megatron.conversion.mtp import mtp_names, record_source, recorded_source
+from srpo_megatron.conversion.mtp import notice as mtp_notice
 from srpo_megatron.conversion.safetensors_io import HFCheckpointReader, PlannedSafetensorsWriter
 from srpo_megatron.conversion.table import ConversionError, ConversionTable, canonical_name, slice_name
 from srpo_megatron.durable_io import fsync_dir, fsync_tree
@@ -212,14 +214,17 @@ def hf_to_megatron(
     Must run in a process with an ``if __name__ == "__main__":`` guard (dist_checkpointing spawns).
     """
     from srpo_megatron.conversion.stream_writer import write_streamed_checkpoint
-    from srpo_megatron.conversion.weights import rank_param_name
+    from srpo_megatron.conversion.weights import EXPERT_BIAS_SUFFIX, rank_param_name
 
     hf_dir = Path(hf_dir)
     config = load_hf_config_dict(hf_dir)
     arch = Architecture.from_hf(config)
     table = ConversionTable(arch)
     reader = HFCheckpointReader(hf_dir)
-    table.check_hf_names(reader.names())
+    mtp = mtp_names(arch, reader.names())
+    if mtp:
+        progress(mtp_notice(mtp, arch, hf_dir))
+    table.check_hf_names(set(reader.names()) - set(mtp))
     shapes = {name: reader.shape(name) for name in table.hf_file_names()}
     with plain_torch_ops():
         table.check_hf_shapes(shapes)
@@ -248,7 +253,9 @@ def hf_to_megatron(
             # concatenated: each chunk is written straight from them. The dtype steps are the ones a
             # built tensor would take: HF -> conversion dtype -> the param's (megatron keeps e.g. norm
             # weights in fp32 in a bf16 model), as copy_ would.
-            hf = {h: t.to(dtype) for h, t in hf.items()}
+            # (The fp32 expert-bias buffer skips the conversion dtype: a bf16 step would move its values.)
+            step = param.dtype if name.endswith(EXPERT_BIAS_SUFFIX) else dtype
+            hf = {h: t.to(step) for h, t in hf.items()}
             pieces = [p.to(param.dtype) for p in table.to_megatron_pieces(name, hf)]
             done[0] += 1
             if done[0] % 50 == 0 or done[0] == len(groups):
@@ -265,8 +272,32 @@ def hf_to_megatron(
         config = _with_dtype(config, dtype)
         (tmp / HF_CONFIG_NAME).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
         _copy_assets(hf_dir, tmp / HF_ASSETS_DIR)
+        record_source(tmp, hf_dir)
     progress(f"done: {out_dir}")
     return Path(out_dir)
+
+
+def _mtp_source(
+    arch: Architecture, ckpt_dir: Path, mtp_from: str | Path | None, progress: Callable[[str], None]
+) -> tuple[HFCheckpointReader | None, list[str]]:
+    """(reader, MTP tensor names) of the HF folder export takes the MTP layers from; (None, []) if none."""
+    if not arch.mtp_layers:
+        return None, []
+    source = Path(mtp_from) if mtp_from is not None else recorded_source(ckpt_dir)
+    if source is None or not source.is_dir():
+        progress(
+            f"no MTP layers exported: {arch.mtp_layers} MTP layers in the config but no source HF folder "
+            f"({source or 'none recorded'}); pass mtp_from (tools/convert_megatron_to_hf.py --mtp-from)"
+        )
+        return None, []
+    reader = HFCheckpointReader(source)
+    names = mtp_names(arch, reader.names())
+    if not names:
+        progress(f"no MTP layers exported: {source} has none")
+        reader.close()
+        return None, []
+    progress(f"re-emitting {len(names)} MTP tensors unchanged from {source}")
+    return reader, names
 
 
 def _param_id(data: torch.Tensor) -> int:
@@ -383,8 +414,13 @@ def megatron_to_hf(
     max_shard_bytes: int = 5 * 10**9,
     force: bool = False,
     progress: Callable[[str], None] = log,
+    mtp_from: str | Path | None = None,
 ) -> Path:
-    """Export the policy of a converter or trainer checkpoint to an HF folder loadable by transformers."""
+    """Export the policy of a converter or trainer checkpoint to an HF folder loadable by transformers.
+    MTP layers (GLM-4.5, DeepSeek-V3) are copied unchanged from ``mtp_from`` or the HF folder the checkpoint
+    records (``conversion/mtp.py``) when it has them; the routers' expert biases stay fp32."""
+    from srpo_megatron.conversion.weights import EXPERT_BIAS_SUFFIX
+
     ckpt_dir = Path(ckpt_dir)
     if not (ckpt_dir / HF_CONFIG_NAME).is_file():
         raise FileNotFoundError(
@@ -404,10 +440,22 @@ def megatron_to_hf(
         with plain_torch_ops():
             _, _, params, groups = _sharded_layout(model)
             plan = table.hf_file_plan()
+        mtp_reader, mtp = _mtp_source(arch, ckpt_dir, mtp_from, progress)
+        plan += [(h, mtp_reader.shape(h)) for h in mtp]
+        # Written in their own dtype whatever the export's: the routers' expert biases in fp32 (HF and SGLang
+        # hold them in fp32 and the hub ships them so; bf16 would move near-tied choices), the MTP layers
+        # as the source has them (unchanged).
+        keep = {
+            h: torch.float32
+            for n in table.megatron_names()
+            if n.endswith(EXPERT_BIAS_SUFFIX)
+            for h in table.hf_names_for(n)
+        }
+        keep.update({h: mtp_reader.get(h).dtype for h in mtp})
         by_name = {params[pid][0]: (params[pid][1], group) for pid, group in groups.items()}
         progress(f"exporting {ckpt_dir} ({arch.model_type}, {stored} -> {out_dtype})")
         reader = TorchDistReader(ckpt_dir)
-        writer = PlannedSafetensorsWriter(tmp, plan, out_dtype, max_shard_bytes)
+        writer = PlannedSafetensorsWriter(tmp, plan, out_dtype, max_shard_bytes, dtypes=keep)
         with plain_torch_ops():
             try:
                 for i, name in enumerate(table.megatron_names()):
@@ -417,11 +465,15 @@ def megatron_to_hf(
                     full = _read_param(reader, param, group)
                     for hf_name, tensor in table.to_hf(name, full):
                         base, e = slice_name(hf_name) or (hf_name, None)  # x[e]: slice e of fused x
-                        writer.write(base, tensor.to(out_dtype), e)
+                        writer.write(base, tensor.to(keep.get(base, out_dtype)), e)
                     if (i + 1) % 50 == 0:
                         progress(f"exported {i + 1}/{len(by_name)} megatron tensors")
+                for h in mtp:  # unchanged: same name, same values, same dtype
+                    writer.write(h, mtp_reader.get(h))
             finally:
                 reader.close()
+                if mtp_reader is not None:
+                    mtp_reader.close()
         writer.close()
         if arch.model_type == "gpt_oss":
             progress(f"gpt-oss experts written as dense {out_dtype} tensors (not MXFP4)")

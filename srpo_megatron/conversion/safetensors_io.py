@@ -211,15 +211,31 @@ _SAFETENSORS_DTYPES = {
 _TORCH_DTYPES = {name: dtype for dtype, name in _SAFETENSORS_DTYPES.items()}
 
 
-def _shard_header(names_shapes: list[tuple[str, tuple[int, ...]]], dtype: torch.dtype) -> tuple[bytes, dict]:
+# safetensors' ``Dtype`` enum order: ``save_file`` lays tensors out by dtype (descending), then by name.
+_SAFETENSORS_ORDER = ("BOOL", "U8", "I8", "I16", "F16", "BF16", "I32", "F32", "F64", "I64")
+
+
+def _shard_header(
+    names_shapes: list[tuple[str, tuple[int, ...]]],
+    dtype: torch.dtype,
+    dtypes: dict[str, torch.dtype] | None = None,
+) -> tuple[bytes, dict]:
     """(header bytes incl. the 8-byte length, {name: data offset}) as ``save_file(..., metadata={"format":
-    "pt"})`` lays out one dtype: tensors sorted by name, the JSON header padded with spaces to 8 bytes."""
+    "pt"})`` lays them out: tensors sorted by dtype (safetensors' enum order, descending) then name, the
+    JSON header padded with spaces to 8 bytes. ``dtypes``: per-name exceptions to ``dtype``."""
+    dtypes = dtypes or {}
     header: dict = {"__metadata__": {"format": "pt"}}
     offsets, pos = {}, 0
-    for name, shape in sorted(names_shapes):
-        nbytes = math.prod(shape) * dtype.itemsize
+
+    def key(item):
+        name = item[0]
+        return (-_SAFETENSORS_ORDER.index(_SAFETENSORS_DTYPES[dtypes.get(name, dtype)]), name)
+
+    for name, shape in sorted(names_shapes, key=key):
+        here = dtypes.get(name, dtype)
+        nbytes = math.prod(shape) * here.itemsize
         header[name] = {
-            "dtype": _SAFETENSORS_DTYPES[dtype],
+            "dtype": _SAFETENSORS_DTYPES[here],
             "shape": list(shape),
             "data_offsets": [pos, pos + nbytes],
         }
@@ -246,14 +262,19 @@ class PlannedSafetensorsWriter:
         plan: list[tuple[str, tuple[int, ...]]],
         dtype: torch.dtype,
         max_shard_bytes: int = 5 * 10**9,
+        dtypes: dict[str, torch.dtype] | None = None,
     ):
-        if dtype not in _SAFETENSORS_DTYPES:
-            raise ValueError(f"no safetensors dtype for {dtype}")
+        """``dtypes``: the tensors written in another dtype than ``dtype`` (e.g. an fp32 expert bias in a
+        bf16 export), by name."""
+        self.dtypes = dict(dtypes or {})
+        for d in (dtype, *self.dtypes.values()):
+            if d not in _SAFETENSORS_DTYPES:
+                raise ValueError(f"no safetensors dtype for {d}")
         self.dir, self.dtype = Path(out_dir), dtype
         shards: list[list[tuple[str, tuple[int, ...]]]] = [[]]
         size = 0
         for name, shape in plan:
-            nbytes = math.prod(shape) * dtype.itemsize
+            nbytes = math.prod(shape) * self.dtypes.get(name, dtype).itemsize
             if shards[-1] and size + nbytes > max_shard_bytes:
                 shards.append([])
                 size = 0
@@ -266,15 +287,15 @@ class PlannedSafetensorsWriter:
         self._where: dict[str, tuple[int, int, tuple[int, ...]]] = {}  # name -> (fd, offset, shape)
         self._fds: list[int] = []
         self._behind: dict[int, WriteBehind] = {}  # per shard: its writeback overlaps the export
-        self.total_bytes = sum(math.prod(shape) * dtype.itemsize for _, shape in plan)
+        self.total_bytes = sum(math.prod(shape) * self.dtypes.get(n, dtype).itemsize for n, shape in plan)
         self._weight_map = {}
         for file, shard in zip(self.files, shards, strict=True):
-            header, offsets = _shard_header(shard, dtype)
+            header, offsets = _shard_header(shard, dtype, self.dtypes)
             fd = os.open(self.dir / file, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
             self._fds.append(fd)
             self._behind[fd] = WriteBehind(fd)
             _pwrite_all(fd, memoryview(header), 0)
-            data_bytes = sum(math.prod(shape) * dtype.itemsize for _, shape in shard)
+            data_bytes = sum(math.prod(shape) * self.dtypes.get(n, dtype).itemsize for n, shape in shard)
             os.ftruncate(fd, len(header) + data_bytes)
             for name, shape in shard:
                 if name in self._where:
@@ -290,17 +311,18 @@ class PlannedSafetensorsWriter:
         if name not in self._where:
             raise ValueError(f"tensor {name} is not in the plan")
         fd, offset, shape = self._where[name]
+        want = self.dtypes.get(name, self.dtype)
         key = name if index is None else f"{name}[{index}]"
         if index is not None:
             if not 0 <= index < shape[0]:
                 raise ValueError(f"tensor {name}: slice {index} outside its {shape[0]} slices")
-            offset += index * math.prod(shape[1:]) * self.dtype.itemsize
+            offset += index * math.prod(shape[1:]) * want.itemsize
             shape = shape[1:]
         if key in self._written or name in self._written:
             raise ValueError(f"tensor {key} written twice")
-        if tuple(tensor.shape) != shape or tensor.dtype != self.dtype:
+        if tuple(tensor.shape) != shape or tensor.dtype != want:
             raise ValueError(
-                f"tensor {key}: planned {shape} {self.dtype}, got {tuple(tensor.shape)} {tensor.dtype}"
+                f"tensor {key}: planned {shape} {want}, got {tuple(tensor.shape)} {tensor.dtype}"
             )
         if tensor.numel():
             _pwrite_all(fd, tensor_bytes(tensor.contiguous()), offset)

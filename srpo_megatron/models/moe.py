@@ -54,8 +54,21 @@ from srpo_megatron.config.moe import MoEConfig
 from srpo_megatron.models.architecture import Architecture
 
 
-def moe_config_overrides(arch: Architecture, moe: MoEConfig, *, ep: int, etp: int, use_te: bool) -> dict:
-    """``TransformerConfig`` fields of ``arch``'s MoE layers under ``moe`` at expert parallel ep/etp."""
+def moe_config_overrides(
+    arch: Architecture, moe: MoEConfig, *, ep: int, etp: int, use_te: bool, tp: int | None = None
+) -> dict:
+    """``TransformerConfig`` fields of ``arch``'s MoE layers under ``moe`` at expert parallel ep/etp (and
+    tensor parallel ``tp``, when given, for the layout check below)."""
+    if tp is not None and ep == 1 and etp > tp:
+        # megatron-core marks expert weights ``allreduce = not (EP > 1)``: at EP1 they are reduced like dense
+        # weights, over the dense DP group only. ETP < TP is mended by ``mark_tp_replicated_experts`` (the
+        # TP-replicated experts get the expert-DP reduction, tests/dist/test_moe.py at TP2 x EP1 x ETP1);
+        # ETP > TP at EP1 is not verified against HF, so it is refused.
+        raise ValueError(
+            f"parallel.ep=1 with parallel.etp={etp} > parallel.tp={tp} is not supported (megatron-core "
+            "reduces expert weights like dense ones when EP=1, and this layout is not verified); set "
+            "parallel.etp to at most parallel.tp, or use parallel.ep > 1"
+        )
     if arch.num_experts % ep:
         raise ValueError(
             f"expert parallel size {ep} must divide num_experts={arch.num_experts} (each EP rank holds "

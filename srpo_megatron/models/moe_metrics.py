@@ -10,7 +10,7 @@ inside its ``with`` block and accumulates, per global layer, on the model's devi
 - top-k mismatch: on response tokens for which the engine reported its experts, the share of
   (token, layer) pairs whose SET of k experts the trainer used differs from the engine's
   (``moe/topk_mismatch_share``; 0 under rollout routing replay), and the share whose trainer-chosen
-  top-k (top-k of the trainer's own router logits, whatever replay then used) differs
+  top-k (the trainer's own router's choice, whatever replay then used: ``router_own_topk``) differs
   (``moe/router_disagreement_share``: what replay corrects).
 
 Before each micro-batch's forward the caller states which of the router's tokens are real (not padding),
@@ -67,6 +67,26 @@ def topk_mismatch_share(trainer_topk: torch.Tensor, engine_topk: torch.Tensor) -
 def routing_map_topk(routing_map: torch.Tensor, k: int) -> torch.Tensor:
     """``[T, E]`` bool routing map (k True per row) -> ``[T, k]`` expert ids, ascending."""
     return routing_map.nonzero()[:, 1].reshape(-1, k)
+
+
+def router_own_topk(router: torch.nn.Module, logits: torch.Tensor) -> torch.Tensor:
+    """``[T, k]`` experts megatron's ``router`` itself picks for its ``[T, E]`` logits, replay or not:
+    the top-k of the logits for softmax routers; for the sigmoid routers (GLM-4.5, DeepSeek-V3) megatron's
+    own rule, i.e. the top-k of ``sigmoid(logits) + expert_bias`` within the chosen groups."""
+    cfg, k = router.config, router.topk
+    if cfg.moe_router_score_function == "softmax":
+        return logits.topk(k, dim=-1).indices
+    from megatron.core.transformer.moe.moe_utils import topk_routing_with_score_function
+
+    _, routing_map = topk_routing_with_score_function(
+        logits,
+        k,
+        num_groups=cfg.moe_router_num_groups,
+        group_topk=cfg.moe_router_group_topk,
+        score_function=cfg.moe_router_score_function,
+        expert_bias=router.expert_bias,
+    )
+    return routing_map_topk(routing_map, k)
 
 
 class RouterRecorder(contextlib.AbstractContextManager):
@@ -129,7 +149,7 @@ class RouterRecorder(contextlib.AbstractContextManager):
             resp = self._response
             engine = self._engine[resp, layer]
             used_topk = routing_map_topk(routing_map[resp], k)
-            own_topk = logits[resp].topk(k, dim=-1).indices
+            own_topk = router_own_topk(router, logits[resp])
             row[experts + _MISMATCH] += topk_differs(used_topk, engine).sum()
             row[experts + _DISAGREE] += topk_differs(own_topk, engine).sum()
             row[experts + _COMPARED] += resp.sum()

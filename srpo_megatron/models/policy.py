@@ -1,4 +1,5 @@
-"""Build a megatron-core ``GPTModel`` policy from an HF config (Llama/SmolLM2, Qwen2/2.5, Qwen3).
+"""Build a megatron-core ``GPTModel`` policy from an HF config (Llama/SmolLM2, Qwen2/2.5, Qwen3, Qwen3-MoE,
+GLM-4.5, DeepSeek-V3 (MLA: ``models/mla.py``)).
 
 ``transformer_config_from_hf`` maps an :class:`Architecture` onto megatron's ``TransformerConfig``
 (RMSNorm, SwiGLU, GQA via ``num_query_groups``, explicit ``head_dim`` as ``kv_channels``, QKV bias,
@@ -8,6 +9,13 @@ Engine's spec when TE imports (GPU clusters), otherwise megatron's local spec wi
 swapped into the ``core_attention`` slot (and SP-aware norms under sequence parallelism, ``models/norms.py``).
 RoPE uses the model's theta; "linear" scaling maps to megatron's
 ``seq_len_interpolation_factor`` and "llama3" to ``rope_scaling``/``rope_scaling_factor``.
+
+GLM-4.5 (``glm4_moe``): q/k/v bias and optional QK-norm as Qwen2/Qwen3; partial RoPE as megatron's
+``rotary_percent`` (= ``partial_rotary_factor``): both rotate the FIRST ``head_dim * factor`` dims of every
+q/k head with the non-interleaved rotate-half layout (HF's ``apply_rotary_pos_emb`` splits
+``q[..., :rotary_dim]`` off, megatron's ``apply_rotary_pos_emb_bshd`` ``t[..., :rot_dim]``) and the same
+inverse frequencies ``theta ** (-2i / rotary_dim)``; the DeepSeek-style MoE and its dense first layers
+(``decoder_spec`` builds one spec per layer) are ``models/moe.py``'s.
 
 TP and PP sizes and the stage come from ``megatron.core.parallel_state`` (initialise it first). The
 vocabulary is padded to a multiple of ``128 * TP`` (see ``padded_vocab_size``); padded rows are zero, so
@@ -111,7 +119,7 @@ def transformer_config_from_hf(
         attention_softmax_in_fp32=True,
     )
     if arch.is_moe:
-        kwargs.update(moe_config_overrides(arch, moe or MoEConfig(), ep=ep, etp=etp, use_te=use_te))
+        kwargs.update(moe_config_overrides(arch, moe or MoEConfig(), ep=ep, etp=etp, use_te=use_te, tp=tp))
         # megatron's MoE layer refuses TP > 1 in training without sequence parallelism.
         kwargs["sequence_parallel"] = tp > 1
     if arch.model_type == "gpt_oss":  # sinks, sliding windows, biases, clamped SwiGLU (models/gpt_oss.py)

@@ -24,7 +24,9 @@ that the log-prob semantics, seeding and stopping are ours to state and test:
   ``EngineError`` naming them and the old version keeps serving. Tied aliases (``lm_head.weight`` when
   tied to the embedding) are accepted but not required.
 - **Routed experts (MoE).** With ``params.return_routed_experts`` each completion's
-  ``routed_experts`` holds the experts the HF model's routers chose (top-k of their router logits)
+  ``routed_experts`` holds the experts the HF model's routers chose (their own choice: top-k of the
+  logits for softmax routers, the biased, group-limited sigmoid choice of GLM-4.5 / DeepSeek-V3; dense
+  first layers report zeros as SGLang does)
   at every forward the decode loop ran (prompt prefill, then one per fed-back token): int32
   ``[P + R - 1, layers, top_k]``, SGLang's layout (rollout routing replay, ``rollout/routed_experts.py``).
   They are read by forward hooks on the routers, not ``output_router_logits=True``, which makes the HF
@@ -54,6 +56,7 @@ from srpo_megatron.config import ConfigError
 from srpo_megatron.rollout.base import Completion, EngineError, EngineHealth, SamplingParams, sample_seed
 from srpo_megatron.rollout.gate import check_version, missing_names, tensor_problem
 from srpo_megatron.rollout.hf_moe_layout import file_format_params, gpt_oss_slice_params
+from srpo_megatron.rollout.routed_experts import router_choice, router_layers
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -471,9 +474,10 @@ class HFEngine:
         ]
 
     def _moe_top_k(self) -> int:
-        """Experts per token of an MoE model (0 for a dense one: nothing to report)."""
+        """Experts per token of an MoE model (0 for a dense one: nothing to report). Qwen3-MoE says
+        ``num_experts``, GLM-4.5 and DeepSeek-V3 ``n_routed_experts``."""
         config = getattr(self._model, "config", None)
-        if not getattr(config, "num_experts", 0):
+        if not (getattr(config, "num_experts", 0) or getattr(config, "n_routed_experts", 0)):
             return 0
         return int(config.num_experts_per_tok)
 
@@ -504,13 +508,17 @@ def _head(items: list[str], k: int = 8) -> str:
 
 
 class _GateRecorder(contextlib.AbstractContextManager):
-    """Forward hooks on every MoE router (``*.mlp.gate``) of an HF model, in layer order, keeping the
-    experts each forward used: transformers >= 5 routers return ``(logits, scores, indices)``; older
-    ones are a ``Linear`` whose logits' top-k is the choice (softmax keeps the order)."""
+    """Forward hooks on every MoE router (``*.mlp.gate``) of an HF model, keeping the experts each forward
+    used: transformers >= 5 routers return ``(logits, weights, indices)`` where ``indices`` is the router's
+    own choice (for the GLM-4.5 / DeepSeek-V3 sigmoid router: top-k of the scores plus
+    ``e_score_correction_bias`` within the chosen groups, not the top-k of the logits); older ones are a
+    ``Linear`` whose logits' top-k is the choice (softmax keeps the order). Layers without a router (dense
+    first layers) report expert 0 k times, as SGLang's capture buffer (zero-filled, never written there)."""
 
     def __init__(self, model: torch.nn.Module, top_k: int) -> None:
-        # Qwen3-MoE ``mlp.gate``; gpt-oss ``mlp.router`` (also ``(logits, scores, indices)``)
-        self._gates = [m for n, m in model.named_modules() if n.endswith(("mlp.gate", "mlp.router"))]
+        self._layers, routers = router_layers(model)
+        self._index = [i for i, _ in routers]
+        self._gates = [m for _, m in routers]
         self._top_k, self._seen, self._hooks = top_k, [], []
 
     def __enter__(self) -> _GateRecorder:
@@ -522,12 +530,16 @@ class _GateRecorder(contextlib.AbstractContextManager):
             h.remove()
 
     def _hook(self, module, args, output) -> None:
-        ids = output[2] if isinstance(output, tuple) else output.topk(self._top_k, dim=-1).indices
-        self._seen.append(ids.detach())
+        self._seen.append(router_choice(output, self._top_k).detach())
 
     def take(self) -> list[torch.Tensor]:
         """The last forward's ``[tokens, top_k]`` expert ids per layer (and reset)."""
         out, self._seen = self._seen, []
         if len(out) != len(self._gates):
             raise EngineError(f"{len(out)} router outputs for {len(self._gates)} MoE layers in one forward")
-        return out
+        if len(out) == self._layers:
+            return out
+        full = [torch.zeros_like(out[0]) for _ in range(self._layers)]
+        for i, ids in zip(self._index, out, strict=True):
+            full[i] = ids
+        return full

@@ -13,6 +13,7 @@ module                                             what the tests take from it
 ``sglang.srt.server_args``                         ``ServerArgs`` (CLI flags and keyword arguments)
 ``sglang.srt.managers.io_struct``                  the request classes (``GenerateReqInput`` ...)
 ``sglang.srt.models.qwen3`` / ``qwen3_moe``        ``load_weights`` (which names SGLang consumes)
+``sglang.srt.models.glm4_moe``                     ``load_weights`` (GLM-4.5, DeepSeek-style MoE names)
 ``sglang.srt.models.deepseek_v2``                  ``DeepseekV3ForCausalLM.load_weights`` (MLA names)
 =================================================  ===============================================
 
@@ -124,7 +125,7 @@ _MODULES = {
     "server_args": "sglang.srt.server_args",
     "io_struct": "sglang.srt.managers.io_struct",
 }
-_MODELS = ("qwen3", "qwen3_moe", "deepseek_v2", "gpt_oss")
+_MODELS = ("qwen3", "qwen3_moe", "glm4_moe", "deepseek_v2", "gpt_oss")
 
 
 @functools.cache

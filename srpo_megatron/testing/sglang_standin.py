@@ -333,6 +333,8 @@ class SGLangStandInServer:
         ``load_weights`` skips a name its model lacks, silently. ``expert_files``: per-expert checkpoint
         names are accepted without loading them (see ``_is_expert_file_name``)."""
         params = dict(self.model.named_parameters())
+        # GLM-4.5 / DeepSeek-V3: the routers' e_score_correction_bias is a buffer in HF, a parameter in SGLang
+        params.update({n: b for n, b in self.model.named_buffers() if n.endswith("e_score_correction_bias")})
         with torch.no_grad():
             for name, t in named:
                 if expert_files and name not in params and self._is_expert_file_name(name):
@@ -351,7 +353,8 @@ class SGLangStandInServer:
         keep the experts it started with)."""
         parts = name.split(".")
         fused = f"model.layers.{parts[2]}.mlp.experts.gate_up_proj" if len(parts) == 8 else ""
-        n_experts = getattr(self.model.config, "num_experts", 0)
+        config = self.model.config
+        n_experts = getattr(config, "num_experts", 0) or getattr(config, "n_routed_experts", 0)
         return (
             len(parts) == 8
             and parts[:2] == ["model", "layers"]

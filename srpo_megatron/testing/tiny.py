@@ -11,11 +11,13 @@ from __future__ import annotations
 from pathlib import Path
 
 
-def _write_tiny(out_dir: str | Path, config_class: str, seed: int, num_layers: int, **fields) -> Path:
+def _write_tiny(
+    out_dir: str | Path, config_class: str, seed: int, num_layers: int, init=None, **fields
+) -> Path:
     """A random ``transformers.<config_class>`` model (the shared tiny Qwen3 sizes, plus ``fields``) with the
     real Qwen tokenizer, saved as an HF folder; an existing folder is reused. MoE routers are drawn with std
     0.5, wider than the default init, so that routing is decided by the weights, not by float noise
-    between near-tied experts."""
+    between near-tied experts. ``init(model)`` (no grad) may set further values before saving."""
     import torch
     import transformers
     from transformers import AutoModelForCausalLM
@@ -48,6 +50,8 @@ def _write_tiny(out_dir: str | Path, config_class: str, seed: int, num_layers: i
         for name, p in model.named_parameters():
             if name.endswith("mlp.gate.weight"):  # MoE routers only (dense MLPs have gate_proj)
                 p.normal_(0.0, 0.5)
+        if init is not None:
+            init(model)
     out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out)
     tok.save_pretrained(out)
@@ -89,13 +93,49 @@ def write_tiny_qwen3_moe(out_dir: str | Path, seed: int = 0, num_experts: int = 
     )
 
 
-def write_tiny_run(root: str | Path, num_prompts: int = 16, moe: bool = False) -> tuple[Path, Path, Path]:
-    """A tiny Qwen3 (``moe``: Qwen3-MoE) folder and a JSONL of ``coin``-rewarded prompts under ``root``:
-    (root, hf_dir, data)."""
+def _random_expert_bias(model) -> None:
+    """A nonzero ``e_score_correction_bias`` (std 0.3, the scale of sigmoid scores): it changes choices."""
+    for name, b in model.named_buffers():
+        if name.endswith("e_score_correction_bias"):
+            b.normal_(0.0, 0.3)
+
+
+def write_tiny_glm_moe(out_dir: str | Path, seed: int = 0) -> Path:
+    """A 3-layer random GLM-4.5 (layer 0 dense, 8 experts top-2 + one shared expert, sigmoid router with a
+    random nonzero expert bias, routed_scaling_factor 2.5, QK-norm, q/k/v bias, partial RoPE) with the real
+    Qwen vocabulary and chat template."""
+    return _write_tiny(
+        out_dir,
+        "Glm4MoeConfig",
+        seed,
+        3,
+        init=_random_expert_bias,
+        moe_intermediate_size=32,
+        n_routed_experts=TINY_GLM_EXPERTS,
+        num_experts_per_tok=TINY_GLM_TOP_K,
+        n_shared_experts=1,
+        routed_scaling_factor=2.5,
+        first_k_dense_replace=1,
+        norm_topk_prob=True,
+        use_qk_norm=True,
+        attention_bias=True,
+        num_nextn_predict_layers=0,
+        rope_parameters={"rope_type": "default", "rope_theta": 1e6, "partial_rotary_factor": 0.5},
+    )
+
+
+def write_tiny_run(
+    root: str | Path, num_prompts: int = 16, moe: bool = False, glm: bool = False
+) -> tuple[Path, Path, Path]:
+    """A tiny Qwen3 (``moe``: Qwen3-MoE; ``glm``: GLM-4.5) folder and a JSONL of ``coin``-rewarded prompts
+    under ``root``: (root, hf_dir, data)."""
     import json
 
     root = Path(root)
-    hf = write_tiny_qwen3_moe(root / "qwen3_moe") if moe else write_tiny_qwen3(root / "qwen3")
+    if glm:
+        hf = write_tiny_glm_moe(root / "glm4_moe")
+    else:
+        hf = write_tiny_qwen3_moe(root / "qwen3_moe") if moe else write_tiny_qwen3(root / "qwen3")
     data = root / "train.jsonl"
     rows = [
         {"prompt": f"Tell me a fact about the number {i}.", "system": None, "answer": "-", "kind": "coin"}

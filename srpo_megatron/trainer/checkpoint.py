@@ -7,6 +7,7 @@ Layout of ``<run>/checkpoints/``::
         teacher.* tensors        the EMA/frozen self-teacher
         optimizer.* tensors      optimizer state (megatron's sharded optimizer state dict)
         hf_config.json           the policy's HF config (tools/convert_megatron_to_hf.py reads it)
+        hf_source.json           the policy's model.hf_dir (export copies the hub's MTP layers from it)
         trainer_state.json       step, LR scheduler, data cursor, engine weight version, metrics tail
         recipe.yaml              the recipe in force when it was saved (resume checks changes against it)
         rollout_buffer.pt        completed rollouts not yet trained (off-policy, dynamic sampling), rank 0
@@ -38,6 +39,7 @@ import torch.distributed as dist
 
 from srpo_megatron.compat.float16_optimizer import fix_float16_optimizer_checkpointing
 from srpo_megatron.conversion.checkpoint import HF_CONFIG_NAME, POLICY_PREFIX
+from srpo_megatron.conversion.mtp import record_source
 from srpo_megatron.conversion.spec_compat import drop_absent_extra_state, stored_sharded_keys
 from srpo_megatron.durable_io import fsync_dir, fsync_tree, write_text_durably
 from srpo_megatron.models.architecture import load_hf_config_dict
@@ -215,6 +217,7 @@ def save_checkpoint(
 
         config = load_hf_config_dict(policy.cfg.model.hf_dir)
         (tmp / HF_CONFIG_NAME).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+        record_source(tmp, policy.cfg.model.hf_dir)  # export finds the hub's MTP layers there
         trainer_state = {**trainer_state, "scheduler": policy.scheduler.state_dict(), "step": step}
         (tmp / STATE_FILE).write_text(json.dumps(trainer_state, indent=2, default=float) + "\n")
         (tmp / RECIPE_FILE).write_text(yaml.safe_dump(to_dict(policy.cfg), sort_keys=False))

@@ -20,6 +20,14 @@ The EMA teacher is never replayed: it scores the response under a different cont
 solution in its prompt, method §1.4), so the engine's routing of the student's context does not apply to
 it; the trust-region teacher's student forward on the teacher prompt is not replayed either.
 
+GLM-4.5 / DeepSeek-V3 (sigmoid router, expert bias, groups): megatron's ``REPLAY_FORWARD`` takes the
+engine's experts as the selection, so neither the bias nor the group rule of the trainer enters, and weights
+them with the trainer's sigmoid scores WITHOUT the bias gathered at them, normalised over the k and scaled
+by ``routed_scaling_factor``: HF's (and SGLang's) weights for those experts
+(``tests/dist/test_glm_moe_replay.py``). Dense first layers have no router: their (zero) rows of the
+engine's report are never read. A report with SGLang's fused shared experts (``top_k + n_shared`` ids per
+layer) keeps its routed columns (``as_token_layer_topk``).
+
 Token order: megatron's router sees its micro-batch as ``[s, b]`` flattened (sequence-major), and under
 sequence parallelism (MoE at TP > 1) only this TP rank's contiguous chunk of ``s``; packed micro-batches
 are ``[T, 1]`` with sequences at ``cu_seqlens_q_padded``. :func:`router_token_map` says which (sequence,
@@ -133,8 +141,11 @@ class MoEReplay(contextlib.AbstractContextManager):
                 "samples; SGLang servers need --enable-return-routed-experts (and an MoE model)"
             )
         # [P + R - 1, layers, k] per sequence (its forwarded positions), None where not reported.
+        shared = arch.shared_expert_intermediate_size // max(arch.moe_intermediate_size, 1)
         self.routed = [
-            None if r is None else as_token_layer_topk(r, self.num_layers, self.top_k, len(s.ids) - 1)
+            None
+            if r is None
+            else as_token_layer_topk(r, self.num_layers, self.top_k, len(s.ids) - 1, fused_shared=shared)
             for r, s in zip(routed, seqs, strict=True)
         ]
         self.recorder = RouterRecorder(policy.model, self.num_layers) if record else None

@@ -1,5 +1,5 @@
 """GLM-4.5 policies (``glm4_moe``) match the HF model (transformers' Glm4MoeForCausalLM, fp32): logits and
-every gradient at TP1, TP2, PP2, EP2 and TP2xEP2, and the group-limited variant at TP1 and EP2.
+every gradient at TP1, TP2, PP2, EP2, TP2xEP2 and PP2xEP2, and the group-limited variant at TP1 and EP2.
 
 The tiny GLM switches every DeepSeek-style MoE feature on (``testing/tiny.py``): a dense first layer, a
 shared expert, the sigmoid router with a nonzero ``e_score_correction_bias`` (selection only), the scaled
@@ -21,9 +21,9 @@ from tests.helpers.moe import VOCAB, batches_for, hf_file_state, hf_grads_in_fil
 pytestmark = pytest.mark.moe
 
 # (tp, pp, ep, etp)
-# "TP2" is TP2 x ETP2 (megatron's default ETP = TP): at TP2 x ETP1 x EP1 the expert gradients come out
-# partial for Qwen3-MoE as well (a harness or parallel-state gap outside this file, not GLM-specific).
-LAYOUTS = [(1, 1, 1, 1), (2, 1, 1, 2), (1, 2, 1, 1), (1, 1, 2, 1), (2, 1, 2, 1)]
+# "TP2" is TP2 x ETP2 (megatron's default ETP = TP) and TP2 x ETP1 x EP1 (experts replicated over TP, whose
+# gradients megatron alone leaves partial: models.moe.mark_tp_replicated_experts).
+LAYOUTS = [(1, 1, 1, 1), (2, 1, 1, 2), (2, 1, 1, 1), (1, 2, 1, 1), (1, 1, 2, 1), (2, 1, 2, 1), (1, 2, 2, 1)]
 GROUPED_AT = {(1, 1, 1, 1), (1, 1, 2, 1)}
 
 
@@ -78,3 +78,16 @@ def test_glm_moe_logits_and_grads_match_hf(layout):
         for name, want in ref_grads.items():
             diff = (grads[name] - want).abs().max().item()
             assert diff <= 1e-5, f"{tag}: grad {name} differs by {diff}"
+
+
+def test_moe_layout_refusal_at_ep1_with_etp_above_tp():
+    """At EP1 megatron-core reduces expert gradients like dense ones (over DP only); ETP < TP is mended
+    (the layouts above), ETP > TP is not verified and is refused by name."""
+    from srpo_megatron.models.architecture import Architecture
+    from srpo_megatron.models.policy import transformer_config_from_hf
+
+    arch = Architecture.from_hf(tiny_glm_moe_model(seed=0).config.to_dict())
+    with pytest.raises(ValueError, match="parallel.etp to at most parallel.tp"):
+        transformer_config_from_hf(arch, tp=1, ep=1, etp=2)
+    transformer_config_from_hf(arch, tp=2, ep=1, etp=2)
+    transformer_config_from_hf(arch, tp=2, ep=1, etp=1)

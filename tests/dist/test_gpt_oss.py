@@ -80,10 +80,10 @@ def test_gpt_oss_logits_and_grads_match_hf(layout):
 def test_gpt_oss_packed_sequences_match_hf_run_alone(cp):
     """Packed THD micro-batches (and CP2: load-balanced chunks, K/V gathered) through the gpt-oss policy equal
     HF on every sequence alone: sinks and windows per packed sequence, never across a boundary."""
-    from tests.dist.test_packing import _assert_close, _sequences, hf_reference, run_packed
+    from tests.helpers.packing import assert_close, hf_reference, packed_sequences, run_packed
 
     hf = tiny_gpt_oss_model(seed=5)
-    seqs = _sequences(seed=7)
+    seqs = packed_sequences(seed=7)
     (got,) = run_packed(1, 1, cp, hf, [(seqs, 32)])
     rows, grads = hf_reference(hf, seqs)
-    _assert_close(f"packed CP{cp}", got, (rows, in_table_names(grads)))
+    assert_close(f"packed CP{cp}", got, (rows, in_table_names(grads)))

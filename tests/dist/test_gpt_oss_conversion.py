@@ -121,7 +121,7 @@ def test_policy_sync_installs_in_the_hf_engine(layout):
     from srpo_megatron.conversion.table import ConversionTable
     from srpo_megatron.models.architecture import Architecture
     from srpo_megatron.rollout.hf_engine import HFEngine
-    from tests.dist.test_moe_weight_sync import export_worker
+    from tests.helpers.moe import export_worker
 
     tp, pp, ep, etp = layout
     source = tiny_gpt_oss_model(seed=6)

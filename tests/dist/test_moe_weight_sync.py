@@ -10,32 +10,11 @@ import torch
 
 from srpo_megatron.testing.distributed import run_distributed
 from srpo_megatron.testing.tiny import tiny_moe_model
-from tests.helpers.moe import batches_for, hf_file_state
+from tests.helpers.moe import batches_for, export_worker, hf_file_state
 
 pytestmark = pytest.mark.moe
 
 BUCKET_BYTES = 40_000  # a few expert tensors (one is 32*64*4 = 8 KiB; a gate/up pair 16 KiB)
-
-
-def export_worker(rank, world, layout, hf_config, state):
-    from srpo_megatron.conversion.table import ConversionTable
-    from srpo_megatron.conversion.weights import load_hf_weights
-    from srpo_megatron.models.architecture import Architecture
-    from srpo_megatron.models.policy import build_policy
-    from srpo_megatron.parallel import initialize_model_parallel
-    from srpo_megatron.buckets import bucketize_pending
-    from srpo_megatron.weights.export import iter_stage_params
-
-    tp, pp, ep, etp = layout
-    groups = initialize_model_parallel(tp, pp, ep=ep, etp=etp)
-    arch = Architecture.from_hf(hf_config)
-    table = ConversionTable(arch)
-    model = build_policy(arch)
-    load_hf_weights(model, table, state.__getitem__)
-    pending = list(iter_stage_params(model, table, groups))
-    largest = max(p.nbytes for p in pending)
-    largest_expert = max((p.nbytes for p in pending if ".experts." in p.name), default=0)
-    return [list(b) for b in bucketize_pending(iter(pending), BUCKET_BYTES)], largest, largest_expert
 
 
 @pytest.mark.parametrize("layout", [(1, 1, 2, 1), (2, 1, 2, 2)], ids=["ep2", "tp2ep2etp2"])
@@ -46,7 +25,9 @@ def test_expert_sync_is_bit_exact_bounded_and_installs_in_the_fused_engine(layou
     source = tiny_moe_model(seed=4)
     state = hf_file_state(source)
     world = max(tp, ep * etp) * pp
-    results = run_distributed(export_worker, world, layout, source.config.to_dict(), state, timeout=600)
+    results = run_distributed(
+        export_worker, world, layout, source.config.to_dict(), state, BUCKET_BYTES, timeout=600
+    )
     received: dict[str, torch.Tensor] = {}
     for buckets, largest, _ in results:
         for bucket in buckets:

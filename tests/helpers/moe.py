@@ -112,3 +112,26 @@ def hf_grads_in_file_names(grads: dict[str, torch.Tensor]) -> dict[str, torch.Te
         else:
             out[name] = g
     return out
+
+
+def export_worker(rank, world, layout, hf_config, state, bucket_bytes=40_000):
+    """The trainer's weight export of a policy loaded from ``state``: buckets of (name, tensor), the largest
+    pending tensor's and the largest expert tensor's bytes (tests/dist/test_moe_weight_sync.py)."""
+    from srpo_megatron.buckets import bucketize_pending
+    from srpo_megatron.conversion.table import ConversionTable
+    from srpo_megatron.conversion.weights import load_hf_weights
+    from srpo_megatron.models.architecture import Architecture
+    from srpo_megatron.models.policy import build_policy
+    from srpo_megatron.parallel import initialize_model_parallel
+    from srpo_megatron.weights.export import iter_stage_params
+
+    tp, pp, ep, etp = layout
+    groups = initialize_model_parallel(tp, pp, ep=ep, etp=etp)
+    arch = Architecture.from_hf(hf_config)
+    table = ConversionTable(arch)
+    model = build_policy(arch)
+    load_hf_weights(model, table, state.__getitem__)
+    pending = list(iter_stage_params(model, table, groups))
+    largest = max(p.nbytes for p in pending)
+    largest_expert = max((p.nbytes for p in pending if ".experts." in p.name), default=0)
+    return [list(b) for b in bucketize_pending(iter(pending), bucket_bytes)], largest, largest_expert

@@ -201,3 +201,27 @@ def test_dist_reader_reads_spliced_chunks_without_torch_load(tmp_path, monkeypat
         assert got.dtype == t.dtype and torch.equal(got, t), k
     reader.close()
     assert len(loads) == (len(tensors) if crc_on else 0)
+
+
+def test_planned_writer_with_per_tensor_dtypes_writes_save_files_bytes(tmp_path):
+    """A bf16 export keeps the fp32 expert biases: mixed dtypes laid out as safetensors' save_file does."""
+    from safetensors.torch import save_file
+
+    g = torch.Generator().manual_seed(0)
+    tensors = {
+        "a.weight": torch.randn(4, 3, generator=g).to(torch.bfloat16),
+        "b.e_score_correction_bias": torch.randn(5, generator=g),
+        "c.weight": torch.randn(2, generator=g).to(torch.bfloat16),
+        "d.e_score_correction_bias": torch.randn(3, generator=g),
+    }
+    save_file(tensors, tmp_path / "ref.safetensors", metadata={"format": "pt"})
+    out = tmp_path / "got"
+    out.mkdir()
+    fp32 = {n: torch.float32 for n in tensors if n.endswith("bias")}
+    w = PlannedSafetensorsWriter(
+        out, [(n, tuple(t.shape)) for n, t in tensors.items()], torch.bfloat16, dtypes=fp32
+    )
+    for n, t in tensors.items():
+        w.write(n, t)
+    w.close()
+    assert (out / "model.safetensors").read_bytes() == (tmp_path / "ref.safetensors").read_bytes()

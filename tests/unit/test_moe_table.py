@@ -107,3 +107,14 @@ def test_routed_experts_from_sglang_payload_and_from_hf_router_logits():
     model.model.layers[0].mlp.gate.register_forward_hook(lambda m, i, o: captured.update(idx=o[2]))
     model(torch.arange(6)[None])
     assert torch.equal(captured["idx"].sort(-1).values, experts[:, 0])
+
+
+def test_routed_experts_with_sglangs_fused_shared_expert_keep_the_routed_columns():
+    """SGLang's shared-experts fusion (GLM-4.5, DeepSeek-V3) reports top_k + 1 ids, the shared one last."""
+    from srpo_megatron.rollout.routed_experts import as_token_layer_topk
+
+    routed = torch.arange(3 * 2 * 2).reshape(3, 2, 2)
+    fused = torch.cat([routed, torch.full((3, 2, 1), 8)], dim=-1)  # the shared expert's id, E = 8
+    assert torch.equal(as_token_layer_topk(fused.reshape(-1), 2, 2, tokens=3, fused_shared=1), routed)
+    with pytest.raises(ValueError, match="routed expert ids"):
+        as_token_layer_topk(fused.reshape(-1), 2, 2, tokens=3)  # a model without shared experts
