@@ -6,6 +6,11 @@ expert bias; real Qwen vocabulary) on gloo ranks with the CPU rollout engine.
   trainer's log-probs agree (same weights, fp32); the experts move and the frozen expert bias does not.
 - One packed step (THD) at CP2 equals the unpacked EP1 step (MLA's RoPE per CP rank, SDPA core attention
   over the gathered keys).
+- Routing replay against an engine that routes differently (its routers' weights and expert biases are
+  perturbed after every weight sync, a stand-in for a real SGLang engine's bf16 / kernel differences): 3
+  steps at EP2 use the engine's experts on every response token of every MoE layer (mismatch share 0) while
+  the trainer's own group-limited sigmoid/bias router would choose otherwise, with EP1's first-step loss
+  under the same replay; without replay the mismatch shows.
 """
 
 from __future__ import annotations
@@ -40,19 +45,39 @@ def tiny(tmp_path_factory):
     return root, hf, data
 
 
-def _train_rank(rank, world, overrides):
+ROUTER_NOISE = 0.3  # std of the noise added to the engine's router weights (drawn with std 0.5)
+BIAS_NOISE = 0.1  # std of the noise added to the engine's expert biases (drawn with std 0.3)
+
+
+def _train_rank(rank, world, overrides, perturbed=False):
     from srpo_megatron.config import TrainConfig, load_config
+    from srpo_megatron.rollout.hf_engine import HFEngine
     from srpo_megatron.train import train
 
+    if perturbed:
+        install = HFEngine.update_weights
+
+        def update(self, named_tensors, version):
+            install(self, named_tensors, version)
+            g = torch.Generator().manual_seed(version)
+            with torch.no_grad():
+                for name, p in self.model.named_parameters():
+                    if name.endswith("mlp.gate.weight"):
+                        p.add_(torch.randn(p.shape, generator=g) * ROUTER_NOISE)
+                for name, b in self.model.named_buffers():
+                    if name.endswith("mlp.gate.e_score_correction_bias"):
+                        b.add_(torch.randn(b.shape, generator=g) * BIAS_NOISE)
+
+        HFEngine.update_weights = update
     return train(load_config(TrainConfig, str(RECIPE), overrides))
 
 
-def _run(tiny, name: str, world: int, **extra) -> list[dict]:
+def _run(tiny, name: str, world: int, perturbed: bool = False, **extra) -> list[dict]:
     root, hf, data = tiny
     run_dir = root / name
     overrides = [f"model.hf_dir={hf}", f"data.train_files=[{data}]", f"run.dir={run_dir}"]
     overrides += [f"{k}={v}" for k, v in extra.items()]
-    run_distributed(_train_rank, world, overrides, timeout=1800)
+    run_distributed(_train_rank, world, overrides, perturbed, timeout=1800)
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
@@ -97,3 +122,35 @@ def test_packed_step_at_cp2_equals_ep1(tiny, ep1):
     )
     assert row["logprob/gap_max"] < 1e-4
     _same_first_step(row, ep1)
+
+
+@pytest.fixture(scope="module")
+def replay_runs(tiny):
+    """Against the perturbed engine: (EP1 one step with replay, EP2 three steps with replay, EP2 one step
+    without)."""
+    on = {"rollout.routing_replay": "true"}
+    ep1 = _run(tiny, "replay_ep1", 1, True, **on, **{"train.steps": 1})
+    ep2 = _run(tiny, "replay_ep2", 2, True, **on, **{"parallel.ep": 2})
+    off = _run(
+        tiny, "replay_off", 2, True, **{"parallel.ep": 2, "train.steps": 1, "rollout.routing_replay": "false"}
+    )
+    return ep1[0], ep2, off[0]
+
+
+def test_three_srpo_steps_at_ep2_replay_the_engines_experts(replay_runs):
+    ep1, rows, _ = replay_runs
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    for r in rows:
+        assert r["train/skipped_steps"] == 0.0
+        assert r["moe/topk_mismatch_share"] == 0.0, "replay: the engine's experts, every token and layer"
+        assert r["moe/router_disagreement_share"] > 0.0, "the perturbed engine routes differently"
+    assert ep1["moe/topk_mismatch_share"] == 0.0
+    _same_first_step(rows[0], ep1)
+
+
+def test_without_replay_the_mismatch_shows(replay_runs):
+    _, rows, off = replay_runs
+    assert off["reward/mean"] == rows[0]["reward/mean"], "same engine, same seed: the same rollouts"
+    assert off["moe/topk_mismatch_share"] > 0.0
+    assert off["moe/topk_mismatch_share"] == off["moe/router_disagreement_share"]
+    assert rows[0]["logprob/gap_mean"] <= off["logprob/gap_mean"]
