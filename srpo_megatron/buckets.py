@@ -23,6 +23,26 @@ import torch
 
 ALIGN = 256  # byte alignment of each tensor in a flat bucket (any dtype view; coalesced GPU copies)
 
+# SGLang's DeepSeek-V3 loader (``deepseek_v2.py``, ``fuse_qkv_a_proj``) loads a layer's ``q_a_proj`` and
+# ``kv_a_proj_with_mqa`` as ONE fused parameter, and only when both arrive in the same ``load_weights`` call
+# (one update request, i.e. one bucket); split over two, it drops both silently. So no bucket closes while a
+# layer's pair is open: a bucket may then exceed ``bucket_bytes`` by the tensors between the two (part of one
+# attention layer). ``tests/sglang_real/test_sglang_deepseek.py`` feeds SGLang's loader bucket by bucket.
+_PAIR_OPEN, _PAIR_CLOSE = ".self_attn.q_a_proj.weight", ".self_attn.kv_a_proj_with_mqa.weight"
+
+
+class _FusedPairs:
+    """The layers whose ``q_a_proj`` is in the current bucket and whose ``kv_a_proj_with_mqa`` is not yet."""
+
+    def __init__(self) -> None:
+        self.open: set[str] = set()
+
+    def add(self, name: str) -> None:
+        if name.endswith(_PAIR_OPEN):
+            self.open.add(name[: -len(_PAIR_OPEN)])
+        elif name.endswith(_PAIR_CLOSE):
+            self.open.discard(name[: -len(_PAIR_CLOSE)])
+
 
 @dataclass(frozen=True)
 class TensorSpec:
@@ -54,15 +74,17 @@ class PendingParam:
 def bucketize(
     named_tensors: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int
 ) -> Iterator[list[tuple[str, torch.Tensor]]]:
-    """Group a stream into lists of at most ``bucket_bytes`` (a tensor larger than that goes alone)."""
+    """Group a stream into lists of at most ``bucket_bytes`` (a tensor larger than that goes alone; a
+    DeepSeek-V3 q_a/kv_a pair is never split, see ``_PAIR_OPEN``)."""
     bucket: list[tuple[str, torch.Tensor]] = []
-    size = 0
+    size, pairs = 0, _FusedPairs()
     for name, t in named_tensors:
         nbytes = t.numel() * t.element_size()
-        if bucket and size + nbytes > bucket_bytes:
+        if bucket and size + nbytes > bucket_bytes and not pairs.open:
             yield bucket
             bucket, size = [], 0
         bucket.append((name, t))
+        pairs.add(name)
         size += nbytes
     if bucket:
         yield bucket
@@ -75,13 +97,15 @@ def bucketize_pending(
     the consumer) before a parameter that would overflow it is materialised. Every ``fetch`` is called,
     in order, also on ranks that get nothing (it may be a collective)."""
     bucket: list[tuple[str, torch.Tensor]] = []
-    size = 0
+    size, pairs = 0, _FusedPairs()
     for p in pending:
-        if bucket and size + p.nbytes > bucket_bytes:
+        if bucket and size + p.nbytes > bucket_bytes and not pairs.open:
             yield bucket
             bucket, size = [], 0
         tensors = p.fetch()
         bucket.extend(tensors)
+        for name, _ in tensors:
+            pairs.add(name)
         size += sum(t.numel() * t.element_size() for _, t in tensors)
     if bucket:
         yield bucket
@@ -167,7 +191,7 @@ def flat_buckets(
     The consumer must release a bucket before asking for the next: a sender then holds one bucket plus
     what the gather of one parameter needs (``weights.export``)."""
     plan: list[PendingParam] = []
-    size = 0
+    size, pairs = 0, _FusedPairs()
 
     def build(params: list[PendingParam]) -> FlatBucket:
         bucket = FlatBucket.empty([s for p in params for s in p.specs], device)
@@ -189,10 +213,12 @@ def flat_buckets(
         if p.specs is None:
             raise ValueError(f"parameter {p.name} announces {p.nbytes} bytes but not its tensors (specs)")
         need = sum(_aligned(s.nbytes) for s in p.specs)
-        if plan and size + need > bucket_bytes:
+        if plan and size + need > bucket_bytes and not pairs.open:
             yield build(plan)
             plan, size = [], 0
         plan.append(p)
+        for spec in p.specs:
+            pairs.add(spec.name)
         size += need
     if plan:
         yield build(plan)

@@ -7,7 +7,8 @@ absent, ``enable_cpu_compat()`` covers exactly those places and nothing else:
    arguments (``device="cuda"``, ``device=0``, ``torch.device("cuda")``, ``tensor.cuda()``,
    ``tensor.to("cuda")``) to the CPU, and ``torch.device(0)`` / ``torch.device("cuda")`` built under the mode
    are the CPU device. Used by megatron for buffers, p2p shapes, the schedules' ``total_num_tokens`` and
-   the default-device block of the YaRN RoPE of MLA (``with torch.device(torch.cuda.current_device())``).
+   the default-device block of the YaRN RoPE of MLA (``with torch.device(torch.cuda.current_device())``);
+   ``pin_memory=True`` (host staging before a ``.cuda()``, e.g. megatron's per-CP-rank RoPE slice) is dropped.
 2. Type strings. ``clip_grad_by_total_norm_fp32`` and the distributed optimizer compare
    ``tensor.type()`` with ``'torch.cuda.FloatTensor'``-style names; the same mode answers a bare
    ``tensor.type()`` with the ``torch.cuda.`` name of the tensor's dtype.
@@ -295,7 +296,8 @@ def mark_te_absent_for_mla() -> bool:
     in TE's place), so ``TELinear`` is a MagicMock instance and ``MLASelfAttention.__init__`` raises
     ``TypeError: isinstance() arg 2 must be a type`` on ``isinstance(self.linear_proj, TELinear)``. False is
     what megatron's own import fallback means. Not CPU-specific: any TE-less process building MLA needs it.
-    ``tests/unit/test_cpu_compat_moe.py`` fails once megatron decides this itself.
+    megatron-core 0.19.2 reads TE's absence itself; ``tests/unit/test_deepseek_mla_rules.py`` pins which
+    versions need the shim and fails when one changes.
     """
     from megatron.core.extensions import transformer_engine as te_ext
     from megatron.core.transformer import multi_latent_attention as mla

@@ -18,8 +18,8 @@ HF ``model.layers.{i}.self_attn.``              megatron ``decoder.layers.{i}.se
 q rows are per head ``[nope | rope]`` on both sides, kv_a rows ``[latent | rope]``, kv_b rows per head
 ``[k_nope | v]`` (megatron splits ``linear_kv_up_proj``'s output per head into ``qk_head_dim`` then
 ``v_head_dim``, as HF's ``expand_kv`` splits ``kv_b_proj``'s), so ``kv_b_proj`` maps one to one. The local
-spec's down projections are ``ColumnParallelLinear`` (output gathered inside MLA): column-split over TP.
-Transformer Engine's MLA spec makes them duplicated ``TELinear`` instead (see the report of issue 27).
+spec's down projections are ``ColumnParallelLinear`` (output gathered inside MLA): column-split over TP; the
+policy's TE spec uses ``TEColumnParallelLinear`` there too (``models/mla.py``), not TE's duplicated default.
 
 RoPE layout: megatron's MLA RoPE de-interleaves the RoPE dims (evens, then odds) before rotating halves,
 which is HF's ``rope_interleave=True``: identity. For ``rope_interleave=False`` HF rotates the stored halves,

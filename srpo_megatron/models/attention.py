@@ -211,8 +211,9 @@ class SDPACoreAttention(MegatronModule):
                     enable_gqa=q.size(1) != k.size(1),
                 )
             outs.append(out[0].permute(1, 0, 2))
-        out = torch.cat(outs) if outs else query.new_zeros(0, *query.shape[1:])
-        return out.reshape(out.size(0), self.hidden_size_per_partition)
+        out = torch.cat(outs) if outs else query.new_zeros(0, query.size(1), value.size(-1))
+        # [t, np * v]: megatron-core >= 0.19's MLA pads v to the q/k head width for THD and trims after
+        return out.reshape(out.size(0), out.size(1) * out.size(2))
 
     def _allowed(self, queries: torch.Tensor, keys: torch.Tensor, *, causal: bool) -> torch.Tensor:
         """Bool ``[sq, sk]``, True where query position ``queries[i]`` may attend key position ``keys[j]``."""

@@ -3,8 +3,10 @@
 ``mla_transformer_config`` turns the policy's TransformerConfig fields into megatron's
 ``MLATransformerConfig`` (q/kv LoRA ranks, the q/k head split into ``qk_head_dim`` (no RoPE) and
 ``qk_pos_emb_head_dim`` (RoPE), ``v_head_dim``, YaRN). ``with_mla_attention`` puts megatron's
-``MLASelfAttention`` (local spec: :class:`SDPACoreAttention` in the ``core_attention`` slot) into a layer
-spec whose MLP part was built as for any architecture.
+``MLASelfAttention`` (local spec: :class:`SDPACoreAttention` in the ``core_attention`` slot, whose output
+width follows MLA's ``v_channels``) into a layer spec whose MLP part was built as for any architecture
+(dense or MoE per layer). :class:`MLASelfAttentionWholeKVDown` fixes megatron's gradient of the shared
+RoPE key under TP (megatron-core 0.16.1 to 0.19.2 miss the other ranks' heads).
 
 What was checked against transformers' ``DeepseekV3Attention`` (the tests compare logits and gradients):
 - Layout. megatron's ``linear_q_up_proj`` (or ``linear_q_proj``) and HF's ``q_b_proj`` (``q_proj``) are
@@ -32,7 +34,6 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from megatron.core.tensor_parallel import ColumnParallelLinear
 from megatron.core.tensor_parallel.mappings import (
     gather_from_tensor_model_parallel_region,
     scatter_to_sequence_parallel_region,
@@ -84,8 +85,10 @@ def mla_transformer_config(arch: Architecture, fields: dict[str, Any]) -> MLATra
             mscale_all_dim=yarn.mscale_all_dim or 0.0,
         )
     elif arch.rope_type == "default":
-        # rotary_scaling_factor 1 and mscale_all_dim 0: megatron's MLA softmax scale is 1/sqrt(q_head_dim)
+        # rotary_scaling_factor 1 and mscale_all_dim 0: megatron's MLA softmax scale is 1/sqrt(q_head_dim);
+        # megatron fuses MLA's RoPE only for YaRN (MLATransformerConfig refuses it otherwise)
         rope = dict(rope_type="rope", rotary_scaling_factor=1.0, mscale=1.0, mscale_all_dim=0.0)
+        fields = {**fields, "apply_rope_fusion": False}
     else:
         raise UnsupportedModelError(
             f"deepseek_v3 with rope scaling {arch.rope_type!r} is not supported; megatron's MLA has "
@@ -120,42 +123,61 @@ class _AllReduceRopeGrad(torch.autograd.Function):
         return grad, None, None
 
 
-class _KVDownProjection(ColumnParallelLinear):
-    """The local spec's ``linear_kv_down_proj``: megatron's column-parallel kv down projection, its output
-    returned whole so that the shared RoPE key gets the gradient of every head.
+class MLASelfAttentionWholeKVDown(MLASelfAttention):
+    """megatron's ``MLASelfAttention`` whose column-parallel kv down projection returns its output whole, so
+    that the shared RoPE key gets the gradient of every head (same parameters, names and forward maths).
 
     Under TP each rank attends with its own heads, but the RoPE key ``k_pos_emb`` (the last
-    ``qk_pos_emb_head_dim`` outputs) is shared by all heads. megatron-core's MLA (0.16.1 to 0.19.2) gathers
-    the column shards itself and splits the gradient back without summing it over TP, so ``k_pos_emb``'s
-    gradient holds only the rank's own heads (the latent part is right: ``linear_kv_up_proj`` all-reduces
-    its input gradient). Returned whole, MLA takes its "duplicated" path: without sequence parallelism the
-    RoPE columns' gradient is summed over TP here; with it, the output is scattered to this rank's tokens and
-    MLA's ``gather_from_sequence_parallel_region`` of ``k_pos_emb`` sums it (reduce-scatter) in backward."""
-
-    def forward(self, input_: torch.Tensor, *args: Any, **kwargs: Any):
-        out, bias = super().forward(input_, *args, **kwargs)
-        if dist.get_world_size(self.tp_group) == 1:
-            return out, bias
-        out = gather_from_tensor_model_parallel_region(out, group=self.tp_group)
-        if self.config.sequence_parallel:
-            return scatter_to_sequence_parallel_region(out, group=self.tp_group), bias
-        return _AllReduceRopeGrad.apply(out, self.config.qk_pos_emb_head_dim, self.tp_group), bias
-
-
-class LocalMLASelfAttention(MLASelfAttention):
-    """megatron's ``MLASelfAttention`` with :class:`_KVDownProjection` (same parameters and names)."""
+    ``qk_pos_emb_head_dim`` outputs of ``linear_kv_down_proj``) is shared by all heads. With a column-parallel
+    down projection megatron-core's MLA (0.16.1 to 0.19.2) gathers the shards itself and splits the gradient
+    back without summing it over TP, so ``k_pos_emb``'s gradient holds only the rank's own heads (the latent
+    part is right: ``linear_kv_up_proj`` all-reduces its input gradient). Returned whole, MLA takes its
+    "duplicated" path: without sequence parallelism the RoPE columns' gradient is summed over TP here; with
+    it, the output is scattered to this rank's tokens and MLA's ``gather_from_sequence_parallel_region`` of
+    ``k_pos_emb`` sums it over TP (reduce-scatter) in backward."""
 
     def __init__(self, *args: Any, **kwargs: Any):
         super().__init__(*args, **kwargs)
-        assert type(self.linear_kv_down_proj) is ColumnParallelLinear
-        self.linear_kv_down_proj.__class__ = _KVDownProjection
+        linear = self.linear_kv_down_proj
+        forward, group, rope = linear.forward, self.tp_group, self.config.qk_pos_emb_head_dim
+
+        def whole(input_: torch.Tensor, *a: Any, **kw: Any):
+            out, bias = forward(input_, *a, **kw)
+            if dist.get_world_size(group) == 1:
+                return out, bias
+            out = gather_from_tensor_model_parallel_region(out, group=group)
+            if self.config.sequence_parallel:
+                return scatter_to_sequence_parallel_region(out, group=group), bias
+            return _AllReduceRopeGrad.apply(out, rope, group), bias
+
+        linear.forward = whole
+
+    def _resolve_qk_norm_config(self, submodules) -> dict[str, Any]:
+        """megatron-core >= 0.19 (0.16.1 has no such hook): the spec's projections and latent norms as given.
+
+        megatron's resolver (``mla_qk_norm_config``) ties the latent norms to ``config.qk_layernorm``: off, it
+        refuses ``kv_layernorm``; on, it wants a fused norm+linear ``linear_q_proj`` without q compression
+        (a norm HF's ``q_proj`` does not have, and that the local spec cannot build), and
+        ``finalize_model_grads`` then sums the replicated ``q_layernorm`` gradient over TP, which is already
+        whole without sequence parallelism. HF's MLA has exactly ``q_a_layernorm`` (with q compression) and
+        ``kv_a_layernorm``, which is what the policy's spec says."""
+        from megatron.core.transformer.identity_op import IdentityOp
+
+        return dict(
+            linear_q_proj=submodules.linear_q_proj,
+            linear_q_up_proj=submodules.linear_q_up_proj,
+            linear_kv_up_proj=submodules.linear_kv_up_proj,
+            q_layernorm=submodules.q_layernorm if self.config.q_lora_rank is not None else IdentityOp,
+            kv_layernorm=submodules.kv_layernorm,
+        )
 
 
 def with_mla_attention(spec: ModuleSpec, *, use_te: bool, sequence_parallel: bool) -> ModuleSpec:
     """``spec`` (a layer spec built for the MLP) with megatron's MLA self-attention and its input norm.
 
     The attention part (and the layer's input norm and checkpoint key map, which depend on whether the
-    attention fuses the norm) comes from megatron's own MLA spec; on the local spec the core attention is
+    attention fuses the norm) comes from megatron's own MLA spec, as :class:`MLASelfAttentionWholeKVDown`
+    with column-parallel down projections; on the local spec the core attention is
     :class:`SDPACoreAttention` and, under sequence parallelism, every norm is SP-aware (the local torch norm
     refuses SP): ``q_layernorm`` / ``kv_layernorm`` normalise the latents of this rank's tokens."""
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
@@ -164,10 +186,19 @@ def with_mla_attention(spec: ModuleSpec, *, use_te: bool, sequence_parallel: boo
     from srpo_megatron.models.norms import SequenceParallelRMSNorm
 
     if use_te:
+        from megatron.core.extensions.transformer_engine import TEColumnParallelLinear
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
 
         mla = get_gpt_layer_with_transformer_engine_spec(multi_latent_attention=True, qk_layernorm=True)
         attention = mla.submodules.self_attention
+        # TE's MLA spec has duplicated (replicated) down projections; column-parallel ones, as on the local
+        # spec, keep one TP layout for the conversion table (conversion/mla_rows.py). Not verified on a GPU.
+        down = dict(linear_q_down_proj=TEColumnParallelLinear, linear_kv_down_proj=TEColumnParallelLinear)
+        attention = dataclasses.replace(
+            attention,
+            module=MLASelfAttentionWholeKVDown,
+            submodules=dataclasses.replace(attention.submodules, **down),
+        )
     else:
         from srpo_megatron.compat.cpu import mark_te_absent_for_mla
 
@@ -181,7 +212,7 @@ def with_mla_attention(spec: ModuleSpec, *, use_te: bool, sequence_parallel: boo
             parts.update(q_layernorm=SequenceParallelRMSNorm, kv_layernorm=SequenceParallelRMSNorm)
         attention = dataclasses.replace(
             attention,
-            module=LocalMLASelfAttention,
+            module=MLASelfAttentionWholeKVDown,
             submodules=dataclasses.replace(attention.submodules, **parts),
         )
     layer = dataclasses.replace(

@@ -345,86 +345,6 @@ def tiny_glm_moe_model(seed: int = 0, grouped: bool = False):
     return model.eval()
 
 
-def tiny_deepseek_config(
-    q_lora_rank: int | None = 24,
-    rope_interleave: bool = True,
-    num_layers: int = 2,
-    first_k_dense_replace: int | None = None,
-    mscale: float | None = 1.0,
-    mscale_all_dim: float = 0.8,
-):
-    """A tiny in-memory DeepSeek-V3 config (vocabulary ``TINY_VOCAB``): MLA with q compression
-    (``q_lora_rank``; None: one q projection), kv latent 16, q/k heads of 12 (nope) + 8 (RoPE), v heads of 10,
-    YaRN (factor 4 over 32 original positions; ``mscale_all_dim`` changes the softmax scale and, unless equal
-    to ``mscale``, the cos/sin factor), HF's ``rope_interleave``. ``first_k_dense_replace`` defaults to every
-    layer dense; below ``num_layers`` the later layers are MoE: 8 routed experts in 2 groups of 4 (1 group
-    chosen, top-2 in it), one shared expert, routed scaling 2.5."""
-    from transformers import DeepseekV3Config
-
-    rope = {
-        "rope_type": "yarn",
-        "rope_theta": 10000.0,
-        "factor": 4.0,
-        "original_max_position_embeddings": 32,
-        "beta_fast": 32.0,
-        "beta_slow": 1.0,
-        "mscale_all_dim": mscale_all_dim,
-    }
-    if mscale is not None:
-        rope["mscale"] = mscale
-    return DeepseekV3Config(
-        vocab_size=TINY_VOCAB,
-        hidden_size=64,
-        intermediate_size=96,
-        moe_intermediate_size=32,
-        num_hidden_layers=num_layers,
-        num_attention_heads=4,
-        num_key_value_heads=4,
-        q_lora_rank=q_lora_rank,
-        kv_lora_rank=16,
-        qk_nope_head_dim=12,
-        qk_rope_head_dim=8,
-        v_head_dim=10,
-        n_routed_experts=8,
-        num_experts_per_tok=2,
-        n_shared_experts=1,
-        n_group=2,
-        topk_group=1,
-        routed_scaling_factor=2.5,
-        norm_topk_prob=True,
-        first_k_dense_replace=num_layers if first_k_dense_replace is None else first_k_dense_replace,
-        max_position_embeddings=128,
-        rope_parameters=rope,
-        rope_interleave=rope_interleave,
-        tie_word_embeddings=False,
-        attention_bias=False,
-        attention_dropout=0.0,
-    )
-
-
-def tiny_deepseek_model(seed: int = 0, **config):
-    """Random HF DeepSeek-V3 (:func:`tiny_deepseek_config` ``config``): weights with std 0.1 (attention far
-    from uniform, so a wrong softmax scale or RoPE layout shows), norm weights around 1, routers with std
-    0.5 and a nonzero expert bias."""
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(tiny_deepseek_config(**config), dtype=torch.float32)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "norm" in name:
-                p.normal_(1.0, 0.2)
-            elif name.endswith("mlp.gate.weight"):
-                p.normal_(0.0, 0.5)
-            else:
-                p.normal_(0.0, 0.1)
-        for name, b in model.named_buffers():
-            if name.endswith("e_score_correction_bias"):
-                b.normal_(0.0, 0.3)
-    return model.eval()
-
-
 TINY_GPT_OSS_WINDOW = 3  # keys per query in the sliding layers: smaller than the parity tests' 8 tokens
 TINY_GPT_OSS_LIMIT = 1.0  # swiglu_limit: the expert weights below put |gate_up| well beyond it
 
@@ -491,3 +411,121 @@ def tiny_gpt_oss_model(seed: int = 0, num_layers: int = 2, **overrides):
             elif name.endswith("experts.down_proj") or name.endswith("bias"):
                 p.normal_(0.0, 0.2)
     return model.eval()
+
+
+def tiny_deepseek_config(
+    q_lora_rank: int | None = 24,
+    rope_interleave: bool = True,
+    num_layers: int = 2,
+    first_k_dense_replace: int | None = None,
+    mscale: float | None = 1.0,
+    mscale_all_dim: float = 0.8,
+    yarn: bool = True,
+):
+    """A tiny in-memory DeepSeek-V3 config (vocabulary ``TINY_VOCAB``): MLA with q compression
+    (``q_lora_rank``; None: one q projection), kv latent 16, q/k heads of 12 (nope) + 8 (RoPE), v heads of 10,
+    YaRN (factor 4 over 32 original positions; ``mscale_all_dim`` changes the softmax scale and, unless equal
+    to ``mscale``, the cos/sin factor; ``yarn=False``: plain RoPE), HF's ``rope_interleave``.
+    ``first_k_dense_replace`` defaults to every
+    layer dense; below ``num_layers`` the later layers are MoE: 8 routed experts in 2 groups of 4 (1 group
+    chosen, top-2 in it), one shared expert, routed scaling 2.5."""
+    from transformers import DeepseekV3Config
+
+    rope = {
+        "rope_type": "yarn",
+        "rope_theta": 10000.0,
+        "factor": 4.0,
+        "original_max_position_embeddings": 32,
+        "beta_fast": 32.0,
+        "beta_slow": 1.0,
+        "mscale_all_dim": mscale_all_dim,
+    }
+    if mscale is not None:
+        rope["mscale"] = mscale
+    if not yarn:  # plain RoPE
+        rope = {"rope_type": "default", "rope_theta": 10000.0}
+    return DeepseekV3Config(
+        vocab_size=TINY_VOCAB,
+        hidden_size=64,
+        intermediate_size=96,
+        moe_intermediate_size=32,
+        num_hidden_layers=num_layers,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        q_lora_rank=q_lora_rank,
+        kv_lora_rank=16,
+        qk_nope_head_dim=12,
+        qk_rope_head_dim=8,
+        v_head_dim=10,
+        n_routed_experts=8,
+        num_experts_per_tok=2,
+        n_shared_experts=1,
+        n_group=2,
+        topk_group=1,
+        routed_scaling_factor=2.5,
+        norm_topk_prob=True,
+        first_k_dense_replace=num_layers if first_k_dense_replace is None else first_k_dense_replace,
+        max_position_embeddings=128,
+        rope_parameters=rope,
+        rope_interleave=rope_interleave,
+        tie_word_embeddings=False,
+        attention_bias=False,
+        attention_dropout=0.0,
+    )
+
+
+def tiny_deepseek_model(seed: int = 0, **config):
+    """Random HF DeepSeek-V3 (:func:`tiny_deepseek_config` ``config``): weights with std 0.1 (attention far
+    from uniform, so a wrong softmax scale or RoPE layout shows), norm weights around 1, routers with std
+    0.5 and a nonzero expert bias."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(tiny_deepseek_config(**config), dtype=torch.float32)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.normal_(1.0, 0.2)
+            elif name.endswith("mlp.gate.weight"):
+                p.normal_(0.0, 0.5)
+            else:
+                p.normal_(0.0, 0.1)
+        for name, b in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                b.normal_(0.0, 0.3)
+    return model.eval()
+
+
+def write_tiny_deepseek(out_dir: str | Path, seed: int = 0) -> Path:
+    """The full tiny DeepSeek-V3 of :func:`tiny_deepseek_config` (3 layers: layer 0 dense, MLA with q
+    compression, YaRN, 8 grouped experts top-2 + a shared expert, a nonzero expert bias) sized to the real
+    Qwen vocabulary, with its tokenizer and chat template, saved as an HF folder (reused if present)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from srpo_megatron.testing.assets import qwen3_tokenizer
+
+    out = Path(out_dir)
+    if (out / "config.json").is_file() and (out / "tokenizer_config.json").is_file():
+        return out
+    tok = qwen3_tokenizer()
+    config = tiny_deepseek_config(num_layers=3, first_k_dense_replace=1)
+    config.vocab_size = len(tok)
+    config.eos_token_id = tok.convert_tokens_to_ids("<|im_end|>")
+    config.pad_token_id = tok.convert_tokens_to_ids("<|endoftext|>")
+    config.bos_token_id = None
+    config.num_nextn_predict_layers = 0
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("mlp.gate.weight"):
+                p.normal_(0.0, 0.5)
+        for name, b in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                b.normal_(0.0, 0.3)
+    out.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(out)
+    tok.save_pretrained(out)
+    return out

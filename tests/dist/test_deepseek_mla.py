@@ -1,13 +1,14 @@
 """DeepSeek-V3 Multi-head Latent Attention policies match transformers' ``DeepseekV3ForCausalLM`` (fp32):
-logits and every gradient at TP1, TP2 and PP2, and HF -> megatron -> HF is bit-exact with the converted
-checkpoint loading at TP2.
+logits and every gradient at TP1, TP2 (with and without sequence parallelism) and PP2, and HF -> megatron
+-> HF is bit-exact with the converted checkpoint loading at TP2.
 
-Two tiny models cover MLA's switches (``srpo_megatron.testing.tiny.tiny_deepseek_config``): q compression
-with HF's ``rope_interleave=True`` and YaRN whose cos/sin factor and softmax scale both differ from 1
-(``mscale`` 1, ``mscale_all_dim`` 0.8), and one q projection (``q_lora_rank=None``) with
+Three tiny dense models cover MLA's switches (``srpo_megatron.testing.tiny.tiny_deepseek_config``): q
+compression with HF's ``rope_interleave=True`` and YaRN whose cos/sin factor and softmax scale both differ
+from 1 (``mscale`` 1, ``mscale_all_dim`` 0.8); one q projection (``q_lora_rank=None``) with
 ``rope_interleave=False`` and HF's other YaRN branch (``mscale`` unset: cos/sin by ``m(f)``, softmax by
-``m(f, mscale_all_dim)**2``). Every layer is dense (``first_k_dense_replace = num_hidden_layers``) until the
-DeepSeek MoE is on main. Same harness as ``test_models_tp``: megatron's real schedules on gloo ranks.
+``m(f, mscale_all_dim)**2``); q compression with plain RoPE. Every layer is dense
+(``first_k_dense_replace = num_hidden_layers``); the MoE DeepSeek is ``test_deepseek_moe``. Same harness
+as ``test_models_tp``: megatron's real schedules on gloo ranks.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ MICRO_BATCH_SIZE = 2
 VARIANTS = {
     "q_lora+interleave": dict(q_lora_rank=24, rope_interleave=True, mscale=1.0, mscale_all_dim=0.8),
     "q_proj+halves": dict(q_lora_rank=None, rope_interleave=False, mscale=None, mscale_all_dim=1.0),
+    "q_lora+plain_rope": dict(q_lora_rank=24, yarn=False),
 }
 
 

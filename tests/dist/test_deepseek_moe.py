@@ -117,3 +117,50 @@ def test_deepseek_moe_round_trip_is_bit_exact_and_loads_at_ep(tmp_path, layout):
         for gname, want in ref_grads.items():
             diff = (grads[gname] - want).abs().max().item()
             assert diff <= 1e-5, f"{tag}: grad {gname} differs by {diff}"
+
+
+def test_round_trip_with_the_hubs_mtp_layer_is_bit_exact(tmp_path):
+    """A DeepSeek folder as the hub ships it, with one MTP layer (``model.layers.3``: an MLA + MoE layer and
+    NextN's ``enorm``/``hnorm``/``eh_proj``/``shared_head``): the MTP tensors are not table rows, the import
+    skips them with one notice and the export re-emits them, so the round trip is bit-exact."""
+    import json
+    from pathlib import Path
+
+    from safetensors.torch import save_file
+
+    from srpo_megatron.testing.distributed import run_distributed
+    from tests.helpers.conversion import assert_bit_exact, read_hf_tensors
+
+    src = tmp_path / "hf"
+    tiny_deepseek_model(seed=3, **VARIANTS["q_lora+interleave"]).save_pretrained(src)
+    state = read_hf_tensors(src)
+    gen = torch.Generator().manual_seed(7)
+    mtp = {
+        k.replace("model.layers.2.", "model.layers.3."): torch.randn(v.shape, generator=gen)
+        for k, v in state.items()
+        if k.startswith("model.layers.2.")
+    }
+    h = state["model.norm.weight"].shape[0]
+    for name, shape in (("enorm", (h,)), ("hnorm", (h,)), ("eh_proj", (h, 2 * h)), ("shared_head.norm", (h,))):
+        mtp[f"model.layers.3.{name}.weight"] = torch.randn(shape, generator=gen)
+    for f in src.glob("model*.safetensors*"):
+        f.unlink()
+    save_file({**state, **mtp}, src / "model.safetensors", metadata={"format": "pt"})
+    config = json.loads((src / "config.json").read_text())
+    config["num_nextn_predict_layers"] = 1
+    (src / "config.json").write_text(json.dumps(config))
+    log = tmp_path / "log.txt"
+    run_distributed(_convert_worker, 1, str(src), str(tmp_path / "mg"), str(tmp_path / "back"), str(log))
+    assert_bit_exact(Path(src), tmp_path / "back")
+    skipped = [line for line in log.read_text().splitlines() if line.startswith("skipping") and "MTP" in line]
+    assert len(skipped) == 1 and "[3]" in skipped[0]
+
+
+def _convert_worker(rank, world, src, mg, dst, log_file):
+    from srpo_megatron.conversion.checkpoint import hf_to_megatron, megatron_to_hf
+
+    lines: list[str] = []
+    hf_to_megatron(src, mg, progress=lines.append)
+    megatron_to_hf(mg, dst, max_shard_bytes=40_000, progress=lines.append)
+    with open(log_file, "w") as f:
+        f.write("\n".join(lines))

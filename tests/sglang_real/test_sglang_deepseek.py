@@ -190,3 +190,27 @@ def test_sglang_real_deepseek_skips_mtp_layers(folders):
     files = read_hf_tensors(folder)
     _, log, _ = _load(config, [(mtp, files["model.layers.0.self_attn.kv_b_proj.weight"])])
     assert log == []
+
+
+def test_sglang_real_deepseek_loads_every_fused_q_a_kv_a_when_synced_in_small_buckets(folders):
+    """The weight sync's buckets (``buckets.bucketize``, here 2 kB: a few tensors each) never split a layer's
+    q_a/kv_a pair, so SGLang's loader, called once per bucket as an update request does, loads every
+    layer's fused parameter (split, it would load none of them and say nothing)."""
+    from transformers import AutoConfig
+
+    from srpo_megatron.buckets import bucketize
+
+    folder = folders["q_lora+moe"]
+    config = AutoConfig.from_pretrained(folder)
+    table = ConversionTable(Architecture.from_hf(folder))
+    files = read_hf_tensors(folder)
+    fused = []
+    buckets = list(bucketize(((n, files[n]) for n in table.hf_names()), 2048))
+    assert len(buckets) > 3 * config.num_hidden_layers
+    for bucket in buckets:
+        _, log, _ = _load(config, bucket)
+        fused += [n for n, *_ in log if n.endswith("fused_qkv_a_proj_with_mqa.weight")]
+    assert sorted(fused) == [
+        f"model.layers.{i}.self_attn.fused_qkv_a_proj_with_mqa.weight"
+        for i in range(config.num_hidden_layers)
+    ]

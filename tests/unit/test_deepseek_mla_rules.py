@@ -116,3 +116,69 @@ def test_sglang_mla_kv_cache_rule_for_deepseek_v3():
     cfg = tiny_deepseek_config(num_layers=61).to_dict()
     cfg.update(kv_lora_rank=512, qk_rope_head_dim=64, qk_nope_head_dim=128, v_head_dim=128)
     assert sglang_mla_kv_cache_bytes_per_token(Architecture.from_hf(cfg), 2) == 70_272
+
+
+def test_no_bucket_splits_a_q_a_kv_a_pair():
+    """Every bucketizer of the weight sync keeps a layer's q_a_proj and kv_a_proj_with_mqa in one bucket
+    (SGLang fuses them only within one load call), at any bucket size; other tensors still split."""
+    from srpo_megatron.buckets import PendingParam, TensorSpec, bucketize, bucketize_pending, flat_buckets
+
+    arch = Architecture.from_hf(tiny_deepseek_config(num_layers=3, first_k_dense_replace=1).to_dict())
+    table = ConversionTable(arch)
+    tensors = [(n, torch.zeros(table.hf_shape(n))) for n in table.hf_names()]
+
+    def pending():
+        for n, t in tensors:
+            spec = TensorSpec(n, t.dtype, tuple(t.shape))
+            yield PendingParam(n, t.numel() * 4, lambda n=n, t=t: [(n, t)], (spec,), None)
+
+    def check(buckets: list[list[str]], limit: int):
+        assert len(buckets) > 10
+        for names in buckets:
+            for q in (n for n in names if n.endswith("self_attn.q_a_proj.weight")):
+                assert q.replace("q_a_proj", "kv_a_proj_with_mqa") in names, (limit, names)
+
+    for limit in (1, 700, 2048, 5000):
+        check([[n for n, _ in b] for b in bucketize(iter(tensors), limit)], limit)
+        check([[n for n, _ in b] for b in bucketize_pending(pending(), limit)], limit)
+        check([[s.name for s in b.specs] for b in flat_buckets(pending(), limit)], limit)
+
+
+def test_default_rope_mla_turns_rope_fusion_off():
+    """megatron fuses MLA's RoPE only for YaRN: a GPU run's ``apply_rope_fusion`` must not break a plain-RoPE
+    DeepSeek config (MLATransformerConfig would refuse it)."""
+    from srpo_megatron.models.mla import mla_transformer_config
+
+    arch = Architecture.from_hf(tiny_deepseek_config().to_dict())
+    plain = dataclasses.replace(arch, rope_type="default", yarn=None, rope_factor=None)
+    base = dict(num_layers=2, hidden_size=64, num_attention_heads=4, apply_rope_fusion=True)
+    cfg = mla_transformer_config(plain, base)
+    assert cfg.rope_type == "rope" and cfg.apply_rope_fusion is False
+    assert mla_transformer_config(arch, base).apply_rope_fusion is True
+
+
+# megatron-core versions whose multi_latent_attention takes HAVE_TE = True without Transformer Engine (its
+# TELinear then is a MagicMock and MLASelfAttention raises TypeError): mark_te_absent_for_mla's reason.
+MLA_HAVE_TE_WITHOUT_TE = {(0, 16, 1): True, (0, 19, 2): False}
+
+
+def test_mla_have_te_shim_is_needed_exactly_where_megatron_misreads_te():
+    """A fresh process: on a version that needs it the shim flips HAVE_TE once; where megatron reads TE's
+    absence itself (0.19.2) it changes nothing. Fails when a pinned version changes its mind."""
+    import subprocess
+    import sys
+
+    from srpo_megatron.compat.mcore import mcore_version
+
+    version = mcore_version()
+    if version not in MLA_HAVE_TE_WITHOUT_TE:
+        pytest.skip(f"megatron-core {version} is not pinned in {sorted(MLA_HAVE_TE_WITHOUT_TE)}")
+    code = (
+        "import megatron.core.transformer.multi_latent_attention as m\n"
+        "from srpo_megatron.compat.cpu import mark_te_absent_for_mla\n"
+        "print(bool(getattr(m, 'HAVE_TE', False)), mark_te_absent_for_mla(), mark_te_absent_for_mla())\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-2000:]
+    needed = MLA_HAVE_TE_WITHOUT_TE[version]
+    assert out.stdout.split()[-3:] == [str(needed), str(needed), "False"], out.stdout

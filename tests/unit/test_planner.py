@@ -18,7 +18,6 @@ import torch
 import yaml
 
 from srpo_megatron.cli import main
-from srpo_megatron.compat.mcore import mcore_version
 from srpo_megatron.config import ConfigError
 from srpo_megatron.config.loading import merge
 from srpo_megatron.planner.command import HF_CONFIG_DIR, plan_recipe
@@ -232,17 +231,10 @@ def moe_router_on_cpu(monkeypatch):
         monkeypatch.setattr(moe_utils, "te_general_gemm", None, raising=False)
 
 
-MLA_ON_0_19 = pytest.mark.xfail(
-    mcore_version() >= (0, 19, 0),
-    reason="the project's MLA policy (models/mla.py) does not build on megatron-core 0.19.2 yet: "
-    "LocalMLASelfAttention refuses the local spec's q_layernorm",
-)
-
-
 @pytest.mark.parametrize("recompute", ["none", "full"])
 @pytest.mark.parametrize(
     "cfg",
-    [dict(TINY, model_type="qwen3"), TINY_MOE, TINY_GLM, pytest.param(TINY_DS, marks=MLA_ON_0_19)],
+    [dict(TINY, model_type="qwen3"), TINY_MOE, TINY_GLM, TINY_DS],
     ids=["dense", "moe", "glm-moe", "deepseek-mla"],
 )
 def test_activation_estimate_within_15_percent_of_autograd(cfg, recompute, moe_router_on_cpu):

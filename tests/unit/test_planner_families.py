@@ -20,7 +20,6 @@ from pathlib import Path
 import pytest
 import torch
 
-from srpo_megatron.compat.mcore import mcore_version
 from srpo_megatron.planner.command import HF_CONFIG_DIR
 from srpo_megatron.planner.memory import (
     GiB,
@@ -135,15 +134,6 @@ def test_mla_shards_by_hand():
     assert sum(t.numel for t in tensors if t.expert) == e
 
 
-MLA_BUILDS = mcore_version() < (0, 19, 0)
-MLA_ON_0_19 = pytest.mark.xfail(
-    not MLA_BUILDS,
-    reason="the project's MLA policy (models/mla.py) does not build on megatron-core 0.19.2 yet: "
-    "LocalMLASelfAttention refuses the local spec's q_layernorm",
-)
-
-
-@MLA_ON_0_19
 @pytest.mark.parametrize("stage", [0, 15])
 def test_deepseek_v3_tensors_equal_the_policy_on_meta(stage):
     """The project's DeepSeek-V3 policy built by megatron on the meta device (CPU local spec) at TP4 PP16
