@@ -141,12 +141,13 @@ def launch_main(args: argparse.Namespace) -> int:
         gpus = args.gpus_per_node if args.gpus_per_node is not None else cluster.gpus_per_node
         if placement.placement == "separate" and cluster.executor == "slurm" and not args.probe:
             from srpo_megatron.launch.engine_nodes import slurm_engine_lines
-            from srpo_megatron.rollout.sglang.servers import engines_per_node
+            from srpo_megatron.rollout.sglang.servers import engines_per_node, nodes_per_engine
 
-            per_node = engines_per_node(gpus, placement.engine_tp)
-            lines = slurm_engine_lines(
-                args.nodes, placement.engine_nodes, per_node, request.command.args[1], list(args.override)
-            )
+            tp = placement.engine_tp
+            span = nodes_per_engine(gpus, tp, placement.engine_nodes)  # refuses engines off whole nodes
+            per_node = engines_per_node(gpus, tp) if span == 1 else 1
+            recipe, overrides = request.command.args[1], list(args.override)
+            lines = slurm_engine_lines(args.nodes, placement.engine_nodes, per_node, recipe, overrides, span)
             request.setup_lines = (request.setup_lines or "") + lines
         result = submit(cluster, request, dryrun=args.dryrun)
         if gpus > 0 and not (cluster.executor == "local" and placement.placement == "separate"):

@@ -6,7 +6,11 @@ writes:
 
 1. the engine host names are the last ``engine_nodes`` entries of ``scontrol show hostnames``;
    ``SRPO_ENGINE_URLS`` (read by `srpo train`) lists one URL per server, numbered as
-   ``rollout.sglang.servers.server_urls`` numbers them;
+   ``rollout.sglang.servers.server_urls`` numbers them; an engine over several nodes (``tp_size`` >
+   GPUs per node) takes ``span = tp_size / gpus_per_node`` consecutive engine nodes and only its first
+   node serves HTTP, so the list has one URL per engine (every ``span``-th engine host);
+   ``SRPO_ENGINE_HOSTS`` (all engine hosts) tells each node of such an engine its node rank and the
+   engine's first host (SGLang's ``--dist-init-addr``);
 2. a background step ``srun <the same flags> --nodes=E --relative=N --ntasks-per-node=1 python -m
    srpo_megatron.rollout.sglang.servers RECIPE ...`` starts (and keeps alive) the servers of each engine
    node, inside the job's container, logging next to the training log;
@@ -31,22 +35,28 @@ def engine_server_args(recipe: str, overrides: list[str]) -> list[str]:
 
 
 def slurm_engine_lines(
-    train_nodes: int, engine_nodes: int, per_node: int, recipe: str, overrides: list[str]
+    train_nodes: int, engine_nodes: int, per_node: int, recipe: str, overrides: list[str], span: int = 1
 ) -> str:
-    """Bash for ``setup_lines``: start the engine step and confine the training step to its nodes."""
+    """Bash for ``setup_lines``: start the engine step and confine the training step to its nodes.
+    ``per_node``: servers per engine node; ``span``: nodes per engine (> 1 only with ``per_node`` 1)."""
     cmd = " ".join(shlex.quote(a) for a in engine_server_args(recipe, overrides))
-    n, e = int(train_nodes), int(engine_nodes)
+    n, e, span = int(train_nodes), int(engine_nodes), int(span)
+    if span > 1 and (per_node != 1 or e % span):
+        raise ValueError(f"an engine over {span} nodes: one server per node, a multiple of {span} nodes")
+    where = f"{per_node} per node" if span == 1 else f"one engine per {span} nodes, HTTP on its first"
     return f"""
-# rollout.placement: separate -- SGLang servers on the last {e} node(s), {per_node} per node (ports from
+# rollout.placement: separate -- SGLang servers on the last {e} node(s), {where} (ports from
 # {BASE_PORT}); training on the first {n}. `srpo train` reads the servers from SRPO_ENGINE_URLS.
 srpo_hosts=( $(scontrol show hostnames "$SLURM_JOB_NODELIST") )
+SRPO_ENGINE_HOSTS=""
+for h in "${{srpo_hosts[@]:{n}:{e}}}"; do SRPO_ENGINE_HOSTS+="${{SRPO_ENGINE_HOSTS:+,}}$h"; done
 SRPO_ENGINE_URLS=""
-for h in "${{srpo_hosts[@]:{n}:{e}}}"; do
+for ((j = {n}; j < {n + e}; j += {span})); do
     for ((i = 0; i < {per_node}; i++)); do
-        SRPO_ENGINE_URLS+="${{SRPO_ENGINE_URLS:+,}}http://$h:$(({BASE_PORT} + i))"
+        SRPO_ENGINE_URLS+="${{SRPO_ENGINE_URLS:+,}}http://${{srpo_hosts[j]}}:$(({BASE_PORT} + i))"
     done
 done
-export SRPO_ENGINE_URLS
+export SRPO_ENGINE_HOSTS SRPO_ENGINE_URLS
 echo "SGLang engine servers: $SRPO_ENGINE_URLS"
 if declare -F srun >/dev/null; then
     eval "srpo_inner_srun() $(declare -f srun | tail -n +2)"

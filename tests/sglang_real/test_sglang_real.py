@@ -367,6 +367,21 @@ def test_sglang_real_server_args_parse_every_recipe(recipe, cfg):
         server_args_accept(offline_engine_kwargs(cfg, colocated=True, base_gpu_id=0, **extra))
 
 
+def test_sglang_real_server_args_parse_each_node_of_an_engine_over_nodes():
+    """bf16 DeepSeek-V3's TP32 engine on four 8-GPU nodes: SGLang's parser reads every node's part
+    (``--nnodes 4 --node-rank k --dist-init-addr FIRST:PORT``) as ``launch/engine_nodes.py`` starts it."""
+    from srpo_megatron.rollout.sglang.servers import DIST_INIT_PORT, recipe_rollout_config, server_commands
+
+    rollout = recipe_rollout_config(str(ROOT / "examples/deepseek_v3_srpo.yaml"), [])
+    hosts = ["e0", "e1", "e2", "e3"]
+    for index in range(4):
+        (argv,) = server_commands(rollout, 8, hosts, index)
+        ns = parse_server_argv(argv)
+        assert (ns.nnodes, ns.node_rank, ns.dist_init_addr) == (4, index, f"e0:{DIST_INIT_PORT}")
+        assert (ns.tp_size, ns.port, ns.base_gpu_id) == (32, 30000, 0)
+        assert ns.tp_size % ns.nnodes == 0  # SGLang's check_server_args: tp_size divisible by nnodes
+
+
 def server_args_accept(kwargs: dict) -> None:
     """``ServerArgs(**kwargs)``, what ``sglang.Engine(**kwargs)`` builds. 0.5.15.post1's ``__post_init__``
     then looks for an accelerator (none here): unknown keywords fail before that, in ``__init__``, so an

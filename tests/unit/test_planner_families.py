@@ -240,14 +240,14 @@ def test_family_recipes_plan_exactly_and_dryrun(recipe, name, nodes, replay, hf_
     assert stated and abs(out["peak_bytes"] / GiB - float(stated.group(1))) < 0.005, "update the comment"
 
 
-def test_deepseek_v3_engine_needs_servers_across_nodes(tmp_path, capsys, stdin_devnull):
+def test_deepseek_v3_engine_spans_four_nodes(tmp_path, capsys, stdin_devnull):
     """1.34 TB of bf16 weights do not fit one 8 x 80 GB node: the planner sizes the 4-node engine (TP32), and
-    `srpo launch` refuses it by name, since it starts SGLang servers within one node only."""
+    `srpo launch` starts it over its 4 engine nodes (tests/unit/test_launch_multinode_engines.py)."""
     from srpo_megatron.launch import commands
 
     base = ["launch", "examples/deepseek_v3_srpo.yaml", "--cluster", "h100", "--nodes", "32", "--dryrun"]
-    assert commands.main([*base, "--home", str(tmp_path)]) == 2
-    assert "tp_size=32 does not divide the 8 GPUs of an engine node" in capsys.readouterr().err
+    assert commands.main([*base, "--home", str(tmp_path)]) == 0
+    assert "# rollout: 1 engines of TP32 (32 GPUs each) on 4 engine node(s)" in capsys.readouterr().out
     # On one node (tp_size 8) the planner refuses the engine, naming its weights per GPU.
     from srpo_megatron.planner.command import plan_recipe
 
