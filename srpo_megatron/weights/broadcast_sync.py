@@ -51,6 +51,7 @@ from srpo_megatron.rollout.sglang.protocol import (
     parse_update_response,
 )
 from srpo_megatron.weights.export import is_stage_sender, iter_stage_params
+from srpo_megatron.weights.fused_experts import fuse_expert_slices
 from srpo_megatron.weights.p2p import DEFAULT_BUCKET_BYTES
 from srpo_megatron.weights.weight_sync import served_manifest
 
@@ -234,7 +235,7 @@ def broadcast_sync(
     every rank, so the caller restarts and retries everywhere alike."""
     seen: set[str] = set()
     error = ""
-    pending = iter_stage_params(model, table, groups, dtype)
+    pending = fuse_expert_slices(iter_stage_params(model, table, groups, dtype), table)  # SGLang: whole x
     if not is_stage_sender(groups):
         for p in pending:  # join this stage's TP gathers
             p.fetch()

@@ -87,7 +87,7 @@ class DiskSync(ColocatedSync):
     """``WeightSync`` for ``weight_sync: disk`` (module docstring), colocated or separate."""
 
     def __init__(self, cfg: Any, policy: Any, groups: ParallelGroups, layout: EngineLayout) -> None:
-        super().__init__(policy, groups, layout)
+        super().__init__(policy, groups, layout, fuse_experts=True)  # SGLang reads the folder
         self.cfg = cfg
         self._manifest: tuple[dict[str, tuple[int, ...]], frozenset[str]] | None = None
 

@@ -33,6 +33,7 @@ from srpo_megatron.parallel import ParallelGroups
 from srpo_megatron.rollout.base import EngineError, RolloutEngine
 from srpo_megatron.rollout.placement import EngineLayout
 from srpo_megatron.weights.export import iter_stage_params
+from srpo_megatron.weights.fused_experts import fuse_expert_slices
 from srpo_megatron.weights.p2p import (
     DEFAULT_BUCKET_BYTES,
     P2PChannel,
@@ -88,11 +89,14 @@ def sync_engines(
     targets: Iterable[int] | None = None,
     bucket_bytes: int = DEFAULT_BUCKET_BYTES,
     dtype: torch.dtype | None = None,
+    fuse_experts: bool = False,
 ) -> int:
     """Collective: install the policy as ``version`` into each target engine (``engine`` is this rank's
     engine on hosts, None elsewhere). Returns the bytes this rank sent to other ranks. An engine that
     rejects the update raises on its host only, after the rest of its stream was drained, so the other
-    ranks complete the collective; the caller agrees on failures afterwards (``RolloutService.sync``)."""
+    ranks complete the collective; the caller agrees on failures afterwards (``RolloutService.sync``).
+    ``fuse_experts`` (SGLang engines; the same on every rank): whole fused expert tensors instead of the
+    table's slices ``x[e]`` (``weights.fused_experts``; gpt-oss)."""
     me = dist.get_rank()
     targets = sorted(range(layout.num_engines) if targets is None else targets)
     coords = grid(groups)
@@ -101,6 +105,8 @@ def sync_engines(
     # Hosts this replica feeds (this rank's stage goes to each of them), in engine order.
     receivers = [layout.hosts[k] for k in targets if coords[layout.hosts[k]][0] == my_dp]
     pending = iter_stage_params(model, table, groups, dtype, all_replicas=True)
+    if fuse_experts:
+        pending = fuse_expert_slices(pending, table)
     if not receivers:
         # This replica feeds no engine in this sync. MoE expert gathers run over EP/ETP groups that may
         # span replicas, so then it still joins every gather (and drops the result).
@@ -154,10 +160,15 @@ def sync_engines(
 
 class ColocatedSync:
     """``WeightSync`` for engines fed from the trainer's own ranks (module docstring); ``receiver`` is what
-    a host hands its stream to (the engine itself here; ``DiskSync`` writes a folder instead)."""
+    a host hands its stream to (the engine itself here; ``DiskSync`` writes a folder instead).
+    ``fuse_experts``: SGLang engines load gpt-oss's fused expert tensors whole (``sync_engines``); the
+    transformers engine takes the table's slices."""
 
-    def __init__(self, policy: Any, groups: ParallelGroups, layout: EngineLayout) -> None:
+    def __init__(
+        self, policy: Any, groups: ParallelGroups, layout: EngineLayout, *, fuse_experts: bool = False
+    ) -> None:
         self.policy, self.groups, self.layout = policy, groups, layout
+        self.fuse_experts = fuse_experts
 
     def receiver(self, engine: RolloutEngine) -> Any:
         return engine
@@ -167,7 +178,16 @@ class ColocatedSync:
         try:
             receiver = self.receiver(engine) if engine is not None else None
             p = self.policy
-            sync_engines(p.model, p.table, self.groups, receiver, version, self.layout, targets=targets)
+            sync_engines(
+                p.model,
+                p.table,
+                self.groups,
+                receiver,
+                version,
+                self.layout,
+                targets=targets,
+                fuse_experts=self.fuse_experts,
+            )
         except EngineError as e:  # on its host only; the others completed the collective
             error = str(e)
         return agree_failures(self.layout, self.groups.host, self.layout.engine_of(dist.get_rank()), error)

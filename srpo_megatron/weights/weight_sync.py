@@ -90,7 +90,7 @@ def build_weight_sync(
         return DiskSync(cfg, policy, groups, layout)
     from srpo_megatron.weights.engine_sync import ColocatedSync
 
-    return ColocatedSync(policy, groups, layout)
+    return ColocatedSync(policy, groups, layout, fuse_experts=cfg.rollout.engine == "sglang")
 
 
 def served_manifest(cfg: Any) -> tuple[dict[str, tuple[int, ...]], frozenset[str]]:

@@ -88,7 +88,9 @@ def test_mxfp4_folder_imports_to_the_dequantized_values(tmp_path):
     experts, hidden, inter = cfg.num_local_experts, cfg.hidden_size, cfg.intermediate_size
     want = {}
     for i in range(cfg.num_hidden_layers):
-        for j, (proj, out, inn) in enumerate((("gate_up_proj", 2 * inter, hidden), ("down_proj", hidden, inter))):
+        for j, (proj, out, inn) in enumerate(
+            (("gate_up_proj", 2 * inter, hidden), ("down_proj", hidden, inter))
+        ):
             name = f"model.layers.{i}.mlp.experts.{proj}"
             blocks, scales, values = _hand_made_mxfp4((experts, out, inn), seed=10 * i + j)
             del state[name]
@@ -98,7 +100,10 @@ def test_mxfp4_folder_imports_to_the_dequantized_values(tmp_path):
         f.unlink()
     save_file(state, str(src / "model.safetensors"))
     config = json.loads((src / "config.json").read_text())
-    config["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": ["model.layers.*.self_attn"]}
+    config["quantization_config"] = {
+        "quant_method": "mxfp4",
+        "modules_to_not_convert": ["model.layers.*.self_attn"],
+    }
     (src / "config.json").write_text(json.dumps(config))
     mg, back = tmp_path / "mg", tmp_path / "back"
     run_distributed(round_trip_worker, 1, [(str(src), str(mg), str(back))], 10**9, timeout=300)
@@ -126,7 +131,9 @@ def test_policy_sync_installs_in_the_hf_engine(layout):
     tp, pp, ep, etp = layout
     source = tiny_gpt_oss_model(seed=6)
     state = read_state(source)
-    results = run_distributed(export_worker, max(tp, ep) * pp, layout, source.config.to_dict(), state, timeout=600)
+    results = run_distributed(
+        export_worker, max(tp, ep) * pp, layout, source.config.to_dict(), state, timeout=600
+    )
     received = {name: t for buckets, _, _ in results for bucket in buckets for name, t in bucket}
     table = ConversionTable(Architecture.from_hf(source.config))
     assert sorted(received) == sorted(table.hf_names())
@@ -137,6 +144,30 @@ def test_policy_sync_installs_in_the_hf_engine(layout):
     ids = batches_for(3)[0]
     with torch.no_grad():
         assert torch.equal(engine.model(ids).logits, source(ids).logits)
+
+
+@pytest.mark.parametrize("layout", [(1, 1, 2, 1), (2, 1, 2, 1)], ids=["ep2", "tp2ep2"])
+def test_policy_sync_for_sglang_sends_the_fused_expert_tensors(layout, tmp_path):
+    """The SGLang-bound export (``weights.fused_experts`` over ``weights.export``'s EP gather): the fused
+    expert tensors whole, bit-exact (each expert at its index), the checkpoint's file names, each once,
+    which the SGLang engine's gate (manifest from the served folder) accepts."""
+    from srpo_megatron.rollout.sglang.protocol import hf_manifest
+    from tests.helpers.moe import export_worker
+    from tests.helpers.sglang import sync_through_gate
+
+    tp, pp, ep, etp = layout
+    source = tiny_gpt_oss_model(seed=6)
+    source.save_pretrained(tmp_path / "oss")
+    state = read_state(source)
+    world = max(tp, ep) * pp
+    results = run_distributed(
+        export_worker, world, layout, source.config.to_dict(), state, 40_000, True, timeout=600
+    )
+    stream = [(name, t) for buckets, _, _ in results for bucket in buckets for name, t in bucket]
+    assert sorted(n for n, _ in stream) == sorted(hf_manifest(str(tmp_path / "oss")))
+    for name, got in stream:
+        assert torch.equal(got, state[name]), name
+    assert sync_through_gate(tmp_path / "oss", iter(stream)).weight_version == 1
 
 
 def read_state(model) -> dict[str, torch.Tensor]:

@@ -114,9 +114,10 @@ def hf_grads_in_file_names(grads: dict[str, torch.Tensor]) -> dict[str, torch.Te
     return out
 
 
-def export_worker(rank, world, layout, hf_config, state, bucket_bytes=40_000):
+def export_worker(rank, world, layout, hf_config, state, bucket_bytes=40_000, fuse=False):
     """The trainer's weight export of a policy loaded from ``state``: buckets of (name, tensor), the largest
-    pending tensor's and the largest expert tensor's bytes (tests/dist/test_moe_weight_sync.py)."""
+    pending tensor's and the largest expert tensor's bytes (tests/dist/test_moe_weight_sync.py). ``fuse``:
+    as the SGLang syncs send it (``weights.fused_experts``)."""
     from srpo_megatron.buckets import bucketize_pending
     from srpo_megatron.conversion.table import ConversionTable
     from srpo_megatron.conversion.weights import load_hf_weights
@@ -132,6 +133,10 @@ def export_worker(rank, world, layout, hf_config, state, bucket_bytes=40_000):
     model = build_policy(arch)
     load_hf_weights(model, table, state.__getitem__)
     pending = list(iter_stage_params(model, table, groups))
+    if fuse:
+        from srpo_megatron.weights.fused_experts import fuse_expert_slices
+
+        pending = list(fuse_expert_slices(pending, table))
     largest = max(p.nbytes for p in pending)
     largest_expert = max((p.nbytes for p in pending if ".experts." in p.name), default=0)
     return [list(b) for b in bucketize_pending(iter(pending), bucket_bytes)], largest, largest_expert

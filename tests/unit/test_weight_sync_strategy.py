@@ -46,6 +46,13 @@ def test_each_possible_placement_and_sync_pair_gets_its_strategy(placement, weig
     assert type(_build(rollout)) is kind
 
 
+@pytest.mark.parametrize(("weight_sync", "fused"), [(None, False), ("tensor", True), ("disk", True)])
+def test_sglang_bound_colocated_syncs_send_fused_expert_tensors(weight_sync, fused):
+    """SGLang loads gpt-oss's fused expert tensors whole (``weights.fused_experts``); the transformers
+    engine takes the table's slices ``x[e]`` (``rollout.hf_moe_layout.gpt_oss_slice_params``)."""
+    assert _build(_rollout("colocated", weight_sync)).fuse_experts is fused
+
+
 @pytest.mark.parametrize(("placement", "weight_sync"), [("separate", "tensor"), ("colocated", "distributed")])
 def test_an_impossible_pair_has_no_strategy(placement, weight_sync):
     """Refused when the recipe loads, or at the latest here, naming both keys."""
