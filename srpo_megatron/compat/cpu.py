@@ -66,8 +66,11 @@ class _CudaAsCpu(TorchFunctionMode):
                 return _cuda_type_name(args[0])
         if func is torch.Tensor.cuda:
             return args[0]
-        if func is torch.device and len(args) == 1 and not kwargs and _is_cuda_device(args[0]):
-            # ``with torch.device(torch.cuda.current_device()):`` (megatron's YarnRotaryEmbedding, MLA)
+        if func is torch.device and len(args) == 1 and not kwargs and type(args[0]) is int:
+            # ``with torch.device(torch.cuda.current_device()):`` (megatron's YarnRotaryEmbedding, MLA). Only
+            # the bare index: rewriting ``torch.device("cuda:N")`` too breaks the strict-device mode, whose
+            # tagged tensors report ``cuda:<rank>`` (megatron 0.19.2's batched p2p then asks gloo for a
+            # CUDA backend).
             return torch.device("cpu")
         if "device" in kwargs and _is_cuda_device(kwargs["device"]):
             kwargs["device"] = "cpu"
