@@ -8,6 +8,8 @@ path (the sglang tier) a second line ``sglang <version>: N passed, ...`` counts 
 
 from __future__ import annotations
 
+import shutil
+
 import pytest
 
 # Shared helpers (the rollout-engine contract's test methods, the parity asserts) keep pytest's assertion
@@ -35,6 +37,22 @@ def _installed_sglang() -> str | None:
     if version is not None:
         load()  # SGLang's modules (and the torchvision stub they need on CPU) before any test imports them
     return version
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _free_module_tmp(request, tmp_path_factory):
+    """Removes the folders a module's fixtures made with ``tmp_path_factory`` once the module is done, unless
+    one of its tests failed (then they stay for a look). pytest itself frees only a passed test's
+    ``tmp_path`` (pyproject's ``tmp_path_retention_policy``); module fixtures' checkpoints and HF folders
+    would otherwise pile up until the session ends. No session-scoped fixture writes files, so nothing a
+    later module needs is removed."""
+    base = tmp_path_factory.getbasetemp()
+    before = set(base.iterdir())
+    failed = request.session.testsfailed
+    yield
+    if request.session.testsfailed == failed:
+        for path in set(base.iterdir()) - before:
+            shutil.rmtree(path, ignore_errors=True)
 
 
 @pytest.fixture(autouse=True)
