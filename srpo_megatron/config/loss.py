@@ -11,6 +11,8 @@ Mode = Literal[
     "srpo", "grpo", "sdpo", "srpo_no_dw", "sdpo_incorrect_only", "sdpo_correct_only", "advantage_mix"
 ]
 WeightScope = Literal["batch", "micro_batch"]
+Aggregation = Literal["token_mean", "seq_mean_token_mean"]
+AGGREGATIONS: tuple[str, ...] = ("token_mean", "seq_mean_token_mean")
 ISCorrection = Literal["tis", "mis", "icepop"]
 ISLevel = Literal["token", "sequence"]
 IS_CORRECTIONS: tuple[str, ...] = ("tis", "mis", "icepop")
@@ -73,6 +75,10 @@ class LossConfig:
     beta: float = 1.0
     # where the mean of w̃ is taken: the whole training batch (all micro-batches and DP) or each micro-batch
     weight_scope: WeightScope = "batch"
+    # how token losses become L: token_mean = Σ_{i,t} ℓ / N_tokens over the whole batch (the paper's
+    # equations; SRPO's setting); seq_mean_token_mean = the mean over sequences of each sequence's token
+    # mean (what SDPO's and verl's code does at micro-batch 1: the paper's GRPO / SDPO baseline runs)
+    aggregation: Aggregation = "token_mean"
     # advantage_mix only: A = λ·A_GRPO + (1 − λ)·A_SDPO
     adv_mix_lambda: float = 0.9
     # the sampling temperature (student and teacher logits are divided by it): not a recipe key, a
@@ -93,6 +99,8 @@ class LossConfig:
 
         if self.mode not in MODES:
             raise bad("mode", "unknown objective", f"choose one of {list(MODES)}")
+        if self.aggregation not in AGGREGATIONS:
+            raise bad("aggregation", "unknown loss aggregation", f"choose one of {list(AGGREGATIONS)}")
         if self.weight_scope not in ("batch", "micro_batch"):
             raise bad("weight_scope", "unknown scope", "choose 'batch' (paper) or 'micro_batch'")
         if not 0.0 <= self.eps_low < 1.0:

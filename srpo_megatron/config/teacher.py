@@ -22,6 +22,10 @@ class TeacherConfig:
         "{user_prompt}\nCorrect solution:\n\n{sibling_response}\n\nCorrectly solve the original question."
     )
 
+    # the chat template's enable_thinking for the teacher's prompt (the paper runs thinking off; Qwen3's
+    # template then opens the reply with an empty think block, as for the student)
+    enable_thinking: bool = False
+
     def __post_init__(self) -> None:
         if not 0.0 <= self.ema_alpha <= 1.0:
             raise ConfigError(f"teacher.ema_alpha={self.ema_alpha} must be in [0, 1] (paper: 0.05)")

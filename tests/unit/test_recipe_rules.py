@@ -29,6 +29,8 @@ ADDED_SINCE = {
     "loss.is_high": 5.0,
     "loss.mask_stale_tokens": False,
     "moe.expert_bias_update_rate": 0.0,
+    "loss.aggregation": "token_mean",
+    "teacher.enable_thinking": False,
 }
 
 
