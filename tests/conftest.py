@@ -77,7 +77,7 @@ def _tier_id(item: pytest.Item) -> tuple[str, str]:
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Marks ``mcore_next`` the tests ``tests/mcore_next.py`` lists (the 0.19.2 tier runs ``-m mcore_next``)."""
+    """Marks ``mcore_next`` what ``tests/mcore_next.py`` lists (the 0.19.2 tier runs ``-m mcore_next``)."""
     files = {rel for rel, _ in map(_tier_id, items)}
     used: set[str] = set()
     for item in items:
