@@ -47,7 +47,7 @@ def apply_code_plant(name: str) -> None:
         raise SystemExit(f"gate_plants: unknown code plant {name!r}; choose one of {', '.join(CODE_PLANTS)}")
     from srpo_megatron.trainer import routing_batch
 
-    routing_batch.route = _route_all_wrong_to_sdpo  # type: ignore[assignment]
+    routing_batch.route = _route_all_wrong_to_sdpo
 
 
 def code_plant_main(argv: list[str]) -> int:
