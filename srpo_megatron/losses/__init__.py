@@ -5,6 +5,7 @@ All are pure functions of tensors (plus explicit process groups) returning ``(pe
 where they are losses; ``routed_loss`` owns nothing global — the caller supplies the denominators.
 """
 
+from srpo_megatron.losses.aggregation import sequence_weights
 from srpo_megatron.losses.grpo import grpo_token_loss, tis_weight
 from srpo_megatron.losses.importance import apply_rejections, bounded_is_weight, sequence_log_ratio
 from srpo_megatron.losses.routed import Normalizers, TokenBatch, global_normalizers, routed_loss
@@ -32,6 +33,7 @@ __all__ = [
     "score_teacher",
     "sdpo_token_loss",
     "sequence_log_ratio",
+    "sequence_weights",
     "tis_weight",
     "topk_divergence",
 ]

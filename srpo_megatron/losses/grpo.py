@@ -27,6 +27,12 @@ from __future__ import annotations
 
 import torch
 
+# The log-ratio log π_θ − log π_old is clamped to ±20 before exp, as verl (``compute_policy_loss_vanilla``)
+# and SDPO's code do: in fp32 exp overflows above ~88.7, and an inf ratio makes the gradient NaN even
+# where the clip selects the constant branch (0 · inf). e^20 ≈ 4.9e8 lies far outside any clip range, so
+# values inside ±20 are unchanged bit for bit; beyond it the ratio is constant (no gradient through it).
+LOG_RATIO_CLAMP = 20.0
+
 
 def tis_weight(
     old_logp: torch.Tensor, rollout_logp: torch.Tensor | None, cap: float | None
@@ -78,11 +84,12 @@ def grpo_token_loss(
     is_weight:    [T] a precomputed detached importance weight used instead of TIS (MIS / IcePop,
                   ``losses/importance.py``); give it or ``rollout_logp``, not both
 
-    ℓ = −min(ρA, clip(ρ, 1−ε_low, 1+ε_high)A); for A < 0, ℓ = min(ℓ, −c·A) (dual clip); ℓ ·= w_TIS (or
-    ``is_weight``); then + kl_coef·k3(π_ref, π_θ) − entropy_coef·H.
+    ℓ = −min(ρA, clip(ρ, 1−ε_low, 1+ε_high)A) with ρ = exp(clamp(log π_θ − log π_old, ±20)); for A < 0,
+    ℓ = min(ℓ, −c·A) (dual clip); ℓ ·= w_TIS (or ``is_weight``); then + kl_coef·k3(π_ref, π_θ)
+    − entropy_coef·H.
     """
     adv = advantages.detach().to(logp.dtype)
-    log_ratio = logp - old_logp.detach()
+    log_ratio = (logp - old_logp.detach()).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
     ratio = log_ratio.exp()
     surrogate = -ratio * adv
     clipped = -ratio.clamp(1.0 - eps_low, 1.0 + eps_high) * adv

@@ -9,6 +9,12 @@ Summing the returned losses over micro-batches and DP ranks gives L exactly, so 
 not depend on the micro-batch size, the DP size, or the TP size (all TP ranks return the same value).
 The trainer must therefore *sum* (not average) gradients over micro-batches and DP ranks.
 
+``loss.aggregation: seq_mean_token_mean`` (SDPO's and verl's code, the paper's baseline runs) replaces
+N_tokens by a per-sequence mean, (1/N_seq) Σ_i (1/|y_i|) Σ_t, with the same invariances: every branch's
+token loss (GRPO with its KL and entropy terms, weighted SDPO) is multiplied by its sample's 1/|y_i|
+(``TokenBatch.seq_weight``) and the sum divided by the global N_seq (``losses/aggregation.py``). The dynamic
+weights' mean over Ω_sdpo stays a token mean in both modes.
+
 Batch layout: flat per-token tensors. Row t is one token position of a response (packed across
 samples, padding allowed with ``mask`` False); per-sample fields (advantage, route) are broadcast to
 the sample's rows. ``student_logits`` row t predicts ``response_ids[t]``.
@@ -40,6 +46,7 @@ import torch
 import torch.distributed as dist
 
 from srpo_megatron.config import LossConfig
+from srpo_megatron.losses.aggregation import aggregate, sequence_count
 from srpo_megatron.losses.grpo import grpo_token_loss
 from srpo_megatron.losses.importance import bounded_is_weight, check_rejections
 from srpo_megatron.losses.sdpo import dynamic_weights, raw_weights, sdpo_token_loss
@@ -65,6 +72,7 @@ class TokenBatch:
     teacher: torch.Tensor | None = None  # [T] bool: rows with teacher data (advantage_mix only)
     stale: torch.Tensor | None = None  # [T] bool: generated > rollout.off_policy_steps versions ago
     seq_log_ratio: torch.Tensor | None = None  # [T] float: Σ log π_old/π_rollout over the row's sample
+    seq_weight: torch.Tensor | None = None  # [T] float64: 1/|y_i| of the row's sample (seq_mean_token_mean)
 
     def __len__(self) -> int:
         return self.response_ids.shape[0]
@@ -99,9 +107,10 @@ class TokenBatch:
 class Normalizers:
     """Global quantities of the whole training batch (all micro-batches, all DP ranks)."""
 
-    num_tokens: float  # valid response tokens: the denominator of L
+    num_tokens: float  # valid response tokens: the denominator of L (token_mean)
     num_sdpo_tokens: float  # |Ω_sdpo|: valid tokens routed to SDPO
     sum_raw_weights: float  # Σ_{Ω_sdpo} w̃ with w̃ = exp(−β·H_teacher)
+    num_seqs: float = 0.0  # N_seq: samples with a valid token, the denominator of seq_mean_token_mean
 
     @property
     def mean_raw_weight(self) -> float:
@@ -115,14 +124,17 @@ def _sdpo_rows(batch: TokenBatch) -> torch.Tensor:
 def global_normalizers(
     micro_batches: Sequence[TokenBatch], beta: float, group: dist.ProcessGroup | None = None
 ) -> Normalizers:
-    """Sum token count, |Ω_sdpo| and Σ w̃ over ``micro_batches`` and all-reduce them over the DP ``group``.
+    """Sum token count, |Ω_sdpo|, Σ w̃ and N_seq over ``micro_batches`` and all-reduce them over the DP
+    ``group``. N_seq (Σ of ``seq_weight`` over the valid rows, rounded: each sample's weights sum to 1) is 0
+    when the micro-batches carry no ``seq_weight`` (``token_mean``).
 
     Call once per optimizer step, after the scoring pass, on every rank (a collective when ``group`` is set).
     """
     device = micro_batches[0].mask.device if micro_batches else None
-    sums = torch.zeros(3, dtype=torch.float64, device=device)
+    sums = torch.zeros(4, dtype=torch.float64, device=device)
     for mb in micro_batches:
         sums[0] += mb.mask.sum()
+        sums[3] += sequence_count(mb)
         rows = _sdpo_rows(mb)
         if bool(rows.any()):
             if mb.teacher_entropy is None:
@@ -133,7 +145,7 @@ def global_normalizers(
             sums[2] += raw_weights(mb.teacher_entropy[rows].double(), beta).sum()
     if group is not None:
         dist.all_reduce(sums, group=group)
-    return Normalizers(float(sums[0]), float(sums[1]), float(sums[2]))
+    return Normalizers(float(sums[0]), float(sums[1]), float(sums[2]), float(sums[3].round()))
 
 
 def routed_loss(
@@ -146,7 +158,9 @@ def routed_loss(
     """This micro-batch's share of L, and metrics.
 
     student_logits: [T, V/P] logits shard of the tensor-parallel ``group`` (None = whole vocabulary)
-    Returns (loss scalar = Σ_t per-token loss / normalizers.num_tokens, metrics). Metrics are detached
+    Returns (loss scalar = Σ_t per-token loss / normalizers.num_tokens, or under ``seq_mean_token_mean``
+    Σ_t seq_weight_t · per-token loss / normalizers.num_seqs (``losses/aggregation.py``), metrics). Metrics
+    are detached
     sums over this micro-batch's valid tokens (sum them over micro-batches and DP ranks, then divide by
     the matching ``*_tokens`` count), except ``*_max`` entries (reduce with max).
     """
@@ -243,7 +257,7 @@ def routed_loss(
         metrics["sdpo_loss_sum"] = loss_s.detach().double().sum()
         metrics["divergence_sum"] = ms["divergence"].double().sum()
 
-    loss = per_token.sum() / normalizers.num_tokens
+    loss = aggregate(per_token, batch, normalizers, cfg.aggregation)
     if not need_grpo and not sdpo_rows.numel():
         # Nothing routed here (e.g. pure SDPO, no sample has a teacher): keep the loss attached to the
         # graph with an exactly-zero gradient, so backward and DDP hooks still run on this micro-batch.

@@ -14,7 +14,7 @@ import math
 
 import torch
 
-from srpo_megatron.losses.grpo import importance_weight
+from srpo_megatron.losses.grpo import LOG_RATIO_CLAMP, importance_weight
 from srpo_megatron.ops.vocab_parallel import append_tail
 
 # log-probs are floored here so that 0·log 0 terms (p = 0 buckets) stay finite in value and gradient.
@@ -77,7 +77,8 @@ def sdpo_token_loss(
                      give it or ``rollout_logp``, not both
     """
     div = topk_divergence(student_buckets, teacher_buckets, alpha, add_tail=False)
-    ratio = (logp.detach() - old_logp.detach()).exp().clamp(max=ratio_cap)
+    log_ratio = (logp.detach() - old_logp.detach()).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)  # as SDPO's code
+    ratio = log_ratio.exp().clamp(max=ratio_cap)
     loss = div * ratio
     metrics = {"divergence": div.detach()}
     w = importance_weight(old_logp, rollout_logp, tis_cap, is_weight)

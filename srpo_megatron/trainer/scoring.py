@@ -16,6 +16,10 @@ Off-policy (``loss.is_correction: mis``, ``loss.mask_stale_tokens``): once π_ol
 rows the correction rejects are cleared from the batch's mask (``losses.apply_rejections``), before any
 mini-batch's normalisers are counted. Staleness is ``trainer_version`` minus each token's version, bounded
 by ``rollout.off_policy_steps``.
+
+``loss.aggregation: seq_mean_token_mean``: each row's 1/|y_i| (``losses.sequence_weights``) is fixed here,
+from the sample's full rows after the rejections, so a sample split over micro-batches or CP ranks still
+divides by its whole length.
 """
 
 from __future__ import annotations
@@ -25,7 +29,7 @@ import time
 
 import torch
 
-from srpo_megatron.losses import apply_rejections, score_student, score_teacher
+from srpo_megatron.losses import apply_rejections, score_student, score_teacher, sequence_weights
 from srpo_megatron.trainer import context_parallel as cpar
 from srpo_megatron.trainer.batches import (
     micro_batches_for,
@@ -98,6 +102,8 @@ def score_rollouts(
         cpar.gather_rows(tokens, cpar.STUDENT_FIELDS, g.cp)
         if lc.rejects_tokens:  # every CP rank holds every row now, so all of them reject the same ones
             rejections = {k: float(v) for k, v in apply_rejections(tokens, lc, offsets).items()}
+        if lc.aggregation == "seq_mean_token_mean":  # 1/|y_i| from each sample's full rows, after rejections
+            tokens.seq_weight = sequence_weights(tokens.mask, offsets)
     t_student = time.monotonic() - t0
 
     teacher_runs = 0

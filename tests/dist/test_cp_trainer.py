@@ -85,7 +85,7 @@ def _plant(name: str | None) -> None:
         )
 
 
-def _step(rank, world, tiny, run_dir, tp, pp, cp, plants):
+def _step(rank, world, tiny, run_dir, tp, pp, cp, plants, extra=()):
     from dataclasses import replace
 
     from srpo_megatron.config import load_config
@@ -115,6 +115,7 @@ def _step(rank, world, tiny, run_dir, tp, pp, cp, plants):
                 "optim.lr=0.01",
                 "optim.warmup_steps=0",
                 f"train.max_tokens_per_micro_batch={BUDGET}",
+                *extra,
             ]
             policy = Policy(load_config(TrainConfig, str(RECIPE), ov), groups)
             scored = score_rollouts(policy, _samples())
@@ -144,8 +145,9 @@ def _step(rank, world, tiny, run_dir, tp, pp, cp, plants):
     return out
 
 
-def _run(tiny, tmp_path, tp, pp, cp, plants=()):
-    return run_distributed(_step, tp * pp * cp, tiny, str(tmp_path), tp, pp, cp, plants, timeout=900)
+def _run(tiny, tmp_path, tp, pp, cp, plants=(), extra=()):
+    world = tp * pp * cp
+    return run_distributed(_step, world, tiny, str(tmp_path), tp, pp, cp, plants, extra, timeout=900)
 
 
 def _combined(results, plant):
@@ -206,3 +208,18 @@ def test_context_parallel_step_equals_tp1(tiny, tmp_path, reference, tp, pp, cp)
         except AssertionError as e:
             caught = {"export": str(e)} if "exported by two ranks" in str(e) else {}
         assert check in caught, f"planted bug {plant!r}: the {check} check did not see it (caught {caught})"
+
+
+def test_context_parallel_seq_mean_token_mean_equals_tp1(tiny, tmp_path):
+    """``loss.aggregation: seq_mean_token_mean`` at CP2: each CP rank trains on half of a sample's rows, yet
+    every row keeps its sample's full 1/|y_i| and N_seq is counted once per DP replica (the planted N_seq
+    over DP×CP doubles the denominator: the grad norm sees it)."""
+    extra = ("loss.aggregation=seq_mean_token_mean",)
+    ref = _run(tiny, tmp_path / "tp1", 1, 1, 1, extra=extra)
+    reference = (ref[0][None]["kept"], *_combined(ref, None))
+    assert reference[1]["sdpo_loss_sum"] != 0.0, "no SDPO loss: the test would not see the teacher path"
+    results = _run(tiny, tmp_path / "cp2", 1, 1, 2, ("tokens_per_cp_rank",), extra)
+    bad = {k: v for k, v in _differences(results, None, reference).items() if v > 1e-5}
+    assert not bad, f"CP2 differs from TP1 under seq_mean_token_mean: {bad}"
+    caught = {k: v for k, v in _differences(results, "tokens_per_cp_rank", reference).items() if v > 1e-5}
+    assert "grad norm" in caught, f"planted N_seq over DP×CP not seen (caught {caught})"

@@ -3,7 +3,9 @@
 Every configuration runs the real flow on its ranks — route → score_student / score_teacher on the
 rank's vocabulary shard → ``global_normalizers`` over the DP group → ``routed_loss`` per micro-batch —
 and the summed loss and the reassembled [T, V] gradient must equal the single-process result (to
-rounding) and the float64 full-vocabulary reference.
+rounding) and the float64 full-vocabulary reference. ``<mode>+seq`` runs the mode under
+``loss.aggregation: seq_mean_token_mean`` (each DP rank's samples weighted by 1/|y_i|, N_seq reduced over DP;
+two micro-batches cut a sample in the middle).
 """
 
 from __future__ import annotations
@@ -22,7 +24,10 @@ SEED = 21
 
 
 def _cfg(mode):
-    return LossConfig(mode=mode, top_k=4, temperature=0.9, entropy_coef=0.01)
+    """``mode`` is a loss mode, or ``<mode>+seq`` for it under ``loss.aggregation: seq_mean_token_mean``."""
+    mode, _, seq = mode.partition("+")
+    aggregation = "seq_mean_token_mean" if seq else "token_mean"
+    return LossConfig(mode=mode, top_k=4, temperature=0.9, entropy_coef=0.01, aggregation=aggregation)
 
 
 def _run(prob, cfg, tp_rank, tp, tp_group, dp_rank, dp, dp_group, n_micro):
@@ -99,7 +104,10 @@ def _reference(mode):
 
 
 CASES = {
-    2: ([(1, 2, 1), (1, 2, 2), (2, 1, 1)], ["srpo", "sdpo", "advantage_mix"]),
+    2: (
+        [(1, 2, 1), (1, 2, 2), (2, 1, 1)],
+        ["srpo", "sdpo", "advantage_mix", "srpo+seq", "grpo+seq", "sdpo+seq"],
+    ),
     4: ([(2, 2, 2), (1, 4, 1), (4, 1, 2)], ["srpo"]),
 }
 

@@ -31,7 +31,7 @@ def tiny(tmp_path_factory):
     return write_tiny_run(tmp_path_factory.mktemp("tiny_packing"), num_prompts=8)
 
 
-def _step(rank, world, tiny, run_dir, pp, budgets):
+def _step(rank, world, tiny, run_dir, pp, budgets, extra=()):
     from srpo_megatron.config import load_config
     from srpo_megatron.parallel import initialize_model_parallel
     from srpo_megatron.config import TrainConfig
@@ -53,6 +53,7 @@ def _step(rank, world, tiny, run_dir, pp, budgets):
             "optim.warmup_steps=0",
             "train.micro_batch_size=3",
             f"train.max_tokens_per_micro_batch={budget}",
+            *extra,
         ]
         policy = Policy(load_config(TrainConfig, str(RECIPE), ov), groups)
         scored = score_rollouts(policy, packing_samples())
@@ -64,9 +65,14 @@ def _step(rank, world, tiny, run_dir, pp, budgets):
     return out
 
 
-@pytest.mark.parametrize("pp", [1, 2])
-def test_packed_step_equals_padded_step(tiny, tmp_path, pp):
-    results = run_distributed(_step, pp, tiny, str(tmp_path), pp, BUDGETS, timeout=900)
+@pytest.mark.parametrize(
+    "pp,aggregation", [(1, "token_mean"), (2, "token_mean"), (1, "seq_mean_token_mean")]
+)
+def test_packed_step_equals_padded_step(tiny, tmp_path, pp, aggregation):
+    """``seq_mean_token_mean``: the samples' 1/|y_i| travel with their rows into packed micro-batches that
+    group them differently from the padded ones (3 per micro-batch), and N_seq is the batch's."""
+    extra = (f"loss.aggregation={aggregation}",)
+    results = run_distributed(_step, pp, tiny, str(tmp_path), pp, BUDGETS, extra, timeout=900)
     last = results[-1]
     (ref_kept, ref_loss, ref_sdpo, _), *packed = last
     assert ref_sdpo != 0.0, "the reference step has no SDPO loss: the test would not see the teacher path"

@@ -83,6 +83,7 @@ class RefCfg:
     is_low: float = 0.5
     is_high: float = 5.0
     mask_stale_tokens: bool = False
+    aggregation: str = "token_mean"
 
 
 def ref_grpo_token(logp, old, adv: float, rollout, cfg: RefCfg, ref=None, ent=None, is_weight=None):
@@ -221,11 +222,14 @@ def ref_routed_loss(
         mean_w[sc] = sum(vals) / len(vals) if vals else 1.0
     total = student_logits.new_zeros(())
     n_valid = 0
+    seq_sum: dict[int, torch.Tensor] = {}  # sample -> Σ_t ℓ over its kept tokens
+    seq_len: dict[int, int] = {}  # sample -> |y_i|, its kept tokens
     for t in range(t_rows):
         if not kept[t]:
             continue
         n_valid += 1
         s = sample_of_token[t]
+        before = total
         to_grpo, to_sdpo = routes_of(s)
         y = int(response_ids[t])
         logp = lp_s[t, y]
@@ -255,4 +259,9 @@ def ref_routed_loss(
                 tis = min(math.exp(float(old_logp[t]) - float(rollout_logp[t])), cfg.tis_cap)
             w = w_raw[t] / mean_w[scope[t]] if cfg.mode == "srpo" else 1.0
             total = total + d * ratio * tis * w
+        seq_sum[s] = seq_sum.get(s, student_logits.new_zeros(())) + (total - before)
+        seq_len[s] = seq_len.get(s, 0) + 1
+    if cfg.aggregation == "seq_mean_token_mean":  # (1/N_seq) Σ_i (1/|y_i|) Σ_t ℓ_it, N_seq = samples kept
+        return sum(seq_sum[i] / seq_len[i] for i in seq_sum) / len(seq_sum)
+    assert cfg.aggregation == "token_mean", cfg.aggregation
     return total / n_valid

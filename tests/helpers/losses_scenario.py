@@ -19,6 +19,7 @@ from srpo_megatron.losses import (
     routing_masks,
     score_student,
     score_teacher,
+    sequence_weights,
 )
 from tests.helpers.losses_reference import RefCfg, ref_log_softmax
 
@@ -99,7 +100,22 @@ def build_batch(
         teacher_entropy=torch.where(needs_teacher, teacher_score.entropy, 0.0).to(dtype),
         teacher_token_logp=torch.where(needs_teacher, teacher_score.token_logp, 0.0).to(dtype),
         teacher=needs_teacher,
+        seq_weight=sequence_weights(prob.mask, sample_offsets(prob))
+        if cfg.aggregation == "seq_mean_token_mean"
+        else None,
     )
+
+
+def sample_offsets(prob: Problem) -> list[int]:
+    """[N + 1] row offsets of the samples (``sample_of_token`` is sorted: a sample's rows are contiguous)."""
+    n = len(prob.rewards) * len(prob.rewards[0])
+    counts = [0] * n
+    for s in prob.sample_of_token:
+        counts[s] += 1
+    out = [0]
+    for c in counts:
+        out.append(out[-1] + c)
+    return out
 
 
 def group_slice(prob: Problem, lo: int, hi: int) -> tuple[Problem, torch.Tensor]:

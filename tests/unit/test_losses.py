@@ -56,6 +56,53 @@ def test_grpo_hand_worked_clip_regimes():
     assert m["clipped"].tolist() == [1.0, 0.0, 0.0, 1.0]
 
 
+@pytest.mark.parametrize("dual_clip", [3.0, None])
+def test_grpo_log_ratio_100_gives_finite_loss_and_gradient(dual_clip):
+    """fp32: exp(100) overflows; the ±20 clamp (verl's) keeps loss and gradient finite, and such a token's
+    loss equals the one at log-ratio 20 (the ratio is constant beyond the clamp: no gradient through it)."""
+    adv = torch.tensor([1.0, -1.0, 0.0, 1.0, -1.0])
+    old = torch.zeros(5)
+    logp = torch.tensor([100.0, 100.0, 100.0, -100.0, -100.0], requires_grad=True)
+    loss, _ = grpo_token_loss(logp, old, adv, None, dual_clip=dual_clip)
+    (g,) = torch.autograd.grad(loss.sum(), logp)
+    assert bool(torch.isfinite(loss).all()) and bool(torch.isfinite(g).all()), (loss, g)
+    at_bound = torch.tensor([20.0, 20.0, 20.0, -20.0, -20.0])
+    edge, _ = grpo_token_loss(at_bound, old, adv, None, dual_clip=dual_clip)
+    assert torch.equal(loss.detach(), edge)
+    assert torch.equal(g, torch.zeros(5))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_grpo_inside_the_clamp_is_bit_identical_to_the_unclamped_ratio(dtype):
+    """Inside ±20 the clamp changes nothing: loss and gradient equal the plain exp(log π_θ − log π_old)."""
+    gen = torch.Generator().manual_seed(5)
+    t = 64
+    logp = (torch.rand(t, generator=gen, dtype=torch.float64) * 39.0 - 19.5).to(dtype).requires_grad_()
+    old = torch.zeros(t, dtype=dtype)
+    adv = torch.randn(t, generator=gen, dtype=torch.float64).to(dtype)
+    loss, _ = grpo_token_loss(logp, old, adv, None, tis_cap=None)
+    (g,) = torch.autograd.grad(loss.sum(), logp)
+    ratio = (logp - old).exp()  # before the clamp
+    plain = torch.maximum(-ratio * adv, -ratio.clamp(0.8, 1.28) * adv)
+    plain = torch.where(adv < 0, torch.minimum(plain, -3.0 * adv), plain)
+    (g_plain,) = torch.autograd.grad(plain.sum(), logp)
+    assert torch.equal(loss.detach(), plain.detach()) and torch.equal(g, g_plain)
+
+
+def test_sdpo_ratio_log_ratio_clamped():
+    """SDPO's current/old ratio: log-ratio 100 is capped (finite), −100 floors at exp(−20) as SDPO's code."""
+    p = torch.log_softmax(torch.randn(3, 4, dtype=torch.float64), -1).requires_grad_()
+    q = torch.log_softmax(torch.randn(3, 4, dtype=torch.float64), -1)
+    logp = torch.tensor([100.0, -100.0, 0.5], dtype=torch.float64)
+    old = torch.zeros(3, dtype=torch.float64)
+    loss, _ = sdpo_token_loss(p, q, logp, old, None)
+    d = topk_divergence(p, q, 0.5, add_tail=False)
+    expect = d * torch.tensor([2.0, math.exp(-20.0), math.exp(0.5)], dtype=torch.float64)
+    assert torch.equal(loss, expect)
+    (g,) = torch.autograd.grad(loss.sum(), p)
+    assert bool(torch.isfinite(g).all())
+
+
 def test_grpo_tis_cap_kl_entropy_against_reference():
     gen = torch.Generator().manual_seed(0)
     n = 64

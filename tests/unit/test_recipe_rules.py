@@ -32,6 +32,12 @@ ADDED_SINCE = {
     "loss.aggregation": "token_mean",
     "teacher.enable_thinking": False,
 }
+# Keys a recipe set since the snapshot (recipe -> key -> value): the GRPO and SDPO baselines average per
+# sequence as SDPO's code, with which the paper's baseline runs were made (issue 28, D1).
+CHANGED_SINCE = {
+    "qwen3_8b_grpo.yaml": {"loss.aggregation": "seq_mean_token_mean"},
+    "qwen3_8b_sdpo.yaml": {"loss.aggregation": "seq_mean_token_mean"},
+}
 
 
 # ---- the shrunk recipes --------------------------------------------------------------------------------
@@ -47,11 +53,20 @@ def _flat(data: dict, prefix: str = "") -> dict:
 
 @pytest.mark.parametrize("name", sorted(BEFORE), ids=str)
 def test_every_recipe_loads_to_exactly_the_config_it_had_before_the_shrink(name):
-    now, before = _flat(to_dict(load_recipe(EXAMPLES / name))), {**ADDED_SINCE, **_flat(BEFORE[name])}
+    now = _flat(to_dict(load_recipe(EXAMPLES / name)))
+    before = {**ADDED_SINCE, **_flat(BEFORE[name]), **CHANGED_SINCE.get(name, {})}
     changed = {
         k: (before.get(k), now.get(k)) for k in before.keys() | now.keys() if before.get(k) != now.get(k)
     }
     assert not changed, f"{name}: (before, now) per key: {changed}"
+
+
+def test_only_the_grpo_and_sdpo_baselines_average_per_sequence():
+    """SRPO keeps the paper's global token mean; the baselines reproduce how their runs were averaged."""
+    for path in sorted(EXAMPLES.glob("*.yaml")):
+        loss = to_dict(load_recipe(path))["loss"]
+        want = "seq_mean_token_mean" if path.name in CHANGED_SINCE else "token_mean"
+        assert loss["aggregation"] == want, (path.name, loss["mode"], loss["aggregation"])
 
 
 # Recipes written after the snapshot (each inherits a recorded one).
