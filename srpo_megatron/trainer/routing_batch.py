@@ -60,6 +60,7 @@ def sampling_params(rollout: RolloutConfig, seed: int, prompt_offset: int = 0) -
         # The CPU engine reports experts for free (the mismatch metric); SGLang only when replaying, since
         # its server must run with --enable-return-routed-experts.
         return_routed_experts=rollout.routing_replay or rollout.engine == "hf",
+        top_logprobs=rollout.parity_top_k,
     )
 
 
@@ -150,6 +151,8 @@ def route_groups(
                     uid="" if uids is None else uids[i][j],
                     weight_version=c.weight_version,
                     token_versions=None if c.token_versions is None else list(c.token_versions),
+                    engine_top_ids=c.top_ids,
+                    engine_top_logp=c.top_logprobs,
                 )
             )
     n = len(samples)

@@ -83,6 +83,10 @@ class Sample:
     uid: str = ""
     weight_version: int = 0
     token_versions: list[int] | None = None
+    # Parity diagnostic (rollout.parity_top_k = K): the engine's top-K ids [R, K] int64 and their log-probs
+    # [R, K] float32 per response token (Completion.top_ids / top_logprobs); None when not requested.
+    engine_top_ids: torch.Tensor | None = None
+    engine_top_logp: torch.Tensor | None = None
 
 
 @dataclass
@@ -176,6 +180,9 @@ class StepStats:
     teacher_entropy_sum: float = _stat(SUM)  # Σ teacher entropy over SDPO tokens
     rollout_logp_gap_sum: float = _stat(SUM)  # Σ |log π_old − log π_rollout|
     rollout_logp_gap_max: float = _stat(MAX)  # max |log π_old − log π_rollout|
+    topk_kl_sum: float = _stat(SUM)  # Σ per-token KL(engine‖trainer) over the engine's top-K (+ tail)
+    topk_kl_max: float = _stat(MAX)  # max of that KL
+    topk_kl_tokens: float = _stat(SUM)  # tokens with the engine's top-K (the mean's denominator)
     rejected_tokens: float = _stat(SUM)  # tokens dropped after scoring (loss.is_correction mis, stale)
     stale_tokens: float = _stat(SUM)  # of those, the stale ones (loss.mask_stale_tokens)
     is_zeroed_tokens: float = _stat(SUM)  # tokens kept in N_tokens with IS weight 0 (IcePop)
@@ -356,6 +363,8 @@ METRICS: dict[str, Metric] = _declare(
     _M("train/lr", LAST, "learning rate of the step"),
     _M("logprob/gap_mean", MEAN, "mean |log π_old − log π_rollout| per token", method=True),
     _M("logprob/gap_max", MAX, "max |log π_old − log π_rollout|", method=True),
+    _M("logprob/topk_kl_mean", MEAN, "KL(engine‖trainer) over the engine's top-K ids + tail, per token"),
+    _M("logprob/topk_kl_max", MAX, "max per-token KL(engine‖trainer) over the engine's top-K ids + tail"),
     _M("loss/is_masked_frac", MEAN, "share of response tokens the IS correction gave no loss (mis, icepop)"),
     _M("loss/stale_masked_frac", MEAN, "share of response tokens dropped as stale (loss.mask_stale_tokens)"),
     _M("time/score_s", MAX, "scoring pass (student), the slowest rank's seconds", method=True),

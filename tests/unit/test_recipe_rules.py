@@ -31,6 +31,7 @@ ADDED_SINCE = {
     "moe.expert_bias_update_rate": 0.0,
     "loss.aggregation": "token_mean",
     "teacher.enable_thinking": False,
+    "rollout.parity_top_k": 0,
 }
 
 
