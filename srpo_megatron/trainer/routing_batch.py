@@ -28,7 +28,7 @@ from srpo_megatron.losses import group_advantages, route, routing_masks
 from srpo_megatron.rewards.pool import RewardPool, RewardResult
 from srpo_megatron.rollout.base import Completion, SamplingParams
 from srpo_megatron.rollout.routed_experts import compact_ids
-from srpo_megatron.trainer.step_types import RolloutBatch, Sample, merge_metrics
+from srpo_megatron.trainer.step_types import RolloutBatch, Sample, benchmark_metric, merge_metrics
 
 _THINK = re.compile(r"<think>.*?</think>", re.DOTALL)
 
@@ -172,7 +172,26 @@ def route_groups(
         "response/length_max": lengths.max().item(),
         "response/truncated_frac": sum(s.finish_reason == "length" for s in samples) / n,
     }
-    return RolloutBatch(samples, metrics)
+    benchmarks = [p.row.benchmark for p in prompts]
+    return RolloutBatch(samples, merge_metrics(metrics, per_benchmark(benchmarks, r, routing.correct)))
+
+
+def per_benchmark(benchmarks: list[str], rewards: torch.Tensor, correct: torch.Tensor) -> dict[str, float]:
+    """``reward/<benchmark>/mean`` and ``/accuracy`` over each benchmark's groups, when the batch holds
+    more than one benchmark (a multi-domain run; a one-benchmark batch has only ``reward/mean``).
+
+    benchmarks: one per group; rewards, correct: ``[groups, members]``. Benchmarks come from the data file
+    of each prompt (``data.rows.benchmark_name``).
+    """
+    names = sorted(set(benchmarks))
+    if len(names) < 2:
+        return {}
+    out: dict[str, float] = {}
+    for b in names:
+        rows = torch.tensor([x == b for x in benchmarks], dtype=torch.bool)
+        out[benchmark_metric("reward/{benchmark}/mean", b)] = rewards[rows].mean().item()
+        out[benchmark_metric("reward/{benchmark}/accuracy", b)] = correct[rows].double().mean().item()
+    return out
 
 
 def route_rollouts(

@@ -355,6 +355,7 @@ METRICS: dict[str, Metric] = _declare(
     _M("tokens/total", SUM, "response tokens trained on"),
     _M("teacher/entropy_mean", MEAN, "teacher entropy per SDPO token", method=True),
     _M("teacher/divergence_mean", MEAN, "top-K divergence per SDPO token"),
+    _M("teacher/divergence_trend", LAST, "slope of teacher/divergence_mean per step, last SDPO steps"),
     _M("samples/teacher_forward", SUM, "samples the teacher forward scored"),
     _M("dw/w_tilde_mean", MEAN, "mean entropy weight w̃ over SDPO tokens", method=True),
     _M("dw/w_tilde_std", MEAN, "spread of w̃ over SDPO tokens", method=True),
@@ -390,10 +391,33 @@ METRICS: dict[str, Metric] = _declare(
 
 METHOD_METRICS: tuple[str, ...] = tuple(m.name for m in METRICS.values() if m.method)
 
+# Metrics with one name per benchmark (``data.rows.Row.benchmark``, e.g. ``sciknoweval/physics``): the
+# ``{benchmark}`` part is any non-empty name; declared once here, like the fixed names above.
+METRIC_FAMILIES: tuple[Metric, ...] = (
+    _M("reward/{benchmark}/mean", MEAN, "mean reward of the batch's samples of one benchmark (multi-domain)"),
+    _M("reward/{benchmark}/accuracy", MEAN, "share of one benchmark's samples that pass (multi-domain)"),
+)
+
+
+def benchmark_metric(template: str, benchmark: str) -> str:
+    """The name of a :data:`METRIC_FAMILIES` metric for ``benchmark``."""
+    return template.replace("{benchmark}", benchmark)
+
+
+def declared(name: str) -> Metric | None:
+    """The declaration of ``name``: in :data:`METRICS`, or the :data:`METRIC_FAMILIES` entry it fills."""
+    if name in METRICS:
+        return METRICS[name]
+    for m in METRIC_FAMILIES:
+        head, tail = m.name.split("{benchmark}")
+        if name.startswith(head) and name.endswith(tail) and len(name) > len(head) + len(tail):
+            return m
+    return None
+
 
 def undeclared(names: Iterable[str]) -> list[str]:
-    """The names among ``names`` that :data:`METRICS` does not declare."""
-    return sorted(n for n in names if n not in METRICS)
+    """The names among ``names`` that :data:`METRICS` (or :data:`METRIC_FAMILIES`) does not declare."""
+    return sorted(n for n in names if declared(n) is None)
 
 
 def merge_metrics(*parts: Mapping[str, float]) -> dict[str, float]:
