@@ -66,12 +66,13 @@ class Completion:
     # the prompt and every response token but the last, in SGLang's layout (``rollout/routed_experts.py``).
     # None for dense models or when not requested.
     routed_experts: torch.Tensor | None = None
+    meta: dict = field(default_factory=dict)  # engine-specific extras for logs (sample index, raw reason)
     # When ``SamplingParams.top_logprobs`` = K > 0: the engine's K most likely ids at each response position
     # ``[R, K]`` int64 and their log-probs ``[R, K]`` float32, from the same distribution as ``logprobs``
-    # (temperature-scaled, before top-k/top-p). None when not requested.
+    # (temperature-scaled, before top-k/top-p). None when not requested. Declared after ``meta`` so that
+    # positional construction (tests, the rollout buffer) keeps working.
     top_ids: torch.Tensor | None = None
     top_logprobs: torch.Tensor | None = None
-    meta: dict = field(default_factory=dict)  # engine-specific extras for logs (sample index, raw reason)
 
 
 @dataclass(frozen=True)

@@ -27,6 +27,8 @@ per-token weight versions           ``utils.weight_versions`` (0.5.23: spans    
 (``meta_info["weight_versions"]``)  computed and added to meta_info)
 pause / continue / abort            own code, modelled on SGLang's tokenizer    (same)
                                     manager (below)
+top logprobs (``top_logprobs_num``) own code: ``HFEngine``'s top-K as SGLang's  (same)
+                                    ``meta_info["output_top_logprobs"]``
 ==================================  ==========================================  ============================
 
 Release/resume, as SGLang's scheduler does it: ``tags`` null or empty means every type of
