@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 from srpo_megatron.compat.cpu import cuda_emulated, enable_cpu_compat
+from srpo_megatron.compat.fallbacks import announce_fallbacks, hide_fallback_warnings
 from srpo_megatron.compat.mcore import warn_if_untested
 
 _CPU = torch.device("cpu")
@@ -82,11 +83,13 @@ def initialize_model_parallel(
     """Set up megatron's TP/PP/CP/DP and expert EP/ETP groups (torch.distributed must be initialised) and
     seed the RNGs. Attention layers see world = tp * pp * cp * dp, MoE experts world = etp * ep * pp *
     expert-dp."""
+    hide_fallback_warnings()  # before this process's first megatron import, if nothing imported it yet
     from megatron.core import parallel_state as ps
     from megatron.core import tensor_parallel
 
     init_distributed()
     warn_if_untested()
+    announce_fallbacks(print if dist.get_rank() == 0 else lambda _: None)
     world = dist.get_world_size()
     if world % (tp * pp * cp) != 0:
         raise ValueError(

@@ -87,7 +87,7 @@ def train(cfg: TrainConfig) -> dict:
         # π_old, top-K ids, teacher: once, before any step; tokens staler than the bound are masked there
         scored = score_rollouts(policy, mine.samples, trainer_version=st.weight_version)
         learned = learn(policy, scored, cfg.train.mini_batches)
-        policy.update_teacher()
+        policy.update_teacher_after(learned)  # no EMA step when every optimizer step was skipped
         st.weight_version += 1
         version = st.weight_version
         policy.offload.before_rollouts()

@@ -9,8 +9,11 @@ path (the sglang tier) a second line ``sglang <version>: N passed, ...`` counts 
 from __future__ import annotations
 
 import shutil
+from pathlib import Path
 
 import pytest
+
+from tests import mcore_next
 
 # Shared helpers (the rollout-engine contract's test methods, the parity asserts) keep pytest's assertion
 # introspection: only test modules and conftest files are rewritten by default.
@@ -64,6 +67,31 @@ def mcore_version() -> str:
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
     if "mcore_version" in metafunc.fixturenames:
         metafunc.parametrize("mcore_version", [MCORE], ids=[f"mcore-{MCORE}"])
+
+
+def _tier_id(item: pytest.Item) -> tuple[str, str]:
+    """(file relative to tests/, test id without the mcore-<version> parameter)."""
+    rel = Path(str(item.path)).resolve().relative_to(Path(__file__).resolve().parent).as_posix()
+    name = item.name.replace(f"[mcore-{MCORE}]", "").replace(f"[mcore-{MCORE}-", "[")
+    return rel, f"{rel}::{name}"
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Marks ``mcore_next`` what ``tests/mcore_next.py`` lists (the 0.19.2 tier runs ``-m mcore_next``)."""
+    files = {rel for rel, _ in map(_tier_id, items)}
+    used: set[str] = set()
+    for item in items:
+        rel, test_id = _tier_id(item)
+        base = test_id.split("[", 1)[0]
+        hit = next((e for e in (rel, test_id, base) if e in mcore_next.FILES or e in mcore_next.TESTS), None)
+        if hit is not None:
+            item.add_marker(pytest.mark.mcore_next)
+            used.add(hit)
+    stale = [e for e in (*mcore_next.FILES, *mcore_next.TESTS) if e.split("::")[0] in files and e not in used]
+    if stale:
+        raise pytest.UsageError(
+            f"tests/mcore_next.py lists tests that no longer exist: {stale}; rename or remove those entries"
+        )
 
 
 def pytest_report_header() -> str:

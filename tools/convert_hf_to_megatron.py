@@ -16,6 +16,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from srpo_megatron.compat.fallbacks import hide_fallback_warnings
 from srpo_megatron.conversion.checkpoint import DTYPES, hf_to_megatron
 
 
@@ -26,6 +27,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dtype", choices=sorted(DTYPES), help="parameter dtype (default: the HF tensors')")
     p.add_argument("--force", action="store_true", help="overwrite a non-empty --out-dir")
     args = p.parse_args(argv)
+    hide_fallback_warnings()  # megatron's expected TE/Apex fallbacks: one line instead (compat/fallbacks.py)
     hf_to_megatron(args.hf_dir, args.out_dir, dtype=DTYPES.get(args.dtype), force=args.force)
     return 0
 

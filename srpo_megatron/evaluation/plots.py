@@ -96,6 +96,16 @@ def _matches(key: str, pattern: str) -> bool:
 def _plot_group(
     series, keys, title, ylabel, ylim01, path: Path, xlabel: str = "training step", from_zero: bool = False
 ) -> Path:
+    import matplotlib.pyplot as plt
+
+    fig = group_figure(series, keys, title, ylabel, ylim01, xlabel, from_zero)
+    fig.savefig(path)
+    plt.close(fig)
+    return path
+
+
+def group_figure(series, keys, title, ylabel, ylim01, xlabel: str = "training step", from_zero: bool = False):
+    """The figure of one group: a line per key, each labelled at its end (labels never overlap)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -105,16 +115,6 @@ def _plot_group(
     for key in keys:
         xs, ys = series[key]
         ax.plot(xs, ys, marker="o" if len(xs) < 30 else None, markersize=3, linewidth=1.6, label=key)
-        # Label each line at its end, so the figure reads without hunting in the legend.
-        ax.annotate(
-            key.split("/", 1)[-1],
-            (xs[-1], ys[-1]),
-            xytext=(4, 0),
-            textcoords="offset points",
-            fontsize=8,
-            va="center",
-            color=ax.lines[-1].get_color(),
-        )
     ax.set_title(title)
     ax.set_xlabel(xlabel)
     ax.set_ylabel(ylabel)
@@ -122,12 +122,63 @@ def _plot_group(
         ax.set_ylim(-0.02, 1.02)
     elif from_zero and all(y >= 0 for k in keys for y in series[k][1]):
         ax.set_ylim(bottom=0)
+    lo, hi = ax.get_xlim()
+    ax.set_xlim(lo, hi + 0.16 * (hi - lo))  # room right of the last step for the end labels
     ax.grid(True, alpha=0.3)
     ax.legend(fontsize=8, loc="best", frameon=False)
     fig.tight_layout()
-    fig.savefig(path)
-    plt.close(fig)
-    return path
+    fig.canvas.draw()  # final axes box and limits: the labels are spread in its display units
+    _end_labels(ax, [(key, series[key]) for key in keys], fig.dpi)
+    return fig
+
+
+LABEL_FONT_PT = 8
+LABEL_GAP_PT = LABEL_FONT_PT * 1.25
+"""Least vertical distance between two end labels' centres (points): one text line and a little air."""
+
+
+def spread_labels(targets: list[float], min_gap: float) -> list[float]:
+    """Label positions as close as possible to ``targets`` (any unit, y up) with every two at least
+    ``min_gap`` apart; the input order of equal targets is kept.
+
+    Sorted, then adjacent labels closer than the gap are pooled into a cluster laid out ``min_gap`` apart
+    and centred on its members' mean target (pool-adjacent-violators: the least-squares displacement)."""
+    if min_gap < 0:
+        raise ValueError(f"min_gap must be >= 0, got {min_gap}")
+    order = sorted(range(len(targets)), key=lambda i: targets[i])
+    clusters: list[tuple[list[int], float]] = []  # (members bottom to top, bottom position)
+    for i in order:
+        clusters.append(([i], targets[i]))
+        while len(clusters) > 1:
+            (low, low_start), (high, high_start) = clusters[-2], clusters[-1]
+            if low_start + len(low) * min_gap <= high_start:
+                break
+            members = low + high
+            mean = sum(targets[m] for m in members) / len(members)
+            clusters[-2:] = [(members, mean - (len(members) - 1) * min_gap / 2)]
+    out = [0.0] * len(targets)
+    for members, start in clusters:
+        for j, m in enumerate(members):
+            out[m] = start + j * min_gap
+    return out
+
+
+def _end_labels(ax, lines: list[tuple[str, tuple[list[float], list[float]]]], dpi: float) -> None:
+    """Label each line at its last point, labels spread vertically so no two overlap."""
+    ends = [ax.transData.transform((xs[-1], ys[-1])) for _, (xs, ys) in lines]
+    px_per_pt = dpi / 72.0
+    placed = spread_labels([float(e[1]) for e in ends], LABEL_GAP_PT * px_per_pt)
+    for line, (key, (xs, ys)), end, y in zip(ax.lines, lines, ends, placed, strict=True):
+        ax.annotate(
+            key.split("/", 1)[-1],
+            (xs[-1], ys[-1]),
+            xytext=(4, (y - float(end[1])) / px_per_pt),
+            textcoords="offset points",
+            fontsize=LABEL_FONT_PT,
+            va="center",
+            color=line.get_color(),
+            annotation_clip=False,
+        )
 
 
 def plot_run(run_dir: str | Path, out_dir: str | Path | None = None) -> list[Path]:

@@ -58,8 +58,17 @@ def _write_tiny(
     return out
 
 
-def write_tiny_qwen3(out_dir: str | Path, seed: int = 0, num_layers: int = 2) -> Path:
-    return _write_tiny(out_dir, "Qwen3Config", seed, num_layers)
+def write_tiny_qwen3(
+    out_dir: str | Path, seed: int = 0, num_layers: int = 2, head_std: float | None = None
+) -> Path:
+    """``head_std``: draw the output head with this std instead of the default init (0.02), so that the
+    next-token distribution is peaked rather than near uniform over the 151k-token vocabulary (the metric
+    gate's run: teacher entropies, w̃ and the SDPO divergence far from their uniform-model limits)."""
+
+    def sharpen(model) -> None:
+        model.lm_head.weight.normal_(0.0, head_std)
+
+    return _write_tiny(out_dir, "Qwen3Config", seed, num_layers, init=None if head_std is None else sharpen)
 
 
 def coin_reward(response: str, answer: str) -> float:

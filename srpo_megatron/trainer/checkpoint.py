@@ -31,6 +31,7 @@ import contextlib
 import json
 import os
 import shutil
+import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -195,22 +196,30 @@ def save_checkpoint(
     trainer_state: dict,
     keep_last: int,
     rollout_buffer: dict | None = None,
+    timings: dict[str, float] | None = None,
 ) -> Path:
     """Collective: write checkpoint ``step`` (manifest last, fsynced), rename it, move ``latest``, prune.
-    ``rollout_buffer`` (rank 0: the rollout pool's state, plain values and tensors) is saved with it."""
+    ``rollout_buffer`` (rank 0: the rollout pool's state, plain values and tensors) is saved with it.
+    ``timings``, when given, receives this rank's seconds per part (``dist_checkpointing_s``, ``extras_s``,
+    ``digest_s``, ``finalize_s``; ``tools/bench_demo_step.py``)."""
     from megatron.core import dist_checkpointing
 
     from srpo_megatron.config import to_dict
 
+    clock = _PartClock(timings)
     root = Path(run_dir) / "checkpoints"
     final = root / f"step_{step:06d}"
     tmp = root / f"step_{step:06d}.tmp"
     if _rank() == 0:
         shutil.rmtree(tmp, ignore_errors=True)
-        (tmp / "rng").mkdir(parents=True)
+        # empty: dist_checkpointing.save takes a non-empty folder for an interrupted earlier save and
+        # logs "Overwriting old incomplete / corrupted checkpoint"; our own files go in after it
+        tmp.mkdir(parents=True)
     _barrier()
     with policy.offload.all_on_device():  # host-resident teacher (trainer/offload.py)
         dist_checkpointing.save(_sharded_state(policy, loading=False), str(tmp))
+    clock.mark("dist_checkpointing_s")
+    (tmp / "rng").mkdir(exist_ok=True)  # every rank (shared or per-node filesystem alike)
     torch.save(rng_state(), tmp / "rng" / f"rank_{_rank():05d}.pt")
     if _rank() == 0:
         import yaml
@@ -224,7 +233,9 @@ def save_checkpoint(
         if rollout_buffer is not None:
             torch.save(rollout_buffer, tmp / BUFFER_FILE)
     _barrier()
+    clock.mark("extras_s")
     digests = digest_files(tmp)  # every rank fsyncs and hashes its share
+    clock.mark("digest_s")
     if _rank() == 0:
         write_manifest(tmp, digests)
         fsync_tree(tmp)
@@ -236,7 +247,21 @@ def save_checkpoint(
         for old in step_dirs(root)[keep_last:]:
             shutil.rmtree(old, ignore_errors=True)
     _barrier()
+    clock.mark("finalize_s")
     return final
+
+
+class _PartClock:
+    """Seconds since the previous mark, recorded under each mark's name (nothing when ``out`` is None)."""
+
+    def __init__(self, out: dict[str, float] | None) -> None:
+        self.out, self.t = out, time.monotonic()
+
+    def mark(self, name: str) -> None:
+        now = time.monotonic()
+        if self.out is not None:
+            self.out[name] = now - self.t
+        self.t = now
 
 
 def load_rollout_buffer(path: str | Path) -> dict | None:

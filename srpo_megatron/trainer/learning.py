@@ -9,7 +9,9 @@ from the full rows every CP rank holds and reduced over DP only); megatron multi
 DDP averages over DP×CP, so the same factor sums the CP ranks' partial gradients too
 (``trainer/context_parallel.py``).
 A step whose gradients or loss are non-finite on any rank is skipped on every rank (weights untouched)
-when ``train.skip_nonfinite`` is set. The LR schedule advances once per rollout batch (``policy.py``).
+when ``train.skip_nonfinite`` is set. ``StepStats.stepped`` says whether some optimizer step of the batch
+was applied from finite gradients; only then does the EMA teacher follow (``Policy.update_teacher_after``).
+The LR schedule advances once per rollout batch (``policy.py``).
 """
 
 from __future__ import annotations
@@ -85,12 +87,14 @@ def train_mini_batch(policy: Policy, scored: ScoredBatch) -> StepStats:
     if last:  # each CP rank's sums cover its own rows
         out = cpar.reduce_stats_over(out, g.cp, policy.device)
     finite = _all_true(_grads_finite(policy.model) and math.isfinite(out.loss), policy.device)
-    skipped, grad_norm = 0.0, float("nan")
+    skipped, stepped, grad_norm = 0.0, 0.0, float("nan")
     if finite or not cfg.train.skip_nonfinite:
         ok, norm, _ = policy.optimizer.step()
         perf_choice.finish_param_gather(policy.ddp)  # full weights before EMA / sync / save read them
         grad_norm = float(norm) if norm is not None else float("nan")
         skipped = 0.0 if ok and math.isfinite(grad_norm) else 1.0
+        # an update from finite gradients (rank-consistent: ``finite`` and ``ok`` are agreed by all ranks)
+        stepped = 1.0 if ok and finite else 0.0
     else:
         skipped = 1.0
         policy.optimizer.zero_grad()
@@ -100,7 +104,7 @@ def train_mini_batch(policy: Policy, scored: ScoredBatch) -> StepStats:
         )
         out.w_tilde_sum, out.w_tilde_sq_sum = float(w.sum()), float((w**2).sum())
     out.grad_norm_sum, out.optimizer_steps = grad_norm, 1.0
-    out.skipped, out.lr = skipped, policy.lr
+    out.skipped, out.stepped, out.lr = skipped, stepped, policy.lr
     return out.counted_once(last and g.tp_rank == 0 and g.cp_rank == 0)
 
 

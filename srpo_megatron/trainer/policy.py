@@ -28,6 +28,7 @@ from srpo_megatron.parallel import ParallelGroups
 from srpo_megatron.trainer.ema_shard import ShardedEmaTeacher
 from srpo_megatron.trainer.moe_replay import check_replay_config
 from srpo_megatron.trainer.offload import Offloader
+from srpo_megatron.trainer.step_types import StepStats
 from srpo_megatron.trainer.teacher import EmaTeacher, fp32_main_params
 
 
@@ -131,6 +132,18 @@ class Policy:
     def step_schedule(self) -> None:
         """Advance the LR schedule by one training step (once per rollout batch)."""
         self.scheduler.step(1)
+
+    def update_teacher_after(self, learned: StepStats) -> bool:
+        """The step's EMA update (method §1.5), only if ``learned`` applied an optimizer step; True if it ran.
+
+        As SDPO's code (verl ``dp_actor.update_policy``): the teacher follows once per rollout batch when
+        some mini-batch's step was applied; a batch whose every step was skipped as non-finite leaves the
+        teacher as it was (it would otherwise move towards unchanged, or non-finite, student weights).
+        """
+        if not learned.stepped:
+            return False
+        self.update_teacher()
+        return True
 
     def update_teacher(self) -> None:
         """EMA teacher update from the fp32 main params (see ``trainer/teacher.py``)."""

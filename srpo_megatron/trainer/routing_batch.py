@@ -30,21 +30,25 @@ from srpo_megatron.rollout.base import Completion, SamplingParams
 from srpo_megatron.rollout.routed_experts import compact_ids
 from srpo_megatron.trainer.step_types import RolloutBatch, Sample, benchmark_metric, merge_metrics
 
-_THINK = re.compile(r"<think>.*?</think>", re.DOTALL)
+# SDPO's rule (verl ray_trainer ``_remove_thinking_trace``): each think block and the whitespace after it
+# go; nothing else is stripped, so leading and trailing whitespace of the response stays.
+_THINK = re.compile(r"<think>.*?</think>\s*", re.DOTALL)
 
 
 def clean_solution(text: str) -> str:
-    """The sibling's response as the teacher sees it: ``<think>…</think>`` blocks removed."""
-    return _THINK.sub("", text).strip()
+    """The sibling's decoded response as the teacher sees it: each ``<think>…</think>`` block and the
+    whitespace following it removed, everything else verbatim (as SDPO's code; no ``strip``)."""
+    return _THINK.sub("", text)
 
 
 def teacher_prompt_ids(tokenizer: Any, prompt: Prompt, sibling_text: str, cfg: TeacherConfig) -> list[int]:
-    """method §1.4: system kept, the user turn shows the correct sibling's solution; right-truncated."""
+    """method §1.4: system kept, the user turn shows the correct sibling's solution; the chat template
+    gets ``teacher.enable_thinking``; right-truncated to ``teacher.max_prompt_tokens``."""
     user = cfg.solution_template.format(
         user_prompt=prompt.row.prompt, sibling_response=clean_solution(sibling_text)
     )
-    ids = encode_text(tokenizer, template_text(tokenizer, user, prompt.row.system, enable_thinking=False))
-    return ids[: cfg.max_prompt_tokens]
+    text = template_text(tokenizer, user, prompt.row.system, enable_thinking=cfg.enable_thinking)
+    return encode_text(tokenizer, text)[: cfg.max_prompt_tokens]
 
 
 def sampling_params(rollout: RolloutConfig, seed: int, prompt_offset: int = 0) -> SamplingParams:

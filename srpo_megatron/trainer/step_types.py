@@ -192,6 +192,7 @@ class StepStats:
     grad_norm_sum: float = _stat(SUM)  # Σ grad norm over optimizer steps (mean = / optimizer_steps)
     optimizer_steps: float = _stat(SUM)  # optimizer steps taken or skipped
     skipped: float = _stat(MAX)  # 1 if any optimizer step was skipped (non-finite)
+    stepped: float = _stat(MAX)  # 1 if any optimizer step was applied (the EMA teacher follows only then)
     lr: float = _stat(MAX)  # learning rate of the step
     score_s: float = _stat(MAX)  # scoring pass (student), seconds
     teacher_s: float = _stat(MAX)  # teacher scoring, seconds

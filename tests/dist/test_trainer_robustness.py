@@ -51,6 +51,50 @@ def test_nonfinite_loss_skips_the_step_and_keeps_the_weights(tiny, tmp_path):
     assert skipped_after == 0.0 and moved, "a finite batch afterwards must train normally"
 
 
+def _teacher_on_skipped_step(rank, world, tiny, run_dir):
+    from srpo_megatron.parallel import initialize_model_parallel
+    from srpo_megatron.trainer.learning import learn
+    from srpo_megatron.trainer.policy import Policy
+    from srpo_megatron.trainer.scoring import score_rollouts
+    from srpo_megatron.trainer.step_types import Sample
+
+    cfg = tiny_config(tiny, run_dir, ["teacher.kind=ema", "teacher.ema_alpha=0.25"])
+    groups = initialize_model_parallel(1, 1, seed=1)
+    policy = Policy(cfg, groups)
+    samples = [
+        Sample(0, m, [1, 2, 3], [4, 5], [-1.0, -1.0], reward=float(m % 2), advantage=m % 2 - 0.5)
+        for m in range(4)
+    ]
+    weights = lambda m: {n: p.detach().clone().double() for n, p in m.named_parameters()}  # noqa: E731
+    theta0 = weights(policy.model)
+    good = learn(policy, score_rollouts(policy, samples), 1)  # a good step: the teacher lags the student
+    ran_good = policy.update_teacher_after(good)
+    theta1, t_good = weights(policy.model), weights(policy.teacher.module)
+    poisoned = score_rollouts(policy, samples)
+    poisoned.tokens.old_logp[:2] = float("nan")
+    bad = learn(policy, poisoned, 1)
+    ran_bad = policy.update_teacher_after(bad)
+    flags = (good.stepped, ran_good, bad.skipped, bad.stepped, ran_bad)
+    return flags, theta0, theta1, t_good, weights(policy.model), weights(policy.teacher.module)
+
+
+def test_a_skipped_step_leaves_the_ema_teacher_bit_identical(tiny, tmp_path):
+    """SDPO (verl dp_actor.update_policy) updates its EMA teacher only after an applied optimizer step. A
+    good step moves the teacher by the EMA of the student (independent float64 recomputation); a step
+    skipped as non-finite afterwards leaves student and teacher bit-identical (an EMA update there would
+    pull the lagging teacher towards the student)."""
+    flags, theta0, theta1, t_good, theta_bad, t_bad = run_distributed(
+        _teacher_on_skipped_step, 1, tiny, str(tmp_path)
+    )[0]
+    for n in theta0:  # θ′ = (1−α)θ0 + αθ1
+        expected = 0.75 * theta0[n] + 0.25 * theta1[n]
+        assert (t_good[n] - expected).abs().max().item() <= 1e-6, n
+    assert any(not torch.equal(t_good[n], theta1[n]) for n in t_good), "the teacher must lag the student"
+    assert all(torch.equal(theta1[n], theta_bad[n]) for n in theta1), "the skipped step moved the student"
+    assert all(torch.equal(t_good[n], t_bad[n]) for n in t_good), "the skipped step moved the EMA teacher"
+    assert flags == (1.0, True, 1.0, 0.0, False), flags
+
+
 def _train(rank, world, tiny, run_dir):
     from srpo_megatron.train import train
 
