@@ -34,6 +34,7 @@ from srpo_megatron.trainer.scoring import score_rollouts
 from srpo_megatron.trainer.stats import reduce_stats
 from srpo_megatron.trainer.step_metrics import gather_stats, step_metrics
 from srpo_megatron.trainer.step_types import TrainerState, merge_metrics
+from srpo_megatron.trainer.teacher_watch import TeacherWatch
 
 
 def train(cfg: TrainConfig) -> dict:
@@ -75,6 +76,7 @@ def train(cfg: TrainConfig) -> dict:
     )
     if cfg.train.eval_at_ends and cfg.train.eval_at_start and st.step == 0:
         evaluate()
+    watch = TeacherWatch(log)
     draw = lambda n: [train_set[i] for i in sampler.next_indices(n)]  # noqa: E731  (same on every rank)
     while st.step < cfg.train.steps:
         t0 = time.monotonic()
@@ -99,6 +101,7 @@ def train(cfg: TrainConfig) -> dict:
             rollouts.idle_metrics(t0),
             rollout_memory,
         )
+        metrics = merge_metrics(metrics, watch.observe(step, metrics))  # "teacher moved?" (one warning)
         st.sdpo_fracs.append(metrics["route/sdpo_frac"])
         if rank0:
             logger.log(step, metrics)

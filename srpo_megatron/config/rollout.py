@@ -92,6 +92,11 @@ class RolloutConfig:
     # such groups are complete.
     dynamic_sampling: bool = False
     max_sampling_rounds: int = 4
+    # Parity diagnostic: the engine returns its top-K log-probs per response token (SGLang
+    # ``top_logprobs_num``) and the scoring pass logs KL(engine‖trainer) over those ids
+    # (logprob/topk_kl_mean, logprob/topk_kl_max); 0 = off. Off by default: on SGLang it adds a top-k per
+    # decoded token and K [logprob, id, text] triples per token to every generate response.
+    parity_top_k: int = 0
 
     def __post_init__(self) -> None:
         if self.prompts_per_step < 1 or self.group_size < 2:
@@ -103,6 +108,11 @@ class RolloutConfig:
             raise ConfigError(
                 f"rollout: temperature={self.temperature} must be > 0, top_p={self.top_p} in (0, 1], "
                 f"max_new_tokens={self.max_new_tokens} >= 1"
+            )
+        if self.parity_top_k < 0:
+            raise ConfigError(
+                f"rollout.parity_top_k={self.parity_top_k} must be >= 0 (0 = off; e.g. 5 logs the "
+                "trainer-vs-engine KL over the engine's top-5 tokens)"
             )
         if (self.top_k != -1 and self.top_k < 1) or self.max_batch_size < 1:
             raise ConfigError(

@@ -19,10 +19,12 @@ from srpo_megatron.ops.vocab_parallel import append_tail, token_stats
 
 
 class StudentScore(NamedTuple):
-    """old_logp [T]: log π_old(y_t); topk_ids [T, K]: student top-K global ids (0 on rows not asked)."""
+    """old_logp [T]: log π_old(y_t); topk_ids [T, K]: student top-K global ids (0 on rows not asked);
+    at_ids [T, J]: log π_old at the given ``at_ids`` (the engine's top-J, for the parity KL), or None."""
 
     old_logp: torch.Tensor
     topk_ids: torch.Tensor
+    at_ids: torch.Tensor | None = None
 
 
 class TeacherScore(NamedTuple):
@@ -42,21 +44,24 @@ def score_student(
     group: dist.ProcessGroup | None = None,
     temperature: float = 1.0,
     chunk_tokens: int | None = None,
+    at_ids: torch.Tensor | None = None,
 ) -> StudentScore:
     """One pass over the student's logits shard [T, V/P]: log π_old(y_t) [T] and top-K ids [T, K].
 
     ``topk_rows`` [T] bool selects the tokens that need top-K ids (SDPO tokens); None = all rows.
+    ``at_ids`` [T, J] global ids: their log-probs come back too (same pass, no vocabulary gather).
     """
+    ids = response_ids.reshape(-1, 1)
     stats = token_stats(
         logits,
-        response_ids.reshape(-1, 1),
+        ids if at_ids is None else torch.cat([ids, at_ids], dim=1),
         k=k,
         topk_rows=topk_rows,
         group=group,
         temperature=temperature,
         chunk_tokens=chunk_tokens,
     )
-    return StudentScore(stats.logp[:, 0], stats.topk_ids)
+    return StudentScore(stats.logp[:, 0], stats.topk_ids, None if at_ids is None else stats.logp[:, 1:])
 
 
 @torch.no_grad()

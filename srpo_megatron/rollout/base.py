@@ -37,6 +37,9 @@ class SamplingParams:
     # MoE: report each token's routed experts in ``Completion.routed_experts`` (rollout routing replay;
     # SGLang needs ``--enable-return-routed-experts``). Ignored by dense models.
     return_routed_experts: bool = False
+    # Report the engine's K most likely tokens and their log-probs at every response position
+    # (``Completion.top_ids`` / ``top_logprobs``; SGLang ``top_logprobs_num``); 0 = none.
+    top_logprobs: int = 0
 
 
 def sample_seed(seed: int, prompt_index: int, sample_index: int) -> int:
@@ -64,6 +67,12 @@ class Completion:
     # None for dense models or when not requested.
     routed_experts: torch.Tensor | None = None
     meta: dict = field(default_factory=dict)  # engine-specific extras for logs (sample index, raw reason)
+    # When ``SamplingParams.top_logprobs`` = K > 0: the engine's K most likely ids at each response position
+    # ``[R, K]`` int64 and their log-probs ``[R, K]`` float32, from the same distribution as ``logprobs``
+    # (temperature-scaled, before top-k/top-p). None when not requested. Declared after ``meta`` so that
+    # positional construction (tests, the rollout buffer) keeps working.
+    top_ids: torch.Tensor | None = None
+    top_logprobs: torch.Tensor | None = None
 
 
 @dataclass(frozen=True)

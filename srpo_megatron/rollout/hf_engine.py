@@ -11,7 +11,9 @@ that the log-prob semantics, seeding and stopping are ours to state and test:
   token: the *unmodified* distribution at the sampling temperature, i.e. *before* top-k/top-p truncation
   and renormalisation. This is what SGLang's ``return_logprob`` reports by default, and what the TIS
   correction compares the trainer's ``π_old`` against (the trainer never sees the truncation either).
-  Greedy decoding (``temperature == 0``) reports log-probs at temperature 1, as SGLang does.
+  Greedy decoding (``temperature == 0``) reports log-probs at temperature 1, as SGLang does. With
+  ``params.top_logprobs`` = K the K most likely ids of the same distribution and their log-probs come
+  back per position (``Completion.top_ids`` / ``top_logprobs``), as SGLang's ``output_top_logprobs``.
 - **Seeding.** Every row draws from its own ``torch.Generator`` seeded from ``(seed, prompt index,
   sample index)``, so a seeded call gives the same tokens regardless of ``max_batch_size`` and of the
   prompts that follow in the call (up to float-level differences of batched vs. unbatched forwards).
@@ -405,6 +407,8 @@ class HFEngine:
 
         tokens = [[] for _ in rows]
         logprobs = [[] for _ in rows]
+        k_top = params.top_logprobs
+        tops: list[list[tuple[torch.Tensor, torch.Tensor]]] = [[] for _ in rows]  # per row: (ids, logp)
         finished = [None] * bsz
         cache = None
         step_ids, step_pos = input_ids, positions
@@ -437,12 +441,15 @@ class HFEngine:
                     [torch.multinomial(probs[r].cpu(), 1, generator=gens[r])[0] for r in range(bsz)]
                 ).to(dev)
             chosen = logp.gather(-1, next_ids[:, None])[:, 0].tolist()
+            top = logp.topk(min(k_top, logp.shape[-1]), dim=-1) if k_top else None  # SGLang's top logprobs
             ids_list = next_ids.tolist()
             for r in range(bsz):
                 if finished[r] is not None:
                     continue
                 tokens[r].append(ids_list[r])
                 logprobs[r].append(chosen[r])
+                if top is not None:
+                    tops[r].append((top.indices[r].cpu(), top.values[r].cpu()))
                 if ids_list[r] in stop_ids:
                     finished[r] = "stop"
             if self.step_hook is not None:
@@ -468,6 +475,8 @@ class HFEngine:
                 finish_reason=finished[r] or unfinished,
                 weight_version=self._version,
                 routed_experts=experts[r],
+                top_ids=_stack_rows([ids for ids, _ in tops[r]], k_top, torch.long) if k_top else None,
+                top_logprobs=_stack_rows([lp for _, lp in tops[r]], k_top, torch.float32) if k_top else None,
                 meta={"sample_index": j},
             )
             for r, (i, j) in enumerate(rows)
@@ -480,6 +489,11 @@ class HFEngine:
         if not (getattr(config, "num_experts", 0) or getattr(config, "n_routed_experts", 0)):
             return 0
         return int(config.num_experts_per_tok)
+
+
+def _stack_rows(rows: list[torch.Tensor], k: int, dtype: torch.dtype) -> torch.Tensor:
+    """``[R, K]`` from R per-token rows of K (``[0, K]`` for an empty response)."""
+    return torch.stack(rows).to(dtype) if rows else torch.zeros(0, k, dtype=dtype)
 
 
 def _model_type(model: torch.nn.Module) -> str | None:

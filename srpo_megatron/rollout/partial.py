@@ -128,6 +128,11 @@ def merge_routed_experts(
     return rows.reshape(-1) if first.dim() == 1 else rows.reshape(-1, *first.shape[1:])
 
 
+def _cat_rows(first: torch.Tensor | None, cont: torch.Tensor | None) -> torch.Tensor | None:
+    """Per-token top-K rows ``[R, K]`` of two segments end to end (None unless both segments have them)."""
+    return None if first is None or cont is None else torch.cat([first, cont])
+
+
 def merge_segments(first: Completion, cont: Completion, prompt_len: int) -> Completion:
     """``first`` (aborted) continued by ``cont`` (generated from prompt + ``first``'s tokens): see the
     module doc. ``prompt_len``: tokens of the original prompt."""
@@ -147,6 +152,8 @@ def merge_segments(first: Completion, cont: Completion, prompt_len: int) -> Comp
         routed_experts=merge_routed_experts(
             first.routed_experts, cont.routed_experts, prompt_len, len(first.token_ids), len(cont.token_ids)
         ),
+        top_ids=_cat_rows(first.top_ids, cont.top_ids),
+        top_logprobs=_cat_rows(first.top_logprobs, cont.top_logprobs),
         meta=meta,
     )
 

@@ -27,6 +27,8 @@ per-token weight versions           ``utils.weight_versions`` (0.5.23: spans    
 (``meta_info["weight_versions"]``)  computed and added to meta_info)
 pause / continue / abort            own code, modelled on SGLang's tokenizer    (same)
                                     manager (below)
+top logprobs (``top_logprobs_num``) own code: ``HFEngine``'s top-K as SGLang's  (same)
+                                    ``meta_info["output_top_logprobs"]``
 ==================================  ==========================================  ============================
 
 Release/resume, as SGLang's scheduler does it: ``tags`` null or empty means every type of
@@ -143,9 +145,10 @@ def standin_deserialize(payload: str) -> list[tuple[str, torch.Tensor]]:
     return bucket.reconstruct_tensors()
 
 
-def sglang_output(ids, lps, finish, version=None, spans=None) -> dict:
+def sglang_output(ids, lps, finish, version=None, spans=None, top=None) -> dict:
     """One /generate output as SGLang documents it (meta_info.output_token_logprobs = [lp, id, text];
-    ``spans``: 0.5.23's ``weight_versions``)."""
+    ``spans``: 0.5.23's ``weight_versions``; ``top``: (ids [R, K], log-probs [R, K]) as
+    ``output_top_logprobs``, per token K ``[lp, id, text]``, what ``top_logprobs_num`` = K returns)."""
     meta = {
         "id": "abc",
         "finish_reason": finish,
@@ -153,11 +156,24 @@ def sglang_output(ids, lps, finish, version=None, spans=None) -> dict:
         "completion_tokens": len(ids),
         "output_token_logprobs": [[lp, t, None] for t, lp in zip(ids, lps, strict=True)],
     }
+    if top is not None:
+        meta["output_top_logprobs"] = [
+            [[float(lp), int(t), None] for t, lp in zip(row_ids, row_lps, strict=True)]
+            for row_ids, row_lps in zip(top[0].tolist(), top[1].tolist(), strict=True)
+        ]
     if version is not None:
         meta["weight_version"] = version
     if spans is not None:
         meta["weight_versions"] = spans
     return {"text": "", "output_ids": ids, "meta_info": meta}
+
+
+def _per_request(value: Any, body: dict) -> list[int]:
+    """``GenerateReqInput.top_logprobs_num`` per request: null = 0, an int for all, or one per request."""
+    n = len(body["sampling_params"])
+    if isinstance(value, list):
+        return [int(v or 0) for v in value]
+    return [int(value or 0)] * n
 
 
 class SGLangStandInServer:
@@ -256,8 +272,11 @@ class SGLangStandInServer:
                 max_new_tokens=sp["max_new_tokens"],
                 stop_token_ids=tuple(sp["stop_token_ids"]),
                 seed=sp.get("sampling_seed"),
+                top_logprobs=k,
             )
-            for sp in body["sampling_params"]
+            for sp, k in zip(
+                body["sampling_params"], _per_request(body.get("top_logprobs_num"), body), strict=True
+            )
         ]
         outs = []
         for c in self.engine.generate_requests(body["input_ids"], params):
@@ -266,7 +285,8 @@ class SGLangStandInServer:
             if c.finish_reason == "abort":
                 finish.update(message="Aborted", status_code=None, err_type=None)
             spans = weight_version_spans(self.version, len(c.token_ids))
-            outs.append(sglang_output(c.token_ids, c.logprobs, finish, self.version, spans))
+            top = None if c.top_ids is None else (c.top_ids, c.top_logprobs)
+            outs.append(sglang_output(c.token_ids, c.logprobs, finish, self.version, spans, top))
         return outs
 
     def route_pause_generation(self, body):

@@ -46,10 +46,16 @@ def gather_rows(tokens: TokenBatch, fields: tuple[str, ...], group: dist.Process
     Every row is held by exactly one CP rank and the others hold 0 there, so the sum is an exact gather
     (x + 0 = x in every dtype). Collective over ``group``; call on every CP rank.
     """
+    for name in fields:
+        gather_tensor(getattr(tokens, name), group)
+
+
+@torch.no_grad()
+def gather_tensor(rows: torch.Tensor, group: dist.ProcessGroup | None) -> None:
+    """In place: one per-row tensor summed over the CP ``group`` (see ``gather_rows``); collective."""
     if group is None or dist.get_world_size(group) == 1:
         return
-    for name in fields:
-        dist.all_reduce(getattr(tokens, name), group=group)
+    dist.all_reduce(rows, group=group)
 
 
 def reduce_stats_over(stats: StepStats, group: dist.ProcessGroup | None, device: torch.device) -> StepStats:

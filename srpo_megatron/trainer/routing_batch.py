@@ -28,7 +28,7 @@ from srpo_megatron.losses import group_advantages, route, routing_masks
 from srpo_megatron.rewards.pool import RewardPool, RewardResult
 from srpo_megatron.rollout.base import Completion, SamplingParams
 from srpo_megatron.rollout.routed_experts import compact_ids
-from srpo_megatron.trainer.step_types import RolloutBatch, Sample, merge_metrics
+from srpo_megatron.trainer.step_types import RolloutBatch, Sample, benchmark_metric, merge_metrics
 
 # SDPO's rule (verl ray_trainer ``_remove_thinking_trace``): each think block and the whitespace after it
 # go; nothing else is stripped, so leading and trailing whitespace of the response stays.
@@ -64,6 +64,7 @@ def sampling_params(rollout: RolloutConfig, seed: int, prompt_offset: int = 0) -
         # The CPU engine reports experts for free (the mismatch metric); SGLang only when replaying, since
         # its server must run with --enable-return-routed-experts.
         return_routed_experts=rollout.routing_replay or rollout.engine == "hf",
+        top_logprobs=rollout.parity_top_k,
     )
 
 
@@ -154,6 +155,8 @@ def route_groups(
                     uid="" if uids is None else uids[i][j],
                     weight_version=c.weight_version,
                     token_versions=None if c.token_versions is None else list(c.token_versions),
+                    engine_top_ids=c.top_ids,
+                    engine_top_logp=c.top_logprobs,
                 )
             )
     n = len(samples)
@@ -173,7 +176,26 @@ def route_groups(
         "response/length_max": lengths.max().item(),
         "response/truncated_frac": sum(s.finish_reason == "length" for s in samples) / n,
     }
-    return RolloutBatch(samples, metrics)
+    benchmarks = [p.row.benchmark for p in prompts]
+    return RolloutBatch(samples, merge_metrics(metrics, per_benchmark(benchmarks, r, routing.correct)))
+
+
+def per_benchmark(benchmarks: list[str], rewards: torch.Tensor, correct: torch.Tensor) -> dict[str, float]:
+    """``reward/<benchmark>/mean`` and ``/accuracy`` over each benchmark's groups, when the batch holds
+    more than one benchmark (a multi-domain run; a one-benchmark batch has only ``reward/mean``).
+
+    benchmarks: one per group; rewards, correct: ``[groups, members]``. Benchmarks come from the data file
+    of each prompt (``data.rows.benchmark_name``).
+    """
+    names = sorted(set(benchmarks))
+    if len(names) < 2:
+        return {}
+    out: dict[str, float] = {}
+    for b in names:
+        rows = torch.tensor([x == b for x in benchmarks], dtype=torch.bool)
+        out[benchmark_metric("reward/{benchmark}/mean", b)] = rewards[rows].mean().item()
+        out[benchmark_metric("reward/{benchmark}/accuracy", b)] = correct[rows].double().mean().item()
+    return out
 
 
 def route_rollouts(

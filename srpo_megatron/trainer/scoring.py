@@ -12,6 +12,10 @@ context parallelism each CP rank scores the rows it holds and the CP group gathe
 (``trainer/context_parallel.py``): the teacher needs the student's top-K ids of rows another CP rank may
 have scored, and the training pass needs every row on every CP rank.
 
+Parity (``rollout.parity_top_k`` = K > 0): the student pass also takes π_old at the engine's top-K ids of
+every row (the same vocab-parallel gather as the sampled token) and logs the per-token KL(engine‖trainer)
+over them plus a tail bucket (``losses/parity.py``): ``logprob/topk_kl_mean`` and ``logprob/topk_kl_max``.
+
 Off-policy (``loss.is_correction: mis``, ``loss.mask_stale_tokens``): once π_old is known on every row, the
 rows the correction rejects are cleared from the batch's mask (``losses.apply_rejections``), before any
 mini-batch's normalisers are counted. Staleness is ``trainer_version`` minus each token's version, bounded
@@ -30,6 +34,7 @@ import time
 import torch
 
 from srpo_megatron.losses import apply_rejections, score_student, score_teacher, sequence_weights
+from srpo_megatron.losses.parity import topk_parity_kl
 from srpo_megatron.trainer import context_parallel as cpar
 from srpo_megatron.trainer.batches import (
     micro_batches_for,
@@ -40,6 +45,7 @@ from srpo_megatron.trainer.batches import (
 )
 from srpo_megatron.trainer.lockstep import lockstep
 from srpo_megatron.trainer.moe_replay import moe_replay_for
+from srpo_megatron.trainer.parity import engine_top_k, parity_stats
 from srpo_megatron.trainer.policy import Policy
 from srpo_megatron.trainer.schedule import run_schedule
 from srpo_megatron.trainer.stats import reduce_stats
@@ -80,14 +86,19 @@ def score_rollouts(
 
     micro = lockstep(build(seqs), g, build)
     scored = ScoredBatch(samples, offsets, tokens, StepStats())
+    # rollout.parity_top_k: the engine's top-K per row, and the trainer's KL to it (trainer/parity.py)
+    engine_top = engine_top_k(samples, cfg.rollout.parity_top_k, dev) if g.is_last_stage else None
 
     def on_student(row_logits: torch.Tensor, k: int) -> None:
         rows = micro[k].local(scored.row_index([i for i in micro[k].members if i is not None]))
+        at = None if engine_top is None else engine_top.ids[rows]
         score = score_student(
-            row_logits, tokens.response_ids[rows], tokens.sdpo[rows], k_top, g.tp, lc.temperature, chunk
+            row_logits, tokens.response_ids[rows], tokens.sdpo[rows], k_top, g.tp, lc.temperature, chunk, at
         )
         tokens.old_logp[rows] = score.old_logp.float()
         tokens.topk_ids[rows] = score.topk_ids
+        if engine_top is not None and score.at_ids is not None:
+            engine_top.kl[rows] = topk_parity_kl(engine_top.logp[rows], score.at_ids)
 
     # MoE: expert replay (rollout.routing_replay) and the router metrics; the teacher below is not replayed.
     moe = moe_replay_for(policy, seqs, samples, micro, record=True)
@@ -100,6 +111,8 @@ def score_rollouts(
     rejections: dict[str, float] = {}
     if g.is_last_stage:
         cpar.gather_rows(tokens, cpar.STUDENT_FIELDS, g.cp)
+        if engine_top is not None:
+            cpar.gather_tensor(engine_top.kl, g.cp)
         if lc.rejects_tokens:  # every CP rank holds every row now, so all of them reject the same ones
             rejections = {k: float(v) for k, v in apply_rejections(tokens, lc, offsets).items()}
         if lc.aggregation == "seq_mean_token_mean":  # 1/|y_i| from each sample's full rows, after rejections
@@ -149,6 +162,8 @@ def score_rollouts(
         score_s=t_student,
         teacher_s=time.monotonic() - t0 - t_student,
         **rejections,
-    ).counted_once(g.is_last_stage and g.tp_rank == 0 and g.cp_rank == 0)
+    )
+    stats = reduce_stats([stats, parity_stats(engine_top)])
+    stats = stats.counted_once(g.is_last_stage and g.tp_rank == 0 and g.cp_rank == 0)
     scored.stats = reduce_stats([stats, moe_stats])
     return scored

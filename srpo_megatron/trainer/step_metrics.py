@@ -59,6 +59,9 @@ def step_metrics(batch: RolloutBatch, s: StepStats, sync_s: float, step_s: float
         "time/step_s": step_s,
         "perf/tokens_per_s": tokens / max(step_s, 1e-9),
     }
+    if s.topk_kl_tokens:  # rollout.parity_top_k > 0 (losses/parity.py)
+        m["logprob/topk_kl_mean"] = s.topk_kl_sum / s.topk_kl_tokens
+        m["logprob/topk_kl_max"] = s.topk_kl_max
     if s.moe:  # MoE policies: routing of the scoring pass (trainer/moe_replay.py)
         m["moe/expert_load_max_over_mean"] = s.moe_expert_load
         m["moe/router_entropy"] = s.moe_router_entropy

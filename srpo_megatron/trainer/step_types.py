@@ -83,6 +83,10 @@ class Sample:
     uid: str = ""
     weight_version: int = 0
     token_versions: list[int] | None = None
+    # Parity diagnostic (rollout.parity_top_k = K): the engine's top-K ids [R, K] int64 and their log-probs
+    # [R, K] float32 per response token (Completion.top_ids / top_logprobs); None when not requested.
+    engine_top_ids: torch.Tensor | None = None
+    engine_top_logp: torch.Tensor | None = None
 
 
 @dataclass
@@ -176,6 +180,9 @@ class StepStats:
     teacher_entropy_sum: float = _stat(SUM)  # Σ teacher entropy over SDPO tokens
     rollout_logp_gap_sum: float = _stat(SUM)  # Σ |log π_old − log π_rollout|
     rollout_logp_gap_max: float = _stat(MAX)  # max |log π_old − log π_rollout|
+    topk_kl_sum: float = _stat(SUM)  # Σ per-token KL(engine‖trainer) over the engine's top-K (+ tail)
+    topk_kl_max: float = _stat(MAX)  # max of that KL
+    topk_kl_tokens: float = _stat(SUM)  # tokens with the engine's top-K (the mean's denominator)
     rejected_tokens: float = _stat(SUM)  # tokens dropped after scoring (loss.is_correction mis, stale)
     stale_tokens: float = _stat(SUM)  # of those, the stale ones (loss.mask_stale_tokens)
     is_zeroed_tokens: float = _stat(SUM)  # tokens kept in N_tokens with IS weight 0 (IcePop)
@@ -349,6 +356,7 @@ METRICS: dict[str, Metric] = _declare(
     _M("tokens/total", SUM, "response tokens trained on"),
     _M("teacher/entropy_mean", MEAN, "teacher entropy per SDPO token", method=True),
     _M("teacher/divergence_mean", MEAN, "top-K divergence per SDPO token"),
+    _M("teacher/divergence_trend", LAST, "slope of teacher/divergence_mean per step, last SDPO steps"),
     _M("samples/teacher_forward", SUM, "samples the teacher forward scored"),
     _M("dw/w_tilde_mean", MEAN, "mean entropy weight w̃ over SDPO tokens", method=True),
     _M("dw/w_tilde_std", MEAN, "spread of w̃ over SDPO tokens", method=True),
@@ -357,6 +365,8 @@ METRICS: dict[str, Metric] = _declare(
     _M("train/lr", LAST, "learning rate of the step"),
     _M("logprob/gap_mean", MEAN, "mean |log π_old − log π_rollout| per token", method=True),
     _M("logprob/gap_max", MAX, "max |log π_old − log π_rollout|", method=True),
+    _M("logprob/topk_kl_mean", MEAN, "KL(engine‖trainer) over the engine's top-K ids + tail, per token"),
+    _M("logprob/topk_kl_max", MAX, "max per-token KL(engine‖trainer) over the engine's top-K ids + tail"),
     _M("loss/is_masked_frac", MEAN, "share of response tokens the IS correction gave no loss (mis, icepop)"),
     _M("loss/stale_masked_frac", MEAN, "share of response tokens dropped as stale (loss.mask_stale_tokens)"),
     _M("time/score_s", MAX, "scoring pass (student), the slowest rank's seconds", method=True),
@@ -382,10 +392,33 @@ METRICS: dict[str, Metric] = _declare(
 
 METHOD_METRICS: tuple[str, ...] = tuple(m.name for m in METRICS.values() if m.method)
 
+# Metrics with one name per benchmark (``data.rows.Row.benchmark``, e.g. ``sciknoweval/physics``): the
+# ``{benchmark}`` part is any non-empty name; declared once here, like the fixed names above.
+METRIC_FAMILIES: tuple[Metric, ...] = (
+    _M("reward/{benchmark}/mean", MEAN, "mean reward of the batch's samples of one benchmark (multi-domain)"),
+    _M("reward/{benchmark}/accuracy", MEAN, "share of one benchmark's samples that pass (multi-domain)"),
+)
+
+
+def benchmark_metric(template: str, benchmark: str) -> str:
+    """The name of a :data:`METRIC_FAMILIES` metric for ``benchmark``."""
+    return template.replace("{benchmark}", benchmark)
+
+
+def declared(name: str) -> Metric | None:
+    """The declaration of ``name``: in :data:`METRICS`, or the :data:`METRIC_FAMILIES` entry it fills."""
+    if name in METRICS:
+        return METRICS[name]
+    for m in METRIC_FAMILIES:
+        head, tail = m.name.split("{benchmark}")
+        if name.startswith(head) and name.endswith(tail) and len(name) > len(head) + len(tail):
+            return m
+    return None
+
 
 def undeclared(names: Iterable[str]) -> list[str]:
-    """The names among ``names`` that :data:`METRICS` does not declare."""
-    return sorted(n for n in names if n not in METRICS)
+    """The names among ``names`` that :data:`METRICS` (or :data:`METRIC_FAMILIES`) does not declare."""
+    return sorted(n for n in names if declared(n) is None)
 
 
 def merge_metrics(*parts: Mapping[str, float]) -> dict[str, float]:

@@ -17,6 +17,7 @@ updates always use ``engine.weight_version + 1`` and restore the initial weights
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from pathlib import Path
 
@@ -90,6 +91,36 @@ class RolloutEngineContract:
             for c in group:
                 ref = reference_logprobs(PROMPTS[i], c.token_ids, temperature, weight_sets[0])
                 assert c.logprobs == pytest.approx(ref, abs=logprob_atol)
+
+    def test_contract_top_logprobs_are_the_references_top_k(
+        self, engine, reference_logprobs, weight_sets, logprob_atol
+    ):
+        """``top_logprobs`` = K (SGLang ``top_logprobs_num``): per response position K ids, most likely
+        first, whose log-probs equal an independent forward's at T (the distribution of ``logprobs``), and
+        no token outside them is likelier: the sampled token, when outside, is at most the K-th."""
+        k, temperature = 3, 0.7
+        params = SamplingParams(
+            n=1, temperature=temperature, top_p=0.9, max_new_tokens=4, seed=5, top_logprobs=k
+        )
+        for i, group in enumerate(engine.generate(PROMPTS, params)):
+            for c in group:
+                assert c.top_ids is not None and c.top_logprobs is not None
+                assert tuple(c.top_ids.shape) == tuple(c.top_logprobs.shape) == (len(c.token_ids), k)
+                for t, (ids, lps) in enumerate(zip(c.top_ids.tolist(), c.top_logprobs.tolist(), strict=True)):
+                    assert lps == sorted(lps, reverse=True) and len(set(ids)) == k
+                    ref = [
+                        reference_logprobs(PROMPTS[i], [*c.token_ids[:t], j], temperature, weight_sets[0])[-1]
+                        for j in ids
+                    ]
+                    assert lps == pytest.approx(ref, abs=logprob_atol), f"prompt {i} position {t}"
+                    if c.token_ids[t] in ids:
+                        assert c.logprobs[t] == pytest.approx(
+                            lps[ids.index(c.token_ids[t])], abs=logprob_atol
+                        )
+                    else:
+                        assert c.logprobs[t] <= lps[-1] + logprob_atol
+        plain = engine.generate(PROMPTS, dataclasses.replace(params, top_logprobs=0))
+        assert all(c.top_ids is None and c.top_logprobs is None for g in plain for c in g)
 
     def test_contract_top_k_one_is_greedy_with_untruncated_logprobs(
         self, engine, reference_logprobs, weight_sets

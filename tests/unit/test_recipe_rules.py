@@ -31,6 +31,7 @@ ADDED_SINCE = {
     "moe.expert_bias_update_rate": 0.0,
     "loss.aggregation": "token_mean",
     "teacher.enable_thinking": False,
+    "rollout.parity_top_k": 0,
 }
 # Keys a recipe set since the snapshot (recipe -> key -> value): the GRPO and SDPO baselines average per
 # sequence as SDPO's code, with which the paper's baseline runs were made (issue 28, D1).

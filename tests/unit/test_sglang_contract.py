@@ -24,6 +24,7 @@ from srpo_megatron.rollout.sglang.protocol import (
     build_generate_request,
     build_init_weights_update_group_request,
     build_memory_occupation_request,
+    build_requests_body,
     build_sampling_params,
     build_update_weights_from_disk_request,
     build_update_weights_from_distributed_request,
@@ -33,6 +34,7 @@ from srpo_megatron.rollout.sglang.protocol import (
     serialize_bucket_per_tp_rank,
 )
 from srpo_megatron.rollout.sglang.transports import _offline_update_from_tensor
+from srpo_megatron.testing import sglang_import
 from srpo_megatron.testing.sglang_standin import (
     SGLangStandInServer,
     standin_deserialize,
@@ -92,6 +94,18 @@ def test_sglang_contract_parse_generate_response():
     assert res[0][0].finish_reason == "stop" and res[0][1].finish_reason == "length"
     assert res[1][0].finish_reason == "abort" and res[1][0].prompt_index == 1
     assert res[0][1].meta["sample_index"] == 1 and res[0][0].weight_version == 4
+
+
+def test_sglang_contract_top_logprobs_num_is_a_generate_request_field():
+    """The parity diagnostic's request field (rollout.parity_top_k) is SGLang's own: its GenerateReqInput
+    builds from the body and keeps K (sglang tier; plain venv: skipped)."""
+    real = sglang_import.load()
+    if real is None or real.io_struct is None:
+        pytest.skip("SGLang's io_struct does not import here (the sglang tier runs this)")
+    body, _ = build_generate_request([[1, 2]], SamplingParams(n=2, top_logprobs=4))
+    assert real.io_struct.GenerateReqInput(**body).top_logprobs_num == 4
+    body = build_requests_body([[1], [2]], [SamplingParams(top_logprobs=4)] * 2)
+    assert real.io_struct.GenerateReqInput(**body).top_logprobs_num == 4
 
 
 @pytest.mark.parametrize(
@@ -227,8 +241,12 @@ def logprob_atol():
 
 @pytest.fixture(scope="module")
 def reference_logprobs():
+    models: dict[int, torch.nn.Module] = {}  # one float64 copy per weight set (the top-K check scores often)
+
     def score(prompt, tokens, temperature, weights):
-        model = tiny_model("llama", weights, dtype=torch.float64)
+        model = models.get(id(weights))
+        if model is None:
+            model = models[id(weights)] = tiny_model("llama", weights, dtype=torch.float64)
         with torch.no_grad():
             logits = model(torch.tensor([list(prompt) + list(tokens)])).logits[0, len(prompt) - 1 : -1]
         logp = torch.log_softmax(logits / (temperature or 1.0), dim=-1)

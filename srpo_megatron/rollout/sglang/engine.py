@@ -164,7 +164,7 @@ class SGLangEngine:
         dispatched = self._version  # before the call: a sync may land while the request runs
         body, rows = build_generate_request(prompts, params)
         outputs = self._transport.call("generate", body)
-        return parse_generate_response(outputs, rows, len(prompts), dispatched)
+        return parse_generate_response(outputs, rows, len(prompts), dispatched, params.top_logprobs)
 
     def generate_requests(
         self, inputs: Sequence[Sequence[int]], params: Sequence[SamplingParams]
@@ -177,7 +177,9 @@ class SGLangEngine:
         body = build_requests_body(inputs, params)
         outputs = self._transport.call("generate", body)
         rows = [(k, 0) for k in range(len(inputs))]
-        return [c for group in parse_generate_response(outputs, rows, len(inputs), dispatched) for c in group]
+        k = params[0].top_logprobs if params else 0  # build_requests_body: the same K for every request
+        groups = parse_generate_response(outputs, rows, len(inputs), dispatched, k)
+        return [c for group in groups for c in group]
 
     # ------------------------------------------------------------------------- pause (partial rollouts)
     # SGLang's /pause_generation and /continue_generation exist on its HTTP server only (io_struct:

@@ -60,6 +60,8 @@ def build_generate_request(
     }
     if params.return_routed_experts:  # MoE rollout routing replay: meta_info["routed_experts"] per output
         body["return_routed_experts"] = True
+    if params.top_logprobs:  # parity diagnostic: meta_info["output_top_logprobs"] per output
+        body["top_logprobs_num"] = int(params.top_logprobs)
     return body, rows
 
 
@@ -81,6 +83,11 @@ def build_requests_body(inputs: Sequence[Sequence[int]], params: Sequence[Sampli
         raise EngineError("return_routed_experts must be the same for every request of one call")
     if routed == {True}:
         body["return_routed_experts"] = True
+    tops = {p.top_logprobs for p in params}
+    if len(tops) > 1:
+        raise EngineError("top_logprobs must be the same for every request of one call")
+    if tops - {0}:  # parity diagnostic: meta_info["output_top_logprobs"] per output
+        body["top_logprobs_num"] = int(params[0].top_logprobs)
     return body
 
 
@@ -287,8 +294,31 @@ def token_versions_from_meta(meta: dict[str, Any], n_tokens: int, dispatched: in
     return out
 
 
+def parse_top_logprobs(
+    meta: dict[str, Any], n_tokens: int, k: int, out: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``meta_info["output_top_logprobs"]`` of one output as (ids ``[R, K]`` int64, log-probs ``[R, K]``).
+
+    SGLang (``TokenizerManager.add_logprob_to_meta_info`` / ``detokenize_top_logprobs_tokens``) reports one
+    entry per output token: a list of K ``[logprob, token_id, text|null]``, most likely first, from the
+    same log-probs as ``output_token_logprobs``.
+    """
+    entries = meta.get("output_top_logprobs")
+    if entries is None or len(entries) != n_tokens:
+        got = "none" if entries is None else f"{len(entries)} positions"
+        raise EngineError(
+            f"SGLang output {out} asked for top_logprobs_num={k} but meta_info.output_top_logprobs has {got} "
+            f"for {n_tokens} tokens; the server must return top logprobs for every output token"
+        )
+    if any(not e or len(e) != k for e in entries):
+        raise EngineError(f"SGLang output {out}: output_top_logprobs rows do not all hold {k} entries")
+    ids = torch.tensor([[int(x[1]) for x in e] for e in entries], dtype=torch.long).reshape(n_tokens, k)
+    logp = torch.tensor([[float(x[0]) for x in e] for e in entries], dtype=torch.float32).reshape(n_tokens, k)
+    return ids, logp
+
+
 def parse_generate_response(
-    outputs: Any, rows: list[tuple[int, int]], n_prompts: int, weight_version: int
+    outputs: Any, rows: list[tuple[int, int]], n_prompts: int, weight_version: int, top_logprobs: int = 0
 ) -> list[list[Completion]]:
     """Turn SGLang's per-request outputs into ``result[prompt][sample]`` Completions.
 
@@ -300,7 +330,8 @@ def parse_generate_response(
 
     ``weight_version`` is the version the engine served when the request was *dispatched* (read before
     the call): each Completion carries it; ``token_versions`` is filled only when some token came from a
-    newer version (a request held by a pause ran after the sync).
+    newer version (a request held by a pause ran after the sync). ``top_logprobs`` = K > 0: each output
+    must carry ``output_top_logprobs`` (``parse_top_logprobs``), kept as ``top_ids`` / ``top_logprobs``.
     """
     if isinstance(outputs, dict):
         outputs = [outputs]
@@ -332,6 +363,7 @@ def parse_generate_response(
         versions = token_versions_from_meta(meta, len(token_ids), weight_version, k)
         finish = parse_finish_reason(meta)
         routed = meta.get("routed_experts")  # base64 int32 [P + R - 1, layers, top_k], flat here
+        top = parse_top_logprobs(meta, len(token_ids), top_logprobs, k) if top_logprobs else (None, None)
         result[i].append(
             Completion(
                 prompt_index=i,
@@ -341,6 +373,8 @@ def parse_generate_response(
                 weight_version=weight_version,
                 token_versions=None if all(v == weight_version for v in versions) else versions,
                 routed_experts=decode_sglang_routed_experts(routed) if routed else None,
+                top_ids=top[0],
+                top_logprobs=top[1],
                 meta={"sample_index": j, "finish_reason": meta.get("finish_reason")},
             )
         )
