@@ -87,8 +87,11 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         if hit is not None:
             item.add_marker(pytest.mark.mcore_next)
             used.add(hit)
+    # Checked where the tier runs (-m mcore_next over whole folders): a test picked by id leaves the rest of
+    # its file uncollected, and their entries would look stale.
+    tier = "mcore_next" in (config.getoption("markexpr", "") or "")
     stale = [e for e in (*mcore_next.FILES, *mcore_next.TESTS) if e.split("::")[0] in files and e not in used]
-    if stale:
+    if tier and stale:
         raise pytest.UsageError(
             f"tests/mcore_next.py lists tests that no longer exist: {stale}; rename or remove those entries"
         )

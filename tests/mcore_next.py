@@ -8,7 +8,8 @@ top (engines, off-policy bookkeeping, planners, pure loss math) run once.
 
 Each entry is a test id without the ``mcore-<version>`` part, relative to ``tests/``; a bare function name
 selects all its parameters. ``tests/conftest.py`` marks the matching items and refuses an entry that
-matches no test of a collected file, so a rename cannot silently drop a test from the tier.
+matches no test of a collected file when the tier runs (``-m mcore_next``), so a rename cannot silently drop a
+test from the tier.
 """
 
 from __future__ import annotations
