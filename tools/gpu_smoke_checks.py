@@ -69,7 +69,7 @@ GPU_TESTS: tuple[tuple[str, tuple[str, ...] | None], ...] = (
         "tests/dist/test_trainer_robustness.py::test_teacher_update_is_the_ema_of_the_student_or_frozen",
         ("ema",),
     ),
-    ("tests/dist/test_packing_trainer.py::test_packed_step_equals_padded_step", ("1",)),
+    ("tests/dist/test_packing_trainer.py::test_packed_step_equals_padded_step", ("1-token_mean",)),
     ("tests/dist/test_conversion_stream.py::test_conversion_skeleton_allocates_nothing_on_a_gpu_host", None),
     ("tests/dist/test_conversion.py::test_tiny_round_trips_are_bit_exact", None),
 )
