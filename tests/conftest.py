@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from tests import mcore_next
+from tests.helpers import mcore_next
 
 # Shared helpers (the rollout-engine contract's test methods, the parity asserts) keep pytest's assertion
 # introspection: only test modules and conftest files are rewritten by default.
@@ -77,7 +77,7 @@ def _tier_id(item: pytest.Item) -> tuple[str, str]:
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Marks ``mcore_next`` what ``tests/mcore_next.py`` lists (the 0.19.2 tier runs ``-m mcore_next``)."""
+    """Marks ``mcore_next`` what ``tests/helpers/mcore_next.py`` lists (the 0.19.2 tier: ``-m mcore_next``)."""
     files = {rel for rel, _ in map(_tier_id, items)}
     used: set[str] = set()
     for item in items:
@@ -93,7 +93,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     stale = [e for e in (*mcore_next.FILES, *mcore_next.TESTS) if e.split("::")[0] in files and e not in used]
     if tier and stale:
         raise pytest.UsageError(
-            f"tests/mcore_next.py lists tests that no longer exist: {stale}; rename or remove those entries"
+            f"tests/helpers/mcore_next.py lists tests that no longer exist: {stale}; rename or remove them"
         )
 
 

@@ -22,7 +22,7 @@ import torch
 
 from srpo_megatron.testing.distributed import run_distributed
 from tests.helpers.trainer import TINY_POLICY_VOCAB, tiny  # noqa: F401  (module fixture)
-from tests.unit.test_parity_kl import _reference_kl
+from tests.helpers.parity import reference_kl as _reference_kl
 
 K = 4
 TEMPERATURE = 0.8

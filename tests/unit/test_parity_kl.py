@@ -31,15 +31,7 @@ from srpo_megatron.testing.sglang_standin import sglang_output
 from srpo_megatron.trainer.parity import engine_top_k, parity_stats
 from srpo_megatron.trainer.step_metrics import step_metrics
 from srpo_megatron.trainer.step_types import RolloutBatch, Sample, StepStats
-
-
-def _reference_kl(p_logp: list[float], q_logp: list[float]) -> float:
-    """KL over the K ids and one tail bucket, in Python floats (float64), written out term by term."""
-    p = [math.exp(x) for x in p_logp]
-    q = [math.exp(x) for x in q_logp]
-    head = sum(pk * (lp - lq) for pk, lp, lq in zip(p, p_logp, q_logp, strict=True))
-    pt, qt = max(1.0 - sum(p), 1e-30), max(1.0 - sum(q), 1e-30)
-    return head + pt * (math.log(pt) - math.log(qt))
+from tests.helpers.parity import reference_kl as _reference_kl
 
 
 def _distributions(t: int = 12, v: int = 40, k: int = 5, noise: float = 0.0, seed: int = 0):

@@ -37,27 +37,13 @@ from srpo_megatron.trainer.step_types import (
     merge_metrics,
     reduce_values,
 )
+from tests.helpers.char_tokenizer import CharTokenizer as _Tokenizer
 
 
 def test_step_types_is_a_leaf():
     code = "import sys, srpo_megatron.trainer.step_types; print([m for m in sys.modules if m[:5] == 'srpo_'])"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert eval(out) == ["srpo_megatron", "srpo_megatron.trainer", "srpo_megatron.trainer.step_types"]
-
-
-class _Tokenizer:
-    """Characters as token ids; enough of a HF tokenizer for routing and teacher prompts."""
-
-    chat_template = "plain"
-
-    def apply_chat_template(self, messages, tokenize, add_generation_prompt, enable_thinking):
-        return "".join(f"<{m['role']}>{m['content']}" for m in messages) + "<assistant>"
-
-    def __call__(self, text, add_special_tokens):
-        return {"input_ids": [ord(c) for c in text]}
-
-    def decode(self, ids, skip_special_tokens):
-        return "".join(chr(i) for i in ids)
 
 
 def _routed(monkeypatch=None):
