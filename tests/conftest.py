@@ -77,7 +77,7 @@ def _tier_id(item: pytest.Item) -> tuple[str, str]:
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Marks ``mcore_next`` what ``tests/helpers/mcore_next.py`` lists (the 0.19.2 tier: ``-m mcore_next``)."""
+    """Marks ``mcore_next`` what ``tests/helpers/mcore_next.py`` lists (the 0.19.2 tier runs that mark)."""
     files = {rel for rel, _ in map(_tier_id, items)}
     used: set[str] = set()
     for item in items:
