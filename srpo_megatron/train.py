@@ -76,7 +76,7 @@ def train(cfg: TrainConfig) -> dict:
     )
     if cfg.train.eval_at_ends and cfg.train.eval_at_start and st.step == 0:
         evaluate()
-    watch = TeacherWatch(log)
+    watch = TeacherWatch(log, state=st.teacher_watch)
     draw = lambda n: [train_set[i] for i in sampler.next_indices(n)]  # noqa: E731  (same on every rank)
     while st.step < cfg.train.steps:
         t0 = time.monotonic()
@@ -102,6 +102,7 @@ def train(cfg: TrainConfig) -> dict:
             rollout_memory,
         )
         metrics = merge_metrics(metrics, watch.observe(step, metrics))  # "teacher moved?" (one warning)
+        st.teacher_watch = watch.state_dict()
         st.sdpo_fracs.append(metrics["route/sdpo_frac"])
         if rank0:
             logger.log(step, metrics)

@@ -259,6 +259,8 @@ class TrainerState:
     # the next rollout round's number (seeds its sampling); None in checkpoints written before rounds were
     # counted, whose runs dispatched exactly one round per step (so the next is ``step``)
     next_dispatch: int | None = None
+    # TeacherWatch.state_dict() (the divergence trend's window); None = fresh, or saved before it existed
+    teacher_watch: dict[str, Any] | None = None
 
     def to_checkpoint(self, sampler: dict[str, Any], budget_clock_s: float) -> dict[str, Any]:
         """The checkpoint's trainer state, with the sampler's and the clock's state at save time."""
@@ -268,6 +270,7 @@ class TrainerState:
             "history": {"evals": self.evals, "sdpo_fracs": self.sdpo_fracs},
             "budget_clock_s": budget_clock_s,
             "next_dispatch": self.next_dispatch,
+            "teacher_watch": self.teacher_watch,
         }
 
     @classmethod
@@ -281,6 +284,7 @@ class TrainerState:
             sdpo_fracs=history["sdpo_fracs"],
             budget_clock_s=state.get("budget_clock_s", 0.0),
             next_dispatch=state.get("next_dispatch"),
+            teacher_watch=state.get("teacher_watch"),
         )
 
 

@@ -13,13 +13,15 @@ SDPO tokens keep coming means the SDPO branch has stopped teaching.
 - The warning: one line, once per run, when ``teacher/divergence_mean`` stayed below ``INERT_BELOW`` for
   ``INERT_STEPS`` consecutive steps with SDPO tokens.
 
-The history is not checkpointed: a resumed run starts a new window (the trend needs two steps again).
+The window, the count of inert steps and whether the warning was given travel in the checkpoint
+(``TrainerState.teacher_watch``), so a resumed run logs the same trend as an uninterrupted one.
 """
 
 from __future__ import annotations
 
 from collections import deque
 from collections.abc import Callable, Mapping
+from typing import Any
 
 WINDOW = 10  # steps in the trend's least-squares fit
 INERT_BELOW = 1e-4  # nats per SDPO token: teacher and student agree to within float noise of a bf16 run
@@ -45,6 +47,7 @@ class TeacherWatch:
         window: int = WINDOW,
         inert_below: float = INERT_BELOW,
         inert_steps: int = INERT_STEPS,
+        state: Mapping[str, Any] | None = None,
     ) -> None:
         if window < 2 or inert_steps < 1 or inert_below < 0:
             raise ValueError(
@@ -56,6 +59,13 @@ class TeacherWatch:
         self._inert_below, self._inert_steps = inert_below, inert_steps
         self._below = 0
         self.warned = False
+        if state is not None:  # a resumed run: the saved ``state_dict()``
+            self._history.extend(float(v) for v in state["history"])
+            self._below, self.warned = int(state["below"]), bool(state["warned"])
+
+    def state_dict(self) -> dict[str, Any]:
+        """What a checkpoint keeps (JSON): the window, the inert-step count, whether it warned."""
+        return {"history": list(self._history), "below": self._below, "warned": self.warned}
 
     def observe(self, step: int, metrics: Mapping[str, float]) -> dict[str, float]:
         """``teacher/divergence_trend`` for this step ({} until two SDPO steps were seen)."""

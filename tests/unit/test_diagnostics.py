@@ -3,6 +3,8 @@ trend and inert-SDPO warning (``trainer/teacher_watch.py``), each against a hand
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
@@ -101,6 +103,24 @@ def test_inert_sdpo_warns_once_after_consecutive_steps_below_the_threshold():
     for step in range(8, 12):
         w.observe(step, _step(1e-5))
     assert len(lines) == 1, "the warning is logged once"
+
+
+def test_a_watch_restored_from_its_json_state_continues_like_the_uninterrupted_one():
+    """A resume (the state through the checkpoint's JSON) logs the same trend and warns at the same step;
+    a fresh watch in its place (the state not restored) gives no trend on the first step after the resume."""
+    divs = [0.3, 1e-5, 1e-5, 0.2, 1e-5, 1e-5, 1e-5, 0.1]
+    whole_lines: list[str] = []
+    whole = TeacherWatch(whole_lines.append, window=4, inert_below=1e-4, inert_steps=3)
+    expected = [whole.observe(i, _step(d)) for i, d in enumerate(divs, start=1)]
+    lines: list[str] = []
+    first = TeacherWatch(lines.append, window=4, inert_below=1e-4, inert_steps=3)
+    got = [first.observe(i, _step(d)) for i, d in enumerate(divs[:5], start=1)]
+    state = json.loads(json.dumps(first.state_dict()))
+    resumed = TeacherWatch(lines.append, window=4, inert_below=1e-4, inert_steps=3, state=state)
+    got += [resumed.observe(i, _step(d)) for i, d in enumerate(divs[5:], start=6)]
+    assert got == expected and lines == whole_lines and len(lines) == 1
+    fresh = TeacherWatch(print, window=4, inert_below=1e-4, inert_steps=3)
+    assert fresh.observe(6, _step(divs[5])) == {} != expected[5]
 
 
 def test_no_warning_while_the_teacher_teaches():

@@ -166,7 +166,14 @@ def test_trainer_state_round_trips_the_checkpoint_json_with_the_earlier_keys():
     st.evals.append({"acc": 0.5})
     st.sdpo_fracs.extend([0.25, 0.5, 0.125])
     saved = st.to_checkpoint({"epoch": 1, "pos": 6}, 12.5)
-    assert list(saved) == ["weight_version", "sampler", "history", "budget_clock_s", "next_dispatch"]
+    assert list(saved) == [
+        "weight_version",
+        "sampler",
+        "history",
+        "budget_clock_s",
+        "next_dispatch",
+        "teacher_watch",
+    ]
     assert saved["history"] == {"evals": [{"acc": 0.5}], "sdpo_fracs": [0.25, 0.5, 0.125]}
     on_disk = json.loads(json.dumps({**saved, "scheduler": {}, "step": 3}, default=float))  # save_checkpoint
     back = TrainerState.from_checkpoint(on_disk)
@@ -175,6 +182,8 @@ def test_trainer_state_round_trips_the_checkpoint_json_with_the_earlier_keys():
     assert TrainerState.from_checkpoint(on_disk).budget_clock_s == 0.0
     del on_disk["next_dispatch"]  # written before rollout rounds were counted: one round per step
     assert TrainerState.from_checkpoint(on_disk).next_dispatch is None
+    del on_disk["teacher_watch"]  # written before the divergence trend existed: a fresh window
+    assert TrainerState.from_checkpoint(on_disk).teacher_watch is None
 
 
 def test_sample_keyword_construction_keeps_defaults():
