@@ -16,7 +16,7 @@ from srpo_megatron.trainer.metrics import MetricsLogger
 from srpo_megatron.trainer.routing_batch import route_groups
 from srpo_megatron.trainer.step_types import declared, merge_metrics, undeclared
 from srpo_megatron.trainer.teacher_watch import TeacherWatch, slope
-from tests.helpers.char_tokenizer import CharTokenizer as _Tokenizer
+from tests.helpers.sample_pool import CharTokenizer as _Tokenizer
 
 # ------------------------------------------------------------------------------ per-benchmark rewards
 

@@ -37,7 +37,7 @@ from srpo_megatron.trainer.step_types import (
     merge_metrics,
     reduce_values,
 )
-from tests.helpers.char_tokenizer import CharTokenizer as _Tokenizer
+from tests.helpers.sample_pool import CharTokenizer as _Tokenizer
 
 
 def test_step_types_is_a_leaf():
