@@ -31,7 +31,8 @@ Top-k ties are broken towards the lower global id, so the chosen ids do not depe
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from collections.abc import Iterator
+from typing import NamedTuple, Protocol
 
 import torch
 import torch.distributed as dist
@@ -132,8 +133,54 @@ def _order_candidates(vals: torch.Tensor, ids: torch.Tensor, k: int) -> tuple[to
     return vals.gather(1, by_val), ids.gather(1, by_val)
 
 
+class LogitsSource(Protocol):
+    """Where a chunk of logits comes from: a logits shard (``Logits``) or the output layer applied chunk by
+    chunk (``ops/fused_output.py``). ``rows`` × ``vocab_shard`` is the logits' shape; ``dtype`` theirs."""
+
+    rows: int
+    vocab_shard: int
+    dtype: torch.dtype
+    device: torch.device
+
+    def chunk(self, a: int, b: int, cdt: torch.dtype, temperature: float, out: torch.Tensor) -> torch.Tensor:
+        """z = logits[a:b] / τ in ``cdt``, written into ``out`` [b − a, V/P] unless it can alias the input."""
+        ...
+
+
+class UnappliedOutput(Protocol):
+    """Logits given as the layer that makes them (``ops.fused_output.OutputShard``): ``token_stats`` hands
+    it the flattened request and it returns (logp, topk_logp, topk_ids, entropy) as the kernel does."""
+
+    rows_shape: torch.Size
+    vocab_shard: int
+    device: torch.device
+
+    def stats(
+        self,
+        ids: torch.Tensor,
+        k: int,
+        topk_rows: torch.Tensor | None,
+        group: dist.ProcessGroup | None,
+        temperature: float,
+        with_entropy: bool,
+        chunk_tokens: int | None,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]: ...
+
+
+class Logits:
+    """A materialised logits shard ``[N, V/P]`` as a ``LogitsSource`` (today's path)."""
+
+    def __init__(self, x: torch.Tensor):
+        self.x = x
+        self.rows, self.vocab_shard = x.shape
+        self.dtype, self.device = x.dtype, x.device
+
+    def chunk(self, a: int, b: int, cdt: torch.dtype, temperature: float, out: torch.Tensor) -> torch.Tensor:
+        return _scaled(self.x[a:b], cdt, temperature, out)
+
+
 def _forward_stats(
-    x: torch.Tensor,
+    src: LogitsSource,
     ids: torch.Tensor,
     k: int,
     topk_rows: torch.Tensor | None,
@@ -142,18 +189,18 @@ def _forward_stats(
     with_entropy: bool,
     chunk: int,
 ) -> tuple[torch.Tensor, ...]:
-    """Chunked forward over ``x`` [N, V/P] and global ``ids`` [N, J].
+    """Chunked forward over the logits of ``src`` [N, V/P] and global ``ids`` [N, J].
 
     Returns (lse [N], logp at ids [N, J], topk logp [N, k], topk ids [N, k], entropy [N] or empty),
     all in the compute dtype except the int64 ids.
     """
-    n, vs = x.shape
-    cdt = _compute_dtype(x.dtype)
+    n, vs = src.rows, src.vocab_shard
+    cdt = _compute_dtype(src.dtype)
     rank, world = _group_rank_size(group)
     offset = rank * vs
     j = ids.shape[1]
     # Per-row local statistics, relative to the local max so exp() never overflows.
-    dev = x.device
+    dev = src.device
     m_loc = torch.empty(n, dtype=cdt, device=dev)
     s_loc = torch.empty(n, dtype=cdt, device=dev)
     sd_loc = torch.zeros(
@@ -169,7 +216,7 @@ def _forward_stats(
     for a in range(0, n, chunk):
         b = min(n, a + chunk)
         r = b - a
-        z = _scaled(x[a:b], cdt, temperature, ws.get(0, r))
+        z = src.chunk(a, b, cdt, temperature, ws.get(0, r))
         m = torch.amax(z, dim=-1)
         d = torch.sub(z, m[:, None], out=ws.get(1, r))
         m_loc[a:b] = m
@@ -221,6 +268,57 @@ def _forward_stats(
     return lse, logp, topk_logp, top_i, entropy
 
 
+def backward_chunks(
+    src: LogitsSource,
+    ids: torch.Tensor | None,
+    grad_ids: torch.Tensor | None,
+    grad_entropy: torch.Tensor | None,
+    lse: torch.Tensor,
+    entropy: torch.Tensor,
+    rank: int,
+    temperature: float,
+    chunk: int,
+    out: torch.Tensor | None = None,
+) -> Iterator[tuple[int, int, torch.Tensor]]:
+    """Yield ``(a, b, ∂L/∂logits[a:b])`` chunk by chunk, recomputing p = softmax(z) per chunk.
+
+    With g_j = ∂L/∂log p(id_j) and g_H = ∂L/∂H:
+    ∂L/∂z_v = Σ_j g_j·1[v = id_j] − p_v·(Σ_j g_j + g_H·(log p_v + H)), and ∂L/∂x = ∂L/∂z / τ.
+    Each yielded chunk is in the compute dtype and lives in a work buffer (valid until the next chunk), or
+    in ``out[a:b]`` when ``out`` (an [N, V/P] tensor of the compute dtype) is given.
+    """
+    n, vs = src.rows, src.vocab_shard
+    cdt = lse.dtype
+    inv_t = 1.0 / temperature
+    # ∂L/∂x_v = p_v·(α·log p_v + β) + Σ_j (g_j / τ)·1[v = id_j] with per-row α = −g_H/τ and
+    # β = −(Σ_j g_j + g_H·H)/τ: two multiplies per element after the exp.
+    g_sum = grad_ids.sum(dim=1) if grad_ids is not None else torch.zeros(n, dtype=cdt, device=src.device)
+    beta = -inv_t * g_sum
+    if grad_entropy is not None:
+        alpha = -inv_t * grad_entropy
+        beta = beta - inv_t * grad_entropy * entropy
+    if grad_ids is not None:
+        assert ids is not None  # the backward passes ids and their gradients together
+        local_ids, owned = _local_ids(ids, rank * vs, vs)
+        g_owned = torch.where(owned, grad_ids * inv_t, 0)
+    ws = _Workspace(min(chunk, n), vs, cdt, 3, src.device)
+    for a in range(0, n, chunk):
+        b = min(n, a + chunk)
+        r = b - a
+        z = src.chunk(a, b, cdt, temperature, ws.get(0, r))
+        logp = torch.sub(z, lse[a:b, None], out=ws.get(1, r))
+        target = out[a:b] if out is not None else ws.get(0, r)  # z is dead once logp exists
+        if grad_entropy is not None:
+            p = torch.exp(logp, out=ws.get(2, r))
+            coef = logp.mul_(alpha[a:b, None]).add_(beta[a:b, None])
+            torch.mul(p, coef, out=target)
+        else:
+            torch.mul(logp.exp_(), beta[a:b, None], out=target)
+        if grad_ids is not None:
+            target.scatter_add_(1, local_ids[a:b], g_owned[a:b])
+        yield a, b, target
+
+
 def _backward_stats(
     x: torch.Tensor,
     ids: torch.Tensor | None,
@@ -232,45 +330,33 @@ def _backward_stats(
     temperature: float,
     chunk: int,
 ) -> torch.Tensor:
-    """Gradient w.r.t. the shard ``x`` [N, V/P], recomputing p = softmax(z) chunk by chunk.
-
-    With g_j = ∂L/∂log p(id_j) and g_H = ∂L/∂H:
-    ∂L/∂z_v = Σ_j g_j·1[v = id_j] − p_v·(Σ_j g_j + g_H·(log p_v + H)), and ∂L/∂x = ∂L/∂z / τ.
-    """
-    n, vs = x.shape
-    cdt = lse.dtype
+    """Gradient w.r.t. the shard ``x`` [N, V/P] (``backward_chunks`` over a materialised shard)."""
     grad = torch.empty_like(x)
-    inv_t = 1.0 / temperature
-    # ∂L/∂x_v = p_v·(α·log p_v + β) + Σ_j (g_j / τ)·1[v = id_j] with per-row α = −g_H/τ and
-    # β = −(Σ_j g_j + g_H·H)/τ: two multiplies per element after the exp.
-    g_sum = grad_ids.sum(dim=1) if grad_ids is not None else torch.zeros(n, dtype=cdt, device=x.device)
-    beta = -inv_t * g_sum
-    if grad_entropy is not None:
-        alpha = -inv_t * grad_entropy
-        beta = beta - inv_t * grad_entropy * entropy
-    if grad_ids is not None:
-        assert ids is not None  # the backward passes ids and their gradients together
-        local_ids, owned = _local_ids(ids, rank * vs, vs)
-        g_owned = torch.where(owned, grad_ids * inv_t, 0)
-    ws = _Workspace(min(chunk, n), vs, cdt, 3, x.device)
-    direct = grad.dtype == cdt  # write straight into the gradient, no staging copy
-    for a in range(0, n, chunk):
-        b = min(n, a + chunk)
-        r = b - a
-        z = _scaled(x[a:b], cdt, temperature, ws.get(0, r))
-        logp = torch.sub(z, lse[a:b, None], out=ws.get(1, r))
-        target = grad[a:b] if direct else ws.get(0, r)  # z is dead once logp exists
-        if grad_entropy is not None:
-            p = torch.exp(logp, out=ws.get(2, r))
-            coef = logp.mul_(alpha[a:b, None]).add_(beta[a:b, None])
-            torch.mul(p, coef, out=target)
-        else:
-            torch.mul(logp.exp_(), beta[a:b, None], out=target)
-        if grad_ids is not None:
-            target.scatter_add_(1, local_ids[a:b], g_owned[a:b])
+    direct = grad.dtype == lse.dtype  # write straight into the gradient, no staging copy
+    src = Logits(x)
+    for a, b, g in backward_chunks(
+        src, ids, grad_ids, grad_entropy, lse, entropy, rank, temperature, chunk, grad if direct else None
+    ):
         if not direct:
-            grad[a:b].copy_(target)
+            grad[a:b].copy_(g)
     return grad
+
+
+def grad_inputs(
+    ids: torch.Tensor, topk_ids: torch.Tensor, g_logp, g_topk, g_ent, ent: torch.Tensor, cdt: torch.dtype
+) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
+    """The ids and ∂L/∂log p at them (requested ids, then the top-k) and ∂L/∂H that reach a backward."""
+    id_parts, grad_parts = [], []
+    if g_logp is not None and ids.shape[1]:
+        id_parts.append(ids)
+        grad_parts.append(g_logp)
+    if g_topk is not None and topk_ids.shape[1]:
+        id_parts.append(topk_ids)
+        grad_parts.append(g_topk)
+    all_ids = torch.cat(id_parts, dim=1) if id_parts else None
+    all_g = torch.cat(grad_parts, dim=1).to(cdt) if grad_parts else None
+    g_ent = g_ent.to(cdt) if g_ent is not None and ent.numel() else None
+    return all_ids, all_g, g_ent
 
 
 class _VocabParallelStats(torch.autograd.Function):
@@ -282,7 +368,7 @@ class _VocabParallelStats(torch.autograd.Function):
         x = logits.reshape(-1, vs)
         chunk = _chunk_rows(vs, chunk_tokens, logits.device)
         lse, logp, topk_logp, topk_ids, ent = _forward_stats(
-            x, ids, k, topk_rows, group, temperature, with_entropy, chunk
+            Logits(x), ids, k, topk_rows, group, temperature, with_entropy, chunk
         )
         ctx.save_for_backward(logits, ids, topk_ids, lse, ent)
         ctx.group, ctx.temperature, ctx.chunk = group, temperature, chunk
@@ -293,16 +379,7 @@ class _VocabParallelStats(torch.autograd.Function):
     @staticmethod
     def backward(ctx, g_logp, g_topk, _g_ids, g_ent):
         logits, ids, topk_ids, lse, ent = ctx.saved_tensors
-        id_parts, grad_parts = [], []
-        if g_logp is not None and ids.shape[1]:
-            id_parts.append(ids)
-            grad_parts.append(g_logp)
-        if g_topk is not None and topk_ids.shape[1]:
-            id_parts.append(topk_ids)
-            grad_parts.append(g_topk)
-        all_ids = torch.cat(id_parts, dim=1) if id_parts else None
-        all_g = torch.cat(grad_parts, dim=1).to(lse.dtype) if grad_parts else None
-        g_ent = g_ent.to(lse.dtype) if g_ent is not None and ent.numel() else None
+        all_ids, all_g, g_ent = grad_inputs(ids, topk_ids, g_logp, g_topk, g_ent, ent, lse.dtype)
         if all_g is None and g_ent is None:
             return (None,) * 8
         vs = logits.shape[-1]
@@ -314,7 +391,7 @@ class _VocabParallelStats(torch.autograd.Function):
 
 
 def token_stats(
-    logits: torch.Tensor,
+    logits: torch.Tensor | UnappliedOutput,
     ids: torch.Tensor | None = None,
     *,
     k: int = 0,
@@ -326,15 +403,17 @@ def token_stats(
 ) -> VocabStats:
     """Fused single pass: log p at ``ids``, the global top-``k`` and the entropy, differentiable.
 
-    logits:    [..., V/P] local shard (any leading shape, flattened to N rows)
+    logits:    [..., V/P] local shard (any leading shape, flattened to N rows), or the output layer not
+               yet applied (``ops.fused_output.OutputShard``: no logits tensor is ever built)
     ids:       [..., J] global vocabulary ids per row, or None
     k:         top-k size (0 = none); ``topk_rows`` [...] bool restricts it to some rows (others: ids 0,
                log-probs −inf)
     Returns ``VocabStats`` with rows flattened: logp [N, J], topk_logp [N, k], topk_ids [N, k],
     entropy [N] (empty unless ``with_entropy``). Gradients flow through logp, topk_logp and entropy.
     """
-    vs = logits.shape[-1]
-    lead = logits.shape[:-1]
+    unapplied = not isinstance(logits, torch.Tensor)  # an output layer not yet applied (fused_output.py)
+    vs = logits.vocab_shard if unapplied else logits.shape[-1]
+    lead = logits.rows_shape if unapplied else logits.shape[:-1]
     n = lead.numel()
     if temperature <= 0:
         raise ValueError(f"temperature must be > 0, got {temperature}")
@@ -354,9 +433,11 @@ def token_stats(
                 f"ids must lie in [0, {vs * world}) (the padded vocabulary), got an id outside it"
             )
     rows = None if topk_rows is None else topk_rows.reshape(n).bool()
-    logp, topk_logp, topk_ids, ent = _VocabParallelStats.apply(
-        logits, ids2, int(k), rows, group, float(temperature), bool(with_entropy), chunk_tokens
-    )
+    args = (ids2, int(k), rows, group, float(temperature), bool(with_entropy), chunk_tokens)
+    if unapplied:
+        logp, topk_logp, topk_ids, ent = logits.stats(*args)
+    else:
+        logp, topk_logp, topk_ids, ent = _VocabParallelStats.apply(logits, *args)
     if rows is not None and k:
         # Rows without a top-k request carry placeholders; make them unmistakable (and gradient-free).
         topk_logp = torch.where(rows[:, None], topk_logp, -torch.inf)

@@ -1,0 +1,199 @@
+"""The output layer fused into the vocab-parallel kernels: hidden states in, never a ``[T, V/TP]`` logits.
+
+``OutputShard(hidden [T, H], weight [V/P, H])`` stands for the logits shard ``hidden @ weight.T`` of a
+tensor-parallel group (rank r holds vocabulary rows ``[r·V/P, (r+1)·V/P)``, as megatron's
+``ColumnParallelLinear`` output layer). ``ops.vocab_parallel.token_stats`` accepts it wherever it accepts
+logits and returns the same values: log-probs at ids, the global top-k, the entropy.
+
+- **Forward**, chunk by chunk over tokens: one GEMM ``hidden[a:b] @ weight.T`` in the weight's dtype
+  (the output layer's own product), padded vocabulary ids masked to ``finfo(dtype).min / 4`` (as
+  ``trainer/schedule.logit_rows`` masks materialised logits), then the kernel's chunk statistics in the
+  compute dtype. Only ``[T]`` statistics are kept; the most alive at once is a few ``chunk × V/P``
+  buffers.
+- **Backward** recomputes each chunk's logits, forms ∂L/∂logits of the chunk with the kernel's formula
+  (``vocab_parallel.backward_chunks``), and accumulates ∂L/∂hidden (``g @ weight``) and ∂L/∂weight
+  (``gᵀ @ hidden``; in fp32 for half-precision weights, rounded once at the end). Padded ids get no
+  gradient. Under TP the hidden gradient is this rank's partial sum, exactly what ``ColumnParallelLinear``
+  returns before its input's reduce: the caller's megatron region op (``copy_to`` /
+  ``gather_from_sequence_parallel_region``) reduces it, as for the output layer itself.
+- Tied embeddings: ``weight`` is the embedding parameter itself, so both uses accumulate into one grad.
+- ``mix`` (forward only): the logits ``(1 − α)·hidden @ weight.T + α·mix.hidden @ mix.weight.T`` of the
+  trust-region teacher (``teacher.kind: trust_region``) without materialising either model's logits.
+
+Sequence parallelism and the row selection happen before: ``trainer/output_rows.py`` gathers the
+sequence-parallel hidden states with megatron's own region op and picks the response rows.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from srpo_megatron.ops.vocab_parallel import (
+    _chunk_rows,
+    _compute_dtype,
+    _forward_stats,
+    _group_rank_size,
+    backward_chunks,
+    grad_inputs,
+)
+
+# Tokens per chunk on CPU: a GEMM of this many rows runs near the machine's matmul speed, where the
+# kernel's cache-sized row count (1 MiB / V·4 bytes: one row at a 152k vocabulary) would be a GEMV.
+MIN_CHUNK_ROWS_CPU = 64
+
+
+@dataclass(frozen=True)
+class OutputShard:
+    """Logits ``hidden @ weight.T`` of one TP rank, unapplied (module doc).
+
+    hidden:    [..., H] the last hidden states of the rows to score (after the final norm)
+    weight:    [V/P, H] this rank's output-layer (or tied embedding) shard
+    vocab_pad: [V/P] bool, the padded vocabulary ids of this shard (masked), or None
+    mix:       (α, other): forward-only logits mix (1 − α)·self + α·other, or None
+    """
+
+    hidden: torch.Tensor
+    weight: torch.Tensor
+    vocab_pad: torch.Tensor | None = None
+    mix: tuple[float, OutputShard] | None = None
+
+    def __post_init__(self) -> None:
+        if self.hidden.shape[-1] != self.weight.shape[-1]:
+            raise ValueError(
+                f"hidden {tuple(self.hidden.shape)} and weight {tuple(self.weight.shape)} disagree on the "
+                "hidden size; pass the output layer's [V/P, H] weight shard"
+            )
+        if self.mix is not None and self.mix[1].rows_shape != self.rows_shape:
+            raise ValueError("a mixed OutputShard needs the same rows in both parts")
+
+    @property
+    def rows_shape(self) -> torch.Size:
+        return self.hidden.shape[:-1]
+
+    @property
+    def vocab_shard(self) -> int:
+        return int(self.weight.shape[0])
+
+    @property
+    def device(self) -> torch.device:
+        return self.hidden.device
+
+    def logits(self) -> torch.Tensor:
+        """The materialised logits shard [..., V/P] (tests and the unfused comparison only)."""
+        src = _HiddenSource(self, self.hidden.reshape(-1, self.hidden.shape[-1]))
+        out = torch.empty(src.rows, src.vocab_shard, dtype=src.dtype, device=src.device)
+        return src.chunk(0, src.rows, src.dtype, 1.0, out).view(*self.rows_shape, -1)
+
+    def stats(self, ids, k, topk_rows, group, temperature, with_entropy, chunk_tokens):
+        """``token_stats``'s request on these logits (see ``vocab_parallel.UnappliedOutput``)."""
+        if self.mix is not None:
+            if torch.is_grad_enabled() and (self.hidden.requires_grad or self.weight.requires_grad):
+                raise ValueError("a mixed OutputShard is forward-only (the trust-region teacher's scoring)")
+            return _fused_forward(self, ids, k, topk_rows, group, temperature, with_entropy, chunk_tokens)[1:]
+        return _FusedOutputStats.apply(
+            self.hidden,
+            self.weight,
+            ids,
+            k,
+            topk_rows,
+            group,
+            temperature,
+            with_entropy,
+            chunk_tokens,
+            self.vocab_pad,
+        )
+
+
+class _HiddenSource:
+    """``LogitsSource`` of an ``OutputShard``: each chunk's logits by one GEMM of the flattened rows."""
+
+    def __init__(self, shard: OutputShard, hidden: torch.Tensor):
+        self.h = hidden  # [N, H]
+        self.w = shard.weight
+        self.pad = shard.vocab_pad if shard.vocab_pad is not None and bool(shard.vocab_pad.any()) else None
+        self.mix = None
+        if shard.mix is not None:
+            alpha, other = shard.mix
+            self.mix = (alpha, _HiddenSource(other, other.hidden.reshape(-1, other.hidden.shape[-1])))
+        self.rows, self.vocab_shard = int(hidden.shape[0]), int(self.w.shape[0])
+        self.dtype, self.device = self.w.dtype, hidden.device
+
+    def raw(self, a: int, b: int, out: torch.Tensor | None) -> torch.Tensor:
+        """The logits rows [a, b) in the weight's dtype, padded ids masked (into ``out`` when it fits)."""
+        h = self.h[a:b]
+        if h.dtype != self.w.dtype:
+            h = h.to(self.w.dtype)
+        z = torch.mm(h, self.w.t(), out=out) if out is not None else torch.mm(h, self.w.t())
+        if self.pad is not None:
+            z.masked_fill_(self.pad, torch.finfo(z.dtype).min / 4)
+        if self.mix is not None:
+            alpha, other = self.mix
+            z = z.mul_(1 - alpha).add_(other.raw(a, b, None), alpha=alpha)
+        return z
+
+    def chunk(self, a: int, b: int, cdt: torch.dtype, temperature: float, out: torch.Tensor) -> torch.Tensor:
+        # same dtype: the GEMM writes straight into the work buffer
+        z = self.raw(a, b, out) if self.dtype == cdt else out.copy_(self.raw(a, b, None))
+        return z if temperature == 1.0 else z.div_(temperature)
+
+
+def _chunk(vocab_shard: int, chunk_tokens: int | None, device: torch.device) -> int:
+    rows = _chunk_rows(vocab_shard, chunk_tokens, device)
+    return rows if chunk_tokens or device.type != "cpu" else max(rows, MIN_CHUNK_ROWS_CPU)
+
+
+def _fused_forward(shard: OutputShard, ids, k, topk_rows, group, temperature, with_entropy, chunk_tokens):
+    src = _HiddenSource(shard, shard.hidden.reshape(-1, shard.hidden.shape[-1]))
+    chunk = _chunk(src.vocab_shard, chunk_tokens, src.device)
+    with torch.no_grad():
+        return _forward_stats(src, ids, k, topk_rows, group, temperature, with_entropy, chunk)
+
+
+class _FusedOutputStats(torch.autograd.Function):
+    """``token_stats`` on ``hidden @ weight.T`` with gradients for ``hidden`` and ``weight`` (module doc)."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, ids, k, topk_rows, group, temperature, with_entropy, chunk_tokens, pad):
+        shard = OutputShard(hidden, weight, pad)
+        src = _HiddenSource(shard, hidden.reshape(-1, hidden.shape[-1]))
+        chunk = _chunk(src.vocab_shard, chunk_tokens, src.device)
+        lse, logp, topk_logp, topk_ids, ent = _forward_stats(
+            src, ids, k, topk_rows, group, temperature, with_entropy, chunk
+        )
+        ctx.save_for_backward(hidden, weight, ids, topk_ids, lse, ent, pad)
+        ctx.group, ctx.temperature, ctx.chunk = group, temperature, chunk
+        ctx.mark_non_differentiable(topk_ids)
+        ctx.set_materialize_grads(False)
+        return logp, topk_logp, topk_ids, ent
+
+    @staticmethod
+    def backward(ctx, g_logp, g_topk, _g_ids, g_ent):
+        hidden, weight, ids, topk_ids, lse, ent, pad = ctx.saved_tensors
+        none = (None,) * 8
+        all_ids, all_g, g_ent = grad_inputs(ids, topk_ids, g_logp, g_topk, g_ent, ent, lse.dtype)
+        if all_g is None and g_ent is None:
+            return (None, None, *none)
+        h2 = hidden.reshape(-1, hidden.shape[-1])
+        src = _HiddenSource(OutputShard(hidden, weight, pad), h2)
+        rank, _ = _group_rank_size(ctx.group)
+        want_h, want_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        cdt = lse.dtype
+        grad_h = torch.empty_like(h2) if want_h else None
+        acc_dt = _compute_dtype(weight.dtype)  # accumulate over chunks in fp32 (fp64 stays fp64)
+        grad_w = torch.zeros(weight.shape, dtype=acc_dt, device=weight.device) if want_w else None
+        for a, b, g in backward_chunks(
+            src, all_ids, all_g, g_ent, lse, ent, rank, ctx.temperature, ctx.chunk
+        ):
+            if src.pad is not None:
+                g.masked_fill_(src.pad, 0.0)
+            gw_dt = g if g.dtype == weight.dtype else g.to(weight.dtype)  # the layer's own precision
+            if grad_h is not None:
+                grad_h[a:b] = torch.mm(gw_dt, weight)
+            if grad_w is not None:
+                hc = h2[a:b]
+                grad_w.addmm_(g.t(), hc if hc.dtype == cdt else hc.to(cdt))
+        gh = None if grad_h is None else grad_h.view(hidden.shape)
+        gw = None if grad_w is None else grad_w.to(weight.dtype)
+        return (gh, gw, *none)
