@@ -21,6 +21,9 @@ class PerformanceConfig:
     recompute_method: Literal["uniform", "block"] = "uniform"  # full: layers per chunk / first N per stage
     recompute_num_layers: int = 1  # full: layers per recompute chunk (uniform) or recomputed layers (block)
     recompute_modules: list[str] = field(default_factory=lambda: ["core_attn"])  # selective: submodules
+    # The output layer fused into the loss kernels (ops/fused_output.py): the last stage never builds the
+    # [T, V/TP] logits in the scoring, teacher and training passes. auto = on; off = materialised logits.
+    fused_output: Literal["auto", "on", "off"] = "auto"
 
     def __post_init__(self) -> None:
         if self.recompute_num_layers < 1:

@@ -28,6 +28,9 @@ What is chosen when CUDA is present (``auto`` everywhere):
   deferred to the next forward's pre-hooks, so anything that reads full parameters between a step and the
   next forward (EMA teacher update, weight sync to the rollout engine, checkpoint) must call
   :func:`finish_param_gather` first.
+- **Fused output layer** (``performance.fused_output``, ``auto`` = on): the last stage returns hidden
+  states and the loss kernels apply the output layer chunk by chunk (``ops/fused_output.py``), so no
+  ``[T, V/TP]`` logits tensor or gradient exists; ``off`` keeps megatron's output layer (the reference).
 - **Activation recompute** is a recipe choice (``performance.recompute``): ``selective`` recomputes the
   listed submodules (default core attention), ``full`` whole layers by ``uniform``/``block`` method.
 """
@@ -101,6 +104,11 @@ def use_transformer_engine(perf: PerformanceConfig, acc: Accelerators) -> bool:
             "TE install, e.g. an NGC PyTorch container); use layer_spec=auto or local"
         )
     return perf.layer_spec == "te" or (perf.layer_spec == "auto" and acc.transformer_engine)
+
+
+def fused_output(perf: PerformanceConfig) -> bool:
+    """Whether the last stage scores hidden states through the fused output layer (module doc)."""
+    return perf.fused_output != "off"
 
 
 def sequence_parallel(requested: bool | None, tp: int, acc: Accelerators) -> bool:
