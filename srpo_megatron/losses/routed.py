@@ -50,6 +50,7 @@ from srpo_megatron.losses.aggregation import aggregate, sequence_count
 from srpo_megatron.losses.grpo import grpo_token_loss
 from srpo_megatron.losses.importance import bounded_is_weight, check_rejections
 from srpo_megatron.losses.sdpo import dynamic_weights, raw_weights, sdpo_token_loss
+from srpo_megatron.ops.fused_output import OutputShard
 from srpo_megatron.ops.vocab_parallel import append_tail, token_stats
 
 
@@ -149,7 +150,7 @@ def global_normalizers(
 
 
 def routed_loss(
-    student_logits: torch.Tensor,
+    student_logits: torch.Tensor | OutputShard,
     batch: TokenBatch,
     normalizers: Normalizers,
     cfg: LossConfig,
@@ -157,7 +158,8 @@ def routed_loss(
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """This micro-batch's share of L, and metrics.
 
-    student_logits: [T, V/P] logits shard of the tensor-parallel ``group`` (None = whole vocabulary)
+    student_logits: [T, V/P] logits shard of the tensor-parallel ``group`` (None = whole vocabulary), or
+                    the output layer unapplied (``ops.fused_output.OutputShard``)
     Returns (loss scalar = Σ_t per-token loss / normalizers.num_tokens, or under ``seq_mean_token_mean``
     Σ_t seq_weight_t · per-token loss / normalizers.num_seqs (``losses/aggregation.py``), metrics). Metrics
     are detached

@@ -15,6 +15,7 @@ from typing import NamedTuple
 import torch
 import torch.distributed as dist
 
+from srpo_megatron.ops.fused_output import OutputShard
 from srpo_megatron.ops.vocab_parallel import append_tail, token_stats
 
 
@@ -37,7 +38,7 @@ class TeacherScore(NamedTuple):
 
 @torch.no_grad()
 def score_student(
-    logits: torch.Tensor,
+    logits: torch.Tensor | OutputShard,
     response_ids: torch.Tensor,
     topk_rows: torch.Tensor | None,
     k: int,
@@ -66,7 +67,7 @@ def score_student(
 
 @torch.no_grad()
 def score_teacher(
-    teacher_logits: torch.Tensor,
+    teacher_logits: torch.Tensor | OutputShard,
     topk_ids: torch.Tensor,
     group: dist.ProcessGroup | None = None,
     temperature: float = 1.0,

@@ -7,7 +7,7 @@ logits and returns the same values: log-probs at ids, the global top-k, the entr
 
 - **Forward**, chunk by chunk over tokens: one GEMM ``hidden[a:b] @ weight.T`` in the weight's dtype
   (the output layer's own product), padded vocabulary ids masked to ``finfo(dtype).min / 4`` (as
-  ``trainer/schedule.logit_rows`` masks materialised logits), then the kernel's chunk statistics in the
+  ``trainer/output_rows.logit_rows`` masks materialised logits), then the kernel's chunk statistics in the
   compute dtype. Only ``[T]`` statistics are kept; the most alive at once is a few ``chunk × V/P``
   buffers.
 - **Backward** recomputes each chunk's logits, forms ∂L/∂logits of the chunk with the kernel's formula

@@ -411,9 +411,12 @@ def token_stats(
     Returns ``VocabStats`` with rows flattened: logp [N, J], topk_logp [N, k], topk_ids [N, k],
     entropy [N] (empty unless ``with_entropy``). Gradients flow through logp, topk_logp and entropy.
     """
-    unapplied = not isinstance(logits, torch.Tensor)  # an output layer not yet applied (fused_output.py)
-    vs = logits.vocab_shard if unapplied else logits.shape[-1]
-    lead = logits.rows_shape if unapplied else logits.shape[:-1]
+    unapplied = None if isinstance(logits, torch.Tensor) else logits  # an output layer (fused_output.py)
+    if unapplied is None:
+        assert isinstance(logits, torch.Tensor)
+        vs, lead = logits.shape[-1], logits.shape[:-1]
+    else:
+        vs, lead = unapplied.vocab_shard, unapplied.rows_shape
     n = lead.numel()
     if temperature <= 0:
         raise ValueError(f"temperature must be > 0, got {temperature}")
@@ -434,8 +437,8 @@ def token_stats(
             )
     rows = None if topk_rows is None else topk_rows.reshape(n).bool()
     args = (ids2, int(k), rows, group, float(temperature), bool(with_entropy), chunk_tokens)
-    if unapplied:
-        logp, topk_logp, topk_ids, ent = logits.stats(*args)
+    if unapplied is not None:
+        logp, topk_logp, topk_ids, ent = unapplied.stats(*args)
     else:
         logp, topk_logp, topk_ids, ent = _VocabParallelStats.apply(logits, *args)
     if rows is not None and k:

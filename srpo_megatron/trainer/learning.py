@@ -29,6 +29,7 @@ from srpo_megatron.trainer import context_parallel as cpar
 from srpo_megatron.trainer.batches import micro_batches_for, student_sequences
 from srpo_megatron.trainer.lockstep import lockstep
 from srpo_megatron.trainer.moe_replay import moe_replay_for
+from srpo_megatron.trainer.output_rows import Rows
 from srpo_megatron.trainer.policy import Policy
 from srpo_megatron.trainer.schedule import run_schedule
 from srpo_megatron.trainer.stats import reduce_stats
@@ -68,10 +69,8 @@ def train_mini_batch(policy: Policy, scored: ScoredBatch) -> StepStats:
     per_micro: list[StepStats] = []
     scale = len(micro) * g.dp_size
 
-    def on_rows(row_logits: torch.Tensor, k: int) -> torch.Tensor:
-        loss, metrics = routed_loss(
-            row_logits, micro[k].local_tokens(batches[k]), normalizers, cfg.loss, g.tp
-        )
+    def on_rows(rows: Rows, k: int) -> torch.Tensor:
+        loss, metrics = routed_loss(rows, micro[k].local_tokens(batches[k]), normalizers, cfg.loss, g.tp)
         per_micro.append(StepStats.from_metrics(metrics, loss=float(loss.detach())))
         return loss * scale
 
@@ -82,7 +81,7 @@ def train_mini_batch(policy: Policy, scored: ScoredBatch) -> StepStats:
     moe = moe_replay_for(policy, seqs, scored.samples, micro, record=False)  # MoE expert replay
     with moe or contextlib.nullcontext():
         hook = None if moe is None else moe.before_forward
-        run_schedule(policy.ddp, micro, on_rows, policy.vocab_pad, forward_only=False, before_forward=hook)
+        run_schedule(policy.ddp, micro, on_rows, policy.head, forward_only=False, before_forward=hook)
     out = reduce_stats(per_micro)
     if last:  # each CP rank's sums cover its own rows
         out = cpar.reduce_stats_over(out, g.cp, policy.device)

@@ -28,6 +28,7 @@ from srpo_megatron.parallel import ParallelGroups
 from srpo_megatron.trainer.ema_shard import ShardedEmaTeacher
 from srpo_megatron.trainer.moe_replay import check_replay_config
 from srpo_megatron.trainer.offload import Offloader
+from srpo_megatron.trainer.output_rows import OutputHead
 from srpo_megatron.trainer.step_types import StepStats
 from srpo_megatron.trainer.teacher import EmaTeacher, fp32_main_params
 
@@ -93,6 +94,16 @@ class Policy:
         shard = v_pad // groups.tp_size
         ids = torch.arange(groups.tp_rank * shard, (groups.tp_rank + 1) * shard, device=self.device)
         self.vocab_pad = ids >= self.arch.vocab_size
+        # What the loss gets from the last stage: logits, or the fused output layer (performance.fused_output)
+        head = lambda m: OutputHead(  # noqa: E731
+            m,
+            self.vocab_pad,
+            fused=perf_choice.fused_output(perf),
+            tp_group=groups.tp,
+            sequence_parallel=self.tconfig.sequence_parallel,
+        )
+        self.head = head(self.model)
+        self.teacher_head = None if self.teacher is None else head(self.teacher.module)
 
     def _build_scheduler(self):
         from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler

@@ -14,29 +14,24 @@ from collections.abc import Callable
 
 import torch
 
+from srpo_megatron.ops.fused_output import OutputShard
 from srpo_megatron.trainer.batches import MicroBatch
+from srpo_megatron.trainer.output_rows import OutputHead, Rows
 
-OnRows = Callable[[torch.Tensor, int], torch.Tensor | None]
-
-
-def logit_rows(logits: torch.Tensor, rows: torch.Tensor, vocab_pad: torch.Tensor) -> torch.Tensor:
-    """[b, S, V/TP] logits → [T, V/TP] rows; padded vocabulary ids ([V/TP] bool) masked to a huge negative."""
-    out = logits[rows]
-    if bool(vocab_pad.any()):
-        out = out.masked_fill(vocab_pad, torch.finfo(out.dtype).min / 4)
-    return out
+OnRows = Callable[[Rows, int], torch.Tensor | None]
 
 
 def run_schedule(
     model: torch.nn.Module,
     micro_batches: list[MicroBatch],
     on_rows: OnRows,
-    vocab_pad: torch.Tensor,
+    head: OutputHead,
     *,
     forward_only: bool,
     before_forward: Callable[[int], None] | None = None,
 ) -> None:
-    """Run the schedule; ``on_rows(row_logits [T, V/TP], mb_index)`` runs on the last stage per micro-batch
+    """Run the schedule; ``on_rows(rows, mb_index)`` runs on the last stage per micro-batch, with ``rows``
+    the response rows as ``head`` gives them (``[T, V/TP]`` logits, or the fused ``OutputShard``),
     and returns that micro-batch's loss (None in forward-only passes); it is not called for a micro-batch of
     which this rank holds no rows. ``before_forward(mb_index)`` runs just before each micro-batch's forward
     on every stage (MoE expert replay, trainer/moe_replay.py, sets its experts there)."""
@@ -49,19 +44,21 @@ def run_schedule(
         mb = micro_batches[k]
         if before_forward is not None:
             before_forward(k)
-        if mb.packed is None:
-            out = m(mb.tokens, mb.positions, None)
-        else:  # THD: attention stays inside each packed sequence
-            out = m(mb.tokens, mb.positions, None, packed_seq_params=mb.packed)
+        with head.forward():
+            if mb.packed is None:
+                out = m(mb.tokens, mb.positions, None)
+            else:  # THD: attention stays inside each packed sequence
+                out = m(mb.tokens, mb.positions, None, packed_seq_params=mb.packed)
 
-        def loss_func(logits):
-            rows = logit_rows(logits, mb.rows, vocab_pad)
+        def loss_func(output):
+            rows = head.rows(output, mb.rows)
             # A CP rank may hold none of a micro-batch's response rows (all its chunks are prompt): nothing
             # to score there, but the zero loss below still runs the backward through the CP K/V gathers
             # that the other CP ranks take part in.
-            loss = on_rows(rows, k) if rows.size(0) else None
+            count = rows.rows_shape[0] if isinstance(rows, OutputShard) else rows.size(0)
+            loss = on_rows(rows, k) if count else None
             if loss is None:
-                loss = logits.sum() * 0.0
+                loss = output.sum() * 0.0
             return loss, {}
 
         return out, loss_func

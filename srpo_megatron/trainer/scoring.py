@@ -45,6 +45,7 @@ from srpo_megatron.trainer.batches import (
 )
 from srpo_megatron.trainer.lockstep import lockstep
 from srpo_megatron.trainer.moe_replay import moe_replay_for
+from srpo_megatron.trainer.output_rows import Rows, mix_rows
 from srpo_megatron.trainer.parity import engine_top_k, parity_stats
 from srpo_megatron.trainer.policy import Policy
 from srpo_megatron.trainer.schedule import run_schedule
@@ -89,7 +90,7 @@ def score_rollouts(
     # rollout.parity_top_k: the engine's top-K per row, and the trainer's KL to it (trainer/parity.py)
     engine_top = engine_top_k(samples, cfg.rollout.parity_top_k, dev) if g.is_last_stage else None
 
-    def on_student(row_logits: torch.Tensor, k: int) -> None:
+    def on_student(row_logits: Rows, k: int) -> None:
         rows = micro[k].local(scored.row_index([i for i in micro[k].members if i is not None]))
         at = None if engine_top is None else engine_top.ids[rows]
         score = score_student(
@@ -105,7 +106,7 @@ def score_rollouts(
     policy.ddp.eval()
     with moe or contextlib.nullcontext():
         hook = None if moe is None else moe.before_forward
-        run_schedule(policy.ddp, micro, on_student, policy.vocab_pad, forward_only=True, before_forward=hook)
+        run_schedule(policy.ddp, micro, on_student, policy.head, forward_only=True, before_forward=hook)
     policy.ddp.train()
     moe_stats = StepStats() if moe is None else StepStats.from_moe(moe.summary())
     rejections: dict[str, float] = {}
@@ -127,18 +128,17 @@ def score_rollouts(
         t_micro = lockstep(build(t_seqs) if wanted else [], g, build)
     if t_micro:
         mix = cfg.teacher.kind == "trust_region"
-        student_logits: dict[int, torch.Tensor] = {}
+        student_logits: dict[int, Rows] = {}  # fused: hidden rows [T, H], not [T, V/TP] logits
         if mix:  # log q = (1−α) log q_ref + α log q_θ  ⇔  logits mix (the log-normaliser is shared)
             policy.ddp.eval()
             keep = lambda r, k: student_logits.__setitem__(k, r)  # noqa: E731
-            run_schedule(policy.ddp, t_micro, keep, policy.vocab_pad, forward_only=True)
+            run_schedule(policy.ddp, t_micro, keep, policy.head, forward_only=True)
             policy.ddp.train()
 
-        def on_teacher(row_logits: torch.Tensor, k: int) -> None:
+        def on_teacher(row_logits: Rows, k: int) -> None:
             nonlocal teacher_runs
             if mix:
-                a = cfg.teacher.ema_alpha
-                row_logits = (1 - a) * row_logits + a * student_logits[k]
+                row_logits = mix_rows(row_logits, student_logits[k], cfg.teacher.ema_alpha)
             members = [wanted[j] for j in t_micro[k].members if j is not None]
             teacher_runs += len(members)
             every = scored.row_index(members)
@@ -154,7 +154,8 @@ def score_rollouts(
             tokens.teacher[every] = True
 
         with policy.offload.teacher_on_device():  # parallel.teacher_offload: on host otherwise
-            run_schedule(policy.teacher.module, t_micro, on_teacher, policy.vocab_pad, forward_only=True)
+            assert policy.teacher_head is not None  # built with the teacher
+            run_schedule(policy.teacher.module, t_micro, on_teacher, policy.teacher_head, forward_only=True)
         if g.is_last_stage:
             cpar.gather_rows(tokens, cpar.TEACHER_FIELDS, g.cp)
     stats = StepStats(
