@@ -39,8 +39,8 @@ from srpo_megatron.ops.vocab_parallel import (
     grad_inputs,
 )
 
-# Tokens per chunk on CPU: a GEMM of this many rows runs near the machine's matmul speed, where the
-# kernel's cache-sized row count (1 MiB / V·4 bytes: one row at a 152k vocabulary) would be a GEMV.
+# Rows per GEMM on CPU: a GEMM of this many rows runs near the machine's matmul speed, where the kernel's
+# cache-sized chunk (1 MiB / V·4 bytes: one row at a 152k vocabulary) would make it a GEMV.
 MIN_CHUNK_ROWS_CPU = 64
 
 
@@ -82,9 +82,7 @@ class OutputShard:
 
     def logits(self) -> torch.Tensor:
         """The materialised logits shard [..., V/P] (tests and the unfused comparison only)."""
-        src = _HiddenSource(self, self.hidden.reshape(-1, self.hidden.shape[-1]))
-        out = torch.empty(src.rows, src.vocab_shard, dtype=src.dtype, device=src.device)
-        return src.chunk(0, src.rows, src.dtype, 1.0, out).view(*self.rows_shape, -1)
+        return _HiddenSource(self, 1).gemm(0, self.hidden[..., 0].numel()).view(*self.rows_shape, -1)
 
     def stats(self, ids, k, topk_rows, group, temperature, with_entropy, chunk_tokens):
         """``token_stats``'s request on these logits (see ``vocab_parallel.UnappliedOutput``)."""
@@ -107,21 +105,29 @@ class OutputShard:
 
 
 class _HiddenSource:
-    """``LogitsSource`` of an ``OutputShard``: each chunk's logits by one GEMM of the flattened rows."""
+    """``LogitsSource`` of an ``OutputShard``: the logits by one GEMM per block of ``block`` rows.
 
-    def __init__(self, shard: OutputShard, hidden: torch.Tensor):
-        self.h = hidden  # [N, H]
+    The kernel's chunks (``chunk`` rows, ``block`` a multiple of it) are served from the current block, so
+    the statistics run over exactly the chunks they run over on materialised logits: the same reduction
+    order, hence the same values as today's path, while the GEMM gets enough rows to run at matmul speed.
+    """
+
+    def __init__(self, shard: OutputShard, block: int):
+        self.h = shard.hidden.reshape(-1, shard.hidden.shape[-1])  # [N, H]
         self.w = shard.weight
         self.pad = shard.vocab_pad if shard.vocab_pad is not None and bool(shard.vocab_pad.any()) else None
         self.mix = None
         if shard.mix is not None:
             alpha, other = shard.mix
-            self.mix = (alpha, _HiddenSource(other, other.hidden.reshape(-1, other.hidden.shape[-1])))
-        self.rows, self.vocab_shard = int(hidden.shape[0]), int(self.w.shape[0])
-        self.dtype, self.device = self.w.dtype, hidden.device
+            self.mix = (alpha, _HiddenSource(other, block))
+        self.rows, self.vocab_shard = int(self.h.shape[0]), int(self.w.shape[0])
+        self.dtype, self.device = self.w.dtype, self.h.device
+        self.block = block
+        self._buf: torch.Tensor | None = None
+        self._held = (0, 0)  # the rows [a0, b0) in ``_buf``
 
-    def raw(self, a: int, b: int, out: torch.Tensor | None) -> torch.Tensor:
-        """The logits rows [a, b) in the weight's dtype, padded ids masked (into ``out`` when it fits)."""
+    def gemm(self, a: int, b: int, out: torch.Tensor | None = None) -> torch.Tensor:
+        """The logits rows [a, b) in the weight's dtype, padded ids masked, the mix applied."""
         h = self.h[a:b]
         if h.dtype != self.w.dtype:
             h = h.to(self.w.dtype)
@@ -130,25 +136,43 @@ class _HiddenSource:
             z.masked_fill_(self.pad, torch.finfo(z.dtype).min / 4)
         if self.mix is not None:
             alpha, other = self.mix
-            z = z.mul_(1 - alpha).add_(other.raw(a, b, None), alpha=alpha)
+            z = z.mul_(1 - alpha).add_(other.gemm(a, b), alpha=alpha)
         return z
 
+    def bounds(self, a: int) -> tuple[int, int]:
+        """The block that holds row ``a``."""
+        a0 = (a // self.block) * self.block
+        return a0, min(self.rows, a0 + self.block)
+
     def chunk(self, a: int, b: int, cdt: torch.dtype, temperature: float, out: torch.Tensor) -> torch.Tensor:
-        # same dtype: the GEMM writes straight into the work buffer
-        z = self.raw(a, b, out) if self.dtype == cdt else out.copy_(self.raw(a, b, None))
-        return z if temperature == 1.0 else z.div_(temperature)
+        a0, b0 = self.bounds(a)
+        if self._held != (a0, b0):
+            if self._buf is None:
+                self._buf = torch.empty(self.block, self.vocab_shard, dtype=self.dtype, device=self.device)
+            self.gemm(a0, b0, self._buf[: b0 - a0])
+            self._held = (a0, b0)
+        assert self._buf is not None and b <= b0  # chunks never straddle blocks (block % chunk == 0)
+        z = self._buf[a - a0 : b - a0]
+        if z.dtype == cdt and temperature == 1.0:
+            return z  # the kernel never writes into a chunk it was given
+        out.copy_(z)
+        return out if temperature == 1.0 else out.div_(temperature)
 
 
-def _chunk(vocab_shard: int, chunk_tokens: int | None, device: torch.device) -> int:
-    rows = _chunk_rows(vocab_shard, chunk_tokens, device)
-    return rows if chunk_tokens or device.type != "cpu" else max(rows, MIN_CHUNK_ROWS_CPU)
+def _chunks(vocab_shard: int, chunk_tokens: int | None, device: torch.device) -> tuple[int, int]:
+    """(kernel chunk rows, GEMM block rows): the kernel's own chunking, and on CPU blocks of at least
+    ``MIN_CHUNK_ROWS_CPU`` rows (a multiple of the chunk)."""
+    chunk = _chunk_rows(vocab_shard, chunk_tokens, device)
+    least = MIN_CHUNK_ROWS_CPU if device.type == "cpu" else chunk
+    return chunk, chunk * -(-max(chunk, least) // chunk)
 
 
 def _fused_forward(shard: OutputShard, ids, k, topk_rows, group, temperature, with_entropy, chunk_tokens):
-    src = _HiddenSource(shard, shard.hidden.reshape(-1, shard.hidden.shape[-1]))
-    chunk = _chunk(src.vocab_shard, chunk_tokens, src.device)
+    chunk, block = _chunks(shard.vocab_shard, chunk_tokens, shard.device)
     with torch.no_grad():
-        return _forward_stats(src, ids, k, topk_rows, group, temperature, with_entropy, chunk)
+        return _forward_stats(
+            _HiddenSource(shard, block), ids, k, topk_rows, group, temperature, with_entropy, chunk
+        )
 
 
 class _FusedOutputStats(torch.autograd.Function):
@@ -156,14 +180,13 @@ class _FusedOutputStats(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, hidden, weight, ids, k, topk_rows, group, temperature, with_entropy, chunk_tokens, pad):
-        shard = OutputShard(hidden, weight, pad)
-        src = _HiddenSource(shard, hidden.reshape(-1, hidden.shape[-1]))
-        chunk = _chunk(src.vocab_shard, chunk_tokens, src.device)
+        chunk, block = _chunks(weight.shape[0], chunk_tokens, hidden.device)
+        src = _HiddenSource(OutputShard(hidden, weight, pad), block)
         lse, logp, topk_logp, topk_ids, ent = _forward_stats(
             src, ids, k, topk_rows, group, temperature, with_entropy, chunk
         )
         ctx.save_for_backward(hidden, weight, ids, topk_ids, lse, ent, pad)
-        ctx.group, ctx.temperature, ctx.chunk = group, temperature, chunk
+        ctx.group, ctx.temperature, ctx.chunk, ctx.block = group, temperature, chunk, block
         ctx.mark_non_differentiable(topk_ids)
         ctx.set_materialize_grads(False)
         return logp, topk_logp, topk_ids, ent
@@ -175,25 +198,32 @@ class _FusedOutputStats(torch.autograd.Function):
         all_ids, all_g, g_ent = grad_inputs(ids, topk_ids, g_logp, g_topk, g_ent, ent, lse.dtype)
         if all_g is None and g_ent is None:
             return (None, None, *none)
-        h2 = hidden.reshape(-1, hidden.shape[-1])
-        src = _HiddenSource(OutputShard(hidden, weight, pad), h2)
+        src = _HiddenSource(OutputShard(hidden, weight, pad), ctx.block)
+        h2 = src.h
         rank, _ = _group_rank_size(ctx.group)
-        want_h, want_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         cdt = lse.dtype
-        grad_h = torch.empty_like(h2) if want_h else None
-        acc_dt = _compute_dtype(weight.dtype)  # accumulate over chunks in fp32 (fp64 stays fp64)
-        grad_w = torch.zeros(weight.shape, dtype=acc_dt, device=weight.device) if want_w else None
+        grad_h = torch.empty_like(h2) if ctx.needs_input_grad[0] else None
+        acc_dt = _compute_dtype(weight.dtype)  # accumulate over blocks in fp32 (fp64 stays fp64)
+        grad_w = (
+            torch.zeros(weight.shape, dtype=acc_dt, device=weight.device) if ctx.needs_input_grad[1] else None
+        )
+        g_block = torch.empty(ctx.block, src.vocab_shard, dtype=cdt, device=hidden.device)
         for a, b, g in backward_chunks(
             src, all_ids, all_g, g_ent, lse, ent, rank, ctx.temperature, ctx.chunk
         ):
+            a0, b0 = src.bounds(a)
+            g_block[a - a0 : b - a0] = g
+            if b < b0:
+                continue
+            # the block's ∂L/∂logits is complete: two GEMMs, as the output layer's backward does
+            gb = g_block[: b0 - a0]
             if src.pad is not None:
-                g.masked_fill_(src.pad, 0.0)
-            gw_dt = g if g.dtype == weight.dtype else g.to(weight.dtype)  # the layer's own precision
+                gb.masked_fill_(src.pad, 0.0)
             if grad_h is not None:
-                grad_h[a:b] = torch.mm(gw_dt, weight)
+                grad_h[a0:b0] = torch.mm(gb if gb.dtype == weight.dtype else gb.to(weight.dtype), weight)
             if grad_w is not None:
-                hc = h2[a:b]
-                grad_w.addmm_(g.t(), hc if hc.dtype == cdt else hc.to(cdt))
+                hb = h2[a0:b0]
+                grad_w.addmm_(gb.t(), hb if hb.dtype == cdt else hb.to(cdt))
         gh = None if grad_h is None else grad_h.view(hidden.shape)
         gw = None if grad_w is None else grad_w.to(weight.dtype)
         return (gh, gw, *none)

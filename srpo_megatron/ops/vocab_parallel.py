@@ -151,9 +151,12 @@ class UnappliedOutput(Protocol):
     """Logits given as the layer that makes them (``ops.fused_output.OutputShard``): ``token_stats`` hands
     it the flattened request and it returns (logp, topk_logp, topk_ids, entropy) as the kernel does."""
 
-    rows_shape: torch.Size
-    vocab_shard: int
-    device: torch.device
+    @property
+    def rows_shape(self) -> torch.Size: ...
+    @property
+    def vocab_shard(self) -> int: ...
+    @property
+    def device(self) -> torch.device: ...
 
     def stats(
         self,

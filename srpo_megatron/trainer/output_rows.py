@@ -108,15 +108,17 @@ def hidden_rows(
     the TP region as ``ColumnParallelLinear`` enters it (module doc), in ``[b, S]`` row order like logits."""
     from megatron.core import tensor_parallel
 
-    h = output
-    if tp_group is not None and dist.get_world_size(tp_group) > 1:
-        if sequence_parallel:
-            h = tensor_parallel.gather_from_sequence_parallel_region(
-                h, tensor_parallel_output_grad=True, group=tp_group
-            )
-        else:
-            h = tensor_parallel.copy_to_tensor_model_parallel_region(h, group=tp_group)
-    return h.transpose(0, 1)[rows]
+    if tp_group is None or dist.get_world_size(tp_group) == 1:
+        return output.transpose(0, 1)[rows]
+    if sequence_parallel:  # all-gather along the sequence; backward: reduce-scatter into a new tensor
+        full = tensor_parallel.gather_from_sequence_parallel_region(
+            output, tensor_parallel_output_grad=True, group=tp_group
+        )
+        return full.transpose(0, 1)[rows]
+    # After the row pick, so the gradient reaching the all-reduce is contiguous: megatron's ``_reduce``
+    # all-reduces ``grad.contiguous()`` and returns ``grad``, i.e. a non-contiguous gradient (the
+    # transpose's) would go back unreduced (tests/dist/test_fused_output_tp.py caught exactly that).
+    return tensor_parallel.copy_to_tensor_model_parallel_region(output.transpose(0, 1)[rows], group=tp_group)
 
 
 def mix_rows(rows: Rows, other: Rows, alpha: float) -> Rows:

@@ -26,6 +26,8 @@ FILES = (
     "dist/test_bf16_resume.py",  # the bf16 shim and its "upstream still needs it" test
     "dist/test_strict_device.py",  # caught 0.19.2's tagged-device tensors in the batched p2p
     "dist/test_weight_sync.py",  # weights out of megatron's layout after an optimizer step
+    "dist/test_fused_output_tp.py",  # the fused output layer vs megatron's ColumnParallelLinear (SP, TP)
+    "dist/test_output_rows_upstream.py",  # GPTModel's hidden states, the region op's reduce: upstream facts
 )
 
 TESTS = (
