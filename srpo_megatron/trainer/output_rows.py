@@ -115,9 +115,9 @@ def hidden_rows(
             output, tensor_parallel_output_grad=True, group=tp_group
         )
         return full.transpose(0, 1)[rows]
-    # After the row pick, so the gradient reaching the all-reduce is contiguous: megatron's ``_reduce``
-    # all-reduces ``grad.contiguous()`` and returns ``grad``, i.e. a non-contiguous gradient (the
-    # transpose's) would go back unreduced (tests/dist/test_fused_output_tp.py caught exactly that).
+    # After the row pick, so the gradient reaching the all-reduce is contiguous: megatron-core 0.16.1's
+    # ``_reduce`` all-reduces ``grad.contiguous()`` and returns ``grad``, so a non-contiguous gradient (the
+    # transpose's) went back unreduced (tests/dist/test_fused_output_tp.py caught exactly that).
     return tensor_parallel.copy_to_tensor_model_parallel_region(output.transpose(0, 1)[rows], group=tp_group)
 
 
