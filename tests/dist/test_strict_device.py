@@ -119,11 +119,12 @@ def _step(rank, world, tiny, run_dir, tp, pp, extra, ep=1):
     [
         (2, 2, 1, 4, []),
         (1, 1, 1, 2, ["parallel.distributed_optimizer=true", "model.params_dtype=bf16"]),
+        (2, 1, 1, 2, ["performance.fused_output=off"]),  # every other case: the fused output layer
         pytest.param(
             1, 1, 2, 2, ["model.params_dtype=bf16"], marks=pytest.mark.moe, id="moe-ep2-alltoall-bf16"
         ),
     ],
-    ids=["tp2pp2", "dp2-distopt-bf16", "moe-ep2-alltoall-bf16"],
+    ids=["tp2pp2", "dp2-distopt-bf16", "tp2-materialised-logits", "moe-ep2-alltoall-bf16"],
 )
 def test_a_training_step_keeps_tensors_on_the_device(request, tmp_path, tp, pp, ep, world, extra):
     tiny = request.getfixturevalue("tiny_moe" if ep > 1 else "tiny")
