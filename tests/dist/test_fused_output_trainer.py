@@ -60,6 +60,7 @@ def _step(rank, world, tiny, run_dir, tp, extra):
             "optim.lr=0.01",
             "optim.warmup_steps=0",
             "optim.clip_grad=1.0",
+            "model.params_dtype=fp32",  # on a GPU too (tools/gpu_smoke_checks.py): the bound is fp32's
             "train.micro_batch_size=3",
             *extra,
         ]
