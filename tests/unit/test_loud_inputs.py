@@ -189,3 +189,14 @@ def test_launch_looks_data_up_at_the_container_mounts_source():
     assert host_path(Path("/data/x.jsonl"), mounts) == Path("/lustre/d/x.jsonl")
     assert host_path(Path("/data/big/y.jsonl"), mounts) == Path("/lustre/d/big/y.jsonl")  # longest wins
     assert host_path(Path("/database/z.jsonl"), mounts) == Path("/database/z.jsonl")  # not under /data
+
+
+@pytest.mark.parametrize("command", ["train", "eval", "launch"])
+def test_help_says_reward_targets_and_checkpoints_are_code_that_runs(command):
+    from srpo_megatron.cli import build_parser
+
+    parser = build_parser([command])
+    sub = parser._subparsers._group_actions[0].choices[command]  # type: ignore[union-attr]
+    text = " ".join(sub.format_help().split())
+    assert "reward targets (rollout.reward_fns, 'package.module:function') are code that runs" in text
+    assert "loading a crafted one runs code" in text
