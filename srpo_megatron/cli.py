@@ -22,7 +22,14 @@ from srpo_megatron.config import ConfigError
 # torch DCP's .metadata (and megatron's common.pt) are pickles: loading one can run code.
 TRUST_NOTE = (
     "Checkpoints must come from a trusted source: torch's distributed-checkpoint .metadata files are "
-    "pickles, and loading a crafted one runs code (as torch.load warns)."
+    "pickles, and loading a crafted one runs code (as torch.load warns): resume, export and evaluate only "
+    "run directories you wrote or got from someone you trust."
+)
+
+# rollout.reward_fns names any importable function; the trainer imports its module and calls it.
+REWARD_NOTE = (
+    "A recipe's reward targets (rollout.reward_fns, 'package.module:function') are code that runs: their "
+    "modules are imported and called on every response, so only run recipes and reward modules you trust."
 )
 
 
@@ -83,14 +90,18 @@ def _add_plan(p: argparse.ArgumentParser) -> None:
 COMMANDS = {
     "train": (
         "train a policy with SRPO (or a GRPO/SDPO baseline)",
-        "Train; resumes from the newest complete checkpoint of run.dir. " + TRUST_NOTE,
+        "Train; resumes from the newest complete checkpoint of run.dir. " + TRUST_NOTE + " " + REWARD_NOTE,
         _add_train,
     ),
-    "eval": ("evaluate a checkpoint: avg@k per benchmark and their mean", TRUST_NOTE, _add_eval),
+    "eval": (
+        "evaluate a checkpoint: avg@k per benchmark and their mean",
+        TRUST_NOTE + " " + REWARD_NOTE,
+        _add_eval,
+    ),
     "plot": ("render PNG plots from <RUN_DIR>/metrics.jsonl", None, _add_plot),
     "launch": (
         "submit a recipe with nemo-run (Slurm or local)",
-        "Submit `srpo train` (the job resumes from run.dir's checkpoints). " + TRUST_NOTE,
+        "Submit `srpo train` (the job resumes from run.dir's checkpoints). " + TRUST_NOTE + " " + REWARD_NOTE,
         _add_launch,
     ),
     "jobs": ("status, logs or cancel of launched experiments", None, _add_jobs),

@@ -18,7 +18,6 @@ import torch.distributed as dist
 
 from srpo_megatron.config import TrainConfig, to_dict
 from srpo_megatron.data.dataset import EpochSampler, build_datasets
-from srpo_megatron.models.architecture import load_hf_config_dict
 from srpo_megatron.parallel import destroy_model_parallel, initialize_model_parallel
 from srpo_megatron.rewards import register_reward, reward_target
 from srpo_megatron.rollout.factory import load_tokenizer
@@ -27,7 +26,13 @@ from srpo_megatron.trainer.evaluation import BudgetClock, evaluate_policy
 from srpo_megatron.trainer.learning import learn
 from srpo_megatron.trainer.metrics import MetricsLogger
 from srpo_megatron.trainer.policy import Policy
-from srpo_megatron.trainer.preflight import check_layout, check_rewards, data_summary
+from srpo_megatron.trainer.preflight import (
+    check_layout,
+    check_model_limits,
+    check_rewards,
+    data_summary,
+    read_model_config,
+)
 from srpo_megatron.trainer.resume import resume_point
 from srpo_megatron.trainer.rollouts import RolloutService
 from srpo_megatron.trainer.scoring import score_rollouts
@@ -40,7 +45,9 @@ from srpo_megatron.trainer.teacher_watch import TeacherWatch
 def train(cfg: TrainConfig) -> dict:
     wall0 = time.monotonic()
     world = dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", "1"))
-    check_layout(cfg, world, load_hf_config_dict(cfg.model.hf_dir))  # before megatron or the model
+    hf_config = read_model_config(cfg.model.hf_dir)  # one line for a missing or broken config.json
+    check_model_limits(cfg, hf_config)  # top-K within the vocabulary, sequence budget within positions
+    check_layout(cfg, world, hf_config)  # before megatron or the model
     p = cfg.parallel
     groups = initialize_model_parallel(p.tp, p.pp, seed=cfg.run.seed, ep=p.ep, etp=p.etp, cp=p.cp)
     rank0 = dist.get_rank() == 0

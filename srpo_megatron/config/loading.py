@@ -178,7 +178,9 @@ def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any
             raise ConfigError(f"override {item!r} must look like section.key=value")
         key, raw = item.split("=", 1)
         try:
-            value = yaml.safe_load(raw) if raw != "" else ""
+            value = strict_yaml(raw) if raw != "" else ""
+        except DuplicateKeyError as e:
+            raise ConfigError(f"override {item!r}: {e}; give each key once") from None
         except yaml.YAMLError as e:
             problem = str(getattr(e, "problem", None) or e).splitlines()[0]
             raise ConfigError(
@@ -194,12 +196,53 @@ def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any
     return data
 
 
+class DuplicateKeyError(yaml.YAMLError):
+    """A mapping names the same key twice (plain YAML keeps the last one silently)."""
+
+    def __init__(self, key: Any, line: int, first: int) -> None:
+        super().__init__(f"key {key!r} appears twice, on line {first} and line {line}")
+        self.key, self.line, self.first = key, line, first
+
+
+class StrictLoader(yaml.SafeLoader):
+    """``yaml.SafeLoader`` that refuses a duplicate key in any mapping, at any depth."""
+
+
+def _strict_mapping(loader: StrictLoader, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
+    seen: dict[Any, int] = {}
+    for key_node, _ in node.value:
+        if key_node.tag == "tag:yaml.org,2002:merge":  # `<<: *anchor` merges; its keys may be overridden
+            continue
+        key = loader.construct_object(key_node, deep=True)
+        line = key_node.start_mark.line + 1
+        try:
+            if key in seen:
+                raise DuplicateKeyError(key, line, seen[key])
+        except TypeError:  # an unhashable key: SafeLoader's own error says so
+            continue
+        seen[key] = line
+    return yaml.SafeLoader.construct_mapping(loader, node, deep=deep)
+
+
+StrictLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _strict_mapping)
+
+
+def strict_yaml(text: str) -> Any:
+    """``yaml.safe_load`` that raises ``DuplicateKeyError`` for a key given twice in one mapping."""
+    return yaml.load(text, Loader=StrictLoader)  # a SafeLoader subclass: no arbitrary objects
+
+
 def load_yaml(path: str | Path) -> dict[str, Any]:
     path = Path(path)
     if not path.is_file():
         raise ConfigError(f"recipe {path} does not exist; pass a YAML file (see examples/)")
     try:
-        data = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
+        data = strict_yaml(path.read_text(encoding="utf-8")) or {}
+    except DuplicateKeyError as e:
+        raise ConfigError(
+            f"{path}:{e.line}: {e}; a repeated key silently replaces the first one (a whole section for "
+            "a top-level key); merge the two into one"
+        ) from None
     except UnicodeDecodeError as e:
         raise ConfigError(
             f"{path}: byte {e.start} ({e.object[e.start : e.start + 1]!r}) is not UTF-8; save it as UTF-8"

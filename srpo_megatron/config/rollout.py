@@ -77,6 +77,10 @@ class RolloutConfig:
     reward_workers: int = 2  # processes scoring rewards (0 = threads in the trainer process)
     reward_timeout_s: float = 10.0  # per-sample reward timeout; a timeout gives reward 0 (counted)
     reward_import_timeout_s: float = 120.0  # a reward module whose import takes longer fails the start
+    # A step whose every reward failed (raised or timed out) stops the run with one line; true trains on
+    # (those rewards are 0). More than half failed: a warning with the first messages
+    # (trainer/reward_errors.py).
+    allow_reward_errors: bool = False
     # MoE: the engine reports each token's experts and the policy's scoring and training passes replay them
     # (rollout routing replay, "R3"; the EMA teacher is not replayed). Needs an MoE model.
     routing_replay: bool = False

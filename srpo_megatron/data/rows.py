@@ -151,6 +151,15 @@ def load_rows(
             report.num_bad += 1
             if len(errors) < 5:
                 errors.append(str(e))
+    if not rows:  # found here, naming the file, not later as "an empty dataset"
+        if report.num_bad:
+            raise DataError(
+                f"{path}: every one of its {report.num_bad} rows is bad (first: {errors[0]}); fix the file "
+                "or drop it from the recipe"
+            )
+        raise DataError(
+            f"{path}: data file is empty (no rows); give a file with rows or drop it from the recipe"
+        )
     report.num_rows = len(rows)
     report.first_errors = tuple(errors)
     return rows, report

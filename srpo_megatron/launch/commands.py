@@ -4,8 +4,10 @@
     srpo jobs status|logs|cancel [EXPERIMENT] [--home DIR] [--tail N]
 
 Each ``*_main(args)`` returns a process exit code and prints errors as one clear message (no traceback):
-an unknown cluster file or field, a request larger than the partition, a GPU cluster without account or
-image, and a job that did not complete (its Slurm state and the tail of its log).
+a recipe `srpo train` would refuse (unknown key, bad value, a missing or empty data file: before anything
+is submitted, ``--dryrun`` too), an unknown cluster file or field, a request larger than the partition, a
+GPU cluster without account or image, and a job that did not complete (its Slurm state and the tail of
+its log).
 """
 
 from __future__ import annotations
@@ -127,6 +129,12 @@ def launch_main(args: argparse.Namespace) -> int:
         if cluster.executor == "local" and placement.placement == "separate":
             urls = local_engine_urls(request)  # refuses here, before the doctor runs, when none is given
             print(f"# rollout: separate, {len(urls)} running server(s), not started by this job: {urls}")
+        if not args.probe:  # the stand-in job reads no data
+            from srpo_megatron.launch.data_files import check_data_files
+
+            unseen = check_data_files(cfg.data, cluster)  # train would refuse them after the allocation
+            if unseen:
+                print(f"# data: {unseen}")
         from srpo_megatron.planner.command import refuse_unless_fits
 
         refuse_unless_fits(args, cluster)  # memory plan: refuse a recipe that won't fit unless --force

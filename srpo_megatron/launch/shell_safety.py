@@ -11,8 +11,10 @@ log. So, before anything reaches nemo-run:
 - values that nemo-run pastes into the script unquoted are quoted here (:func:`shell_word`);
 - control characters (a newline in ``mem`` would end the ``#SBATCH`` line) are refused at load
   (``config.shell_values``);
-- secrets (env keys matching ``*TOKEN*``, ``*KEY*``, ``*SECRET*``, ``*PASSWORD*``, or listed under
-  ``secrets:``) are exported with tracing off (:func:`secret_setup_lines`) and redacted in dry runs.
+- secrets (:func:`is_secret`: env keys matching ``*TOKEN*``, ``*KEY*``, ``*SECRET*``, ``*PASSWORD*``,
+  ``*PASSWD*``, ``*CRED*``, ``*AUTH*``, ``*PWD*`` (but not the shell's own ``PWD`` / ``OLDPWD``), a
+  ``PAT`` word (``GITHUB_PAT``, ``PAT_X``; not ``PATH`` or ``PYTHONPATH``), or listed under ``secrets:``)
+  are exported with tracing off (:func:`secret_setup_lines`) and redacted in dry runs.
 """
 
 from __future__ import annotations
@@ -25,7 +27,10 @@ from srpo_megatron.config.loading import ConfigError
 
 # Directories nemo-run pastes unquoted into the script (its home, the tunnel's job_dir).
 _SAFE_PATH = re.compile(r"[A-Za-z0-9_./+@~-]+")
-SECRET_PATTERNS = ("*TOKEN*", "*KEY*", "*SECRET*", "*PASSWORD*")
+SECRET_PATTERNS = ("*TOKEN*", "*KEY*", "*SECRET*", "*PASSWORD*", "*PASSWD*", "*CRED*", "*AUTH*", "*PWD*")
+# The shell's working-directory variables match *PWD* but hold no credential.
+NOT_SECRET = frozenset({"PWD", "OLDPWD"})
+SECRET_WORDS = frozenset({"PAT"})  # a personal access token; matched as a word, so PATH stays visible
 REDACTED = "<redacted>"
 
 
@@ -45,9 +50,15 @@ def check_path(value: str, what: str) -> str:
 
 
 def is_secret(key: str, listed: list[str] | tuple[str, ...] = ()) -> bool:
-    """True for keys that hold credentials: ``*TOKEN*``, ``*KEY*``, ``*SECRET*``, ``*PASSWORD*`` or listed."""
+    """True for keys that hold credentials: listed ones, ``SECRET_PATTERNS`` (except the shell's ``PWD`` /
+    ``OLDPWD``) and keys with a ``PAT`` word (``GITHUB_PAT``; ``PATH``, ``PYTHONPATH`` are not secrets)."""
     upper = key.upper()
-    return key in listed or any(fnmatch.fnmatchcase(upper, p) for p in SECRET_PATTERNS)
+    if key in listed:
+        return True
+    if upper in NOT_SECRET:
+        return False
+    words = set(re.split(r"[^A-Z0-9]+", upper))
+    return bool(words & SECRET_WORDS) or any(fnmatch.fnmatchcase(upper, p) for p in SECRET_PATTERNS)
 
 
 def shell_word(value: str) -> str:

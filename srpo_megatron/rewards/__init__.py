@@ -4,11 +4,17 @@
 per-sample timeout (an exception or a timeout gives reward 0 and is counted, never a failed step).
 Functions are registered as ``"module:function"`` strings and imported on first use, so worker
 processes resolve the same function by name and ``math-verify`` is only imported when math is scored.
+
+A reward target is code that runs: ``rollout.reward_fns`` may name any importable function, and the
+trainer imports its module and calls it on every response. Only use recipes (and reward modules) you
+trust. ``resolve_reward`` refuses a target that cannot be called as ``fn(response, answer)`` (e.g.
+``os:system``) before anything calls it.
 """
 
 from __future__ import annotations
 
 import importlib
+import inspect
 from collections.abc import Callable
 
 RewardFn = Callable[[str, str], float]
@@ -56,19 +62,51 @@ def resolve_target(target: str) -> RewardFn:
     return fn  # type: ignore[return-value]
 
 
+class NotARewardFunction(TypeError):
+    """The target imports but cannot be called as ``fn(response, answer)``; the message says why."""
+
+
+def check_reward_signature(fn: object) -> None:
+    """Raise ``NotARewardFunction`` unless ``fn`` is callable with two positional arguments."""
+    if not callable(fn):
+        raise NotARewardFunction(f"it is a {type(fn).__name__}, not a function")
+    try:
+        sig = inspect.signature(fn)
+    except (TypeError, ValueError):
+        raise NotARewardFunction(
+            "its signature cannot be read (a builtin?); wrap it in a Python function (response, answer)"
+        ) from None
+    try:
+        sig.bind("", "")
+    except TypeError as e:
+        raise NotARewardFunction(
+            f"its signature {sig} does not take (response, answer) ({e}); a reward function is "
+            "fn(response: str, answer: str) -> float"
+        ) from None
+
+
+def resolve_reward(target: str) -> RewardFn:
+    """The function ``target`` names, checked (``check_reward_signature``) before anything calls it."""
+    fn = resolve_target(target)
+    check_reward_signature(fn)
+    return fn
+
+
 def get_reward_fn(kind: str) -> RewardFn:
     """The reward function of ``kind``; unknown kinds raise a KeyError listing the registered ones."""
-    return resolve_target(reward_target(kind))
+    return resolve_reward(reward_target(kind))
 
 
 from srpo_megatron.rewards.pool import RewardPool, RewardResult  # noqa: E402
 
 __all__ = [
+    "NotARewardFunction",
     "RewardFn",
     "RewardPool",
     "RewardResult",
     "get_reward_fn",
     "register_reward",
     "registered_kinds",
+    "resolve_reward",
     "reward_target",
 ]

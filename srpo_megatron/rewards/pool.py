@@ -7,6 +7,10 @@ fresh one — threads cannot be interrupted, and math-verify's own ``signal.alar
 main thread. The clock of a sample starts when its worker has imported the reward function, so the
 first math sample does not pay for importing math-verify.
 
+A reward must return a number (int, float, bool or a numpy scalar): a string such as ``"1.0"`` or a
+non-finite value is an error (reward 0, counted), not a reward. Error messages name the reward kind and
+its target: ``reward 'coin' (pkg.mod:fn): ValueError: ...``.
+
 ``num_workers=0`` scores in the calling process on a helper thread each (for debugging and tiny runs):
 a timed-out thread cannot be stopped and keeps running in the background, but its result is ignored.
 """
@@ -17,6 +21,7 @@ import contextlib
 import math
 import multiprocessing as mp
 import multiprocessing.connection as mpc
+import numbers
 import threading
 import time
 from collections import deque
@@ -41,17 +46,41 @@ class RewardResult:
         }  # the batch's reward seconds are the caller's ``time/reward_s`` (trainer/rollouts.py)
 
 
+class RewardValueError(TypeError):
+    """A reward function returned something that is not a finite number."""
+
+
 def _check_value(value: object) -> float:
-    value = float(value)  # type: ignore[arg-type]
-    if not math.isfinite(value):
-        raise ValueError(f"reward function returned {value}")
-    return value
+    """``value`` as a float; a non-number (``"1.0"``, None, a tensor) or a non-finite number raises."""
+    if not isinstance(value, numbers.Real):
+        shown = repr(value)[:60]
+        raise RewardValueError(f"returned {shown} ({type(value).__name__}), not a number (int or float)")
+    number = float(value)
+    if not math.isfinite(number):
+        raise RewardValueError(f"returned {number}, not a finite number")
+    return number
+
+
+def _describe(e: BaseException) -> str:
+    return f"{type(e).__name__}: {e}"
+
+
+def _import_problem(target: str) -> tuple[object, str | None]:
+    """(the reward function, None), or (None, why it cannot be used: import error, not a function, or a
+    signature that does not take (response, answer))."""
+    from srpo_megatron.rewards import NotARewardFunction, resolve_reward
+
+    try:
+        return resolve_reward(target), None
+    except NotARewardFunction as e:
+        return None, f"it is not a reward function: {e}"
+    except BaseException as e:
+        return None, f"cannot import it ({_describe(e)})"
 
 
 def _worker_main(conn: mpc.Connection) -> None:
-    """Worker loop: receive (task_id, target, response, answer); send begin, then ok/error."""
-    from srpo_megatron.rewards import resolve_target
-
+    """Worker loop: receive (task_id, target, response, answer); send begin, then ok / error / invalid
+    (a value that is not a number). An unusable target answers error before begin."""
     cache: dict = {}
     while True:
         try:
@@ -61,18 +90,20 @@ def _worker_main(conn: mpc.Connection) -> None:
         if msg is None:
             return
         task_id, target, response, answer = msg
-        try:
-            fn = cache.get(target) or cache.setdefault(target, resolve_target(target))
-            if not callable(fn):
-                raise TypeError(f"{target} is a {type(fn).__name__}, not a function")
-        except BaseException as e:
-            conn.send((task_id, "error", f"cannot import reward {target}: {type(e).__name__}: {e}"))
-            continue
+        fn = cache.get(target)
+        if fn is None:
+            fn, problem = _import_problem(target)
+            if problem is not None:
+                conn.send((task_id, "error", problem))
+                continue
+            cache[target] = fn
         conn.send((task_id, "begin", None))
         try:
             conn.send((task_id, "ok", _check_value(fn(response, answer))))
+        except RewardValueError as e:
+            conn.send((task_id, "invalid", str(e)))
         except BaseException as e:
-            conn.send((task_id, "error", f"{target}: {type(e).__name__}: {e}"))
+            conn.send((task_id, "error", _describe(e)))
 
 
 class _Worker:
@@ -138,27 +169,38 @@ class RewardPool:
                 f"lengths differ: {len(kinds)} kinds, {len(responses)} responses, {len(answers)}"
             )
         targets = [reward_target(k) for k in kinds]
+        labels = [f"reward {k!r} ({t})" for k, t in zip(kinds, targets, strict=True)]
         t0 = time.monotonic()
         result = RewardResult(rewards=[0.0] * len(targets))
         if self.num_workers == 0:
-            self._score_threads(targets, responses, answers, result)
+            self._score_threads(targets, labels, responses, answers, result)
         else:
-            self._score_processes(targets, responses, answers, result)
+            self._score_processes(targets, labels, responses, answers, result)
         result.seconds = time.monotonic() - t0
         return result
 
-    def check_targets(self, targets: Sequence[str], answer: str = "0") -> str | None:
+    def check_targets(
+        self, targets: Sequence[str], answer: str = "0", notes: list[str] | None = None
+    ) -> str | None:
         """Import each target and call it once on a dummy input where scoring will run; None if all work.
 
-        Returns a one-line problem for a target that cannot be imported, is not a function, or does not
-        return within the timeouts (import: ``import_timeout_s``, call: ``timeout_s``). An exception
-        from the dummy call itself is fine: only the wiring is checked, not the verdict on ``""``.
+        Returns a one-line problem for a target that cannot be imported, is not a function, has a
+        signature that does not take ``(response, answer)`` (checked before the call: ``os:system`` is
+        refused without being called), returns something that is not a finite number, or does not return
+        within the timeouts (import: ``import_timeout_s``, call: ``timeout_s``). An exception from the
+        dummy call itself does not fail the check (a verifier may raise on ``""``), but it is not
+        swallowed: one line per such target is appended to ``notes`` (for the start-up log).
         """
         for target in targets:
             if self.num_workers == 0:
-                problem = self._check_in_thread(target, answer)
+                problem, raised = self._check_in_thread(target, answer)
             else:
-                problem = self._check_in_worker(target, answer)
+                problem, raised = self._check_in_worker(target, answer)
+            if raised and notes is not None:
+                notes.append(
+                    f"reward target {target!r} raised on a dummy input ({raised}); a reward that raises "
+                    "scores 0 and counts in reward/errors"
+                )
             if problem:
                 return (
                     f"reward target {target!r}: {problem}; fix rollout.reward_fns (or the module) so that "
@@ -166,36 +208,36 @@ class RewardPool:
                 )
         return None
 
-    def _check_in_thread(self, target: str, answer: str) -> str | None:
-        from srpo_megatron.rewards import resolve_target
-
+    def _check_in_thread(self, target: str, answer: str) -> tuple[str | None, str | None]:
+        """(problem, what the dummy call raised) of ``target`` on a helper thread."""
         box: dict = {}
 
         def run() -> None:
-            try:
-                fn = resolve_target(target)
-            except BaseException as e:
-                box["import"] = f"{type(e).__name__}: {e}"
-                return
-            if not callable(fn):
-                box["import"] = f"it is a {type(fn).__name__}, not a function"
+            fn, problem = _import_problem(target)
+            if problem is not None:
+                box["problem"] = problem
                 return
             box["imported"] = True
-            with contextlib.suppress(BaseException):  # only the wiring is checked, not the verdict
-                fn("", answer)
+            try:
+                _check_value(fn("", answer))  # type: ignore[operator]
+            except RewardValueError as e:
+                box["problem"] = f"its call on a dummy input {e}"
+            except BaseException as e:  # a verifier may raise on "": reported, not a failure
+                box["raised"] = _describe(e)
             box["done"] = True
 
         th = threading.Thread(target=run, daemon=True)
         th.start()
         th.join(self.import_timeout_s + self.timeout_s)
-        if "import" in box:
-            return f"cannot import it ({box['import']})"
+        if "problem" in box:
+            return box["problem"], None
         if "done" not in box:
             stage = "a call on a dummy input" if "imported" in box else "its import"
-            return f"{stage} did not finish within the timeout"
-        return None
+            return f"{stage} did not finish within the timeout", None
+        return None, box.get("raised")
 
-    def _check_in_worker(self, target: str, answer: str) -> str | None:
+    def _check_in_worker(self, target: str, answer: str) -> tuple[str | None, str | None]:
+        """(problem, what the dummy call raised) of ``target`` in a fresh reward worker."""
         worker = _Worker(self._ctx)
         try:
             worker.conn.send((0, target, "", answer))
@@ -204,46 +246,50 @@ class RewardPool:
                 if not worker.conn.poll(max(0.0, deadline - time.monotonic())):
                     stage = "a call on a dummy input" if began else "its import"
                     limit = self.timeout_s if began else self.import_timeout_s
-                    return f"{stage} did not finish within {limit:.0f}s in a reward worker"
+                    return f"{stage} did not finish within {limit:.0f}s in a reward worker", None
                 try:
                     _, status, payload = worker.conn.recv()
                 except (EOFError, OSError):
-                    return f"the reward worker died (exit code {worker.proc.exitcode})"
+                    return f"the reward worker died (exit code {worker.proc.exitcode})", None
                 if status == "begin":
                     began, deadline = True, time.monotonic() + self.timeout_s
                     continue
                 if status == "error" and not began:
-                    return payload.removeprefix(f"cannot import reward {target}: ")
-                return None
+                    return payload, None
+                if status == "invalid":
+                    return f"its call on a dummy input {payload}", None
+                return None, payload if status == "error" else None
         finally:
             worker.stop(kill=True)
 
     # -- in-process ------------------------------------------------------------------------------
-    def _score_threads(self, targets, responses, answers, result: RewardResult) -> None:
-        from srpo_megatron.rewards import resolve_target
-
+    def _score_threads(self, targets, labels, responses, answers, result: RewardResult) -> None:
+        resolved: dict[str, tuple[object, str | None]] = {}
         for i, target in enumerate(targets):
             box: dict = {}
-            fn = resolve_target(target)
+            fn, problem = resolved.get(target) or resolved.setdefault(target, _import_problem(target))
+            if problem is not None:
+                self._fail(result, i, f"{labels[i]}: {problem}", timeout=False)
+                continue
 
-            def run(fn=fn, i=i, box=box, target=target) -> None:
+            def run(fn=fn, i=i, box=box) -> None:
                 try:
                     box["value"] = _check_value(fn(responses[i], answers[i]))
                 except BaseException as e:
-                    box["error"] = f"{target}: {type(e).__name__}: {e}"
+                    box["error"] = f"{labels[i]}: {e if isinstance(e, RewardValueError) else _describe(e)}"
 
             th = threading.Thread(target=run, daemon=True)
             th.start()
             th.join(self.timeout_s)
             if th.is_alive():
-                self._fail(result, i, f"{target}: timed out after {self.timeout_s:.1f}s", timeout=True)
+                self._fail(result, i, f"{labels[i]}: timed out after {self.timeout_s:.1f}s", timeout=True)
             elif "error" in box:
                 self._fail(result, i, box["error"], timeout=False)
             else:
                 result.rewards[i] = box["value"]
 
     # -- worker processes ------------------------------------------------------------------------
-    def _score_processes(self, targets, responses, answers, result: RewardResult) -> None:
+    def _score_processes(self, targets, labels, responses, answers, result: RewardResult) -> None:
         while len(self._workers) < self.num_workers:
             self._workers.append(_Worker(self._ctx))
         pending = deque(range(len(targets)))
@@ -268,7 +314,8 @@ class RewardPool:
                     task_id, status, payload = conn.recv()
                 except (EOFError, OSError):
                     # The worker died (e.g. a C extension crashed); score 0 and replace it.
-                    self._replace(w, busy, result, f"reward worker died (exit code {w.proc.exitcode})", False)
+                    died = f"{labels[w.task]}: reward worker died (exit code {w.proc.exitcode})"
+                    self._replace(w, busy, result, died, False)
                     continue
                 if status == "begin":
                     w.started = time.monotonic()
@@ -278,14 +325,14 @@ class RewardPool:
                 if status == "ok":
                     result.rewards[task_id] = payload
                 else:
-                    self._fail(result, task_id, payload, timeout=False)
+                    self._fail(result, task_id, f"{labels[task_id]}: {payload}", timeout=False)
             now = time.monotonic()
             for w in list(busy.values()):
                 if w.started is not None and now - w.started > self.timeout_s:
-                    msg = f"{targets[w.task]}: timed out after {self.timeout_s:.1f}s"
+                    msg = f"{labels[w.task]}: timed out after {self.timeout_s:.1f}s"
                     self._replace(w, busy, result, msg, True)
                 elif w.started is None and now - w.sent > self.import_timeout_s:
-                    msg = f"{targets[w.task]}: import did not finish in {self.import_timeout_s:.0f}s"
+                    msg = f"{labels[w.task]}: import did not finish in {self.import_timeout_s:.0f}s"
                     self._replace(w, busy, result, msg, True)
 
     def _replace(self, w: _Worker, busy: dict, result: RewardResult, msg: str, timeout: bool) -> None:

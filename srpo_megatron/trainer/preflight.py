@@ -1,21 +1,80 @@
 """Checks `srpo train` runs before loading the model, so bad input fails in seconds with one line.
 
+- :func:`read_model_config`: the policy's ``config.json``, or one line naming it when it is missing, not
+  JSON or not an object.
+- :func:`check_model_limits`: ``loss.top_k`` within the vocabulary, ``model.max_sequence_length`` at least
+  the longest prompt + response a rollout can make (``data.max_prompt_tokens + rollout.max_new_tokens``)
+  and at most the model's ``max_position_embeddings``.
 - :func:`check_layout`: the world divides into TP × PP × CP × DP and the model and batch divide over them
   (heads and KV groups over TP, layers over PP, experts over EP once the recipe has ``parallel.ep``, the
   step's samples over mini-batches × DP).
-- :func:`check_rewards`: every reward target the data needs is imported and called once on a dummy
-  input, with a timeout, by the reward pool the run will score with (rank 0's worker processes).
+- :func:`check_rewards`: every reward target the data needs is imported, its signature checked (it must
+  take ``(response, answer)``: ``os:system`` is refused before it is called), and called once on a dummy
+  input, with a timeout, by the reward pool the run will score with (rank 0's worker processes); a dummy
+  call that raises is printed as a note, one that returns a non-number is refused.
 - :func:`data_summary`: the one line that says how many rows were read, skipped, dropped, truncated.
 """
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
 from typing import Any
 
 import torch.distributed as dist
 
 from srpo_megatron.config import ConfigError
 from srpo_megatron.models.architecture import pipeline_stage_layers
+
+
+def read_model_config(hf_dir: str) -> dict[str, Any]:
+    """The HF ``config.json`` of ``model.hf_dir`` (a folder or the file itself) as a dict, or a one-line
+    ConfigError naming the file."""
+    path = Path(hf_dir).expanduser()
+    path = path / "config.json" if path.is_dir() else path
+    if not path.is_file():
+        raise ConfigError(
+            f"model.hf_dir {hf_dir}: {path} does not exist; point model.hf_dir at an HF model folder "
+            "(config.json + tokenizer + safetensors)"
+        )
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ConfigError(
+            f"{path}: the model's config.json is not valid JSON ({e}); restore it (save_pretrained or a "
+            "fresh download writes it)"
+        ) from None
+    if not isinstance(data, dict):
+        raise ConfigError(
+            f"{path}: the model's config.json must be a JSON object, got {type(data).__name__}; restore it"
+        )
+    return data
+
+
+def check_model_limits(cfg: Any, hf_config: dict) -> None:
+    """Refuse ``loss.top_k`` above the vocabulary and a ``model.max_sequence_length`` below the rollout
+    budget or above the model's ``max_position_embeddings`` (before the model loads)."""
+    where = f"model.hf_dir {cfg.model.hf_dir}"
+    text = hf_config.get("text_config") or {}
+    vocab = hf_config.get("vocab_size") or text.get("vocab_size")
+    if vocab and cfg.loss.top_k > int(vocab):
+        raise ConfigError(
+            f"loss.top_k={cfg.loss.top_k} is larger than the vocabulary of {where} ({vocab} tokens); set "
+            f"loss.top_k <= {vocab} (the paper: 100)"
+        )
+    seq, prompt, new = cfg.model.max_sequence_length, cfg.data.max_prompt_tokens, cfg.rollout.max_new_tokens
+    if seq < prompt + new:
+        raise ConfigError(
+            f"model.max_sequence_length={seq} is below data.max_prompt_tokens + rollout.max_new_tokens = "
+            f"{prompt} + {new} = {prompt + new}, the longest prompt + response a rollout can make; set "
+            f"model.max_sequence_length >= {prompt + new} or lower those budgets"
+        )
+    positions = hf_config.get("max_position_embeddings") or text.get("max_position_embeddings")
+    if positions and seq > int(positions):
+        raise ConfigError(
+            f"model.max_sequence_length={seq} is above the max_position_embeddings={positions} of {where}; "
+            f"set model.max_sequence_length <= {positions} (and the prompt and response budgets within it)"
+        )
 
 
 def check_layout(cfg: Any, world_size: int, hf_config: dict) -> None:
@@ -65,8 +124,11 @@ def check_rewards(targets: list[str], rollout: Any) -> None:
     problem = None
     if not dist.is_initialized() or dist.get_rank() == 0:
         workers, timeout_s = min(rollout.reward_workers, 1), rollout.reward_timeout_s
+        notes: list[str] = []
         with RewardPool(workers, timeout_s, import_timeout_s=rollout.reward_import_timeout_s) as pool:
-            problem = pool.check_targets(targets)
+            problem = pool.check_targets(targets, notes=notes)
+        for note in notes:  # a dummy call that raised: not fatal, never silent
+            print(f"[srpo] note: {note}", flush=True)
     if dist.is_initialized() and dist.get_world_size() > 1:
         box = [problem]
         dist.broadcast_object_list(box, src=0)

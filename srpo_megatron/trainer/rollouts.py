@@ -32,6 +32,7 @@ from srpo_megatron.trainer.batch_shipping import broadcast_from_rank0, gather_to
 from srpo_megatron.trainer.metrics import SampleLog
 from srpo_megatron.trainer.off_policy import GenerationWorker, Job
 from srpo_megatron.trainer.offload import Offloader
+from srpo_megatron.trainer.reward_errors import RewardsFailed
 from srpo_megatron.trainer.routing_batch import (  # noqa: F401  (re-exported for tools/)
     clean_solution,
     route_rollouts,
@@ -302,12 +303,19 @@ class RolloutService:
     def _decide(self, n: int, trainer_version: int, t_gen: float) -> tuple[bool, RolloutBatch | None]:
         """Collective: rank 0 tries to take a batch from the pool; every rank learns whether it did
         (rank 0 gets the batch itself)."""
-        batch = None
+        batch, failed = None, None
         if self.rank0:
             assert self.pool is not None
             r = self.cfg.rollout
-            batch = self.pool.take(n, trainer_version, r.off_policy_steps, t_gen)
-        return broadcast_from_rank0(batch is not None if self.rank0 else None, self.host_group), batch
+            try:
+                batch = self.pool.take(n, trainer_version, r.off_policy_steps, t_gen, step=self._step + 1)
+            except RewardsFailed as e:  # every rank stops with rank 0's line
+                failed = str(e)
+        verdict = (batch is not None, failed) if self.rank0 else None
+        ready, failed = broadcast_from_rank0(verdict, self.host_group)
+        if failed:
+            raise RewardsFailed(failed)
+        return ready, batch
 
     def _pooled(self) -> int:
         """Collective: the groups rank 0's pool holds (every rank)."""

@@ -32,6 +32,9 @@ bookkeeping: no collectives, nothing but rank 0 calls it. The rules:
   ``sampling/*``; ``async/dropped_stale``; ``async/staleness_mean``/``_max`` (trainer version minus each
   trained sample's dispatch ``weight_version``, i.e. its oldest token's); ``async/partial_share`` (share
   of trained samples whose tokens span more than one version).
+- **Loud reward failures** (``trainer/reward_errors.py``): when ``take`` answers a batch, more than half
+  of the rewards scored since the last batch failed: a warning with the first messages; all of them: the
+  run stops (``RewardsFailed``) unless ``rollout.allow_reward_errors``.
 - **Checkpoints.** ``state_dict`` holds every group not yet trained and the step's counters as plain
   python and tensors (``torch.save``-able); ``load_state_dict`` restores them exactly, so a resumed run
   trains them.
@@ -53,6 +56,7 @@ from srpo_megatron.data.dataset import Prompt
 from srpo_megatron.data.rows import Row
 from srpo_megatron.rewards.pool import RewardPool
 from srpo_megatron.rollout.base import Completion
+from srpo_megatron.trainer.reward_errors import check_step_rewards
 from srpo_megatron.trainer.routing_batch import route_groups, score_rollouts
 from srpo_megatron.trainer.step_types import RolloutBatch, merge_metrics
 
@@ -120,6 +124,8 @@ class _StepCounters:
     reward_s: float = 0.0
     reward_timeouts: int = 0
     reward_errors: int = 0
+    rewards_scored: int = 0
+    reward_messages: list[str] = field(default_factory=list)  # the first few failures' messages
 
 
 @dataclass
@@ -161,6 +167,8 @@ class SamplePool:
         c.reward_s += time.monotonic() - t0
         c.reward_timeouts += scores.result.num_timeouts
         c.reward_errors += scores.result.num_errors
+        c.rewards_scored += len(scores.result.rewards)
+        c.reward_messages = (c.reward_messages + scores.result.errors)[:10]
         for x, texts, rewards in zip(groups, scores.texts, scores.rewards, strict=True):
             x.texts, x.rewards = texts, rewards
             if not self.rollout.dynamic_sampling or x.mixed(self.loss.success_threshold):
@@ -198,11 +206,20 @@ class SamplePool:
         return any(trainer_version - v > bound for v in x.newest_versions())
 
     def take(
-        self, n: int, trainer_version: int, bound: int, t_gen: float | None = None
+        self,
+        n: int,
+        trainer_version: int,
+        bound: int,
+        t_gen: float | None = None,
+        step: int | None = None,
     ) -> RolloutBatch | None:
         """The step's routed batch of exactly ``n`` groups, oldest first, trained from ``trainer_version``
         with at most ``bound`` versions of staleness; None while fewer than ``n`` groups qualify (stale
-        groups are dropped and counted even then). ``t_gen`` becomes ``time/generate_s`` when given."""
+        groups are dropped and counted even then). ``t_gen`` becomes ``time/generate_s`` when given.
+
+        Rewards that failed (``trainer/reward_errors.py``) are checked when a batch is answered: more than
+        half of the step's rewards: a warning; all of them: ``RewardsFailed`` unless
+        ``rollout.allow_reward_errors`` (``step`` names the step in the line)."""
         c = self.counters
         fresh = []
         for x in self.kept:
@@ -219,6 +236,13 @@ class SamplePool:
             if not self.rounds_exhausted() or len(self.set_aside) < short:
                 return None
             topped_up = self.set_aside[len(self.set_aside) - short :]  # the most recent ones
+        check_step_rewards(
+            step,
+            c.rewards_scored,
+            c.reward_errors + c.reward_timeouts,
+            c.reward_messages,
+            self.rollout.allow_reward_errors,
+        )
         self.kept = self.kept[len(chosen) :]
         batch = self._route(sorted(chosen + topped_up, key=lambda x: x.key))
         times = {} if t_gen is None else {"time/generate_s": t_gen}

@@ -97,7 +97,7 @@ def _run_cases(tmp_path: Path) -> list[tuple[str, list[str], str]]:
         (
             "reward target typo with reward workers",
             ["rollout.reward_workers=1", "rollout.reward_fns={coin: srpo_megatron.testing.tiny:coin_rewrad}"],
-            "reward target 'srpo_megatron.testing.tiny:coin_rewrad': AttributeError",
+            "reward target 'srpo_megatron.testing.tiny:coin_rewrad': cannot import it (AttributeError",
         ),
         (
             "reward module whose import hangs",

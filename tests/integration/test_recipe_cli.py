@@ -85,7 +85,10 @@ def test_a_bad_recipe_fails_train_plan_and_launch_the_same_way(case, tmp_path):
 def test_plan_and_launch_dryrun_import_no_torch(tmp_path):
     home = tmp_path / "home"
     plan = ["plan", str(QWEN), "--cluster", "h100", "--nodes", "4", "--json"]
+    data = tmp_path / "train.jsonl"  # launch refuses a missing data file, as train does
+    data.write_text('{"prompt": "p", "system": null, "answer": "1", "kind": "coin"}\n')
     launch = ["launch", str(TINY), "--cluster", "local", "--dryrun", "--home", str(home)]
+    launch += ["--override", f"data.train_files=[{data}]"]
     for args in (plan, launch):
         rc, err, imported = _srpo(args, tmp_path)
         assert rc == 0, err

@@ -76,6 +76,8 @@ def _run(tiny, name: str, world: int, perturbed: bool = False, **extra) -> list[
     root, hf, data = tiny
     run_dir = root / name
     overrides = [f"model.hf_dir={hf}", f"data.train_files=[{data}]", f"run.dir={run_dir}"]
+    # the tiny DeepSeek's max_position_embeddings is 128 (YaRN 4 x 32): the sequence budget stays within it
+    overrides += ["model.max_sequence_length=128", "data.max_prompt_tokens=120"]
     overrides += [f"{k}={v}" for k, v in extra.items()]
     run_distributed(_train_rank, world, overrides, perturbed, timeout=1800)
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]

@@ -48,8 +48,11 @@ def _write(path: Path, data: dict) -> Path:
 
 
 def _recipe(path: Path, sections: dict) -> Path:
-    """A whole recipe (`srpo launch` loads it as `srpo train` does): the tiny one, ``sections`` over it."""
-    return _write(path, {"base": str(TINY_RECIPE), **sections})
+    """A whole recipe (`srpo launch` loads it as `srpo train` does): the tiny one, ``sections`` over it,
+    with a data file that exists (launch refuses a missing one, as train does)."""
+    data = path.with_suffix(".jsonl")
+    data.write_text('{"prompt": "p", "system": null, "answer": "1", "kind": "coin"}\n')
+    return _write(path, {"base": str(TINY_RECIPE), "data": {"train_files": [str(data)]}, **sections})
 
 
 # ---- cluster files ------------------------------------------------------------------------------------

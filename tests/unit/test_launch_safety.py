@@ -61,7 +61,11 @@ def _recipe(tmp_path: Path, name: str = "r.yaml") -> Path:
     path = tmp_path / name
     # a whole recipe: `srpo launch` loads it as `srpo train` does (the tiny one under it)
     tiny = Path(__file__).resolve().parents[2] / "examples" / "tiny_cpu_test.yaml"
-    path.write_text(yaml.safe_dump({"base": str(tiny), "train": {"steps": 1}}))
+    data = tmp_path / "train.jsonl"  # launch refuses a missing data file, as train does
+    data.write_text('{"prompt": "p", "system": null, "answer": "1", "kind": "coin"}\n')
+    path.write_text(
+        yaml.safe_dump({"base": str(tiny), "train": {"steps": 1}, "data": {"train_files": [str(data)]}})
+    )
     return path
 
 
