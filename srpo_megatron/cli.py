@@ -114,8 +114,8 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
 
 def _user_errors() -> tuple[type[Exception], ...]:
     """The exceptions that mean bad input (one line, exit status 2), imported only when one is raised."""
+    from srpo_megatron.conversion.checkpoint_files import CheckpointError
     from srpo_megatron.data.rows import DataError
-    from srpo_megatron.trainer.checkpoint_files import CheckpointError
 
     return (ConfigError, DataError, CheckpointError, FileNotFoundError)
 
