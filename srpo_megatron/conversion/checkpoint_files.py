@@ -1,10 +1,12 @@
-"""The file side of training checkpoints: manifest, fsync, verification and which checkpoint to resume.
+"""The file side of training checkpoints: manifest, fsync, verification and which checkpoint to read.
 
 A checkpoint directory is complete when its ``manifest.json`` — every other file with its size and
 SHA-256, written last — matches the files on disk. ``latest`` is only a hint: without it, or when it
 names a checkpoint that does not verify, the run resumes from the newest checkpoint that verifies, and
 says so. When checkpoints exist but none verifies, resuming is refused with every path and its problem
-named (``--override run.restart=true`` moves them aside and starts over).
+named (``--override run.restart=true`` moves them aside and starts over, once per run directory:
+``find_resume_checkpoint``). Export and ``srpo eval`` pick and verify the checkpoint they read with the same
+functions (``checkpoint_to_read``), so no reader loads what ``srpo train`` would refuse.
 
 Everything here is independent of what the trainer state holds: only files, sizes and digests.
 
@@ -138,43 +140,147 @@ def clean_temporaries(root: Path, log: Callable[[str], None] = print) -> None:
         shutil.rmtree(leftover) if leftover.is_dir() else leftover.unlink()
 
 
-def find_resume_checkpoint(run_dir: str | Path, restart: bool = False, log: Callable[[str], None] = print):
-    """Collective: the newest checkpoint of ``run_dir`` that verifies, or None to start from step 0.
+def newest_complete(root: Path, log: Callable[[str], None] = print) -> tuple[Path | None, list[str]]:
+    """Collective: ``(the newest step_N under root that verifies, the problems of the newer ones)``.
 
-    ``latest`` names the expected one; a missing or broken ``latest`` falls back to the newest complete
-    checkpoint (logged). Checkpoints that exist but do not verify refuse the start (CheckpointError)
-    unless ``restart``, which moves ``checkpoints/`` aside (rank 0) and starts over.
-    """
-    root = Path(run_dir) / "checkpoints"
-    if not root.is_dir():
-        return None
-    rank, _ = _rank_world()
+    The one selection every reader uses (train's resume, export, ``srpo eval``): only ``step_N``
+    directories of ``root`` are candidates, so a ``latest`` naming ``../x`` or garbage is never followed;
+    ``latest`` is a hint whose disagreement is logged."""
     pointer = root / LATEST
     hint = pointer.read_text(errors="replace").strip() if pointer.is_file() else None
-    candidates = step_dirs(root)
-    _gather(None)  # every rank has looked before rank 0 may move anything
-    if restart and (candidates or hint):
-        if rank == 0:
-            aside = root.with_name(f"checkpoints.replaced-{time.strftime('%Y%m%d-%H%M%S')}")
-            root.rename(aside)
-            log(f"run.restart=true: moved the existing checkpoints to {aside}; starting from step 0")
-        _gather(None)  # everyone waits for the move
-        return None
     problems = []
-    for ckpt in candidates:
+    for ckpt in step_dirs(root):
         problem = verify_checkpoint(ckpt)
         if problem is None:
             if hint != ckpt.name:
-                why = f"{pointer} is missing" if hint is None else f"{pointer} names {hint!r}"
+                why = f"{pointer} is missing" if hint is None else f"{pointer} names {hint[:80]!r}"
                 log(f"{why}; resuming from {ckpt}, the newest checkpoint that verifies")
             for p in problems:
                 log(f"skipped: {p}")
-            return ckpt
+            return ckpt, problems
         problems.append(problem)
-    if hint is not None or candidates:
-        listed = "; ".join(problems) or f"{pointer} names {hint!r}, which does not exist"
+    if not problems and hint is not None:
+        problems.append(f"{pointer} names {hint[:80]!r}, which does not exist as a step_N of {root}")
+    return None, problems
+
+
+def find_resume_checkpoint(
+    run_dir: str | Path, restart: bool = False, log: Callable[[str], None] = print, keep_last: int = 2
+) -> Path | None:
+    """Collective: the newest checkpoint of ``run_dir`` that verifies, or None to start from step 0.
+
+    ``latest`` names the expected one; a missing or broken ``latest`` falls back to the newest complete
+    checkpoint (logged). Checkpoints that exist but do not verify refuse the start (CheckpointError).
+
+    ``restart`` acts once per run directory: the first start with it moves ``checkpoints/`` aside (rank 0;
+    only the newest ``keep_last`` moved-aside folders are kept) and records that in ``RESTART_RECORD``;
+    every later start with it (a Slurm requeue, the same command again) resumes like any start.
+    """
+    run_dir = Path(run_dir)
+    root = run_dir / "checkpoints"
+    rank, _ = _rank_world()
+    record = run_dir / RESTART_RECORD
+    if restart:
+        done = _gather(_read_record(record) if rank == 0 else None)[0]
+        if done is None:
+            _gather(None)  # every rank has looked before rank 0 may move anything
+            if rank == 0:
+                _restart(run_dir, keep_last, log)
+            _gather(None)  # everyone waits for the move
+            return None
+        log(
+            f"run.restart=true already acted on this run.dir ({record}, {done}); resuming instead "
+            f"(delete {record} to start over once more)"
+        )
+    if not root.is_dir():
+        return None
+    ckpt, problems = newest_complete(root, log)
+    if ckpt is not None:
+        return ckpt
+    if problems:
+        again = (
+            f"delete {record}, then pass --override run.restart=true"
+            if record.is_file()
+            else "pass --override run.restart=true"
+        )
         raise CheckpointError(
-            f"cannot resume {run_dir}: no complete checkpoint ({listed}); restore the files, or pass "
-            "--override run.restart=true to move checkpoints/ aside and train from step 0"
+            f"cannot resume {run_dir}: no complete checkpoint ({'; '.join(problems)}); restore the files, or "
+            f"{again} to move checkpoints/ aside and train from step 0"
         )
     return None
+
+
+RESTART_RECORD = "restart_done.json"
+_ASIDE = "checkpoints.replaced-"
+
+
+def _read_record(record: Path) -> str | None:
+    """What ``RESTART_RECORD`` says (its text, shortened), or None when there is none."""
+    if not record.exists():
+        return None
+    return " ".join(record.read_text(errors="replace").split())[:200] or "empty"
+
+
+def _restart(run_dir: Path, keep_last: int, log: Callable[[str], None]) -> None:
+    """rank 0: move ``checkpoints/`` aside (if any), record the restart, prune old moved-aside folders."""
+    root = run_dir / "checkpoints"
+    aside = None
+    if root.is_dir() and any(root.iterdir()):
+        stamp = time.strftime("%Y%m%d-%H%M%S")
+        aside = run_dir / f"{_ASIDE}{stamp}"
+        n = 1
+        while aside.exists():
+            n += 1
+            aside = run_dir / f"{_ASIDE}{stamp}-{n}"
+        root.rename(aside)
+        log(f"run.restart=true: moved the existing checkpoints to {aside}; starting from step 0")
+    run_dir.mkdir(parents=True, exist_ok=True)
+    body = {"restarted_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "moved_aside": aside and str(aside)}
+    write_text_durably(run_dir / RESTART_RECORD, json.dumps(body) + "\n")
+    log(
+        f"run.restart=true: recorded in {run_dir / RESTART_RECORD}; a later start with the flag resumes "
+        "(delete that file to start over again)"
+    )
+    for old in sorted(p for p in run_dir.glob(f"{_ASIDE}*") if p.is_dir())[:-keep_last]:
+        log(f"removing {old}: run.keep_last={keep_last} moved-aside checkpoint folders are kept")
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def is_trainer_checkpoint(path: Path) -> bool:
+    """A ``step_N`` directory the trainer wrote (it has, or should have, a manifest)."""
+    return (path / MANIFEST).is_file() or (path / "trainer_state.json").is_file()
+
+
+def checkpoint_to_read(path: str | Path, log: Callable[[str], None] = print) -> Path:
+    """Collective: the checkpoint export and ``srpo eval`` read when given ``path``, by train's policy.
+
+    A run directory, its ``checkpoints/`` folder or its ``latest`` file: the newest checkpoint that
+    verifies (:func:`newest_complete`). A trainer checkpoint: itself, once it matches its manifest. Anything
+    else (a converter output, an HF folder) is returned as it is. Refusals are CheckpointError (one line).
+    """
+    path = Path(path)
+    if not path.exists():
+        raise CheckpointError(f"{path} does not exist: pass a run directory, a checkpoint or an HF folder")
+    root = None
+    if path.is_file() and path.name == LATEST:
+        root = path.parent
+    elif (path / "checkpoints").is_dir():
+        root = path / "checkpoints"
+    elif path.is_dir() and ((path / LATEST).exists() or step_dirs(path)):
+        root = path
+    if root is not None:
+        ckpt, problems = newest_complete(root, log)
+        if ckpt is None:
+            listed = "; ".join(problems) or "it holds no step_N checkpoint"
+            raise CheckpointError(
+                f"{path}: no complete checkpoint in {root} ({listed}); restore the files or pass another run"
+            )
+        return ckpt
+    if path.is_dir() and is_trainer_checkpoint(path):
+        problem = verify_checkpoint(path)
+        if problem is not None:
+            raise CheckpointError(
+                f"{path} cannot be read: {problem}; restore the file, or pass the run directory to read "
+                "its newest checkpoint that verifies"
+            )
+    return path

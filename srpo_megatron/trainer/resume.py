@@ -122,7 +122,7 @@ def resume_point(cfg: Any, log: Callable[[str], None] = print) -> Path | None:
         clean_temporaries(root, log)
     if dist.is_initialized():
         dist.barrier()
-    ckpt = find_resume_checkpoint(cfg.run.dir, cfg.run.restart, log)
+    ckpt = find_resume_checkpoint(cfg.run.dir, cfg.run.restart, log, keep_last=cfg.run.keep_last)
     if ckpt is not None:
         check_resume_recipe(cfg, ckpt, log)
     return ckpt
