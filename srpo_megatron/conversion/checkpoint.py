@@ -476,14 +476,18 @@ def megatron_to_hf(
     force: bool = False,
     progress: Callable[[str], None] = log,
     mtp_from: str | Path | None = None,
+    verified: bool = False,
 ) -> Path:
     """Export the policy of a converter or trainer checkpoint to an HF folder loadable by transformers.
+    ``ckpt_dir`` may be a run directory (``checkpoint_files.checkpoint_to_read``; ``verified``: the caller
+    has already picked and verified it).
     MTP layers (GLM-4.5, DeepSeek-V3) are copied unchanged from ``mtp_from`` or the HF folder the checkpoint
     records (``conversion/mtp.py``) when it has them; the routers' expert biases stay fp32."""
     from srpo_megatron.conversion.weights import EXPERT_BIAS_SUFFIX
 
     given = Path(ckpt_dir)
-    ckpt_dir = checkpoint_to_read(given, progress)  # a run: its newest complete checkpoint, as train picks
+    # a run: its newest complete checkpoint, as train picks it; a trainer checkpoint: verified
+    ckpt_dir = given if verified else checkpoint_to_read(given, progress)
     source = recorded_source(ckpt_dir)
     inputs = (given, ckpt_dir, mtp_from, source)
     check_output_dir(out_dir, inputs, force)  # before any work

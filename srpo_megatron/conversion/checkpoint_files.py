@@ -140,7 +140,9 @@ def clean_temporaries(root: Path, log: Callable[[str], None] = print) -> None:
         shutil.rmtree(leftover) if leftover.is_dir() else leftover.unlink()
 
 
-def newest_complete(root: Path, log: Callable[[str], None] = print) -> tuple[Path | None, list[str]]:
+def newest_complete(
+    root: Path, log: Callable[[str], None] = print, verb: str = "resuming from"
+) -> tuple[Path | None, list[str]]:
     """Collective: ``(the newest step_N under root that verifies, the problems of the newer ones)``.
 
     The one selection every reader uses (train's resume, export, ``srpo eval``): only ``step_N``
@@ -154,7 +156,7 @@ def newest_complete(root: Path, log: Callable[[str], None] = print) -> tuple[Pat
         if problem is None:
             if hint != ckpt.name:
                 why = f"{pointer} is missing" if hint is None else f"{pointer} names {hint[:80]!r}"
-                log(f"{why}; resuming from {ckpt}, the newest checkpoint that verifies")
+                log(f"{why}; {verb} {ckpt}, the newest checkpoint that verifies")
             for p in problems:
                 log(f"skipped: {p}")
             return ckpt, problems
@@ -269,7 +271,7 @@ def checkpoint_to_read(path: str | Path, log: Callable[[str], None] = print) -> 
     elif path.is_dir() and ((path / LATEST).exists() or step_dirs(path)):
         root = path
     if root is not None:
-        ckpt, problems = newest_complete(root, log)
+        ckpt, problems = newest_complete(root, log, "reading")
         if ckpt is None:
             listed = "; ".join(problems) or "it holds no step_N checkpoint"
             raise CheckpointError(
