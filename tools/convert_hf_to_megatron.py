@@ -33,7 +33,7 @@ def input_errors() -> tuple[type[Exception], ...]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog=Path(__file__).name, description=__doc__.split("\n\n")[0])
     p.add_argument("--hf-dir", required=True, help="HF model folder (config.json + safetensors)")
     p.add_argument("--out-dir", required=True, help="output dist_checkpointing directory")
     p.add_argument("--dtype", choices=sorted(DTYPES), help="parameter dtype (default: the HF tensors')")

@@ -40,7 +40,7 @@ def input_errors() -> tuple[type[Exception], ...]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog=Path(__file__).name, description=__doc__.split("\n\n")[0])
     p.add_argument(
         "--megatron-dir",
         required=True,
