@@ -45,7 +45,12 @@ def _add_train(p: argparse.ArgumentParser) -> None:
 
 def _add_eval(p: argparse.ArgumentParser) -> None:
     _add_recipe(p)
-    p.add_argument("--checkpoint", required=True, help="training checkpoint dir, or an HF model folder")
+    p.add_argument(
+        "--checkpoint",
+        required=True,
+        help="run directory (its newest checkpoint that verifies), training checkpoint, converter output or "
+        "HF model folder",
+    )
     p.add_argument("--out", default=None, help="output folder (default <run.dir>/eval/manual)")
 
 

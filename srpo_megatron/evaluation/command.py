@@ -14,8 +14,9 @@ import json
 import sys
 import tempfile
 from pathlib import Path
+from typing import Any
 
-from srpo_megatron.config import ConfigError, load_recipe
+from srpo_megatron.config import ConfigError, TrainConfig, load_recipe
 from srpo_megatron.conversion.checkpoint import HF_CONFIG_NAME, megatron_to_hf
 from srpo_megatron.conversion.checkpoint_files import checkpoint_to_read
 from srpo_megatron.evaluation.avg_at_k import build_eval_benchmarks, greedy_accuracy, run_eval
@@ -27,7 +28,7 @@ def _log(msg: str) -> None:
     print(f"srpo eval: {msg}", file=sys.stderr, flush=True)
 
 
-def check_eval_inputs(cfg, tokenizer) -> None:
+def check_eval_inputs(cfg: TrainConfig, tokenizer: Any) -> None:
     """The recipe's rewards registered and the held-out data read: no prompts, a row kind without a
     reward, or a reward target that does not import is one line (ConfigError) before any model loads."""
     for kind, target in cfg.rollout.reward_fns.items():
