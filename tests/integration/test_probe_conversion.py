@@ -104,30 +104,34 @@ def _tree(path: Path) -> dict[str, int]:
     return {str(p.relative_to(path)): p.stat().st_size for p in sorted(path.rglob("*")) if p.is_file()}
 
 
-def test_out_dir_equal_to_or_around_the_input_is_refused_with_force(run, tiny, capsys):
+def test_out_dir_equal_to_or_around_the_input_is_refused_with_force(run, tiny, tmp_path, capsys):
+    # Probed on hard-linked copies: before the fix these commands deleted what they were given.
     _, hf, _ = tiny
-    step = run / "checkpoints" / "step_000002"
-    before, model = _tree(run), _tree(hf)
-    # The probe: `--out-dir R --force` deleted the whole run directory and printed `done`.
-    assert "contains the input" in _refused(
-        capsys, "convert_megatron_to_hf", "--megatron-dir", str(step), "--out-dir", str(run), "--force"
-    )
-    for out in (hf, hf.parent):  # the HF model the run records, and its parent
+    r = tmp_path / "R"
+    shutil.copytree(run, r, copy_function=_link_checkpoints)
+    model = tmp_path / "models" / "qwen3"
+    shutil.copytree(hf, model, copy_function=os.link)
+    step = r / "checkpoints" / "step_000002"
+    before, weights = _tree(r), _tree(model.parent)
+    # The probe: `--out-dir R --force` left R with config.json and model.safetensors only, and said `done`.
+    for out in (r, r / "checkpoints"):  # the run, the input's parent
         line = _refused(
             capsys, "convert_megatron_to_hf", "--megatron-dir", str(step), "--out-dir", str(out), "--force"
         )
-        assert str(hf) in line
+        assert f"--out-dir {out} contains the input {step}" in line
+    for out in (model, model.parent):  # the HF model itself, its parent (and so its siblings)
         line = _refused(
-            capsys, "convert_hf_to_megatron", "--hf-dir", str(hf), "--out-dir", str(out), "--force"
+            capsys, "convert_hf_to_megatron", "--hf-dir", str(model), "--out-dir", str(out), "--force"
         )
-        assert str(hf) in line
-    other = run.parent / "other_run"
+        assert f"the input {model}" in line
+    other = tmp_path / "other_run"
     other.mkdir()
     (other / "metrics.jsonl").write_text("{}\n")
-    assert "is a run directory" in _refused(
-        capsys, "convert_megatron_to_hf", "--megatron-dir", str(run), "--out-dir", str(other), "--force"
+    line = _refused(
+        capsys, "convert_megatron_to_hf", "--megatron-dir", str(r), "--out-dir", str(other), "--force"
     )
-    assert _tree(run) == before and _tree(hf) == model  # nothing lost
+    assert "is a run directory" in line
+    assert _tree(r) == before and _tree(model.parent) == weights and (other / "metrics.jsonl").is_file()
 
 
 def test_force_replaces_only_a_previous_conversion_and_prints_what(run, tmp_path, capsys):
