@@ -52,7 +52,12 @@ def _add_train(p: argparse.ArgumentParser) -> None:
 
 def _add_eval(p: argparse.ArgumentParser) -> None:
     _add_recipe(p)
-    p.add_argument("--checkpoint", required=True, help="training checkpoint dir, or an HF model folder")
+    p.add_argument(
+        "--checkpoint",
+        required=True,
+        help="run directory (its newest checkpoint that verifies), training checkpoint, converter output or "
+        "HF model folder",
+    )
     p.add_argument("--out", default=None, help="output folder (default <run.dir>/eval/manual)")
 
 
@@ -125,8 +130,8 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
 
 def _user_errors() -> tuple[type[Exception], ...]:
     """The exceptions that mean bad input (one line, exit status 2), imported only when one is raised."""
+    from srpo_megatron.conversion.checkpoint_files import CheckpointError
     from srpo_megatron.data.rows import DataError
-    from srpo_megatron.trainer.checkpoint_files import CheckpointError
 
     return (ConfigError, DataError, CheckpointError, FileNotFoundError)
 

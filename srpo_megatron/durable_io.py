@@ -2,8 +2,9 @@
 
 A rename makes a new checkpoint or converter output visible, but only an fsync of the data and then of
 the directory makes it survive a crash: without them a power loss can leave the new name pointing at
-empty or partial files. The training checkpoints (``trainer/checkpoint.py``, ``trainer/checkpoint_files.py``)
-and the converter's output directories (``conversion/checkpoint.py``) write through these.
+empty or partial files. The training checkpoints (``trainer/checkpoint.py``,
+``conversion/checkpoint_files.py``) and the converter's output directories (``conversion/checkpoint.py``)
+write through these.
 
 A leaf: standard library only, so every layer may use it (tests/unit/test_import_rules.py).
 """

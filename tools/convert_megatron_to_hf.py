@@ -1,12 +1,18 @@
 #!/usr/bin/env python3
 """Export the policy of a megatron-core checkpoint (from tools/convert_hf_to_megatron.py or the trainer)
-to an HF folder: sharded safetensors + index, config.json, tokenizer and generation config.
+to an HF folder: sharded safetensors + index, config.json, tokenizer and generation config (a trainer
+checkpoint's from the model.hf_dir it records).
 
     tools/convert_megatron_to_hf.py --megatron-dir DIR --out-dir DIR [--dtype bf16|fp32]
                                     [--max-shard-size 5GB] [--force] [--mtp-from HF_DIR]
 
 GLM-4.5 / DeepSeek-V3 MTP layers are re-emitted unchanged from --mtp-from, or by default from the HF folder
 the checkpoint was converted or trained from (``hf_source.json``), when that folder has them.
+
+--megatron-dir may be a run directory: its newest checkpoint that verifies is exported, as `srpo train`
+would resume it. A trainer checkpoint is checked against its manifest.json first. --force replaces only a
+previous conversion (its srpo_conversion.json), never the input or a run directory, and prints what it
+removes (srpo_megatron/conversion/output_guard.py). Bad input: one line, exit status 2.
 
 Expected input layout: ``srpo_megatron/conversion/checkpoint.py``.
 """
@@ -23,23 +29,41 @@ from srpo_megatron.conversion.checkpoint import DTYPES, megatron_to_hf
 from srpo_megatron.conversion.safetensors_io import parse_size
 
 
+def input_errors() -> tuple[type[Exception], ...]:
+    """What a bad input raises (refused outputs, unreadable inputs, unsupported models, bad checkpoints)."""
+    from srpo_megatron.config import ConfigError
+    from srpo_megatron.conversion.checkpoint_files import CheckpointError
+    from srpo_megatron.conversion.table import ConversionError
+    from srpo_megatron.models.architecture import UnsupportedModelError
+
+    return (ConfigError, CheckpointError, ConversionError, UnsupportedModelError, FileNotFoundError)
+
+
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--megatron-dir", required=True, help="dist_checkpointing dir with hf_config.json")
+    p = argparse.ArgumentParser(prog=Path(__file__).name, description=__doc__.split("\n\n")[0])
+    p.add_argument(
+        "--megatron-dir",
+        required=True,
+        help="checkpoint with hf_config.json, or a run directory (its newest complete checkpoint)",
+    )
     p.add_argument("--out-dir", required=True, help="output HF model folder")
     p.add_argument("--dtype", choices=sorted(DTYPES), help="output dtype (default: the checkpoint's)")
     p.add_argument("--max-shard-size", default="5GB", help="largest safetensors shard (e.g. 5GB, 500MB)")
-    p.add_argument("--force", action="store_true", help="overwrite a non-empty --out-dir")
+    p.add_argument("--force", action="store_true", help="replace a previous conversion in --out-dir")
     p.add_argument("--mtp-from", help="HF folder whose MTP layers to copy (default: the recorded source)")
     args = p.parse_args(argv)
-    megatron_to_hf(
-        args.megatron_dir,
-        args.out_dir,
-        dtype=DTYPES.get(args.dtype),
-        max_shard_bytes=parse_size(args.max_shard_size),
-        force=args.force,
-        mtp_from=args.mtp_from,
-    )
+    try:
+        megatron_to_hf(
+            args.megatron_dir,
+            args.out_dir,
+            dtype=DTYPES.get(args.dtype),
+            max_shard_bytes=parse_size(args.max_shard_size),
+            force=args.force,
+            mtp_from=args.mtp_from,
+        )
+    except input_errors() as e:  # bad input: one line naming the path and the fix, exit status 2
+        print(f"{p.prog}: error: {' '.join(str(e).split())}", file=sys.stderr)
+        return 2
     return 0
 
 

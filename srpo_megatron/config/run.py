@@ -18,7 +18,11 @@ class RunConfig:
     tensorboard: bool = True  # also write TensorBoard scalars under <dir>/tensorboard
     wandb_project: str | None = None  # log to Weights & Biases too (needs the `wandb` extra)
     progress_bar: bool = True  # a tqdm bar with the key figures on rank 0
-    restart: bool = False  # start from step 0 even over existing checkpoints (they are moved aside)
+    # Start from step 0 over existing checkpoints, ONCE per run.dir: the first start with it moves
+    # checkpoints/ aside (the newest keep_last moved-aside folders are kept) and writes
+    # <dir>/restart_done.json; later starts with the flag (a requeue, the same command) resume. Delete
+    # restart_done.json to start over again.
+    restart: bool = False
 
     def __post_init__(self) -> None:
         if self.save_every < 0 or self.keep_last < 1:

@@ -34,21 +34,33 @@ import contextlib
 import gc
 import json
 import os
+import pickle
 import shutil
 import sys
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import torch
 
+from srpo_megatron.conversion.checkpoint_files import checkpoint_to_read, is_trainer_checkpoint
 from srpo_megatron.conversion.dist_reader import TorchDistReader
 from srpo_megatron.conversion.mtp import mtp_names, record_source, recorded_source
 from srpo_megatron.conversion.mtp import notice as mtp_notice
+from srpo_megatron.conversion.output_guard import (
+    ConversionInputError,
+    OutputExistsError,
+    check_conversion_sizes,
+    check_output_dir,
+    read_json,
+    removal_notice,
+    write_conversion_manifest,
+)
 from srpo_megatron.conversion.safetensors_io import HFCheckpointReader, PlannedSafetensorsWriter
 from srpo_megatron.conversion.table import ConversionError, ConversionTable, canonical_name, slice_name
 from srpo_megatron.durable_io import fsync_dir, fsync_tree
-from srpo_megatron.models.architecture import Architecture, load_hf_config_dict
+from srpo_megatron.models.architecture import Architecture
 
 POLICY_PREFIX = "model."
 HF_CONFIG_NAME = "hf_config.json"
@@ -70,20 +82,23 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 _DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 
 
-class OutputExistsError(FileExistsError):
-    """The output directory is not empty and --force was not given."""
-
-
 def log(msg: str) -> None:
     print(f"[convert {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
 
 
 @contextlib.contextmanager
-def atomic_output_dir(out_dir: str | Path, force: bool) -> Iterator[Path]:
-    """Yield a temp dir beside ``out_dir``; on success it replaces ``out_dir`` in one rename."""
+def atomic_output_dir(
+    out_dir: str | Path,
+    force: bool,
+    *,
+    inputs: tuple[str | Path | None, ...] = (),
+    about: dict | None = None,
+    progress: Callable[[str], None] = log,
+) -> Iterator[Path]:
+    """Yield a temp dir beside ``out_dir``; on success it gets the conversion manifest and replaces
+    ``out_dir`` in one rename. What may be replaced: ``output_guard.check_output_dir``."""
     out = Path(out_dir).resolve()
-    if out.exists() and (not out.is_dir() or any(out.iterdir())) and not force:
-        raise OutputExistsError(f"output {out} exists and is not empty; pass --force to overwrite it")
+    replaced = check_output_dir(out, inputs, force)
     out.parent.mkdir(parents=True, exist_ok=True)
     _remove_dead_temporaries(out)
     tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
@@ -94,8 +109,11 @@ def atomic_output_dir(out_dir: str | Path, force: bool) -> Iterator[Path]:
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+    write_conversion_manifest(tmp, about or {})
     fsync_tree(tmp)  # the data is on disk before the rename makes it the output
     if out.exists():
+        if replaced:
+            progress(removal_notice(out, replaced))
         trash = out.parent / f".{out.name}.old-{os.getpid()}"
         out.rename(trash)
         tmp.rename(out)
@@ -217,7 +235,12 @@ def hf_to_megatron(
     from srpo_megatron.conversion.weights import EXPERT_BIAS_SUFFIX, rank_param_name
 
     hf_dir = Path(hf_dir)
-    config = load_hf_config_dict(hf_dir)
+    if not hf_dir.is_dir():
+        raise ConversionInputError(
+            f"{hf_dir} is not a folder: pass --hf-dir an HF model folder (config.json + safetensors)"
+        )
+    check_output_dir(out_dir, (hf_dir,), force)  # before any work
+    config = read_json(hf_dir / "config.json", "pass --hf-dir an HF model folder (config.json + safetensors)")
     arch = Architecture.from_hf(config)
     table = ConversionTable(arch)
     reader = HFCheckpointReader(hf_dir)
@@ -229,7 +252,9 @@ def hf_to_megatron(
     with plain_torch_ops():
         table.check_hf_shapes(shapes)
     dtype = dtype or reader.dtype()
-    with gc_paused(), atomic_output_dir(out_dir, force) as tmp, single_process_megatron():
+    about = {"direction": "hf_to_megatron", "source": str(hf_dir.resolve())}
+    output = atomic_output_dir(out_dir, force, inputs=(hf_dir,), about=about, progress=progress)
+    with gc_paused(), output as tmp, single_process_megatron():
         # megatron's own sharded_state_dict of the meta skeleton supplies the checkpoint layout; each
         # ShardedTensor's data is a (meta) view of one parameter, so its values are that view's slice of
         # the table's full tensor.
@@ -406,6 +431,42 @@ def load_policy_checkpoint(model: torch.nn.Module, ckpt_dir: str | Path) -> None
         )
 
 
+_SHARD_ERRORS = (EOFError, OSError, RuntimeError, ValueError, pickle.UnpicklingError)
+
+
+def _unreadable_as_input_error(ckpt_dir: Path, what: str, read: Callable[[], Any]) -> Any:
+    """``read()``; a truncated or corrupted shard (torch's EOFError, unpickling or zip errors) becomes one
+    line naming the checkpoint and the fix."""
+    try:
+        return read()
+    except ConversionError:
+        raise
+    except _SHARD_ERRORS as e:
+        first = (str(e).strip().splitlines() or [""])[0][:200]
+        raise ConversionInputError(
+            f"{ckpt_dir}: reading {what} failed ({type(e).__name__}: {first}); its shards are truncated or "
+            "corrupted: copy the checkpoint again, or export another one"
+        ) from e
+
+
+def _export_assets(ckpt_dir: Path, source: Path | None, out: Path, progress: Callable[[str], None]) -> None:
+    """Tokenizer, chat template and generation config into the export: from the checkpoint's ``hf_assets/``
+    (converter output) or, for a trainer checkpoint, from the ``model.hf_dir`` it records (the run's
+    tokenizer); a line says when there is neither."""
+    assets = ckpt_dir / HF_ASSETS_DIR
+    if assets.is_dir():
+        for f in assets.iterdir():
+            shutil.copy2(f, out / f.name)
+        return
+    if source is not None and source.is_dir():
+        _copy_assets(source, out)
+        return
+    progress(
+        f"no tokenizer exported: {ckpt_dir} has no {HF_ASSETS_DIR}/ and records no readable model.hf_dir "
+        f"({source or 'none recorded'}); copy the tokenizer files of the model it was trained from"
+    )
+
+
 def megatron_to_hf(
     ckpt_dir: str | Path,
     out_dir: str | Path,
@@ -415,22 +476,36 @@ def megatron_to_hf(
     force: bool = False,
     progress: Callable[[str], None] = log,
     mtp_from: str | Path | None = None,
+    verified: bool = False,
 ) -> Path:
     """Export the policy of a converter or trainer checkpoint to an HF folder loadable by transformers.
+    ``ckpt_dir`` may be a run directory (``checkpoint_files.checkpoint_to_read``; ``verified``: the caller
+    has already picked and verified it).
     MTP layers (GLM-4.5, DeepSeek-V3) are copied unchanged from ``mtp_from`` or the HF folder the checkpoint
     records (``conversion/mtp.py``) when it has them; the routers' expert biases stay fp32."""
     from srpo_megatron.conversion.weights import EXPERT_BIAS_SUFFIX
 
-    ckpt_dir = Path(ckpt_dir)
+    given = Path(ckpt_dir)
+    # a run: its newest complete checkpoint, as train picks it; a trainer checkpoint: verified
+    ckpt_dir = given if verified else checkpoint_to_read(given, progress)
+    source = recorded_source(ckpt_dir)
+    inputs = (given, ckpt_dir, mtp_from, source)
+    check_output_dir(out_dir, inputs, force)  # before any work
     if not (ckpt_dir / HF_CONFIG_NAME).is_file():
-        raise FileNotFoundError(
+        raise ConversionInputError(
             f"{ckpt_dir} has no {HF_CONFIG_NAME}: point --megatron-dir at a checkpoint written by "
-            "tools/convert_hf_to_megatron.py or by the trainer"
+            "tools/convert_hf_to_megatron.py or by the trainer (or at the trainer's run directory)"
         )
-    config = load_hf_config_dict(ckpt_dir / HF_CONFIG_NAME)
+    if not is_trainer_checkpoint(ckpt_dir):  # a trainer checkpoint was verified against its manifest
+        check_conversion_sizes(ckpt_dir)
+    config = read_json(
+        ckpt_dir / HF_CONFIG_NAME, "export a checkpoint written by the converter or the trainer"
+    )
     arch = Architecture.from_hf(config)
     table = ConversionTable(arch)
-    with gc_paused(), atomic_output_dir(out_dir, force) as tmp, single_process_megatron():
+    about = {"direction": "megatron_to_hf", "source": str(ckpt_dir.resolve())}
+    output = atomic_output_dir(out_dir, force, inputs=inputs, about=about, progress=progress)
+    with gc_paused(), output as tmp, single_process_megatron():
         stored = stored_policy_dtype(ckpt_dir)
         out_dtype = dtype or stored
         # As on import, the skeleton's parameters are never filled: its sharded_state_dict only says which
@@ -454,7 +529,7 @@ def megatron_to_hf(
         keep.update({h: mtp_reader.get(h).dtype for h in mtp})
         by_name = {params[pid][0]: (params[pid][1], group) for pid, group in groups.items()}
         progress(f"exporting {ckpt_dir} ({arch.model_type}, {stored} -> {out_dtype})")
-        reader = TorchDistReader(ckpt_dir)
+        reader = _unreadable_as_input_error(ckpt_dir, "its metadata", lambda: TorchDistReader(ckpt_dir))
         writer = PlannedSafetensorsWriter(tmp, plan, out_dtype, max_shard_bytes, dtypes=keep)
         with plain_torch_ops():
             try:
@@ -462,7 +537,9 @@ def megatron_to_hf(
                     if name not in by_name:
                         raise ConversionError(f"policy has no parameter {name} (table and model disagree)")
                     param, group = by_name[name]
-                    full = _read_param(reader, param, group)
+                    full = _unreadable_as_input_error(
+                        ckpt_dir, name, lambda param=param, group=group: _read_param(reader, param, group)
+                    )
                     for hf_name, tensor in table.to_hf(name, full):
                         base, e = slice_name(hf_name) or (hf_name, None)  # x[e]: slice e of fused x
                         writer.write(base, tensor.to(keep.get(base, out_dtype)), e)
@@ -479,10 +556,7 @@ def megatron_to_hf(
             progress(f"gpt-oss experts written as dense {out_dtype} tensors (not MXFP4)")
         config = _with_dtype(config, out_dtype)
         (tmp / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
-        assets = ckpt_dir / HF_ASSETS_DIR
-        if assets.is_dir():
-            for f in assets.iterdir():
-                shutil.copy2(f, tmp / f.name)
+        _export_assets(ckpt_dir, source, tmp, progress)
         del model, params, groups, by_name
     progress(f"done: {out_dir}")
     return Path(out_dir)

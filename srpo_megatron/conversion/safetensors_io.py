@@ -22,6 +22,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from srpo_megatron.conversion.output_guard import ConversionInputError, read_json
 from srpo_megatron.conversion.torch_save_format import tensor_bytes
 from srpo_megatron.conversion.write_behind import WriteBehind
 
@@ -52,7 +53,9 @@ class HFCheckpointReader:
         self.dir = Path(hf_dir)
         index = self.dir / INDEX_NAME
         if index.is_file():
-            weight_map = json.loads(index.read_text())["weight_map"]
+            weight_map = read_json(index, "pass an HF model folder saved with safetensors").get("weight_map")
+            if not isinstance(weight_map, dict):
+                raise ConversionInputError(f"{index} has no weight_map: restore it from the model's source")
         elif (self.dir / SINGLE_NAME).is_file():
             weight_map = dict.fromkeys(_MappedShard(self.dir / SINGLE_NAME).names(), SINGLE_NAME)
         else:
@@ -109,8 +112,16 @@ class _MappedShard:
             size = os.fstat(f.fileno()).st_size
             n = int.from_bytes(f.read(8), "little")
             if size < 8 or n > size - 8:
-                raise ValueError(f"{path}: not a safetensors file (header length {n}, file size {size})")
-            header = json.loads(f.read(n))
+                raise ConversionInputError(
+                    f"{path}: not a safetensors file (header length {n}, file size {size}): the file is "
+                    "truncated or corrupt; copy the model again"
+                )
+            try:
+                header = json.loads(f.read(n))
+            except (ValueError, UnicodeDecodeError) as e:
+                raise ConversionInputError(
+                    f"{path}: its safetensors header is not valid JSON ({e}); copy the model again"
+                ) from e
             self._fd = os.dup(f.fileno())
         self._close = weakref.finalize(self, os.close, self._fd)
         header.pop("__metadata__", None)
@@ -137,9 +148,10 @@ class _MappedShard:
         shape, (start, end) = tuple(info["shape"]), info["data_offsets"]
         count = math.prod(shape)
         if not 0 <= start <= end <= self._size or end - start != count * dtype.itemsize:
-            raise ValueError(
+            raise ConversionInputError(
                 f"{self.path}: tensor {name} has data offsets {[start, end]} for shape {list(shape)} "
-                f"{info['dtype']} in a {self._size}-byte data section: the file is truncated or corrupt"
+                f"{info['dtype']} in a {self._size}-byte data section: the file is truncated or corrupt; "
+                "copy the model again"
             )
         if count == 0:
             return torch.empty(shape, dtype=dtype)

@@ -18,7 +18,7 @@ Layout of ``<run>/checkpoints/``::
 A checkpoint is written to ``step_N.tmp``, fsynced, and renamed when complete; ``latest`` is replaced
 atomically afterwards, so a crash at any point leaves the previous checkpoint valid. The oldest
 checkpoints beyond ``keep_last`` are deleted only after the new one is complete. Which checkpoint a run
-resumes from is decided by :func:`~srpo_megatron.trainer.checkpoint_files.find_resume_checkpoint`.
+resumes from is decided by :func:`~srpo_megatron.conversion.checkpoint_files.find_resume_checkpoint`.
 
 Trust: the project's own files load without unpickling (RNG states with ``torch.load(weights_only=True)``,
 the trainer state as JSON), but torch DCP's ``.metadata`` (and ``common.pt``, read by megatron) are
@@ -40,17 +40,17 @@ import torch.distributed as dist
 
 from srpo_megatron.compat.float16_optimizer import fix_float16_optimizer_checkpointing
 from srpo_megatron.conversion.checkpoint import HF_CONFIG_NAME, POLICY_PREFIX
-from srpo_megatron.conversion.mtp import record_source
-from srpo_megatron.conversion.spec_compat import drop_absent_extra_state, stored_sharded_keys
-from srpo_megatron.durable_io import fsync_dir, fsync_tree, write_text_durably
-from srpo_megatron.models.architecture import load_hf_config_dict
-from srpo_megatron.trainer.checkpoint_files import (
+from srpo_megatron.conversion.checkpoint_files import (
     LATEST,
     CheckpointError,
     digest_files,
     step_dirs,
     write_manifest,
 )
+from srpo_megatron.conversion.mtp import record_source
+from srpo_megatron.conversion.spec_compat import drop_absent_extra_state, stored_sharded_keys
+from srpo_megatron.durable_io import fsync_dir, fsync_tree, write_text_durably
+from srpo_megatron.models.architecture import load_hf_config_dict
 from srpo_megatron.trainer.ema_shard import load_teacher_fp32, teacher_fp32_state
 from srpo_megatron.trainer.rng_state import load_rng_file, rng_state, set_rng_state
 
@@ -276,7 +276,7 @@ def load_rollout_buffer(path: str | Path) -> dict | None:
 def load_checkpoint(policy: Policy, path: str | Path, log=print) -> dict:
     """Collective: restore policy, teacher, optimizer, scheduler and RNG; return the trainer state.
 
-    ``path`` must have passed :func:`~srpo_megatron.trainer.checkpoint_files.verify_checkpoint`.
+    ``path`` must have passed :func:`~srpo_megatron.conversion.checkpoint_files.verify_checkpoint`.
     """
     path = Path(path)
     with policy.offload.all_on_device():  # the host-resident teacher loads in place (trainer/offload.py)

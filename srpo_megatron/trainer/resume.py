@@ -115,14 +115,14 @@ def resume_point(cfg: Any, log: Callable[[str], None] = print) -> Path | None:
     """Collective: clean temporaries, pick the checkpoint to resume (None: step 0), check the recipe."""
     import torch.distributed as dist
 
-    from srpo_megatron.trainer.checkpoint_files import clean_temporaries, find_resume_checkpoint
+    from srpo_megatron.conversion.checkpoint_files import clean_temporaries, find_resume_checkpoint
 
     root = Path(cfg.run.dir) / "checkpoints"
     if (not dist.is_initialized() or dist.get_rank() == 0) and root.is_dir():
         clean_temporaries(root, log)
     if dist.is_initialized():
         dist.barrier()
-    ckpt = find_resume_checkpoint(cfg.run.dir, cfg.run.restart, log)
+    ckpt = find_resume_checkpoint(cfg.run.dir, cfg.run.restart, log, keep_last=cfg.run.keep_last)
     if ckpt is not None:
         check_resume_recipe(cfg, ckpt, log)
     return ckpt

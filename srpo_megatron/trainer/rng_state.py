@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from srpo_megatron.trainer.checkpoint_files import CheckpointError
+from srpo_megatron.conversion.checkpoint_files import CheckpointError
 
 
 def rng_device_kind() -> str:

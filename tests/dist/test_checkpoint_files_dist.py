@@ -11,7 +11,7 @@ from srpo_megatron.testing.distributed import run_distributed
 def _rank(rank: int, world: int, root: str) -> tuple:
     import torch.distributed as dist
 
-    from srpo_megatron.trainer.checkpoint_files import (
+    from srpo_megatron.conversion.checkpoint_files import (
         CheckpointError,
         digest_files,
         find_resume_checkpoint,

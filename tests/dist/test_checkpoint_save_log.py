@@ -38,7 +38,7 @@ def _save(rank, world, tiny, run_dir, plant):
     from megatron.core import dist_checkpointing
 
     from srpo_megatron.trainer.checkpoint import save_checkpoint
-    from srpo_megatron.trainer.checkpoint_files import verify_checkpoint
+    from srpo_megatron.conversion.checkpoint_files import verify_checkpoint
 
     records = _Records()
     logging.getLogger("megatron.core.dist_checkpointing.serialization").addHandler(records)

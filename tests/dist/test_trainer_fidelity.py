@@ -108,7 +108,7 @@ def _train(rank, world, tiny, run_dir, steps):
 
 
 def _reseal(path: Path) -> None:
-    from srpo_megatron.trainer.checkpoint_files import MANIFEST, file_digest
+    from srpo_megatron.conversion.checkpoint_files import MANIFEST, file_digest
 
     manifest = path.parent / MANIFEST
     body = json.loads(manifest.read_text())

@@ -21,8 +21,7 @@ import torch
 import yaml
 
 from srpo_megatron.config import ConfigError
-from srpo_megatron.conversion.spec_compat import drop_absent_extra_state
-from srpo_megatron.trainer.checkpoint_files import (
+from srpo_megatron.conversion.checkpoint_files import (
     CheckpointError,
     clean_temporaries,
     digest_files,
@@ -31,6 +30,7 @@ from srpo_megatron.trainer.checkpoint_files import (
     verify_checkpoint,
     write_manifest,
 )
+from srpo_megatron.conversion.spec_compat import drop_absent_extra_state
 from srpo_megatron.trainer.resume import MAY_CHANGE_ON_RESUME, check_resume_recipe, recipe_changes
 from srpo_megatron.trainer.rng_state import rng_states_compatible
 

@@ -72,7 +72,7 @@ LAYERS: tuple[Layer, ...] = (
     Layer(
         "conversion",
         ("conversion/",),
-        "the one HF <-> megatron table per architecture, safetensors and torch_dist I/O",
+        "the HF <-> megatron table per architecture, safetensors and torch_dist I/O, checkpoint manifests",
     ),
     Layer(
         "rollout",
