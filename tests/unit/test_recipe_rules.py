@@ -32,6 +32,8 @@ ADDED_SINCE = {
     "loss.aggregation": "token_mean",
     "teacher.enable_thinking": False,
     "rollout.parity_top_k": 0,
+    "rollout.allow_reward_errors": False,
+    "performance.fused_output": "auto",
 }
 # Keys a recipe set since the snapshot (recipe -> key -> value): the GRPO and SDPO baselines average per
 # sequence as SDPO's code, with which the paper's baseline runs were made (issue 28, D1).
