@@ -32,6 +32,7 @@ from srpo_megatron.trainer.checkpoint_files import MANIFEST, CheckpointError, st
 FAILURE_FILE = ".save_failure.json"
 STOP_AFTER = 2  # failures of the same save in a row after which a new start is refused
 _NO_SPACE = (errno.ENOSPC, errno.EDQUOT)
+NEARLY_FULL = 64 << 20  # free bytes under which a bare write failure is taken for a full disk
 
 
 def checkpoint_bytes(ckpt: Path) -> int:
@@ -78,7 +79,7 @@ def _no_space(error: BaseException, root: Path) -> bool:
         usage = shutil.disk_usage(root)
     except OSError:
         return False
-    return usage.free < max(1 << 20, usage.total // 200)
+    return usage.free < NEARLY_FULL
 
 
 def _record(run_dir: Path, step: int, message: str, needed: int | None) -> int:
