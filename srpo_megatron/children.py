@@ -25,8 +25,20 @@ import time
 from typing import Any
 
 _PR_SET_PDEATHSIG = 1
+_PRCTL: Any = None  # libc's prctl once bound (False: unavailable)
 _installed = False
 _fork_parent: int | None = None  # set in the parent just before a fork (main thread only), read in the child
+
+
+def _prctl() -> Any:
+    """libc's ``prctl``, bound once in the parent (a forked child must not ``dlopen``), or None."""
+    global _PRCTL
+    if _PRCTL is None and sys.platform.startswith("linux"):
+        try:
+            _PRCTL = ctypes.CDLL(None, use_errno=True).prctl
+        except (OSError, AttributeError):
+            _PRCTL = False
+    return _PRCTL or None
 
 
 def die_with_parent(parent_pid: int | None = None, sig: int = signal.SIGKILL) -> bool:
@@ -34,13 +46,8 @@ def die_with_parent(parent_pid: int | None = None, sig: int = signal.SIGKILL) ->
 
     ``parent_pid``: the parent the caller expects; if it already died (before the signal was armed) this
     process is reparented and kills itself at once, as the signal would have."""
-    if not sys.platform.startswith("linux"):
-        return False
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        if libc.prctl(_PR_SET_PDEATHSIG, int(sig), 0, 0, 0) != 0:
-            return False
-    except (OSError, AttributeError):
+    prctl = _prctl()
+    if prctl is None or prctl(_PR_SET_PDEATHSIG, int(sig), 0, 0, 0) != 0:
         return False
     if parent_pid is not None and os.getppid() != parent_pid:
         os.kill(os.getpid(), sig)
@@ -78,6 +85,7 @@ def kill_forks_with_me() -> None:
     if _installed or not hasattr(os, "register_at_fork"):
         return
     _installed = True
+    _prctl()  # bound here, in the parent
     os.register_at_fork(before=_before_fork, after_in_child=_after_fork_in_child)
 
 

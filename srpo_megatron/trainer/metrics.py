@@ -99,7 +99,8 @@ def repair_metrics(path: Path, keep_through: int, log: Callable[[str], None] = p
     if torn and _row_step(torn) is not None:  # a whole row, only its newline missing: keep it
         lines.append(torn)
         torn = b""
-    kept, dropped = [], []
+    kept: list[bytes] = []
+    dropped: list[bytes] = []
     for line in lines:
         step = _row_step(line)
         (dropped if step is not None and step > keep_through else kept).append(line)
@@ -110,7 +111,7 @@ def repair_metrics(path: Path, keep_through: int, log: Callable[[str], None] = p
     if dropped:
         steps = [s for line in dropped if (s := _row_step(line)) is not None]
         log(
-            f"{path}: dropped {len(dropped)} rows of steps {min(steps)}..{max(steps)} (after step "
+            f"{path}: dropped {len(dropped)} row(s) of steps {min(steps)}..{max(steps)} (after step "
             f"{keep_through}, the step this run resumes from); they are logged again as the steps rerun"
         )
     tmp = path.with_name(path.name + ".tmp")

@@ -42,7 +42,7 @@ def test_resumed_metrics_drop_rows_past_the_checkpoint_and_a_torn_last_line(tmp_
     assert _rows(path) == [1, 2, 3, 4]
     assert notes == [
         f"{path}: dropped a torn last line (16 bytes), left by a run killed while writing it",
-        f"{path}: dropped 2 rows of steps 4..5 (after step 3, the step this run resumes from); they are "
+        f"{path}: dropped 2 row(s) of steps 4..5 (after step 3, the step this run resumes from); they are "
         "logged again as the steps rerun",
     ]
 
