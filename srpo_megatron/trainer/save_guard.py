@@ -8,11 +8,11 @@
 - a save that fails with no space left (ENOSPC or EDQUOT anywhere in the exception chain, or torch's
   bare ``inline_container.cc`` write failure on a filesystem left with no free space) becomes one line
   naming the path; its half-written ``step_N.tmp`` is removed (the previous checkpoint stays);
-- every failure is recorded in ``<run.dir>/.save_failure.json`` (step, path, message, how many times in
-  a row); a successful save removes it. When the same step's save has failed twice in a row, the next
-  ``srpo train`` on the run refuses to start (:func:`save_failure_problem`, before the model loads) until
-  the disk has the space the record asks for, or the record is removed: a requeued job does not re-train
-  the step only to fail again.
+- every failure is recorded in ``<run.dir>/.save_failure.json`` (step, path, message, bytes needed, how
+  many times in a row); a successful save removes it. The next ``srpo train`` on the run refuses to start
+  (:func:`save_failure_problem`, before torch loads) while the disk still has less room than the failed
+  save needed (or, for a failure of another kind, once the same save failed twice in a row), until the
+  space is there or the record is removed: a requeued job does not re-train the step to fail again.
 
 Errors are :class:`~srpo_megatron.trainer.checkpoint_files.CheckpointError` (one line, exit status 2).
 """
@@ -30,7 +30,7 @@ from typing import Any
 from srpo_megatron.trainer.checkpoint_files import MANIFEST, CheckpointError, step_dirs
 
 FAILURE_FILE = ".save_failure.json"
-STOP_AFTER = 2  # failures of the same save in a row after which a new start is refused
+STOP_AFTER = 2  # failures of the same save in a row (not for want of space) that refuse a new start
 _NO_SPACE = (errno.ENOSPC, errno.EDQUOT)
 NEARLY_FULL = 64 << 20  # free bytes under which a bare write failure is taken for a full disk
 
@@ -103,11 +103,12 @@ def read_failure(run_dir: Path) -> dict[str, Any] | None:
 
 
 def save_failure_problem(run_dir: str | Path, log: Callable[[str], None] = print) -> str | None:
-    """Why this run must not start again (the same save failed twice in a row and the cause stays), or
-    None. Space freed since: logged, and the run goes on."""
+    """Why this run must not start again, or None: the recorded save failed for want of space and the
+    disk still lacks it (the save would fail the same way), or it failed :data:`STOP_AFTER` times in a
+    row for another reason. Space freed since: logged, and the run goes on."""
     run_dir = Path(run_dir)
     record = read_failure(run_dir)
-    if record is None or record["count"] < STOP_AFTER:
+    if record is None:
         return None
     root = run_dir / "checkpoints"
     needed = record.get("needed_bytes")
@@ -116,10 +117,13 @@ def save_failure_problem(run_dir: str | Path, log: Callable[[str], None] = print
     if isinstance(needed, int) and free >= needed:
         log(f"{run_dir / FAILURE_FILE}: {where} now has {free} bytes free ({needed} needed); retrying")
         return None
-    space = f" ({free} bytes free on {where}, {needed} needed)" if isinstance(needed, int) else ""
+    if not isinstance(needed, int) and record["count"] < STOP_AFTER:
+        return None  # another kind of failure: a requeue may try once more
+    times = f"{record['count']} time(s) in a row"
+    space = f"; {where} still has {free} bytes free, {needed} needed" if isinstance(needed, int) else ""
     return (
-        f"{run_dir / FAILURE_FILE}: the save of step {record.get('step')} failed {record['count']} times "
-        f"in a row ({record.get('error')}){space}; not starting again: fix the cause, then delete that file"
+        f"{run_dir / FAILURE_FILE}: the save of step {record.get('step')} failed {times} "
+        f"({record.get('error')}){space}; not starting again: fix the cause, then delete that file"
     )
 
 
@@ -172,9 +176,8 @@ def _fail(
     cause: BaseException | None = None,
 ) -> None:
     count = _record(run_dir, step, message, needed) if rank0 else 1
-    if count >= STOP_AFTER:
-        message += (
-            f"; this save has now failed {count} times in a row, so the next start is refused until it can "
-            f"succeed ({run_dir / FAILURE_FILE})"
-        )
+    if count >= 2:
+        message += f"; this save has now failed {count} times in a row"
+    if needed is not None or count >= STOP_AFTER:
+        message += f"; the next start is refused until it can succeed ({run_dir / FAILURE_FILE})"
     raise CheckpointError(message) from cause

@@ -1,5 +1,5 @@
 """Issue 30's probe, replayed on the run directory's life: two trainers on one ``run.dir``, a ``kill -9``
-during a checkpoint write, a full disk, and a ``run.dir`` that cannot hold a run.
+during a checkpoint write, a full disk (a 500 MB tmpfs), and a ``run.dir`` that cannot hold a run.
 
 The real ``srpo train`` (tiny random Qwen3, CPU engine) in subprocesses, so exit status, stderr and the
 process tree are what a user sees. The mid-write kill holds megatron's forked checkpoint writer in its
@@ -9,7 +9,6 @@ write (a test shim, ``_STUCK_WRITER``: a disk that never answers), so the kill l
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import signal
 import socket
@@ -22,7 +21,6 @@ import psutil
 import pytest
 
 from srpo_megatron import cli
-from srpo_megatron.trainer.run_dir import check_run_dir_early, release_run_dir
 
 REPO = Path(__file__).resolve().parents[2]
 RECIPE = REPO / "examples" / "tiny_cpu_test.yaml"
@@ -98,17 +96,35 @@ def _kill_all(pids: list[int]) -> None:
             os.kill(pid, signal.SIGKILL)
 
 
-def test_second_trainer_refused_kill9_mid_write_leaves_no_process_and_frees_the_lock(tiny, tmp_path):
-    """Issue 30, failures 5 and 6: `srpo train` twice on one run.dir, then `kill -9` of the first while its
-    checkpoint writer is writing, then a third `srpo train`."""
-    run, mark = tmp_path / "run", tmp_path / "writers"
+def _mount_tmpfs(where: Path, size: str) -> bool:
+    where.mkdir()
+    mount = ["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(where)]
+    return subprocess.run(mount, capture_output=True).returncode == 0
+
+
+def test_second_trainer_refused_kill9_mid_write_leaves_no_process_then_a_full_disk_stops_the_job(
+    tiny, tmp_path
+):
+    """Issue 30, failures 5, 6 and 7, as the probe ran them, on one run directory on a 500 MB tmpfs:
+
+    1. `srpo train` whose checkpoint writer hangs mid-write; a second `srpo train` on the same run.dir is
+       refused in one line naming the first's host and pid;
+    2. `kill -9` of the first: every process of its tree is gone (by pid), the lock with it;
+    3. a new `srpo train` (2 steps) starts: its step-1 checkpoint (about 310 MB) fits, step 2's does not,
+       and the save is refused in one line with the path and both sizes; the previous checkpoint stays;
+    4. the requeued job is refused before torch loads: the save would fail the same way.
+
+    Without a tmpfs (mount not allowed) step 3 trains on the plain disk and step 4 is left out."""
+    disk = tmp_path / "disk"
+    mounted = _mount_tmpfs(disk, "500m")
+    run, mark = disk / "run", tmp_path / "writers"
     shim = tmp_path / "stuck_writer.py"
     shim.write_text(_STUCK_WRITER)
+    first_log = (tmp_path / "first.log").open("w")
     first = subprocess.Popen(
         [sys.executable, str(shim), str(mark), *_argv(tiny, run, "train.steps=1")],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
-        text=True,
+        stdout=first_log,
+        stderr=subprocess.STDOUT,
         env=_env(),
         cwd=REPO,
     )
@@ -116,7 +132,7 @@ def test_second_trainer_refused_kill9_mid_write_leaves_no_process_and_frees_the_
     try:
         while not (mark.is_file() and mark.read_text().strip()) and first.poll() is None:
             time.sleep(0.2)
-        assert first.poll() is None, first.stderr.read()[-3000:] if first.stderr else ""
+        assert first.poll() is None, (tmp_path / "first.log").read_text()[-3000:]
         writers = [int(p) for p in mark.read_text().split()]
         tree = [c.pid for c in psutil.Process(first.pid).children(recursive=True)]
         assert set(writers) <= set(tree), (writers, tree)  # forked by the trainer
@@ -134,42 +150,33 @@ def test_second_trainer_refused_kill9_mid_write_leaves_no_process_and_frees_the_
         left = _wait_gone(tree)
         assert not left, [" ".join(psutil.Process(p).cmdline()) for p in left if _alive(p)]
 
-        # a new `srpo train` gets the lock: the same check its CLI makes before torch loads, in-process
-        check_run_dir_early(str(run))
-        assert (run / ".lock").read_text() == f"host {socket.gethostname()} pid {os.getpid()}\n"
-        release_run_dir(str(run))
+        third = _srpo(_argv(tiny, run, "train.steps=2"))  # gets the lock: it starts, and trains
+        assert "Traceback" not in third.stderr, third.stderr[-3000:]
+        assert f"removing {run / 'checkpoints' / 'step_000001.tmp'}" in third.stdout  # the killed save's
+        if not mounted:
+            assert third.returncode == 0, third.stderr[-3000:]
+            return
+        assert third.returncode == 2, third.stderr[-3000:]
+        line = _last_line(third)
+        previous = run / "checkpoints" / "step_000001"
+        assert line.startswith(f"srpo train: error: not saving checkpoint step 2: {run / 'checkpoints'} has ")
+        assert f"bytes free, the previous checkpoint {previous} takes " in line, line
+        free, needed = (int(w) for w in line.split() if w.isdigit())
+        assert free < needed
+        assert (run / "checkpoints" / "latest").read_text().strip() == "step_000001"  # the previous one stays
+
+        requeued = _srpo(_argv(tiny, run, "train.steps=2"))
+        assert requeued.returncode == 2 and "Traceback" not in requeued.stderr, requeued.stderr[-3000:]
+        last = _last_line(requeued)
+        assert last.startswith(f"srpo train: error: {run / '.save_failure.json'}: the save of step 2 failed")
+        assert f"bytes free, {needed} needed; not starting again" in last, last  # free: less the record
+        assert requeued.stdout == ""  # before torch, the data or the model
     finally:
         first.kill()
+        first_log.close()
         _kill_all(tree)
-
-
-@pytest.fixture
-def small_disk(tmp_path):
-    """A 200 MB tmpfs (the tiny run's checkpoint takes about 310 MB); skipped where mount is not allowed."""
-    mnt = tmp_path / "disk"
-    mnt.mkdir()
-    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=200m", "tmpfs", str(mnt)], capture_output=True)
-    if done.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here ({done.stderr.decode().strip()}); the unit tests cover it")
-    yield mnt
-    subprocess.run(["umount", "-l", str(mnt)], check=False)
-
-
-def test_disk_full_save_is_one_line_naming_the_path_and_is_recorded(tiny, small_disk):
-    """Issue 30, failure 7: the save fills the disk. One line naming the path (not torch's bare
-    `inline_container.cc` failure), the half-written checkpoint removed, the failure recorded; the unit
-    tests (tests/unit/test_save_guard.py) show the second failure of the same save stopping the job."""
-    run = small_disk / "run"
-    tmp = run / "checkpoints" / "step_000001.tmp"
-    first = _srpo(_argv(tiny, run, "train.steps=1"))
-    assert first.returncode == 2 and "Traceback" not in first.stderr, first.stderr[-3000:]
-    assert _last_line(first) == (
-        f"srpo train: error: saving checkpoint step 1 to {tmp} failed: no space left on device "
-        f"({run / 'checkpoints'}); free space there and rerun"
-    )
-    assert not tmp.exists()  # the half-written checkpoint does not hold the disk
-    record = json.loads((run / ".save_failure.json").read_text())
-    assert record["step"] == 1 and record["count"] == 1 and record["needed_bytes"] > 0
+        if mounted:
+            subprocess.run(["umount", "-l", str(disk)], check=False)
 
 
 def _one_line(capsys, argv: list[str]) -> str:

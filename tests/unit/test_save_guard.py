@@ -47,16 +47,25 @@ def test_save_refused_when_free_space_is_below_the_previous_checkpoint(tmp_path,
     assert not saved  # refused before writing anything
     assert str(e.value) == (
         f"not saving checkpoint step 2: {run / 'checkpoints'} has 500 bytes free, the previous checkpoint "
-        f"{previous} takes {needed} bytes; free space there (or lower run.keep_last) and rerun"
+        f"{previous} takes {needed} bytes; free space there (or lower run.keep_last) and rerun; the next "
+        f"start is refused until it can succeed ({run / FAILURE_FILE})"
+    )
+    problem = save_failure_problem(run)  # a requeue would fail the same way: it does not start
+    why = str(e.value).split("; the next")[0]
+    assert problem == (
+        f"{run / FAILURE_FILE}: the save of step 2 failed 1 time(s) in a row ({why}); {run / 'checkpoints'} "
+        f"still has 500 bytes free, {needed} needed; not starting again: fix the cause, then delete that file"
     )
     free["free"] = needed
+    notes: list[str] = []
+    assert save_failure_problem(run, log=notes.append) is None and "retrying" in notes[0]  # space freed
     with guarded_save(run, 2, log=print):
         saved.append(2)
     assert saved == [2]
     assert not (run / FAILURE_FILE).exists()  # a successful save clears the record
 
 
-def test_enospc_in_a_save_is_one_line_and_twice_in_a_row_stops_the_job(tmp_path, free):
+def test_enospc_in_a_save_is_one_line_naming_the_path_and_the_next_start_waits_for_space(tmp_path, free):
     run = tmp_path / "run"
     (run / "checkpoints").mkdir(parents=True)
     tmp = run / "checkpoints" / "step_000003.tmp"
@@ -67,28 +76,30 @@ def test_enospc_in_a_save_is_one_line_and_twice_in_a_row_stops_the_job(tmp_path,
         (tmp / "part").write_bytes(b"x" * 10)
         raise RuntimeError("Worker failure") from OSError(errno.ENOSPC, "No space left on device")
 
-    line = (
-        f"saving checkpoint step 3 to {tmp} failed: no space left on device ({run / 'checkpoints'}); free "
-        "space there and rerun"
-    )
     with pytest.raises(CheckpointError) as first, guarded_save(run, 3):
         failing_save()
-    assert str(first.value) == line
-    assert not tmp.exists()  # removed: the disk is not left full
-    assert save_failure_problem(run) is None  # once: a requeue may try again
-    with pytest.raises(CheckpointError) as second, guarded_save(run, 3):
-        failing_save()
-    assert str(second.value).startswith(line + "; this save has now failed 2 times in a row")
-    problem = save_failure_problem(run, log=print)
-    assert problem is not None and problem.startswith(
-        f"{run / FAILURE_FILE}: the save of step 3 failed 2 times"
+    assert str(first.value) == (
+        f"saving checkpoint step 3 to {tmp} failed: no space left on device ({run / 'checkpoints'}); free "
+        f"space there and rerun; the next start is refused until it can succeed ({run / FAILURE_FILE})"
     )
-    assert "not starting again" in problem
+    assert not tmp.exists()  # removed: the disk is not left full
+    problem = save_failure_problem(run)
+    assert problem is not None and f"still has {10**9} bytes free, {10**9 + 1} needed" in problem
+    free["free"] = 10**9 + 1  # more room than the failed attempt had: the next start tries again
+    assert save_failure_problem(run) is None
 
-    free["free"] = 10**9 + 100  # space was freed: the next start tries again
-    notes: list[str] = []
-    assert save_failure_problem(run, log=notes.append) is None
-    assert notes and "retrying" in notes[0]
+
+def test_another_save_failure_twice_in_a_row_stops_the_job(tmp_path, free):
+    run = tmp_path / "run"
+    (run / "checkpoints").mkdir(parents=True)
+    free["free"] = 10**9
+    for count in (1, 2):
+        with pytest.raises(CheckpointError) as e, guarded_save(run, 5):
+            raise OSError(errno.EIO, "Input/output error")
+        assert (f"failed {count} times in a row" in str(e.value)) == (count == 2), str(e.value)
+        assert (save_failure_problem(run) is None) == (count == 1)  # once: a requeue may try again
+    problem = save_failure_problem(run)
+    assert problem is not None and "the save of step 5 failed 2 time(s) in a row" in problem
 
 
 def test_bare_torch_write_failure_on_a_full_disk_is_named_no_space(tmp_path, free):
