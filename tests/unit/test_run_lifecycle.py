@@ -91,9 +91,10 @@ def test_run_dir_lock_names_its_holder_and_dies_with_it(tmp_path):
     release_run_dir(str(run))
 
 
-# A parent that forks (main thread) with the hook, then spawns a reward worker, prints both pids, waits.
+# A parent that forks (main thread) with the hook, then has a reward worker (spawned, from a scoring
+# thread) call a reward that never returns; prints both pids and waits.
 _PARENT = """
-import os, sys, time
+import os, sys, threading, time
 from srpo_megatron.children import kill_forks_with_me
 from srpo_megatron.rewards import register_reward
 from srpo_megatron.rewards.pool import RewardPool
@@ -104,18 +105,34 @@ if __name__ == "__main__":
     if pid == 0:
         time.sleep(600)
         os._exit(0)
-    pool = RewardPool(num_workers=1)
-    register_reward("coin", "srpo_megatron.testing.tiny:coin_reward")
-    pool.score(["coin"], ["x"], ["-"])
-    print(pid, pool._workers[0].proc.pid, flush=True)
+    register_reward("hang", "hanging_reward:reward")
+    pool = RewardPool(num_workers=1, timeout_s=600)
+    threading.Thread(target=pool.score, args=(["hang"], ["x"], ["-"]), daemon=True).start()
+    mark = os.environ["HANG_MARK"]
+    while not (os.path.exists(mark) and open(mark).read().strip()):
+        time.sleep(0.05)
+    print(pid, open(mark).read().strip(), flush=True)
     time.sleep(600)
+"""
+_HANGING = """
+import os, time
+
+def reward(response, answer):
+    with open(os.environ["HANG_MARK"], "w") as f:
+        f.write(str(os.getpid()))
+    time.sleep(600)
+    return 1.0
 """
 
 
 def test_forked_and_spawned_children_die_with_a_killed_parent(tmp_path):
-    script = tmp_path / "parent.py"
+    """The fork (megatron 0.16's checkpoint writer forks like this) and a reward worker busy in a reward
+    that never returns: both end once their parent is killed with SIGKILL."""
+    script, mods = tmp_path / "parent.py", tmp_path / "mods"
     script.write_text(_PARENT)
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    mods.mkdir()
+    (mods / "hanging_reward.py").write_text(_HANGING)
+    env = {**os.environ, "PYTHONPATH": f"{REPO}{os.pathsep}{mods}", "HANG_MARK": str(tmp_path / "hang")}
     parent = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True, env=env)
     assert parent.stdout is not None
     children = [int(p) for p in parent.stdout.readline().split()]
