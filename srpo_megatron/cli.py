@@ -144,12 +144,18 @@ def main(argv: list[str] | None = None) -> int:
             from srpo_megatron.config import load_recipe
 
             cfg = load_recipe(args.recipe, args.override)  # a bad recipe fails here, before torch loads
+            from srpo_megatron.trainer.run_dir import check_run_dir_early, release_run_dir
+
+            check_run_dir_early(cfg.run.dir)  # a file, read-only, in use by another trainer: before torch
             from srpo_megatron.compat.fallbacks import hide_fallback_warnings
 
             hide_fallback_warnings()  # megatron's expected TE/Apex fallbacks, before train imports megatron
             from srpo_megatron.train import train
 
-            result = train(cfg)
+            try:
+                result = train(cfg)
+            finally:
+                release_run_dir(cfg.run.dir)  # this process is done with it, whatever the outcome
             if result["rank"] == 0:
                 print(json.dumps(result["summary"], default=str), flush=True)
             return 0

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import torch.distributed as dist
 
+from srpo_megatron.children import kill_forks_with_me
 from srpo_megatron.config import TrainConfig, to_dict
 from srpo_megatron.data.dataset import EpochSampler, build_datasets
 from srpo_megatron.parallel import destroy_model_parallel, initialize_model_parallel
@@ -35,6 +36,8 @@ from srpo_megatron.trainer.preflight import (
 )
 from srpo_megatron.trainer.resume import resume_point
 from srpo_megatron.trainer.rollouts import RolloutService
+from srpo_megatron.trainer.run_dir import claim_run_dir, release_run_dir
+from srpo_megatron.trainer.save_guard import guarded_save
 from srpo_megatron.trainer.scoring import score_rollouts
 from srpo_megatron.trainer.stats import reduce_stats
 from srpo_megatron.trainer.step_metrics import gather_stats, step_metrics
@@ -44,6 +47,7 @@ from srpo_megatron.trainer.teacher_watch import TeacherWatch
 
 def train(cfg: TrainConfig) -> dict:
     wall0 = time.monotonic()
+    kill_forks_with_me()  # megatron's forked checkpoint writers die with this process (children.py)
     world = dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", "1"))
     hf_config = read_model_config(cfg.model.hf_dir)  # one line for a missing or broken config.json
     check_model_limits(cfg, hf_config)  # top-K within the vocabulary, sequence budget within positions
@@ -52,6 +56,7 @@ def train(cfg: TrainConfig) -> dict:
     groups = initialize_model_parallel(p.tp, p.pp, seed=cfg.run.seed, ep=p.ep, etp=p.etp, cp=p.cp)
     rank0 = dist.get_rank() == 0
     log = print if rank0 else (lambda _: None)
+    claim_run_dir(cfg.run.dir, log)  # checked and locked (rank 0) before anything writes there
     for kind, target in cfg.rollout.reward_fns.items():
         register_reward(kind, target)
     run_dir = Path(cfg.run.dir)
@@ -75,7 +80,7 @@ def train(cfg: TrainConfig) -> dict:
     clock = BudgetClock(st.budget_clock_s)
     policy.offload.before_rollouts()  # parallel.offload_during_rollout (trainer/offload.py)
     rollouts.sync(st.weight_version)  # the engine serves exactly the trainer's weights from here on
-    logger = MetricsLogger(run_dir, cfg.run, total=cfg.train.steps, start=st.step) if rank0 else None
+    logger = MetricsLogger(run_dir, cfg.run, total=cfg.train.steps, start=st.step, log=log) if rank0 else None
     if rank0:
         (run_dir / "config.yaml").write_text(_yaml(to_dict(cfg)))
     evaluate = lambda: st.evals.append(  # noqa: E731
@@ -119,12 +124,14 @@ def train(cfg: TrainConfig) -> dict:
             buffered = rollouts.buffer_state()  # every round in flight received; rank 0: its pool
             st.next_dispatch = rollouts.next_dispatch
             state = st.to_checkpoint(sampler.state_dict(), clock.elapsed())
-            with rollouts.offloaded_for_save(policy.offload, version):  # the offloaded state back
+            # the offloaded state back; a save the disk cannot hold, or that fails again, stops the run
+            with rollouts.offloaded_for_save(policy.offload, version), guarded_save(run_dir, step, log):
                 save_checkpoint(policy, run_dir, step, state, cfg.run.keep_last, buffered)
     if cfg.train.eval_at_ends:
         evaluate()
     if rank0:
         logger.close()
+        release_run_dir(cfg.run.dir)
     rollouts.close()
     destroy_model_parallel()
     return {

@@ -25,6 +25,10 @@ class RunConfig:
     restart: bool = False
 
     def __post_init__(self) -> None:
+        if not str(self.dir).strip():
+            raise ConfigError(
+                "run.dir is empty: the run would write into the current directory; set run.dir=runs/NAME"
+            )
         if self.save_every < 0 or self.keep_last < 1:
             raise ConfigError(
                 f"run.save_every={self.save_every} / run.keep_last={self.keep_last}: save_every must be "

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import math
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -57,18 +58,28 @@ GROUPS = (
 
 
 def _read_jsonl(path: Path) -> list[dict]:
-    rows = []
-    for lineno, line in enumerate(path.read_text().splitlines(), start=1):
+    """The JSON object rows of ``path``; lines that are not one (a run killed mid-write leaves a torn last
+    line) are skipped, and named in one line on stderr, so that no row goes missing unsaid."""
+    rows, skipped = [], []
+    for lineno, line in enumerate(path.read_text(errors="replace").splitlines(), start=1):
         if not line.strip():
             continue
         try:
             rec = json.loads(line)
         except json.JSONDecodeError:
-            # A run killed mid-write leaves a partial last line; plotting should still work.
-            continue
+            rec = None
         if isinstance(rec, dict):
             rec.setdefault("step", lineno - 1)
             rows.append(rec)
+        else:
+            skipped.append(lineno)
+    if skipped:
+        shown = ", ".join(map(str, skipped[:10])) + (", ..." if len(skipped) > 10 else "")
+        print(
+            f"srpo plot: {path}: skipped {len(skipped)} line(s) that are not a JSON row (line {shown}); "
+            "`srpo train` drops a torn last line when the run resumes",
+            file=sys.stderr,
+        )
     return rows
 
 

@@ -22,6 +22,7 @@ import math
 import multiprocessing as mp
 import multiprocessing.connection as mpc
 import numbers
+import os
 import threading
 import time
 from collections import deque
@@ -78,9 +79,14 @@ def _import_problem(target: str) -> tuple[object, str | None]:
         return None, f"cannot import it ({_describe(e)})"
 
 
-def _worker_main(conn: mpc.Connection) -> None:
+def _worker_main(conn: mpc.Connection, parent_pid: int | None = None) -> None:
     """Worker loop: receive (task_id, target, response, answer); send begin, then ok / error / invalid
-    (a value that is not a number). An unusable target answers error before begin."""
+    (a value that is not a number). An unusable target answers error before begin. Ends with its parent
+    (``parent_pid``), even inside a reward that never returns (srpo_megatron/children.py)."""
+    from srpo_megatron.children import exit_when_orphaned
+
+    if parent_pid is not None:
+        exit_when_orphaned(parent_pid)
     cache: dict = {}
     while True:
         try:
@@ -109,7 +115,7 @@ def _worker_main(conn: mpc.Connection) -> None:
 class _Worker:
     def __init__(self, ctx) -> None:
         self.conn, child = ctx.Pipe()
-        self.proc = ctx.Process(target=_worker_main, args=(child,), daemon=True)
+        self.proc = ctx.Process(target=_worker_main, args=(child, os.getpid()), daemon=True)
         self.proc.start()
         child.close()
         self.task: int | None = None

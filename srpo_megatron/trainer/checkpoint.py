@@ -38,6 +38,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
+from srpo_megatron.children import megatron_results_queue
 from srpo_megatron.compat.float16_optimizer import fix_float16_optimizer_checkpointing
 from srpo_megatron.conversion.checkpoint import HF_CONFIG_NAME, POLICY_PREFIX
 from srpo_megatron.conversion.checkpoint_files import (
@@ -216,6 +217,7 @@ def save_checkpoint(
         # logs "Overwriting old incomplete / corrupted checkpoint"; our own files go in after it
         tmp.mkdir(parents=True)
     _barrier()
+    megatron_results_queue()  # megatron's writer results manager dies with this process (children.py)
     with policy.offload.all_on_device():  # host-resident teacher (trainer/offload.py)
         dist_checkpointing.save(_sharded_state(policy, loading=False), str(tmp))
     clock.mark("dist_checkpointing_s")

@@ -73,7 +73,8 @@ def test_lost_latest_and_corrupted_newest_resume_from_newest_complete(tiny, tmp_
     assert f"removing {root / 'step_000003.tmp'}" in out
     assert "resume: applying recipe change train.steps: 2 -> 3" in out
     assert "data: train: 8 prompts from 8 rows, 0 bad rows skipped" in out
-    assert _steps(run) == [1, 2, 2, 3]  # continued after step 1, not from scratch
+    assert f"{run / 'metrics.jsonl'}: dropped 1 row(s) of steps 2..2 (after step 1" in out
+    assert _steps(run) == [1, 2, 3]  # continued after step 1, not from scratch; step 2's first row dropped
     assert yaml.safe_load((run / "config.yaml").read_text())["train"]["steps"] == 3  # what is in force
 
     third = _train(tiny, run, "train.steps=3", "optim.lr=0.5")

@@ -49,8 +49,9 @@ class Layer:
 LAYERS: tuple[Layer, ...] = (
     Layer(
         "leaf utilities",
-        ("compat/", "ports.py", "durable_io.py", "buckets.py"),
-        "the CPU layer and megatron shims, free rendezvous ports, fsync and durable writes, weight buckets",
+        ("compat/", "ports.py", "durable_io.py", "buckets.py", "children.py"),
+        "the CPU layer and megatron shims, free rendezvous ports, fsync and durable writes, weight buckets, "
+        "children that die with their parent",
     ),
     Layer(
         "recipe",
@@ -108,6 +109,7 @@ LEAVES: dict[str, str] = {
     "ports": "a leaf utility",
     "durable_io": "a leaf utility",
     "buckets": "a leaf utility",
+    "children": "a leaf utility",
     "config": "the recipe loads without the rest of the package (and without torch)",
 }
 

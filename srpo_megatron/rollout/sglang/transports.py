@@ -114,10 +114,17 @@ def torchrun_worker_vars(env: Mapping[str, str]) -> list[str]:
     return sorted(k for k in env if k.startswith("TORCHELASTIC_") or k in _TORCHRUN_WORKER_VARS)
 
 
-def _engine_child(conn, engine_kwargs: dict[str, Any], factory: str, clear: list[str]) -> None:
+def _engine_child(
+    conn, engine_kwargs: dict[str, Any], factory: str, clear: list[str], parent_pid: int | None = None
+) -> None:
     """Child process: own an ``sglang.Engine`` (``factory``, "module:attr") and execute ``(method,
     kwargs)`` calls from the parent. ``clear``: the parent's torchrun variables, dropped before SGLang
-    starts its scheduler processes (they inherit this environment)."""
+    starts its scheduler processes (they inherit this environment). Ends with ``parent_pid``, the trainer
+    (srpo_megatron/children.py); SGLang's scheduler processes end with this one."""
+    from srpo_megatron.children import exit_when_orphaned
+
+    if parent_pid is not None:
+        exit_when_orphaned(parent_pid)
     for key in clear:
         os.environ.pop(key, None)
     try:
@@ -167,7 +174,9 @@ class ChildEngineTransport:
         self._conn, child = ctx.Pipe()
         clear = torchrun_worker_vars(os.environ)
         self._proc = ctx.Process(
-            target=_engine_child, args=(child, engine_kwargs, engine_factory, clear), daemon=False
+            target=_engine_child,
+            args=(child, engine_kwargs, engine_factory, clear, os.getpid()),
+            daemon=False,
         )
         self._proc.start()
         self.timeout_s = timeout_s
