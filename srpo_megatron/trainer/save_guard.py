@@ -14,7 +14,7 @@
   save needed (or, for a failure of another kind, once the same save failed twice in a row), until the
   space is there or the record is removed: a requeued job does not re-train the step to fail again.
 
-Errors are :class:`~srpo_megatron.trainer.checkpoint_files.CheckpointError` (one line, exit status 2).
+Errors are :class:`~srpo_megatron.conversion.checkpoint_files.CheckpointError` (one line, exit status 2).
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-from srpo_megatron.trainer.checkpoint_files import MANIFEST, CheckpointError, step_dirs
+from srpo_megatron.conversion.checkpoint_files import MANIFEST, CheckpointError, step_dirs
 
 FAILURE_FILE = ".save_failure.json"
 STOP_AFTER = 2  # failures of the same save in a row (not for want of space) that refuse a new start

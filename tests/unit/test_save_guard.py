@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
+from srpo_megatron.conversion.checkpoint_files import CheckpointError
 from srpo_megatron.trainer import save_guard
-from srpo_megatron.trainer.checkpoint_files import CheckpointError
 from srpo_megatron.trainer.save_guard import FAILURE_FILE, guarded_save, save_failure_problem
 
 Usage = namedtuple("Usage", "total used free")
