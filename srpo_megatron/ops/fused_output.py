@@ -40,8 +40,9 @@ from srpo_megatron.ops.vocab_parallel import (
 )
 
 # Rows per GEMM on CPU: a GEMM of this many rows runs near the machine's matmul speed, where the kernel's
-# cache-sized chunk (1 MiB / V·4 bytes: one row at a 152k vocabulary) would make it a GEMV.
-MIN_CHUNK_ROWS_CPU = 64
+# cache-sized chunk (1 MiB / V·4 bytes: one row at a 152k vocabulary) would make it a GEMV. One fp32 block
+# buffer is the fused path's largest work tensor (256 × V/TP × 4 bytes: 0.06 of a 4k-token logits shard).
+MIN_CHUNK_ROWS_CPU = 256
 
 
 @dataclass(frozen=True)
@@ -139,6 +140,11 @@ class _HiddenSource:
             z = z.mul_(1 - alpha).add_(other.gemm(a, b), alpha=alpha)
         return z
 
+    def block_buffer(self) -> torch.Tensor:
+        """The current block's logits buffer [block, V/P] (the backward reuses it for their gradient)."""
+        assert self._buf is not None
+        return self._buf
+
     def bounds(self, a: int) -> tuple[int, int]:
         """The block that holds row ``a``."""
         a0 = (a // self.block) * self.block
@@ -207,11 +213,18 @@ class _FusedOutputStats(torch.autograd.Function):
         grad_w = (
             torch.zeros(weight.shape, dtype=acc_dt, device=weight.device) if ctx.needs_input_grad[1] else None
         )
-        g_block = torch.empty(ctx.block, src.vocab_shard, dtype=cdt, device=hidden.device)
+        # The block's ∂L/∂logits: in the compute dtype, written over the block's logits (each chunk's rows
+        # are consumed before its gradient exists) unless the logits are in another dtype (bf16 weights).
+        own = (
+            None
+            if src.dtype == cdt
+            else torch.empty(ctx.block, src.vocab_shard, dtype=cdt, device=hidden.device)
+        )
         for a, b, g in backward_chunks(
             src, all_ids, all_g, g_ent, lse, ent, rank, ctx.temperature, ctx.chunk
         ):
             a0, b0 = src.bounds(a)
+            g_block = src.block_buffer() if own is None else own
             g_block[a - a0 : b - a0] = g
             if b < b0:
                 continue

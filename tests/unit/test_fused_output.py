@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from srpo_megatron.ops import OutputShard, append_tail, token_stats
+from srpo_megatron.ops import OutputShard, append_tail, fused_output, token_stats
 from tests.helpers.losses_reference import ref_entropy, ref_logp, ref_topk, rel_err
 
 T, H, V, PAD, K, J = 29, 24, 61, 3, 5, 3  # V - PAD real ids; T not a multiple of the chunks below
@@ -53,9 +53,16 @@ def _run(make_logits, h, w, ids, wts, temperature, chunk):
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
-@pytest.mark.parametrize("chunk", [None, 4])
+@pytest.mark.parametrize("chunk", [None, 4, 3])
 @pytest.mark.parametrize("padded", [True, False])
-def test_fused_equals_todays_path_and_the_float64_reference(dtype, temperature, chunk, padded):
+@pytest.mark.parametrize("block", [None, 8], ids=["one-block", "blocks-of-8"])
+def test_fused_equals_todays_path_and_the_float64_reference(
+    monkeypatch, dtype, temperature, chunk, padded, block
+):
+    """``blocks-of-8``: GEMM blocks of at least 8 rows (``MIN_CHUNK_ROWS_CPU``; 9 with chunks of 3), so the
+    T = 29 rows span several blocks and a partial last one; the default block holds them all."""
+    if block is not None:
+        monkeypatch.setattr(fused_output, "MIN_CHUNK_ROWS_CPU", block)
     h, w, ids, wts, pad = _inputs(dtype)
     if not padded:
         pad = torch.zeros_like(pad)
@@ -64,15 +71,14 @@ def test_fused_equals_todays_path_and_the_float64_reference(dtype, temperature, 
     today_of = lambda ws: _run(  # noqa: E731
         lambda a, b: (a @ b.T).masked_fill(pad, fill), h, w, ids, ws, temperature, chunk
     )
-    # Fused vs today with every output, the tail bucket included.
-    fused_all, today_all = fused_of(wts), today_of(wts)
-    for a, b in zip(fused_all[1:], today_all[1:], strict=True):
-        assert rel_err(a, b) < TOL[dtype]
-    # Against float64: in fp32 without the tail term, whose gradient 1/(1 − Σ_K p) amplifies the inputs'
-    # rounding when the top-K hold nearly all the mass (append_tail, after either path: identical in both).
+    # In fp32 without the tail term: its gradient 1/(1 − Σ_K p) amplifies any rounding (the GEMM's rows
+    # blocked differently, the inputs') when the top-K hold nearly all the mass; append_tail runs after
+    # either path, and fp64 keeps the term.
     if dtype == torch.float32:
         wts = [*wts[:3], torch.zeros_like(wts[3])]
     fused, today = fused_of(wts), today_of(wts)
+    for a, b in zip(fused[1:], today[1:], strict=True):
+        assert rel_err(a, b) < TOL[dtype]
     # the reference: float64, the real vocabulary only (padded ids do not exist there)
     real = V - PAD if padded else V
     hr, wr = h.double().requires_grad_(), w.double().requires_grad_()
@@ -97,7 +103,7 @@ def test_fused_equals_todays_path_and_the_float64_reference(dtype, temperature, 
         assert rel_err(gw, wr.grad) < tol, name
         assert gh.dtype == dtype and gw.dtype == dtype
     if padded:
-        assert fused_all[2][V - PAD :].abs().max() == 0  # padded vocabulary rows get no gradient
+        assert fused[2][V - PAD :].abs().max() == 0  # padded vocabulary rows get no gradient
 
 
 def test_tied_embedding_keeps_one_weight_with_both_gradients():
