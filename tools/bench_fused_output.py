@@ -25,8 +25,9 @@ output layer's backward makes the two returned gradients). A segment before that
 the last one minus the returned gradients' bytes; the largest segment is the figure.
 ``MALLOC_MMAP_THRESHOLD_`` is 1 MiB so glibc returns freed large blocks to the OS at once and RSS
 follows live tensors. Time: CPU seconds (user + system, getrusage) of a 1-thread rank process,
-worst rank; on a shared machine other jobs' load dominates wall time, while the CPU time of a 1-thread
-process is what its wall time would be on an idle core. Under TP the hidden gradient is the rank's
+worst rank, the least over ``--repeats`` fresh runs per path (today and fused alternate, so a burst of
+other jobs' load hits both): on a shared machine other jobs' load dominates wall time and still inflates
+CPU time (shared caches and memory bandwidth), never deflates it. Under TP the hidden gradient is the rank's
 partial sum (megatron's region op would all-reduce it); it is the same work on both paths.
 
 Last line printed: one JSON object. ``extra_mem_vs_shard_fused``, ``extra_mem_vs_shard_today`` and
@@ -223,6 +224,12 @@ def main() -> None:
     ap.add_argument("--tp", type=int, nargs="+", default=[1, 2], help="TP sizes to measure")
     ap.add_argument("--threads", type=int, default=1, help="torch threads per rank process")
     ap.add_argument(
+        "--repeats",
+        type=int,
+        default=1,
+        help="fresh processes per path, today and fused alternating; the least CPU time counts",
+    )
+    ap.add_argument(
         "--min-chunk-rows",
         type=int,
         default=0,
@@ -232,6 +239,8 @@ def main() -> None:
     if args.quick:
         for key, value in QUICK.items():
             setattr(args, key, value)
+    if args.repeats < 1:
+        ap.error(f"--repeats {args.repeats}: needs at least one run per path")
     bad = [tp for tp in args.tp if tp < 1 or args.vocab % tp]
     if bad:
         ap.error(f"--tp {bad[0]}: the vocabulary {args.vocab} must split evenly over a TP size >= 1")
@@ -242,7 +251,7 @@ def main() -> None:
     for world in args.tp:
         name = f"tp{world}"
         res[name] = {}
-        for path in PATHS:
+        for rep, path in [(rep, path) for rep in range(args.repeats) for path in PATHS]:
             out = run_distributed(
                 _worker,
                 world,
@@ -255,9 +264,16 @@ def main() -> None:
                 args.min_chunk_rows,
                 timeout=3600,
             )
-            r = res[name][path] = _layout(out)
+            r = _layout(out)
+            if rep:  # the least CPU time of the repeats (other jobs only ever add to it); the worst memory
+                old = res[name][path]
+                r |= {key: min(r[key], old[key]) for key in ("scoring", "training", "wall")}
+                if old["extra_vs_shard"] > r["extra_vs_shard"]:
+                    r |= {key: old[key] for key in ("extra_bytes", "extra_vs_shard")}
+            res[name][path] = r
             print(
-                f"{name} {path:5s} {shape}: scoring {r['scoring']:.2f} s + training {r['training']:.2f} s "
+                f"{name} {path:5s} {shape} (best of {rep + 1}): scoring {r['scoring']:.2f} s + training "
+                f"{r['training']:.2f} s "
                 f"CPU ({r['wall']:.2f} s wall), peak extra over inputs + grads "
                 f"{r['extra_bytes'] / 2**20:.0f} MiB = {r['extra_vs_shard']:.3f} x shard "
                 f"({r['shard_bytes'] / 2**20:.0f} MiB; grads {r['grad_bytes'] / 2**20:.0f} MiB), "
@@ -299,10 +315,11 @@ def main() -> None:
         **worst,
         **figures,
         "min_chunk_rows_cpu": args.min_chunk_rows or fused_ops.MIN_CHUNK_ROWS_CPU,
+        "repeats": args.repeats,
         "mem_basis": "peak RSS over the inputs and the returned grads (hidden [T,H], weight [V/P,H]), "
         "per [T, V/P] fp32 logits shard, worst rank",
-        "time_basis": "training pass (forward + backward) cpu seconds per rank process (max over ranks), "
-        "1 thread per rank",
+        "time_basis": "training pass (forward + backward) cpu seconds per rank process (max over ranks, "
+        "least over the repeats), 1 thread per rank",
     }
     print(json.dumps(summary))
 
