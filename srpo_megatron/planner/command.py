@@ -6,15 +6,14 @@ across phases, and the layouts that fit on the same GPUs ranked by :func:`memory
 0 when the recipe fits, 3 when it does not (2 for bad input).
 
 The recipe loads exactly as ``srpo train`` loads it (``srpo_megatron.config.load_recipe``: ``base:``,
-overrides, every check), and the plan reads the typed sections, besides the model, rollout and batch
-sizes: ``parallel.tp/pp/cp/ep/etp``, ``parallel.distributed_optimizer``, ``parallel.sequence_parallel``
-[on when TP > 1], ``performance.recompute``, ``performance.overlap_comm`` [auto: on with the distributed
-optimizer], ``model.params_dtype`` [auto: bf16], ``parallel.offload_during_rollout``,
-``parallel.teacher_offload``, ``parallel.teacher_fp32`` and ``performance.fused_output`` [auto: on]
-(see memory.py for which of these the
-trainer implements today). "auto" resolves as on a GPU machine, which is what is planned. The model's
-HF config is read from ``model.hf_dir``; when that folder is not on this machine (a cluster path) and
-its name is one of the packaged configs (``planner/hf_configs/``: Qwen3, DeepSeek-V3, GLM-4.5, GLM-4.5-Air,
+overrides, every check), and the plan reads the typed sections, besides the model, rollout and batch sizes:
+``parallel.tp/pp/cp/ep/etp``, ``parallel.distributed_optimizer``, ``parallel.sequence_parallel`` [on when TP
+> 1], ``performance.recompute``, ``performance.overlap_comm`` [auto: on with the distributed optimizer],
+``model.params_dtype`` [auto: bf16], ``parallel.offload_during_rollout``, ``parallel.teacher_offload``,
+``parallel.teacher_fp32`` and ``performance.fused_output`` [auto: on] (see memory.py for which of these the
+trainer implements today). "auto" resolves as on a GPU machine, which is what is planned. The model's HF
+config is read from ``model.hf_dir``; when that folder is not on this machine (a cluster path) and its name
+is one of the packaged configs (``planner/hf_configs/``: Qwen3, DeepSeek-V3, GLM-4.5, GLM-4.5-Air,
 gpt-oss-20b/120b; the hub's config.json files), the packaged config is used and named in the output.
 """
 
