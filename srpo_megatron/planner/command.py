@@ -6,14 +6,14 @@ across phases, and the layouts that fit on the same GPUs ranked by :func:`memory
 0 when the recipe fits, 3 when it does not (2 for bad input).
 
 The recipe loads exactly as ``srpo train`` loads it (``srpo_megatron.config.load_recipe``: ``base:``,
-overrides, every check), and the plan reads the typed sections, besides the model, rollout and batch
-sizes: ``parallel.tp/pp/cp/ep/etp``, ``parallel.distributed_optimizer``, ``parallel.sequence_parallel``
-[on when TP > 1], ``performance.recompute``, ``performance.overlap_comm`` [auto: on with the distributed
-optimizer], ``model.params_dtype`` [auto: bf16], ``parallel.offload_during_rollout``,
-``parallel.teacher_offload`` and ``parallel.teacher_fp32`` (see memory.py for which of these the
-trainer implements today). "auto" resolves as on a GPU machine, which is what is planned. The model's
-HF config is read from ``model.hf_dir``; when that folder is not on this machine (a cluster path) and
-its name is one of the packaged configs (``planner/hf_configs/``: Qwen3, DeepSeek-V3, GLM-4.5, GLM-4.5-Air,
+overrides, every check), and the plan reads the typed sections, besides the model, rollout and batch sizes:
+``parallel.tp/pp/cp/ep/etp``, ``parallel.distributed_optimizer``, ``parallel.sequence_parallel`` [on when TP
+> 1], ``performance.recompute``, ``performance.overlap_comm`` [auto: on with the distributed optimizer],
+``model.params_dtype`` [auto: bf16], ``parallel.offload_during_rollout``, ``parallel.teacher_offload``,
+``parallel.teacher_fp32`` and ``performance.fused_output`` [auto: on] (see memory.py for which of these the
+trainer implements today). "auto" resolves as on a GPU machine, which is what is planned. The model's HF
+config is read from ``model.hf_dir``; when that folder is not on this machine (a cluster path) and its name
+is one of the packaged configs (``planner/hf_configs/``: Qwen3, DeepSeek-V3, GLM-4.5, GLM-4.5-Air,
 gpt-oss-20b/120b; the hub's config.json files), the packaged config is used and named in the output.
 """
 
@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from srpo_megatron.config import ConfigError, TrainConfig, load_cluster, load_recipe
+from srpo_megatron.models.performance import fused_output
 from srpo_megatron.planner.memory import (
     SGLANG_SWA_FULL_TOKENS_RATIO,
     GiB,
@@ -116,6 +117,7 @@ def settings_from_recipe(
             if kwargs.get("disable_hybrid_swa_memory")
             else float(kwargs.get("swa_full_tokens_ratio", SGLANG_SWA_FULL_TOKENS_RATIO))
         ),
+        fused_output=fused_output(perf),
     )
     return shape, settings, source
 
@@ -177,6 +179,12 @@ def format_plan(plan: Plan, ranked: list[Plan], source: str) -> str:
         )
     lines.append(f"  {'total':32s}{gib(sum(m.train.values()))} {gib(sum(m.rollout.values()))}")
     lines.append(f"resident across phases: {', '.join(m.resident) or 'nothing'}")
+    if plan.fused_loss_logits is not None:
+        before, after = plan.fused_loss_logits
+        lines.append(
+            f"fused output layer: loss logits {before / GiB:.2f} GiB -> {after / GiB:.2f} GiB on the last "
+            "stage (performance.fused_output; off: materialised [T, V/TP] logits)"
+        )
     if plan.settings.engine == "colocated":
         lines.append(f"engine KV cache: {m.kv_tokens} tokens per engine GPU")
     if plan.engine_gpu:

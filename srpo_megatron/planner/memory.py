@@ -6,7 +6,9 @@ Two phases share each GPU when the SGLang engine is colocated (``rollout.placeme
   buffers (``grad_reduce_in_fp32``), the optimizer's fp32 main params and two Adam moments (sharded over
   DP×CP by the distributed optimizer; expert params over the expert-DP group), the EMA teacher (a bf16
   forward copy, same layout as the policy, plus its fp32 copy), the activations that 1F1B keeps in flight
-  for the recipe's token budget, and the loss's logits working set on the last stage. The engine has
+  for the recipe's token budget, and the loss's logits working set on the last stage (with the fused
+  output layer, ``performance.fused_output``, only chunk-sized buffers and the output weight's gradient
+  accumulator: ``loss_logits_bytes``). The engine has
   released its weights and KV cache (``release_memory``) and keeps only its context.
 - **rollout**: what the trainer keeps resident, plus the engine's weights and KV cache. SGLang sizes its
   KV pool as ``mem_fraction_static × GPU − (memory already taken)``, so whatever the trainer leaves on
@@ -72,8 +74,10 @@ CONTEXT_BYTES = 1 * GiB
 ENGINE_WORKSPACE_BYTES = 4 * GiB
 # What a released SGLang engine still holds during training (torch_memory_saver pauses weights and KV).
 ENGINE_RELEASED_BYTES = 1 * GiB
-# Work buffers of the vocab-parallel kernels on accelerators (ops/vocab_parallel.py: three of 128 MiB).
-LOSS_CHUNK_BYTES = 3 * 128 * 1024**2
+# One fp32 [chunk, V/TP] work buffer of the vocab-parallel kernels on accelerators
+# (ops/vocab_parallel.DEFAULT_CHUNK_BYTES_ACCELERATOR); the kernels use three.
+CHUNK_BUFFER_BYTES = 128 * 1024**2
+LOSS_CHUNK_BYTES = 3 * CHUNK_BUFFER_BYTES
 # [T, V/TP] tensors alive at the loss: the logits, their gathered rows, the masked rows and the gradient.
 LOGITS_COPIES = 4
 # SGLang's default ``swa_full_tokens_ratio`` (sglang/srt/arg_groups/fields/schedule.py): the SWA pool holds
@@ -109,6 +113,8 @@ class PlanSettings:
     rollout_seq_len: int = 4096  # longest prompt + response the engine must hold in its KV cache
     # SGLang swa_full_tokens_ratio for sliding-window models (None: disable_hybrid_swa_memory, one pool)
     engine_swa_ratio: float | None = SGLANG_SWA_FULL_TOKENS_RATIO
+    # the output layer fused into the loss kernels (performance.fused_output; no [T, V/TP] logits)
+    fused_output: bool = False
 
 
 @dataclass
@@ -144,6 +150,8 @@ class Plan:
     shape: ModelShape | None = None  # the planned model
     engine_gpu: dict[str, int] = field(default_factory=dict)  # a separate engine's GPU: bytes per component
     engine_kv_tokens: int = 0  # tokens a separate engine's KV cache holds per GPU
+    # with the fused output layer: the last stage's loss working set (materialised, fused) in bytes
+    fused_loss_logits: tuple[int, int] | None = None
 
     @property
     def fits(self) -> bool:
@@ -180,6 +188,9 @@ class Plan:
             "separate_engine_gpu": self.engine_gpu,
             "separate_engine_kv_tokens": self.engine_kv_tokens,
             "overflow": self.overflow,
+            "fused_output_loss_logits": None
+            if self.fused_loss_logits is None
+            else dict(zip(("materialised_bytes", "fused_bytes"), self.fused_loss_logits, strict=True)),
             "problems": self.problems,
         }
 
@@ -247,6 +258,27 @@ def activation_bytes(
     return int(in_flight * (saved + extra) + working)
 
 
+def loss_logits_bytes(shape: ModelShape, layout: Layout, tokens: int, params_bytes: int, fused: bool) -> int:
+    """The last stage's loss working set for a micro-batch of ``tokens`` rows, at its peak.
+
+    Materialised (``fused=False``): ``LOGITS_COPIES`` [T, V/TP] tensors plus the kernels' work buffers.
+    Fused (``ops/fused_output.py``), peak in the training pass's backward: the fp32 weight-gradient
+    accumulator [V/TP, H] and the hidden-state gradient [T, H] (both allocated when backward starts), plus
+    the larger of (a) the chunk loop's three fp32 work buffers and, for half-precision weights, the GEMM's
+    half-precision chunk and ∂L/∂logits rounded to it, and (b) after the loop, the accumulator rounded
+    to the weight's dtype. The scoring and teacher passes (forward only) need less.
+    """
+    v_shard = padded_vocab_size(shape.vocab_size, layout.tp) // layout.tp
+    if not fused:
+        return LOGITS_COPIES * tokens * v_shard * params_bytes + LOSS_CHUNK_BYTES
+    chunk = min(tokens, max(1, CHUNK_BUFFER_BYTES // (4 * v_shard))) * v_shard
+    half = params_bytes != 4
+    loop = 3 * 4 * chunk + (2 * params_bytes * chunk if half else 0)
+    weight = v_shard * shape.hidden_size
+    rounded = params_bytes * weight if half else 0
+    return 4 * weight + tokens * shape.hidden_size * params_bytes + max(loop, rounded)
+
+
 def plan_layout(shape: ModelShape, s: PlanSettings, exact: bool = True) -> Plan:
     """Memory of every pipeline stage of ``s.layout``; the worst stage decides.
 
@@ -276,6 +308,12 @@ def plan_layout(shape: ModelShape, s: PlanSettings, exact: bool = True) -> Plan:
             "rollouts"
         )
     engine_gpu, engine_kv = separate_engine_memory(shape, s) if s.engine == "separate" else ({}, 0)
+    fused_logits = None
+    if s.fused_output:
+        fused_logits = (
+            loss_logits_bytes(shape, layout, tokens, s.params_bytes, fused=False),
+            stages[-1].train["loss logits + chunks"],
+        )
     if engine_gpu and (engine_kv < s.rollout_seq_len or sum(engine_gpu.values()) > s.gpu_bytes):
         problems.append(
             f"a separate engine of tp_size {s.engine_tp} holds {engine_gpu['engine weights'] / GiB:.1f} GiB "
@@ -284,7 +322,17 @@ def plan_layout(shape: ModelShape, s: PlanSettings, exact: bool = True) -> Plan:
             f"GPU's {s.gpu_bytes / GiB:.1f} GiB: raise the engine's tp_size or mem_fraction_static"
         )
     return Plan(
-        shape.name, layout, s, total_params(shape), worst, s.gpu_bytes, problems, shape, engine_gpu, engine_kv
+        shape.name,
+        layout,
+        s,
+        total_params(shape),
+        worst,
+        s.gpu_bytes,
+        problems,
+        shape,
+        engine_gpu,
+        engine_kv,
+        fused_logits,
     )
 
 
@@ -352,11 +400,10 @@ def _stage_memory(
     t["teacher fp32 copy"] = fp32_copy
     in_flight = min(layout.pp - stage, micro_batches)
     t["activations"] = activation_bytes(shape, layout, stage, tokens, s, in_flight)
-    logits = 0
-    if stage == layout.pp - 1:
-        v_shard = padded_vocab_size(shape.vocab_size, layout.tp) // layout.tp
-        logits = LOGITS_COPIES * tokens * v_shard * s.params_bytes + LOSS_CHUNK_BYTES
-    t["loss logits + chunks"] = logits
+    last = stage == layout.pp - 1
+    t["loss logits + chunks"] = (
+        loss_logits_bytes(shape, layout, tokens, s.params_bytes, s.fused_output) if last else 0
+    )
     t["engine (released)"] = ENGINE_RELEASED_BYTES if s.engine == "colocated" else 0
     t["CUDA contexts"] = CONTEXT_BYTES * (2 if s.engine == "colocated" else 1)
 
@@ -466,4 +513,13 @@ def fitting_layouts(shape: ModelShape, settings: PlanSettings, world: int, limit
     return sorted(plans, key=rank_key)
 
 
-__all__ = ["GiB", "Plan", "PlanError", "PlanSettings", "StageMemory", "fitting_layouts", "plan_layout"]
+__all__ = [
+    "GiB",
+    "Plan",
+    "PlanError",
+    "PlanSettings",
+    "StageMemory",
+    "fitting_layouts",
+    "loss_logits_bytes",
+    "plan_layout",
+]

@@ -339,6 +339,44 @@ def test_plan_json_for_the_8b_recipe(capsys):
     assert out["fitting_layouts"][0]["layout"].startswith("TP")
 
 
+# Qwen3-8B at TP4 (examples/qwen3_8b_srpo.yaml): H 4096, the vocabulary padded to 152,064 -> 38,016 rows per
+# rank, a micro-batch of 10,240 tokens, bf16. Materialised: four [T, V/TP] bf16 tensors + three 128 MiB
+# fp32 work buffers. Fused (ops/fused_output.py's backward): the fp32 weight-grad accumulator [V/TP, H],
+# the hidden-state grad [T, H] bf16, and the chunk loop's buffers: 882 rows (128 MiB / (4 * 38,016)) in
+# three fp32 work buffers + the bf16 GEMM chunk + the bf16 dL/dlogits chunk (more than the accumulator's
+# bf16 rounding, 2 * 38,016 * 4096, after the loop).
+MATERIALISED_8B_TP4 = 4 * 10240 * 38016 * 2 + 3 * 128 * 2**20
+FUSED_8B_TP4 = 38016 * 4096 * 4 + 10240 * 4096 * 2 + (3 * 4 + 2 * 2) * 882 * 38016
+
+
+def test_plan_drops_the_logits_with_the_fused_output_layer(capsys):
+    """performance.fused_output (auto = on): the last stage's loss working set is the fused layer's, and the
+    table says by how much it dropped."""
+    rc = main(["plan", "examples/qwen3_8b_srpo.yaml", "--cluster", "h100", "--nodes", "4", "--json"])
+    out = json.loads(capsys.readouterr().out)
+    assert rc == 0 and out["components"]["train"]["loss logits + chunks"] == FUSED_8B_TP4
+    assert out["fused_output_loss_logits"] == {
+        "materialised_bytes": MATERIALISED_8B_TP4,
+        "fused_bytes": FUSED_8B_TP4,
+    }
+    main(["plan", "examples/qwen3_8b_srpo.yaml", "--cluster", "h100", "--nodes", "4"])
+    before, after = MATERIALISED_8B_TP4 / GiB, FUSED_8B_TP4 / GiB
+    line = f"fused output layer: loss logits {before:.2f} GiB -> {after:.2f} GiB"
+    assert line == "fused output layer: loss logits 3.28 GiB -> 1.16 GiB"
+    assert line in capsys.readouterr().out
+
+
+def test_plan_with_fused_output_off_keeps_the_materialised_logits(capsys):
+    args = ["plan", "examples/qwen3_8b_srpo.yaml", "--cluster", "h100", "--nodes", "4"]
+    args += ["-o", "performance.fused_output=off"]
+    assert main([*args, "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["components"]["train"]["loss logits + chunks"] == MATERIALISED_8B_TP4
+    assert out["fused_output_loss_logits"] is None
+    main(args)
+    assert "fused output layer" not in capsys.readouterr().out
+
+
 def test_plan_rejects_a_layout_that_does_not_divide_the_gpus(capsys):
     rc = main(
         ["plan", "examples/qwen3_8b_srpo.yaml", "--cluster", "h100", "--nodes", "1", "-o", "parallel.tp=3"]
