@@ -265,7 +265,7 @@ def loss_logits_bytes(shape: ModelShape, layout: Layout, tokens: int, params_byt
     Fused (``ops/fused_output.py``), peak in the training pass's backward: the fp32 weight-gradient
     accumulator [V/TP, H] and the hidden-state gradient [T, H] (both allocated when backward starts), plus
     the larger of (a) the chunk loop's three fp32 work buffers and, for half-precision weights, the GEMM's
-    half-precision chunk and ∂L/∂logits rounded to it, and (b) after the loop, the accumulator rounded
+    half-precision block, the block's fp32 ∂L/∂logits and its rounding to the weight dtype, and (b) after the loop, the accumulator rounded
     to the weight's dtype. The scoring and teacher passes (forward only) need less.
     """
     v_shard = padded_vocab_size(shape.vocab_size, layout.tp) // layout.tp
@@ -273,7 +273,9 @@ def loss_logits_bytes(shape: ModelShape, layout: Layout, tokens: int, params_byt
         return LOGITS_COPIES * tokens * v_shard * params_bytes + LOSS_CHUNK_BYTES
     chunk = min(tokens, max(1, CHUNK_BUFFER_BYTES // (4 * v_shard))) * v_shard
     half = params_bytes != 4
-    loop = 3 * 4 * chunk + (2 * params_bytes * chunk if half else 0)
+    # half precision: the block's logits in the weight dtype, its fp32 gradient, that gradient rounded for
+    # the hidden-state GEMM (fp32 weights write the gradient over the logits: nothing more)
+    loop = 3 * 4 * chunk + ((2 * params_bytes + 4) * chunk if half else 0)
     weight = v_shard * shape.hidden_size
     rounded = params_bytes * weight if half else 0
     return 4 * weight + tokens * shape.hidden_size * params_bytes + max(loop, rounded)
