@@ -265,8 +265,9 @@ def loss_logits_bytes(shape: ModelShape, layout: Layout, tokens: int, params_byt
     Fused (``ops/fused_output.py``), peak in the training pass's backward: the fp32 weight-gradient
     accumulator [V/TP, H] and the hidden-state gradient [T, H] (both allocated when backward starts), plus
     the larger of (a) the chunk loop's three fp32 work buffers and, for half-precision weights, the GEMM's
-    half-precision block, the block's fp32 ∂L/∂logits and its rounding to the weight dtype, and (b) after the loop, the accumulator rounded
-    to the weight's dtype. The scoring and teacher passes (forward only) need less.
+    half-precision block, the block's fp32 ∂L/∂logits and its rounding to the weight dtype, and (b) after
+    the loop, the accumulator rounded to the weight's dtype. The scoring and teacher passes (forward only)
+    need less.
     """
     v_shard = padded_vocab_size(shape.vocab_size, layout.tp) // layout.tp
     if not fused:
