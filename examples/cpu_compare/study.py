@@ -56,8 +56,8 @@ PAIRS = (
     ("sdpo_correct_only", "sdpo"),
     ("sdpo_incorrect_only", "sdpo_correct_only"),
 )
-# Seconds on 2 idle cores, projected from a short run measured on the shared machine (README "A fair CPU
-# study"): CPU seconds ÷ 2 threads. One SRPO step of 8 × 4 rollouts ≤ 64 tokens: ~105 CPU s; one evaluation
+# Seconds on 2 idle cores, projected from a short run measured on the shared machine (examples/cpu_compare/
+# README.md): CPU seconds ÷ 2 threads. One SRPO step of 8 × 4 rollouts ≤ 64 tokens: ~105 CPU s; one evaluation
 # sequence (≤ 64 tokens): ~1.6 CPU s. Likely upper bounds (OpenMP spin-waits inflate CPU time under load).
 STEP_S = 55.0
 EVAL_SEQ_S = 0.8
@@ -526,7 +526,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--analyze-only", action="store_true", help="only rebuild the table and plots")
     p.add_argument("--keep-checkpoints", action="store_true")
     p.add_argument("--smoke", action="store_true", help="tiny random model, for CI (says nothing about SRPO)")
-    # Rates on 2 idle cores for the projection (README "A fair CPU study": how they were measured).
+    # Rates on 2 idle cores for the projection (examples/cpu_compare/README.md: how they were measured).
     p.add_argument("--step-seconds", type=float, default=STEP_S, help="one SRPO training step")
     p.add_argument("--grpo-step-factor", type=float, default=0.8, help="GRPO step / SRPO step (no teacher)")
     p.add_argument("--eval-seq-seconds", type=float, default=EVAL_SEQ_S, help="one evaluation sequence")

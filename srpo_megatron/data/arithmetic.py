@@ -13,8 +13,8 @@ Difficulty levels (``difficulty``):
   Numbered 4 so the existing levels keep their numbers.
 - 5: level 0's problems (one + / − on 1..20) with half of the problem space held out (~300 held-out and
   ~300 train problems) instead of 10 %: level 0's difficulty with enough held-out problems for a
-  ≥256-problem evaluation. Measured with SmolLM2-135M-Instruct and reasoning at 64 new tokens (README "A
-  fair CPU study"): level 0 samples right 24 % of the time at temperature 0.6 and 9 % at 1.0, level 4
+  ≥256-problem evaluation. Measured with SmolLM2-135M-Instruct and reasoning at 64 new tokens (examples/
+  cpu_compare/README.md): level 0 samples right 24 % of the time at temperature 0.6 and 9 % at 1.0, level 4
   5 % and 4 %: level 4 is too hard for that model to give mixed groups. The keys carry the level, so its
   split is drawn independently of level 0's.
 

@@ -17,7 +17,8 @@ moves the failure to run time). On top of the layers:
 Not seen: imports by string (``importlib.import_module``, the reward registry's ``"module:function"``
 names); those name rewards and entry points, not layers.
 
-``python -m tests.unit.test_import_rules`` prints the table (the README's "Architecture" section).
+``python -m tests.unit.test_import_rules`` prints the table (``srpo_megatron/ARCHITECTURE.md``, "Layers and
+rooms").
 """
 
 from __future__ import annotations
