@@ -16,6 +16,8 @@ AGGREGATIONS: tuple[str, ...] = ("token_mean", "seq_mean_token_mean")
 ISCorrection = Literal["tis", "mis", "icepop"]
 ISLevel = Literal["token", "sequence"]
 IS_CORRECTIONS: tuple[str, ...] = ("tis", "mis", "icepop")
+RejectionDenominator = Literal["drop", "keep"]
+REJECTION_DENOMINATORS: tuple[str, ...] = ("drop", "keep")
 MODES: tuple[str, ...] = (
     "srpo",
     "grpo",
@@ -48,18 +50,24 @@ class LossConfig:
     dual_clip: float | None = 3.0
     # truncated importance sampling cap on π_old / π_rollout (detached); null disables the correction
     tis_cap: float | None = 2.0
-    # off-policy correction by the ratio ρ = π_old / π_rollout (losses/importance.py): tis = min(ρ, tis_cap)
-    # (the paper's); mis = masked IS: ρ inside [is_low, is_high], else the token (or sequence) is dropped
-    # from the loss and from N_tokens; icepop = ρ inside [is_low, is_high], else weight 0 (kept in N_tokens)
+    # off-policy correction by ρ = π_old / π_rollout (losses/importance.py), exp of log ρ clamped to ±20:
+    # tis = min(ρ, tis_cap) (the paper's); mis = masked IS: ρ inside [is_low, is_high] weights the token by
+    # ρ, outside it is rejected (no loss; denominators per is_rejection_denominator); icepop = ρ inside
+    # [is_low, is_high], else weight 0 (the token stays in every denominator)
     is_correction: ISCorrection = "tis"
     # mis only: the ratio the bounds test: each token's ρ_t, or the sequence's ρ = exp(Σ_t log ρ_t)
     is_level: ISLevel = "token"
-    # mis / icepop: lower bound on ρ (IcePop's α)
+    # mis / icepop: lower bound on ρ = π_old/π_rollout (IcePop's α); slime's tis_lower_bound is the same
+    # ratio; verl's token_k1 / seq_sum_k1 bound the inverse π_rollout/π_old: [a, b] here = verl "1/b_1/a"
     is_low: float = 0.5
-    # mis / icepop: upper bound on ρ (IcePop's β)
+    # mis / icepop: upper bound on ρ = π_old/π_rollout (IcePop's β); the default [0.5, 5] is verl's
+    # rollout_rs_threshold "0.2_2.0" (verl's "0.5_5.0" is is_low 0.2, is_high 2 here)
     is_high: float = 5.0
+    # mis only: what a rejected token does to N_tokens, |y_i|, N_seq, |Ω_sdpo| and Σ w̃: drop = leaves them
+    # (verl, which clears it from response_mask); keep = stays in them with zero loss (slime, miles)
+    is_rejection_denominator: RejectionDenominator = "drop"
     # drop tokens generated more than rollout.off_policy_steps weight versions before the trainer's from
-    # the loss and from N_tokens, instead of importance-weighting them
+    # the loss and from every denominator (whatever is_rejection_denominator), instead of weighting them
     mask_stale_tokens: bool = False
     # coefficient of the k3 KL-to-reference penalty (needs reference log-probs when > 0)
     kl_coef: float = 0.0
@@ -128,6 +136,18 @@ class LossConfig:
                 "(TIS as in the paper and IcePop weight each token)",
                 "set loss.is_level: token, or loss.is_correction: mis",
             )
+        if self.is_rejection_denominator not in REJECTION_DENOMINATORS:
+            raise bad(
+                "is_rejection_denominator",
+                "unknown treatment of MIS-rejected tokens in the loss denominators",
+                f"choose one of {list(REJECTION_DENOMINATORS)} (drop = verl, keep = slime / miles)",
+            )
+        if self.is_rejection_denominator != "drop" and self.is_correction != "mis":
+            raise bad(
+                "is_rejection_denominator",
+                f"only is_correction: mis rejects tokens by their ratio, not {self.is_correction!r}",
+                "remove loss.is_rejection_denominator, or set loss.is_correction: mis",
+            )
         if not 0.0 < self.is_low <= 1.0:
             raise bad(
                 "is_low",
@@ -167,7 +187,7 @@ class LossConfig:
 
     @property
     def rejects_tokens(self) -> bool:
-        """Whether the off-policy correction removes tokens from the loss and from N_tokens (at scoring)."""
+        """Whether the off-policy correction rejects tokens from the loss (``losses.apply_rejections``)."""
         return self.is_correction == "mis" or self.mask_stale_tokens
 
     @property

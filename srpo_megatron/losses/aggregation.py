@@ -13,10 +13,13 @@ is summed with the other global normalisers. A sample split across micro-batches
 or packed sequences therefore still divides by its full length, and L does not depend on the micro-batch
 size, DP, TP, packing or CP, as with ``token_mean``.
 
-Rejected tokens (``loss.is_correction: mis``, ``loss.mask_stale_tokens``) are treated as not sampled in both
-modes: they leave |y_i| as they leave N_tokens, and a sample with no valid token left leaves N_seq (verl's
-``agg_loss`` excludes fully masked sequences the same way). SDPO's code at micro-batch 1 would still count
-such a sample in the 1/gradient-accumulation factor; neither run of the paper rejects tokens.
+Rejected tokens that leave the mask (``loss.mask_stale_tokens``; ``loss.is_correction: mis`` under
+``loss.is_rejection_denominator: drop``) are treated as not sampled in both modes: they leave |y_i| as they
+leave N_tokens, and a sample with no valid token left leaves N_seq (verl's ``agg_loss`` excludes fully
+masked sequences the same way). SDPO's code at micro-batch 1 would still count such a sample in the
+1/gradient-accumulation factor; neither run of the paper rejects tokens. Under ``keep`` MIS-rejected
+tokens stay in the mask, so |y_i| and N_seq are the pre-rejection counts (slime's and miles' per-sample
+denominators) and the rejected rows add 0 to the sums.
 """
 
 from __future__ import annotations

@@ -27,6 +27,8 @@ from __future__ import annotations
 
 import torch
 
+from srpo_megatron.losses.importance import clamped_exp
+
 # The log-ratio log π_θ − log π_old is clamped to ±20 before exp, as verl (``compute_policy_loss_vanilla``)
 # and SDPO's code do: in fp32 exp overflows above ~88.7, and an inf ratio makes the gradient NaN even
 # where the clip selects the constant branch (0 · inf). e^20 ≈ 4.9e8 lies far outside any clip range, so
@@ -37,10 +39,12 @@ LOG_RATIO_CLAMP = 20.0
 def tis_weight(
     old_logp: torch.Tensor, rollout_logp: torch.Tensor | None, cap: float | None
 ) -> torch.Tensor | None:
-    """Truncated importance weight min(π_old / π_rollout, cap), detached: [T] → [T] (None if disabled)."""
+    """Truncated importance weight min(π_old / π_rollout, cap), detached: [T] → [T] (None if disabled).
+
+    The log-ratio is clamped to ±20 before exp (``importance.clamped_exp``), as every IS weight here."""
     if rollout_logp is None or cap is None:
         return None
-    return (old_logp.detach() - rollout_logp.detach()).exp().clamp(max=cap)
+    return clamped_exp(old_logp.detach() - rollout_logp.detach()).clamp(max=cap)
 
 
 def importance_weight(

@@ -31,8 +31,11 @@ SDPO route contribute no loss but their tokens still count in N_tokens (same den
 
 Off-policy corrections (``loss.is_correction``, ``loss.mask_stale_tokens``; ``losses/importance.py``):
 the detached weight of each token's policy-gradient term is TIS (default), MIS or IcePop; tokens that MIS
-or the stale mask reject are cleared from ``mask`` once after scoring (``apply_rejections``), so they take
-no loss and are not in N_tokens, |Ω_sdpo| or Σ w̃; IcePop's zero-weight tokens stay in N_tokens.
+or the stale mask reject take no loss; stale ones, and MIS-rejected ones under
+``loss.is_rejection_denominator: drop``, are cleared from ``mask`` once after scoring
+(``apply_rejections``), so they are not in N_tokens, |Ω_sdpo| or Σ w̃; under ``keep`` MIS-rejected tokens
+stay in ``mask`` and in every count (slime's and miles' rule) and ``loss_rows`` leaves them out of the sums;
+IcePop's zero-weight tokens stay in N_tokens.
 """
 
 from __future__ import annotations
@@ -48,7 +51,7 @@ import torch.distributed as dist
 from srpo_megatron.config import LossConfig
 from srpo_megatron.losses.aggregation import aggregate, sequence_count
 from srpo_megatron.losses.grpo import grpo_token_loss
-from srpo_megatron.losses.importance import bounded_is_weight, check_rejections
+from srpo_megatron.losses.importance import bounded_is_weight, check_rejections, loss_rows
 from srpo_megatron.losses.sdpo import dynamic_weights, raw_weights, sdpo_token_loss
 from srpo_megatron.ops.fused_output import OutputShard
 from srpo_megatron.ops.vocab_parallel import append_tail, token_stats
@@ -169,7 +172,9 @@ def routed_loss(
     if normalizers.num_tokens <= 0:
         raise ValueError("normalizers.num_tokens is 0: the batch has no valid response tokens")
     check_rejections(batch, cfg)
-    mask = batch.mask
+    # rows that take loss: the mask, less the MIS-rejected rows loss.is_rejection_denominator: keep leaves in
+    # it for the denominators (the SDPO rows below stay the mask's, as |Ω_sdpo|; a rejected row's weight is 0)
+    mask = loss_rows(batch, cfg)
     sdpo_rows = _sdpo_rows(batch).nonzero().squeeze(1)
     grpo_rows = batch.grpo & mask
     need_grpo = bool(grpo_rows.any())
@@ -259,6 +264,8 @@ def routed_loss(
         metrics["sdpo_loss_sum"] = loss_s.detach().double().sum()
         metrics["divergence_sum"] = ms["divergence"].double().sum()
 
+    if mask is not batch.mask:  # keep: no SDPO term on a rejected row either
+        per_token = torch.where(mask, per_token, 0.0)
     loss = aggregate(per_token, batch, normalizers, cfg.aggregation)
     if not need_grpo and not sdpo_rows.numel():
         # Nothing routed here (e.g. pure SDPO, no sample has a teacher): keep the loss attached to the

@@ -1,6 +1,7 @@
 """The off-policy corrections through the real scoring and learning passes (one rank, the tiny policy):
 ``score_rollouts(..., trainer_version=...)`` marks stale tokens from ``Sample.token_versions`` and clears
-them (and MIS rejections) from the batch's mask before any normaliser is counted."""
+them (and MIS rejections under ``loss.is_rejection_denominator: drop``) from the batch's mask before any
+normaliser is counted; under ``keep`` the MIS-rejected rows stay in the mask and in N_tokens."""
 
 from __future__ import annotations
 
@@ -51,6 +52,12 @@ def _score_and_learn(rank, world, tiny, run_dir):
     for name, extra in {
         "stale": ["loss.mask_stale_tokens=true"],
         "mis": ["loss.is_correction=mis", "loss.is_low=0.9", "loss.is_high=1.1"],
+        "mis_keep": [
+            "loss.is_correction=mis",
+            "loss.is_low=0.9",
+            "loss.is_high=1.1",
+            "loss.is_rejection_denominator=keep",
+        ],
     }.items():
         policy = Policy(tiny_config(tiny, f"{run_dir}/{name}", ["loss.mode=grpo", *extra]), groups)
         scored = score_rollouts(policy, _samples(rollout_logp), trainer_version=5)
@@ -83,3 +90,13 @@ def test_scoring_clears_stale_and_mis_rejected_tokens_before_training(tiny, tmp_
     assert torch.equal(mask, inside)
     assert stats.rejected_tokens == 12 - int(inside.sum()) and stats.stale_tokens == 0
     assert learned.tokens == int(inside.sum())
+
+    # keep: the same rejections, but the rejected rows stay in the mask and in N_tokens, so the same token
+    # losses are divided by all 12 tokens instead of the kept ones (slime's and miles' denominators): the
+    # gradient shrinks by n_kept / 12 (the loss itself is 0 here: the kept tokens' advantages cancel)
+    drop_norm, n_inside = learned.grad_norm_sum, int(inside.sum())
+    assert drop_norm > 0.0
+    mask, ratio_keep, stats, learned = out["mis_keep"]
+    assert torch.equal(ratio_keep, ratio) and bool(mask.all())
+    assert stats.rejected_tokens == 12 - n_inside and learned.tokens == n_inside
+    assert abs(learned.grad_norm_sum * 12 - drop_norm * n_inside) <= 1e-4 * drop_norm * n_inside

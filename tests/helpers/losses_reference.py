@@ -84,6 +84,12 @@ class RefCfg:
     is_high: float = 5.0
     mask_stale_tokens: bool = False
     aggregation: str = "token_mean"
+    is_rejection_denominator: str = "drop"
+
+
+def ref_clamped_exp(log_ratio: float) -> float:
+    """exp of a log-ratio held within ±20 (the IS weights' overflow guard)."""
+    return math.exp(min(max(log_ratio, -20.0), 20.0))
 
 
 def ref_grpo_token(logp, old, adv: float, rollout, cfg: RefCfg, ref=None, ent=None, is_weight=None):
@@ -99,7 +105,7 @@ def ref_grpo_token(logp, old, adv: float, rollout, cfg: RefCfg, ref=None, ent=No
     if is_weight is not None:
         loss = loss * is_weight
     elif rollout is not None and cfg.tis_cap is not None:
-        loss = loss * min(math.exp(float(old) - float(rollout)), cfg.tis_cap)
+        loss = loss * min(ref_clamped_exp(float(old) - float(rollout)), cfg.tis_cap)
     if cfg.kl_coef:
         d = ref - logp
         loss = loss + cfg.kl_coef * (torch.exp(d) - d - 1)
@@ -143,7 +149,7 @@ def ref_off_policy(
             s = sample_of_token[t]
             seq_log[s] = seq_log.get(s, 0.0) + float(old_logp[t]) - float(rollout_logp[t])
     kept, weight = [], []
-    for t in range(t_rows):
+    for t in range(t_rows):  # a stale token still counts in its sequence's ratio (seq_log above)
         keep, w = bool(mask[t]), None
         if cfg.is_correction in ("mis", "icepop"):
             log_rho = (
@@ -151,7 +157,7 @@ def ref_off_policy(
                 if cfg.is_level == "sequence"
                 else (float(old_logp[t]) - float(rollout_logp[t]))
             )
-            rho = math.exp(log_rho)
+            rho = ref_clamped_exp(log_rho)
             inside = cfg.is_low <= rho <= cfg.is_high
             if cfg.is_correction == "mis":
                 keep, w = keep and inside, rho
@@ -162,6 +168,17 @@ def ref_off_policy(
         kept.append(keep)
         weight.append(w)
     return kept, weight
+
+
+def ref_counted(
+    mask: torch.Tensor, kept: list[bool], cfg: RefCfg, stale: list[bool] | None = None
+) -> list[bool]:
+    """Per token: whether it counts in the denominators. ``drop``: the kept tokens only; ``keep`` (MIS): every
+    valid token but the stale ones (an MIS-rejected token counts, with no loss)."""
+    if cfg.is_correction != "mis" or cfg.is_rejection_denominator == "drop":
+        return list(kept)
+    drop_stale = cfg.mask_stale_tokens and stale is not None
+    return [bool(mask[t]) and not (drop_stale and stale[t]) for t in range(len(kept))]
 
 
 def ref_routed_loss(
@@ -185,6 +202,7 @@ def ref_routed_loss(
     off-policy correction drops (``ref_off_policy``) are left out of every sum and count.
     """
     kept, is_weight = ref_off_policy(sample_of_token, mask, old_logp, rollout_logp, cfg, stale)
+    counted = ref_counted(mask, kept, cfg, stale)
     g = len(rewards[0])
     routes = ref_route(rewards, cfg.success_threshold)
     flat = [routes[s // g][s % g] for s in range(len(rewards) * g)]
@@ -213,7 +231,7 @@ def ref_routed_loss(
         assert cfg.mode == "sdpo", cfg.mode
         return False, has_teacher
 
-    sdpo_tokens = [t for t in range(t_rows) if kept[t] and routes_of(sample_of_token[t])[1]]
+    sdpo_tokens = [t for t in range(t_rows) if counted[t] and routes_of(sample_of_token[t])[1]]
     w_raw = {t: math.exp(-cfg.beta * float(h_t[t])) for t in sdpo_tokens}
     scope = scope_of_token or [0] * t_rows
     mean_w = {}
@@ -223,12 +241,16 @@ def ref_routed_loss(
     total = student_logits.new_zeros(())
     n_valid = 0
     seq_sum: dict[int, torch.Tensor] = {}  # sample -> Σ_t ℓ over its kept tokens
-    seq_len: dict[int, int] = {}  # sample -> |y_i|, its kept tokens
+    seq_len: dict[int, int] = {}  # sample -> |y_i|, its counted tokens
     for t in range(t_rows):
-        if not kept[t]:
+        if not counted[t]:
             continue
         n_valid += 1
         s = sample_of_token[t]
+        seq_sum.setdefault(s, student_logits.new_zeros(()))
+        seq_len[s] = seq_len.get(s, 0) + 1
+        if not kept[t]:  # keep: in every count, no loss
+            continue
         before = total
         to_grpo, to_sdpo = routes_of(s)
         y = int(response_ids[t])
@@ -256,11 +278,10 @@ def ref_routed_loss(
             ratio = min(math.exp(float(logp.detach()) - float(old_logp[t])), cfg.sdpo_ratio_cap)
             tis = is_weight[t]
             if tis is None:
-                tis = min(math.exp(float(old_logp[t]) - float(rollout_logp[t])), cfg.tis_cap)
+                tis = min(ref_clamped_exp(float(old_logp[t]) - float(rollout_logp[t])), cfg.tis_cap)
             w = w_raw[t] / mean_w[scope[t]] if cfg.mode == "srpo" else 1.0
             total = total + d * ratio * tis * w
-        seq_sum[s] = seq_sum.get(s, student_logits.new_zeros(())) + (total - before)
-        seq_len[s] = seq_len.get(s, 0) + 1
+        seq_sum[s] = seq_sum[s] + (total - before)
     if cfg.aggregation == "seq_mean_token_mean":  # (1/N_seq) Σ_i (1/|y_i|) Σ_t ℓ_it, N_seq = samples kept
         return sum(seq_sum[i] / seq_len[i] for i in seq_sum) / len(seq_sum)
     assert cfg.aggregation == "token_mean", cfg.aggregation

@@ -28,6 +28,7 @@ ADDED_SINCE = {
     "loss.is_low": 0.5,
     "loss.is_high": 5.0,
     "loss.mask_stale_tokens": False,
+    "loss.is_rejection_denominator": "drop",
     "moe.expert_bias_update_rate": 0.0,
     "loss.aggregation": "token_mean",
     "teacher.enable_thinking": False,
