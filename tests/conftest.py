@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from tests.helpers import mcore_next
+from tests.helpers.healthy import assert_healthy_runs
 
 # Shared helpers (the rollout-engine contract's test methods, the parity asserts) keep pytest's assertion
 # introspection: only test modules and conftest files are rewritten by default.
@@ -54,8 +55,26 @@ def _free_module_tmp(request, tmp_path_factory):
     failed = request.session.testsfailed
     yield
     if request.session.testsfailed == failed:
-        for path in set(base.iterdir()) - before:
+        made = sorted(set(base.iterdir()) - before)
+        if not request.node.get_closest_marker("engine_faults"):
+            for path in made:  # the module fixtures' runs are healthy ones (tests/helpers/healthy.py)
+                assert_healthy_runs(path)
+        for path in made:
             shutil.rmtree(path, ignore_errors=True)
+
+
+@pytest.fixture(autouse=True)
+def _healthy_runs(request):
+    """After a passed test: every run it left under its ``tmp_path`` restarted no engine
+    (``tests/helpers/healthy.py``), unless the test is marked ``engine_faults``."""
+    failed = request.session.testsfailed
+    # asked for here, before the test, so that the folder is torn down after this check
+    tmp = request.getfixturevalue("tmp_path") if "tmp_path" in request.fixturenames else None
+    yield
+    if tmp is None or request.session.testsfailed != failed:
+        return
+    if not request.node.get_closest_marker("engine_faults"):
+        assert_healthy_runs(tmp)
 
 
 @pytest.fixture(autouse=True)

@@ -13,6 +13,7 @@ from srpo_megatron.config.data import ArithmeticTaskConfig, DataConfig
 from srpo_megatron.config.evaluation import EvalConfig
 from srpo_megatron.config.loading import (
     ConfigError,
+    ConfigWarning,
     apply_overrides,
     from_dict,
     load_config,
@@ -39,6 +40,7 @@ __all__ = [
     "ArithmeticTaskConfig",
     "ClusterConfig",
     "ConfigError",
+    "ConfigWarning",
     "DataConfig",
     "EvalConfig",
     "LossConfig",

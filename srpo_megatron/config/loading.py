@@ -20,6 +20,7 @@ import dataclasses
 import math
 import types
 import typing
+import warnings
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, TypeVar, get_args, get_origin
 
@@ -33,6 +34,15 @@ T = TypeVar("T", bound="DataclassInstance")
 
 class ConfigError(ValueError):
     """A recipe or override is invalid. The message names the key path, the value and the fix."""
+
+
+class ConfigWarning(UserWarning):
+    """A recipe key that is accepted but does nothing with the rest of the recipe."""
+
+
+def warn_config(message: str) -> None:
+    """One line naming the keys that do nothing, their values and the fix (a ``ConfigWarning``)."""
+    warnings.warn(message, ConfigWarning, stacklevel=3)
 
 
 def _type_name(tp: Any) -> str:

@@ -15,7 +15,7 @@ from pathlib import Path
 
 from srpo_megatron.config.data import DataConfig
 from srpo_megatron.config.evaluation import EvalConfig
-from srpo_megatron.config.loading import ConfigError, load_config
+from srpo_megatron.config.loading import ConfigError, load_config, warn_config
 from srpo_megatron.config.loss import LossConfig
 from srpo_megatron.config.model import ModelConfig
 from srpo_megatron.config.moe import MoEConfig
@@ -59,6 +59,11 @@ class TrainConfig:
             raise ConfigError(
                 f"rollout.prompts_per_step={self.rollout.prompts_per_step} is not divisible by "
                 f"train.mini_batches={self.train.mini_batches}; each optimizer step takes whole prompt groups"
+            )
+        if self.loss.mask_stale_tokens and not self.rollout.off_policy_steps:
+            warn_config(
+                "loss.mask_stale_tokens=true does nothing at rollout.off_policy_steps=0: on-policy, no token "
+                "is ever staler than the bound; set rollout.off_policy_steps >= 1 or drop the key"
             )
         cp, budget = self.parallel.cp, self.train.max_tokens_per_micro_batch
         if cp > 1 and (budget <= 0 or budget % (2 * cp)):

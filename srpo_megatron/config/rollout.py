@@ -13,12 +13,14 @@ Placement and weight sync, and which pairs load (every other pair is refused her
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any, Literal
 
-from srpo_megatron.config.loading import ConfigError
+from srpo_megatron.config.loading import ConfigError, warn_config
 
 WeightSyncKind = Literal["tensor", "distributed", "disk"]
+SamplingCriterion = Literal["auto", "mixed", "std"]
+SAMPLING_CRITERIA: tuple[str, ...] = ("auto", "mixed", "std")
 
 
 @dataclass
@@ -91,11 +93,15 @@ class RolloutConfig:
     # Partial rollouts (needs off_policy_steps >= 1): a generation unfinished at a weight sync is aborted,
     # kept, and continued with the new weights; every token records the version that generated it.
     partial: bool = False
-    # Dynamic sampling (DAPO): keep only groups that carry signal (for SRPO: mixed groups, some correct and
-    # some not), drawing more prompts, up to max_sampling_rounds rounds per step, until prompts_per_step
-    # such groups are complete.
+    # Dynamic sampling (DAPO): keep only groups that carry signal, drawing more prompts, up to
+    # max_sampling_rounds rounds per step, until prompts_per_step such groups are complete
+    # (trainer/sample_pool.py).
     dynamic_sampling: bool = False
-    max_sampling_rounds: int = 4
+    max_sampling_rounds: int = 4  # rounds of prompts per step before the batch is topped up
+    # which groups carry signal: auto = those loss.mode trains with a nonzero term; mixed = some members
+    # pass loss.success_threshold, some not; std = the group's reward std > dynamic_sampling_std_eps (DAPO)
+    dynamic_sampling_criterion: SamplingCriterion = "auto"
+    dynamic_sampling_std_eps: float = 1e-6  # rewards whose sample std is at most this count as constant
     # Parity diagnostic: the engine returns its top-K log-probs per response token (SGLang
     # ``top_logprobs_num``) and the scoring pass logs KL(engine‖trainer) over those ids
     # (logprob/topk_kl_mean, logprob/topk_kl_max); 0 = off. Off by default: on SGLang it adds a top-k per
@@ -103,6 +109,15 @@ class RolloutConfig:
     parity_top_k: int = 0
 
     def __post_init__(self) -> None:
+        self._check_sampling()
+        self._check_rewards()
+        self._check_engine()
+        self._check_engine_resources()
+        self._check_off_policy()
+        self._check_dynamic_sampling()
+
+    def _check_sampling(self) -> None:
+        """Sampling parameters and group shape."""
         if self.prompts_per_step < 1 or self.group_size < 2:
             raise ConfigError(
                 f"rollout.prompts_per_step={self.prompts_per_step} must be >= 1 and rollout.group_size="
@@ -123,6 +138,9 @@ class RolloutConfig:
                 f"rollout.top_k={self.top_k} must be -1 (off) or >= 1, rollout.max_batch_size="
                 f"{self.max_batch_size} >= 1"
             )
+
+    def _check_rewards(self) -> None:
+        """Reward workers, timeouts and extra verifiers."""
         if self.reward_workers < 0 or self.reward_timeout_s <= 0 or self.reward_import_timeout_s <= 0:
             raise ConfigError(
                 f"rollout.reward_workers={self.reward_workers} must be >= 0 (0 = threads), "
@@ -135,6 +153,9 @@ class RolloutConfig:
                 raise ConfigError(
                     f"rollout.reward_fns.{kind}: {target!r} must look like 'package.module:function'"
                 )
+
+    def _check_engine(self) -> None:
+        """Engine and weight-sync pairs per placement (module docstring)."""
         if self.engine == "sglang" and self.sglang is None:
             raise ConfigError(
                 "rollout.engine=sglang needs a rollout.sglang section (at least model_path, the HF folder "
@@ -160,6 +181,9 @@ class RolloutConfig:
                 "placement), while a colocated engine shares the trainer's GPUs and takes them over CUDA "
                 "IPC; use weight_sync: tensor (or disk), or rollout.placement: separate with engine_nodes"
             )
+
+    def _check_engine_resources(self) -> None:
+        """Engine nodes, devices per engine and routing replay."""
         if self.engine_nodes < 0:
             raise ConfigError(
                 f"rollout.engine_nodes={self.engine_nodes} must be >= 0 (nodes for the engines)"
@@ -187,6 +211,9 @@ class RolloutConfig:
             )
         if self.gpus_per_engine < 0:
             raise ConfigError(f"rollout.gpus_per_engine={self.gpus_per_engine} must be >= 0 (0 = engine TP)")
+
+    def _check_off_policy(self) -> None:
+        """Off-policy and partial rollouts."""
         if self.off_policy_steps < 0:
             raise ConfigError(
                 f"rollout.off_policy_steps={self.off_policy_steps} must be >= 0 (0 = on-policy, 1 = one "
@@ -203,11 +230,36 @@ class RolloutConfig:
                 "rollout.partial=true needs rollout.off_policy_steps >= 1: only an off-policy run syncs "
                 "weights while generations are unfinished; set off_policy_steps (e.g. 1) or partial: false"
             )
+
+    def _check_dynamic_sampling(self) -> None:
+        """Dynamic sampling's keys; a set key that does nothing without it gets a warning."""
         if self.max_sampling_rounds < 1:
             raise ConfigError(
                 f"rollout.max_sampling_rounds={self.max_sampling_rounds} must be >= 1 (rounds of prompts "
                 "drawn per step when rollout.dynamic_sampling is on)"
             )
+        if self.dynamic_sampling_criterion not in SAMPLING_CRITERIA:
+            raise ConfigError(
+                f"rollout.dynamic_sampling_criterion={self.dynamic_sampling_criterion!r} is not a criterion; "
+                f"choose one of {list(SAMPLING_CRITERIA)} (auto follows loss.mode)"
+            )
+        if not self.dynamic_sampling_std_eps >= 0:
+            raise ConfigError(
+                f"rollout.dynamic_sampling_std_eps={self.dynamic_sampling_std_eps} must be >= 0 (a reward "
+                "standard deviation; 1e-6 as slime)"
+            )
+        if not self.dynamic_sampling:
+            defaults = {f.name: f.default for f in fields(self)}
+            unused = [
+                f"rollout.{k}={getattr(self, k)!r}"
+                for k in ("max_sampling_rounds", "dynamic_sampling_criterion", "dynamic_sampling_std_eps")
+                if getattr(self, k) != defaults[k]
+            ]
+            if unused:
+                warn_config(
+                    f"{', '.join(unused)} does nothing while rollout.dynamic_sampling is false (every group "
+                    "is trained); set rollout.dynamic_sampling=true or drop the key"
+                )
 
     def engine_size(self) -> int:
         """Trainer ranks (devices) per colocated engine: ``gpus_per_engine`` or the engine's TP size."""

@@ -73,13 +73,11 @@ class GenerationWorker:
     """Runs one engine's jobs in dispatch order (a thread when ``threaded``, else inline).
 
     ``engine`` returns the host's current engine (it changes when an engine is restarted);
-    ``after_generate`` runs after each job on the worker (colocated: release the engine's memory);
     ``continue_partial(engine, prompts, params, completions)`` continues aborted generations with the
     engine's current weights (partial rollouts; None = partial rollouts off)."""
 
     engine: Callable[[], Any]
     threaded: bool
-    after_generate: Callable[[], None] | None = None
     continue_partial: Callable[..., list[list[Completion]]] | None = None
     _queue: deque[Job] = field(default_factory=deque)
     _results: dict[int, JobResult] = field(default_factory=dict)
@@ -218,8 +216,6 @@ class GenerationWorker:
                 self._stop()  # the sync that aborted them installs the new weights now
                 engine, _ = self._start()
                 out = self.continue_partial(engine, job.prompts, job.params, out)
-            if self.after_generate is not None:
-                self.after_generate()
             result.completions = out
         except EngineError as e:
             result.error = str(e)

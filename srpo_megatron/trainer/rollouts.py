@@ -126,14 +126,19 @@ class RolloutService:
         self.waited_s = 0.0  # seconds this rank's trainer waited for rollouts (inline: generated them)
 
     def _worker(self) -> GenerationWorker:
-        colocated = self.cfg.rollout.placement == "colocated"
         return GenerationWorker(
             engine=lambda: self.engine,
             threaded=self.cfg.rollout.off_policy_steps > 0,
-            # colocated: the engine gives its accelerator memory to training after each round
-            after_generate=(lambda: self.engine.release_memory()) if colocated else None,
             continue_partial=continue_partial if self.cfg.rollout.partial else None,
         )
+
+    def _release_for_training(self) -> None:
+        """Colocated: the engine gives its accelerator memory to training, once per step, after the step's
+        last round. Not after each round: a released engine's weights are gone (SGLang pauses them
+        without a copy) and only the next full weight sync makes it serve again, so a second round of
+        dynamic sampling must find it still serving. Separate engines keep their memory."""
+        if self.cfg.rollout.placement == "colocated" and self.engine is not None:
+            self.engine.release_memory()
 
     @property
     def eval_engine(self) -> Any:
@@ -351,6 +356,7 @@ class RolloutService:
             if not self.pending:
                 self._dispatch(draw(b))
             self._receive(self.pending.popleft())
+        self._release_for_training()  # every round of the step is in: training takes the memory
         if self.rank0:
             assert batch is not None
             batch.metrics = merge_metrics(batch.metrics, engine_metrics(self._unreported, self.last_sync_s))

@@ -7,12 +7,18 @@ bookkeeping: no collectives, nothing but rank 0 calls it. The rules:
 
 - **Rewards on arrival.** ``add`` rewards each group at once (one ``RewardPool`` call per ``add``):
   dynamic sampling decides on them, and a group routes on its own rewards wherever it is trained.
-- **Dynamic sampling** (``rollout.dynamic_sampling``, after DAPO, Yu et al. 2025, §3.2). A group carries
-  signal when it is MIXED: some members pass ``loss.success_threshold``, some do not. An all-correct group
-  has zero GRPO advantage everywhere; an all-wrong one has zero advantage and no correct sibling for the
-  SDPO teacher. ``add`` keeps mixed groups and sets the others aside (``sampling/kept_groups``,
-  ``sampling/dropped_groups``). Without dynamic sampling every group is kept. The criterion is the SRPO
-  one for every ``loss.mode``.
+- **Dynamic sampling** (``rollout.dynamic_sampling``, after DAPO, Yu et al. 2025, §3.2). ``add`` keeps the
+  groups that carry signal and sets the others aside (``sampling/kept_groups``, ``sampling/dropped_groups``,
+  and by what the set-aside group is: ``sampling/dropped_all_correct``, ``_all_wrong``, ``_mixed``, judged
+  by ``loss.success_threshold``). Without dynamic sampling every group is kept. Which groups carry signal
+  is ``rollout.dynamic_sampling_criterion`` (``CompletedGroup.carries_signal``): ``mixed`` (some members
+  pass the threshold, some do not), ``std`` (DAPO's: the group's reward std > ε,
+  ``rollout.dynamic_sampling_std_eps``), or ``auto`` (default): exactly the groups that give ``loss.mode``'s
+  loss a nonzero term: GRPO's advantage is nonzero iff the rewards spread (std > ε), and an SDPO sample
+  needs a correct sibling. So ``grpo`` keeps std > ε; ``srpo``/``srpo_no_dw`` mixed or std > ε (with 0/1
+  rewards: mixed); ``sdpo`` every group with a correct member (an all-correct group distils each member
+  toward a correct sibling); ``sdpo_incorrect_only`` mixed; ``sdpo_correct_only`` two or more correct;
+  ``advantage_mix`` std > ε (λ > 0) or a correct member (λ < 1).
 - **Rounds.** ``missing(n, in_flight)`` is how many prompts the next round should dispatch: ``n`` minus
   the kept groups and the prompts still in flight; a nonzero answer counts one round of the step
   (``sampling/rounds``). After ``rollout.max_sampling_rounds`` rounds the set-aside groups count too: the
@@ -26,7 +32,10 @@ bookkeeping: no collectives, nothing but rank 0 calls it. The rules:
   for a partial rollout, else the dispatch ``weight_version``); its older tokens are the loss's business
   (importance corrections). ``take`` drops every group with a stale member before choosing, and counts
   its samples in ``async/dropped_stale``: nothing stale is trained silently. Stale set-aside groups are
-  never used for a top-up (already counted as dropped groups, not again as stale).
+  never used for a top-up (already counted as dropped groups, not again as stale). At ``bound`` 0
+  (on-policy) nothing is generated ahead of its step, so a group that turns stale is dynamic sampling's
+  surplus from an earlier step (a round answers more groups than the batch needs): it is dropped the
+  same way but counted as ``sampling/surplus_groups`` (groups), not in ``async/dropped_stale``.
 - **The step's metrics** (``take``): the routing metrics of ``routing_batch.route_groups`` over the trained
   groups; ``time/reward_s``, ``reward/timeouts``, ``reward/errors`` of every ``add`` since the last batch;
   ``sampling/*``; ``async/dropped_stale``; ``async/staleness_mean``/``_max`` (trainer version minus each
@@ -47,6 +56,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import statistics
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -93,6 +103,44 @@ class CompletedGroup:
         correct = [r >= threshold for r in self.rewards]
         return any(correct) and not all(correct)
 
+    def spread(self, eps: float) -> bool:
+        """The rewards' sample standard deviation exceeds ``eps`` (DAPO's criterion; GRPO's advantage is
+        nonzero somewhere exactly when the rewards are not all equal)."""
+        assert self.rewards is not None, "a group is rewarded by SamplePool.add before it is judged"
+        return statistics.stdev(self.rewards) > eps
+
+    def carries_signal(self, criterion: str, loss: LossConfig, eps: float) -> bool:
+        """Whether dynamic sampling keeps the group (``rollout.dynamic_sampling_criterion``; the rule per
+        ``loss.mode`` for ``auto`` is in the module docstring)."""
+        assert self.rewards is not None, "a group is rewarded by SamplePool.add before it is judged"
+        t = loss.success_threshold
+        if criterion == "mixed":
+            return self.mixed(t)
+        if criterion == "std":
+            return self.spread(eps)
+        correct = sum(r >= t for r in self.rewards)
+        mode = loss.mode
+        if mode == "grpo":
+            return self.spread(eps)
+        if mode in ("srpo", "srpo_no_dw"):
+            return self.mixed(t) or self.spread(eps)
+        if mode == "sdpo":
+            return correct >= 1  # every other member has that correct sibling
+        if mode == "sdpo_incorrect_only":
+            return self.mixed(t)
+        if mode == "sdpo_correct_only":
+            return correct >= 2  # a correct member's teacher needs another correct one
+        if mode == "advantage_mix":
+            lam = loss.adv_mix_lambda
+            return (lam > 0 and self.spread(eps)) or (lam < 1 and correct >= 1)
+        raise ValueError(f"no dynamic-sampling rule for loss.mode={mode!r}")
+
+    def composition(self, threshold: float) -> str:
+        """``all_correct``, ``all_wrong`` or ``mixed`` by ``threshold`` (the set-aside counters' reason)."""
+        assert self.rewards is not None, "a group is rewarded by SamplePool.add before it is judged"
+        correct = [r >= threshold for r in self.rewards]
+        return "all_correct" if all(correct) else "mixed" if any(correct) else "all_wrong"
+
     def newest_versions(self) -> list[int]:
         """Each member's newest token's weight version (the one staleness is measured by)."""
         return [max(c.token_versions) if c.token_versions else c.weight_version for c in self.completions]
@@ -121,6 +169,10 @@ class _StepCounters:
     kept: int = 0
     dropped: int = 0
     dropped_stale: int = 0
+    dropped_all_correct: int = 0  # set-aside groups by composition (they sum to ``dropped``)
+    dropped_all_wrong: int = 0
+    dropped_mixed: int = 0
+    surplus: int = 0  # stale groups at bound 0: an earlier step's surplus (groups)
     reward_s: float = 0.0
     reward_timeouts: int = 0
     reward_errors: int = 0
@@ -140,8 +192,8 @@ class SamplePool:
     loss: LossConfig
     teacher: TeacherConfig
     rewards: RewardPool
-    kept: list[CompletedGroup] = field(default_factory=list)  # mixed (or all, without dynamic sampling)
-    set_aside: list[CompletedGroup] = field(default_factory=list)  # not mixed, in arrival order
+    kept: list[CompletedGroup] = field(default_factory=list)  # carrying signal (all without dynamic sampling)
+    set_aside: list[CompletedGroup] = field(default_factory=list)  # carrying none, in arrival order
     counters: _StepCounters = field(default_factory=_StepCounters)
 
     def __len__(self) -> int:
@@ -151,8 +203,8 @@ class SamplePool:
     # ------------------------------------------------------------------------------------------ arrive
 
     def add(self, groups: list[CompletedGroup]) -> None:
-        """Reward ``groups`` (one pool call) and keep them, or, with dynamic sampling, keep the mixed ones
-        and set the others aside for a possible top-up."""
+        """Reward ``groups`` (one pool call) and keep them, or, with dynamic sampling, keep the ones that
+        carry signal and set the others aside for a possible top-up."""
         if not groups:
             return
         g = self.rollout.group_size
@@ -169,14 +221,19 @@ class SamplePool:
         c.reward_errors += scores.result.num_errors
         c.rewards_scored += len(scores.result.rewards)
         c.reward_messages = (c.reward_messages + scores.result.errors)[:10]
+        r = self.rollout
         for x, texts, rewards in zip(groups, scores.texts, scores.rewards, strict=True):
             x.texts, x.rewards = texts, rewards
-            if not self.rollout.dynamic_sampling or x.mixed(self.loss.success_threshold):
+            if not r.dynamic_sampling or x.carries_signal(
+                r.dynamic_sampling_criterion, self.loss, r.dynamic_sampling_std_eps
+            ):
                 self.kept.append(x)
                 c.kept += 1
             else:
                 self.set_aside.append(x)
                 c.dropped += 1
+                reason = f"dropped_{x.composition(self.loss.success_threshold)}"
+                setattr(c, reason, getattr(c, reason) + 1)
 
     def add_round(self, groups: list[CompletedGroup]) -> None:
         """``add`` one received round's groups and count the round for the next batch
@@ -223,10 +280,12 @@ class SamplePool:
         c = self.counters
         fresh = []
         for x in self.kept:
-            if self._is_stale(x, trainer_version, bound):
-                c.dropped_stale += len(x.completions)
-            else:
+            if not self._is_stale(x, trainer_version, bound):
                 fresh.append(x)
+            elif bound == 0:  # on-policy: only a surplus of an earlier step's rounds turns stale
+                c.surplus += 1
+            else:
+                c.dropped_stale += len(x.completions)
         self.kept = sorted(fresh, key=lambda x: x.key)
         # stale set-aside groups are never a top-up (counted once, as dropped groups)
         self.set_aside = [x for x in self.set_aside if not self._is_stale(x, trainer_version, bound)]
@@ -256,6 +315,15 @@ class SamplePool:
             "sampling/topped_up": float(len(topped_up)),
             "async/dropped_stale": float(c.dropped_stale),
         }
+        if self.rollout.dynamic_sampling:  # the sampler's own counters (0 without it)
+            pool_metrics.update(
+                {
+                    "sampling/dropped_all_correct": float(c.dropped_all_correct),
+                    "sampling/dropped_all_wrong": float(c.dropped_all_wrong),
+                    "sampling/dropped_mixed": float(c.dropped_mixed),
+                    "sampling/surplus_groups": float(c.surplus),
+                }
+            )
         versions = async_metrics(batch, trainer_version)
         batch.metrics = merge_metrics(batch.metrics, times, pool_metrics, versions)
         self.set_aside, self.counters = [], _StepCounters()

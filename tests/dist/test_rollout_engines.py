@@ -86,6 +86,7 @@ def _engines(rank, world, tiny, run_dir):
     return out
 
 
+@pytest.mark.engine_faults  # restarts an engine on purpose
 def test_two_engines_serve_split_prompts_same_version_same_tokens_and_restart_alone(tiny, tmp_path):
     res = run_distributed(_engines, 4, tiny, str(tmp_path), timeout=900)
     assert [r["hosts"] for r in res] == [True, False, True, False], "engines on the first rank of each pair"
@@ -184,6 +185,7 @@ _TIMED = (
 )
 
 
+@pytest.mark.engine_faults  # restarts an engine on purpose
 def test_srpo_train_restarts_an_engine_killed_mid_rollout_alone_and_continues(tiny, tmp_path, clean_run):
     """Engine 1 (ranks 2-3) dies during step 2's rollouts: it alone is rebuilt, resynced to v2 and its
     prompts retried; the run then matches the fault-free run token for token and metric for metric, and
@@ -207,6 +209,7 @@ def test_srpo_train_restarts_an_engine_killed_mid_rollout_alone_and_continues(ti
     assert "restarting it alone and resyncing" in log
 
 
+@pytest.mark.engine_faults  # restarts an engine on purpose
 def test_srpo_train_stops_on_a_second_engine_failure_naming_engine_gpus_and_version(tiny, tmp_path):
     """Engine 1 dies again after its restart (step 1's rollouts): the job stops, naming it."""
     with pytest.raises(RankFailed) as err:

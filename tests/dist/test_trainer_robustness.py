@@ -181,6 +181,7 @@ def _engine_dies(rank, world, tiny, run_dir):
     return service.restarts, served, tokens(first) == tokens(again)
 
 
+@pytest.mark.engine_faults  # restarts an engine on purpose
 def test_a_dead_engine_is_restarted_and_resynced(tiny, tmp_path):
     restarts, served, same = run_distributed(_engine_dies, 1, tiny, str(tmp_path))[0]
     assert restarts == 1

@@ -9,6 +9,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
+from tests.helpers.healthy import assert_no_recoveries
 from tests.helpers.recipe import RECIPE, tiny_overrides
 
 
@@ -24,8 +25,13 @@ def train_rank(rank, world, overrides):
     return train(load_config(TrainConfig, str(RECIPE), overrides))
 
 
-def read_metrics(run_dir: Path) -> list[dict]:
-    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+def read_metrics(run_dir: Path, engine_faults: bool = False) -> list[dict]:
+    """The run's metrics.jsonl rows; unless the run faulted an engine on purpose, none counts an engine
+    restart (``tests/helpers/healthy.py``)."""
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    if not engine_faults:
+        assert_no_recoveries(rows, str(run_dir / "metrics.jsonl"))
+    return rows
 
 
 def export_hf(ckpt: Path, out: Path) -> dict[str, torch.Tensor]:

@@ -21,7 +21,7 @@ from srpo_megatron.trainer.sample_pool import CompletedGroup, SamplePool
 from srpo_megatron.trainer.step_types import RolloutBatch
 from tests.helpers.sample_pool import ALL_CORRECT, ALL_WRONG, MIXED, group, make_pool
 
-LOW = [0.4, 0.45, 0.3, 0.2]  # rewards differ, yet none passes 0.5: no sibling, not mixed for SRPO
+LOW = [0.4, 0.45, 0.3, 0.2]  # rewards differ, yet none passes 0.5: no sibling, not mixed
 
 
 @pytest.fixture
@@ -34,12 +34,23 @@ def _groups_of(batch: RolloutBatch) -> list[str]:
     return [s.uid.rsplit("/", 1)[0] for s in batch.samples if s.member == 0]
 
 
+SAMPLING = (
+    "rounds",
+    "kept_groups",
+    "dropped_groups",
+    "topped_up",
+)  # the by-reason counters: test_sampling_criteria
+
+
 def _sampling(batch: RolloutBatch) -> dict[str, float]:
-    return {k.split("/")[1]: v for k, v in batch.metrics.items() if k.startswith("sampling/")}
+    return {name: batch.metrics[f"sampling/{name}"] for name in SAMPLING}
 
 
 def _three_rounds(rewards) -> RolloutBatch:
-    pool = make_pool(rewards, dynamic_sampling=True, max_sampling_rounds=4)
+    # criterion mixed: LOW's rewards spread, so the default (auto) would keep it for SRPO's GRPO half
+    pool = make_pool(
+        rewards, dynamic_sampling=True, max_sampling_rounds=4, dynamic_sampling_criterion="mixed"
+    )
     assert pool.missing(3) == 3
     pool.add([group(0, 0, MIXED), group(0, 1, ALL_CORRECT), group(0, 2, ALL_WRONG)])
     assert pool.take(3, trainer_version=0, bound=0) is None

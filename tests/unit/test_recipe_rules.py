@@ -23,6 +23,8 @@ ADDED_SINCE = {
     "rollout.partial": False,
     "rollout.dynamic_sampling": False,
     "rollout.max_sampling_rounds": 4,
+    "rollout.dynamic_sampling_criterion": "auto",
+    "rollout.dynamic_sampling_std_eps": 1e-6,
     "loss.is_correction": "tis",
     "loss.is_level": "token",
     "loss.is_low": 0.5,
