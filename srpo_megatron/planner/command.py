@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from srpo_megatron.config import ConfigError, TrainConfig, load_cluster, load_recipe
+from srpo_megatron.conversion.output_guard import check_conversion_sizes
 from srpo_megatron.models.performance import fused_output
 from srpo_megatron.planner.memory import (
     SGLANG_SWA_FULL_TOKENS_RATIO,
@@ -56,6 +57,7 @@ def packaged_configs() -> list[str]:
 def resolve_hf_config(hf_dir: str) -> tuple[dict, str]:
     """The HF config of ``model.hf_dir`` (or the packaged one of the same name) and where it came from."""
     path = Path(hf_dir) / "config.json"
+    check_conversion_sizes(Path(hf_dir))  # a converter output whose files changed size: one line
     if path.is_file():
         return json.loads(path.read_text()), str(path)
     name = Path(hf_dir.rstrip("/")).name.lower()
