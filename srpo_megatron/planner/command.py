@@ -230,6 +230,11 @@ def cluster_plan(args: argparse.Namespace) -> tuple[Plan, list[Plan], str]:
             f"cluster {cluster.name!r} has gpus_per_node={cluster.gpus_per_node}, gpu_memory_gib={gib}: "
             "the planner needs GPU nodes; set both in the cluster file (or pass --gpu-memory-gib)"
         )
+    # launch's rule (ClusterConfig.check_request): at least one node, within the partition's max_nodes,
+    # engine nodes of a separate placement on Slurm included, so plan never "fits" what launch refuses
+    cfg = load_recipe(args.recipe, list(args.override))
+    engine_nodes = 0 if cluster.executor == "local" else cfg.rollout.engine_nodes
+    cluster.check_request(args.nodes, engine_nodes=engine_nodes)
     gpus = args.nodes * cluster.gpus_per_node
     return plan_recipe(args.recipe, args.override, gpus, cluster.gpus_per_node, int(gib * GiB))
 

@@ -2,20 +2,24 @@
 ends in one line on stderr naming the file, key or value and the fix, exit status 2, where the probe saw
 rc 0 with a wrong number, a traceback, or a check that passed what another command refuses.
 
-In-process (``cli.main``): every case errs before torch.distributed starts, or runs on the CPU engine.
+In-process (``cli.main``) where the error comes before torch.distributed starts (eval runs on the CPU
+engine); ``srpo train`` runs that train in a subprocess.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
 from srpo_megatron import cli
 from srpo_megatron.conversion.output_guard import write_conversion_manifest
-from tests.helpers.recipe import RECIPE, tiny_overrides
+from tests.helpers.recipe import RECIPE, REPO, tiny_overrides
 
 EVAL = ["eval.k=1", "eval.max_new_tokens=2", "eval.reward_workers=0", "eval.max_prompts_per_benchmark=2"]
 EVAL += ["train.eval_greedy=false"]
@@ -127,3 +131,28 @@ def test_each_hf_folder_reader_checks_the_size_manifest_first(tiny, tmp_path):
     ):
         with pytest.raises(ConversionInputError, match="truncated or changed"):
             read(str(out))
+
+
+def _train(*argv: str) -> subprocess.CompletedProcess:
+    """``srpo train`` in a subprocess (torch.distributed starts in it)."""
+    env = {**os.environ, "PYTHONPATH": str(REPO), "PYTHONWARNINGS": "ignore"}
+    cmd = [sys.executable, "-m", "srpo_megatron.cli", "train", str(RECIPE), *argv]
+    return subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=REPO, timeout=900)
+
+
+def test_a_data_file_rewritten_in_place_is_refused_on_resume(tiny, tmp_path):
+    """Probe: the train file rewritten with as many rows (other prompts) resumed silently, the cursor
+    indexing rows the run never saw; the file's SHA-256 is now saved with the cursor."""
+    _, _, data = tiny
+    copy = tmp_path / "train.jsonl"
+    shutil.copy(data, copy)
+    base = tiny_overrides(tiny, tmp_path / "run", [f"data.train_files=[{copy}]", "run.tensorboard=false"])
+    argv = [a for o in base for a in ("-o", o)]
+    done = _train(*argv, "-o", "train.steps=1")
+    assert done.returncode == 0, done.stderr[-3000:]
+    rows = copy.read_text().splitlines()
+    copy.write_text("\n".join(r.replace("fact", "story") for r in rows) + "\n")  # same row count
+    done = _train(*argv, "-o", "train.steps=2")
+    last = done.stderr.strip().splitlines()[-1]
+    assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr[-3000:]
+    assert last.startswith(f"srpo train: error: {copy}: the data file changed since the checkpoint"), last
