@@ -120,6 +120,11 @@ def launch_main(args: argparse.Namespace) -> int:
         placement = RolloutPlacement.from_config(cfg.rollout)
         engine_nodes = placement.engine_nodes_on(cluster.executor)
         cluster.check_request(args.nodes, args.gpus_per_node, engine_nodes)
+        if not args.probe:  # the trainer's start-up checks that need only the HF config, before submitting
+            from srpo_megatron.launch.start_checks import check_before_submit
+
+            gpus = args.gpus_per_node if args.gpus_per_node is not None else cluster.gpus_per_node
+            check_before_submit(cfg, args.nodes * (gpus if gpus > 0 else cluster.tasks_per_node))
         request = LaunchRequest(
             name=name,
             command=_job_command(args, recipe_path, cfg, cluster.code),

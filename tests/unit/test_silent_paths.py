@@ -170,3 +170,56 @@ def test_a_latest_that_is_a_directory_or_random_bytes_is_one_accurate_line(tmp_p
     (root / "step_000001" / "shard").write_bytes(b"y")  # no complete checkpoint: the refusal names it
     with pytest.raises(CheckpointError, match="is a directory, not the file naming"):
         find_resume_checkpoint(run, log=lines.append)
+
+
+@pytest.fixture
+def tiny_moe(tmp_path):
+    from srpo_megatron.testing.tiny import write_tiny_qwen3_moe
+
+    return write_tiny_qwen3_moe(tmp_path / "qwen3_moe")
+
+
+@pytest.mark.parametrize(
+    ("extra", "words"),
+    [
+        (["performance.recompute=full", "rollout.routing_replay=true"], "rollout.routing_replay=true with"),
+        (["parallel.ep=3"], "do not divide by parallel.ep=3"),
+    ],
+)
+def test_launch_runs_the_hf_config_start_up_checks_before_submitting(
+    tmp_path, tiny_moe, capsys, extra, words
+):
+    """Probe: the tiny MoE recipe with recompute full + routing replay on 4 local tasks was submitted and
+    ended FAILED, its refusal only in rank 0's stderr.log; now `srpo launch` refuses it first."""
+    cluster = tmp_path / "local4.yaml"
+    cluster.write_text(yaml.safe_dump({"name": "l4", "executor": "local", "tasks_per_node": 4}))
+    overrides = [f"model.hf_dir={tiny_moe}", *extra]
+    argv = ["launch", str(RECIPE), "--cluster", str(cluster), "--home", str(tmp_path / "h"), "--dryrun"]
+    line = _line(capsys, [*argv, *(a for o in overrides for a in ("-o", o))], "launch")
+    assert words in line, line
+    assert not (tmp_path / "h").exists() or not list((tmp_path / "h").rglob("experiments/*"))
+
+
+def test_a_failed_job_names_its_first_failing_rank_error_line_and_log(tmp_path):
+    """A fake nemo-run local job dir: 4 ranks' output interleaved, torchrun's traceback last; the line
+    names torchrun's root-cause rank (2), its last error line and its own stderr.log."""
+    from srpo_megatron.launch.jobs import first_failing_rank
+
+    job = tmp_path / "job"
+    logs = job / "nemo_run" / "app-1" / "torchelastic" / "app" / "id_x" / "attempt_0"
+    for rank in range(4):
+        (logs / str(rank)).mkdir(parents=True)
+        (logs / str(rank) / "stderr.log").write_text("")
+    refusal = "srpo train: error: rollout.routing_replay=true with performance.recompute=full would ..."
+    lines = [f"[default{r}]:step 0 starting" for r in range(4)]
+    lines += ["[default0]:RuntimeError: connection reset by peer", f"[default2]:{refusal}"]
+    lines += [f"[default{r}]:Traceback (most recent call last):" for r in (1, 3)]
+    lines += [
+        "torch.distributed.elastic.multiprocessing.errors.ChildFailedError:",
+        "Root Cause (first observed",
+    ]
+    lines[-1] += " failure):\n[2]:\n  time      : x\n  host      : localhost\n  rank      : 2 (local_rank: 2)"
+    lines += ["  exitcode  : 2 (pid: 1)", "  error_file: <N/A>"]
+    said = first_failing_rank("\n".join(lines), str(job))
+    assert said == f"first failing rank 2: {refusal} (log: {logs / '2' / 'stderr.log'})"
+    assert first_failing_rank("no torchrun summary here", str(job)) is None
