@@ -18,7 +18,7 @@ import torch.distributed as dist
 
 from srpo_megatron.children import kill_forks_with_me
 from srpo_megatron.config import TrainConfig, to_dict
-from srpo_megatron.data.dataset import EpochSampler, build_datasets
+from srpo_megatron.data.dataset import EpochSampler, build_datasets, train_files_sha256
 from srpo_megatron.parallel import destroy_model_parallel, initialize_model_parallel
 from srpo_megatron.rewards import register_reward, reward_target
 from srpo_megatron.rollout.factory import load_tokenizer
@@ -65,7 +65,8 @@ def train(cfg: TrainConfig) -> dict:
     log(data_summary(train_set, eval_set))
     kinds = {p.row.kind for ds in (train_set, eval_set) for p in ds}
     check_rewards(sorted({reward_target(k) for k in kinds}), cfg.rollout)
-    sampler = EpochSampler(len(train_set), cfg.data.seed, cfg.data.shuffle)
+    # the files' SHA-256 is saved with the cursor: a file rewritten in place is refused on resume
+    sampler = EpochSampler(len(train_set), cfg.data.seed, cfg.data.shuffle, train_files_sha256(cfg.data))
     ckpt = resume_point(cfg, log)  # latest is a hint; refuses changed recipes and silent restarts
     policy = Policy(cfg, groups)
     rollouts = RolloutService(cfg, tokenizer, policy, groups)
@@ -125,7 +126,10 @@ def train(cfg: TrainConfig) -> dict:
             st.next_dispatch = rollouts.next_dispatch
             state = st.to_checkpoint(sampler.state_dict(), clock.elapsed())
             # the offloaded state back; a save the disk cannot hold, or that fails again, stops the run
-            with rollouts.offloaded_for_save(policy.offload, version), guarded_save(run_dir, step, log):
+            with (
+                rollouts.offloaded_for_save(policy.offload, version),
+                guarded_save(run_dir, step, log, cfg.run.keep_last),
+            ):
                 save_checkpoint(policy, run_dir, step, state, cfg.run.keep_last, buffered)
     if cfg.train.eval_at_ends:
         evaluate()

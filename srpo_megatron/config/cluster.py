@@ -107,10 +107,15 @@ class ClusterConfig:
         """torchrun processes per node: one per GPU, or ``tasks_per_node`` on CPU nodes."""
         return self.gpus_per_node if self.gpus_per_node > 0 else self.tasks_per_node
 
-    def check_request(self, nodes: int, gpus_per_node: int | None = None) -> None:
-        """Refuse a request the partition cannot hold, before submitting (Slurm would pend or reject)."""
+    def check_request(self, nodes: int, gpus_per_node: int | None = None, engine_nodes: int = 0) -> None:
+        """Refuse a request the partition cannot hold, before submitting (Slurm would pend or reject):
+        ``nodes`` training nodes (``--nodes``) plus ``engine_nodes``. ``srpo launch`` and ``srpo plan``
+        both ask this, so a plan never fits what launch refuses."""
         if nodes < 1:
-            raise ConfigError(f"--nodes {nodes}: a job needs at least one node")
+            raise ConfigError(
+                f"--nodes {nodes}: a job needs at least one training node; pass --nodes 1 or more"
+            )
+        nodes += engine_nodes
         if nodes > self.max_nodes:
             raise ConfigError(
                 f"the request needs {nodes} nodes but partition {self.partition or '(default)'} of cluster "
@@ -141,7 +146,8 @@ def load_cluster(path_or_name: str | Path) -> ClusterConfig:
             f"cluster file {str(path_or_name)!r} does not exist; valid ones: {cluster_files()} "
             "(or write your own from cluster/h100.yaml)"
         )
+    data = load_yaml(path, "cluster file", "cluster/h100.yaml")
     try:
-        return from_dict(ClusterConfig, load_yaml(path))
+        return from_dict(ClusterConfig, data)
     except ConfigError as e:
         raise ConfigError(f"{path}: {e}") from None

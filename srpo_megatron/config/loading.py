@@ -242,12 +242,14 @@ def strict_yaml(text: str) -> Any:
     return yaml.load(text, Loader=StrictLoader)  # a SafeLoader subclass: no arbitrary objects
 
 
-def load_yaml(path: str | Path) -> dict[str, Any]:
+def load_yaml(path: str | Path, what: str = "recipe", example: str = "examples/") -> dict[str, Any]:
+    """The top-level mapping of YAML file ``path`` (a ``what``: "recipe", "cluster file"), or one line
+    naming the file, what is wrong with it and ``example`` to start from."""
     path = Path(path)
     if not path.is_file():
-        raise ConfigError(f"recipe {path} does not exist; pass a YAML file (see examples/)")
+        raise ConfigError(f"{what} {path} does not exist; pass a YAML file (see {example})")
     try:
-        data = strict_yaml(path.read_text(encoding="utf-8")) or {}
+        data = strict_yaml(path.read_text(encoding="utf-8"))
     except DuplicateKeyError as e:
         raise ConfigError(
             f"{path}:{e.line}: {e}; a repeated key silently replaces the first one (a whole section for "
@@ -259,9 +261,17 @@ def load_yaml(path: str | Path) -> dict[str, Any]:
         ) from None
     except yaml.YAMLError as e:
         one_line = " ".join(str(e).split())
-        raise ConfigError(f"recipe {path} is not valid YAML: {one_line}") from None
+        raise ConfigError(f"{what} {path} is not valid YAML: {one_line}") from None
+    if data is None:
+        raise ConfigError(
+            f"{what} {path} is empty (no keys, only whitespace or comments); write its keys (see {example})"
+        )
     if not isinstance(data, dict):
-        raise ConfigError(f"recipe {path} must be a mapping at the top level, got {type(data).__name__}")
+        shown = "a list" if isinstance(data, list) else f"a {type(data).__name__}"
+        raise ConfigError(
+            f"{what} {path} holds {shown} at the top level, not a mapping of keys (key: value lines); "
+            f"write it as keys (see {example})"
+        )
     return data
 
 

@@ -149,21 +149,38 @@ def newest_complete(
     directories of ``root`` are candidates, so a ``latest`` naming ``../x`` or garbage is never followed;
     ``latest`` is a hint whose disagreement is logged."""
     pointer = root / LATEST
-    hint = pointer.read_text(errors="replace").strip() if pointer.is_file() else None
+    hint, said = latest_hint(pointer)
     problems = []
     for ckpt in step_dirs(root):
         problem = verify_checkpoint(ckpt)
         if problem is None:
             if hint != ckpt.name:
-                why = f"{pointer} is missing" if hint is None else f"{pointer} names {hint[:80]!r}"
-                log(f"{why}; {verb} {ckpt}, the newest checkpoint that verifies")
+                log(f"{said}; {verb} {ckpt}, the newest checkpoint that verifies")
             for p in problems:
                 log(f"skipped: {p}")
             return ckpt, problems
         problems.append(problem)
-    if not problems and hint is not None:
-        problems.append(f"{pointer} names {hint[:80]!r}, which does not exist as a step_N of {root}")
+    if not problems and (pointer.exists() or pointer.is_symlink()):
+        where = "which does not exist as a step_N of" if hint else "and there is no step_N checkpoint in"
+        problems.append(f"{said}, {where} {root}")
     return None, problems
+
+
+def latest_hint(pointer: Path) -> tuple[str | None, str]:
+    """``(the step_N name latest holds or None, a line saying what it is)``: missing, a directory, a
+    checkpoint name, or bytes that are none (counted, never echoed: they may be anything)."""
+    if not (pointer.exists() or pointer.is_symlink()):
+        return None, f"{pointer} is missing"
+    if pointer.is_dir():
+        return None, f"{pointer} is a directory, not the file naming the newest checkpoint"
+    try:
+        raw = pointer.read_bytes()
+    except OSError as e:
+        return None, f"{pointer} cannot be read ({e.strerror or type(e).__name__})"
+    name = raw.decode("ascii", errors="replace").strip()
+    if _STEP_DIR.fullmatch(name):
+        return name, f"{pointer} names {name!r}"
+    return None, f"{pointer} holds {len(raw)} bytes that are not a checkpoint name (step_N; not shown)"
 
 
 def find_resume_checkpoint(
@@ -196,6 +213,11 @@ def find_resume_checkpoint(
         )
     if not root.is_dir():
         return None
+    if (root / LATEST).is_dir():  # every save replaces latest with a file: the first save would fail
+        raise CheckpointError(
+            f"{root / LATEST} is a directory, not the file naming the newest checkpoint; each save replaces "
+            f"it with that file, so the run would fail at its first save: move it out of {root}"
+        )
     ckpt, problems = newest_complete(root, log)
     if ckpt is not None:
         return ckpt

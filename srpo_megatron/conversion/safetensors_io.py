@@ -22,7 +22,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from srpo_megatron.conversion.output_guard import ConversionInputError, read_json
+from srpo_megatron.conversion.output_guard import ConversionInputError, check_conversion_sizes, read_json
 from srpo_megatron.conversion.torch_save_format import tensor_bytes
 from srpo_megatron.conversion.write_behind import WriteBehind
 
@@ -51,6 +51,7 @@ class HFCheckpointReader:
 
     def __init__(self, hf_dir: str | Path):
         self.dir = Path(hf_dir)
+        check_conversion_sizes(self.dir)  # a converter output: a truncated shard is one line, not EOF
         index = self.dir / INDEX_NAME
         if index.is_file():
             weight_map = read_json(index, "pass an HF model folder saved with safetensors").get("weight_map")

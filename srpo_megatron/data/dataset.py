@@ -10,6 +10,7 @@ run would have drawn.
 
 from __future__ import annotations
 
+import hashlib
 import random
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -156,17 +157,33 @@ def _concat(a: PromptDataset, b: PromptDataset) -> PromptDataset:
     return PromptDataset(a.prompts + b.prompts, s)
 
 
+def train_files_sha256(cfg: DataConfig, chunk: int = 1 << 20) -> dict[str, str]:
+    """``{data.train_files entry: SHA-256 of the file's bytes}``, read in ``chunk``-byte pieces (constant
+    memory): what a resumed run compares, so a file rewritten in place with as many rows is noticed."""
+    digests = {}
+    for entry in cfg.train_files:
+        h = hashlib.sha256()
+        with resolve_data_path(entry, cfg.data_dir).open("rb") as f:
+            while block := f.read(chunk):
+                h.update(block)
+        digests[str(entry)] = h.hexdigest()
+    return digests
+
+
 class EpochSampler:
     """Deterministic per-epoch shuffling of ``range(n)`` with a resumable cursor.
 
     ``next_indices(k)`` returns the next ``k`` indices; a batch that crosses an epoch boundary takes the
-    rest of the old epoch and continues in the new epoch's permutation.
+    rest of the old epoch and continues in the new epoch's permutation. ``files`` (``train_files_sha256``)
+    is saved with the cursor and compared on resume: the cursor indexes those files' rows.
     """
 
-    def __init__(self, n: int, seed: int = 0, shuffle: bool = True) -> None:
+    def __init__(
+        self, n: int, seed: int = 0, shuffle: bool = True, files: dict[str, str] | None = None
+    ) -> None:
         if n <= 0:
             raise DataError("cannot sample from an empty dataset: every row was dropped or none were given")
-        self.n, self.seed, self.shuffle = n, seed, shuffle
+        self.n, self.seed, self.shuffle, self.files = n, seed, shuffle, files
         self.epoch = 0
         self.cursor = 0  # position inside the current epoch's permutation
         self._perm = self._permutation(0)
@@ -189,16 +206,29 @@ class EpochSampler:
             self.cursor += take
         return out
 
-    def state_dict(self) -> dict[str, int | bool]:
-        return {
+    def state_dict(self) -> dict[str, Any]:
+        state: dict[str, Any] = {
             "n": self.n,
             "seed": self.seed,
             "shuffle": self.shuffle,
             "epoch": self.epoch,
             "cursor": self.cursor,
         }
+        if self.files is not None:
+            state["files_sha256"] = dict(self.files)
+        return state
 
     def load_state_dict(self, state: dict) -> None:
+        saved = state.get("files_sha256")  # absent in checkpoints written before it was recorded
+        if saved is not None and self.files is not None:
+            for name in sorted(saved.keys() & self.files.keys()):
+                if saved[name] != self.files[name]:
+                    raise DataError(
+                        f"{name}: the data file changed since the checkpoint (SHA-256 {saved[name][:12]}... "
+                        f"then, {self.files[name][:12]}... now), though the recipe names the same file; the "
+                        "resumed data cursor would index other rows: restore the file the run trained on, "
+                        "or start a new run.dir"
+                    )
         if state["n"] != self.n or state["seed"] != self.seed or bool(state["shuffle"]) != self.shuffle:
             raise DataError(
                 f"sampler state is for n={state['n']}, seed={state['seed']}, shuffle={state['shuffle']} "

@@ -24,6 +24,8 @@ from typing import Any
 from srpo_megatron.config import DataConfig, EvalConfig
 from srpo_megatron.data.dataset import Prompt, PromptDataset, arithmetic_rows
 from srpo_megatron.rewards import RewardPool
+from srpo_megatron.rewards.failures import check_reward_failures
+from srpo_megatron.rewards.pool import RewardResult
 from srpo_megatron.rollout.base import RolloutEngine, SamplingParams
 
 SAMPLES_FILE = "samples.jsonl"
@@ -44,8 +46,13 @@ def evaluate(
     prompts_per_call: int = 64,
     reward_pool: RewardPool | None = None,
     step: int | None = None,
+    allow_reward_errors: bool = False,
 ) -> dict[str, Any]:
-    """avg@k per benchmark and their mean; writes ``samples.jsonl`` and ``summary.json`` to ``out_dir``."""
+    """avg@k per benchmark and their mean; writes ``samples.jsonl`` and ``summary.json`` to ``out_dir``.
+
+    Rewards that failed follow training's rule (``rewards/failures.py``): more than half of them is a
+    warning; all of them is ``RewardsFailed`` (after ``samples.jsonl`` is written, before the summary),
+    unless ``allow_reward_errors`` (``rollout.allow_reward_errors``)."""
     if not benchmarks or any(len(ps) == 0 for ps in benchmarks.values()):
         empty = [name for name, ps in benchmarks.items() if not ps] or ["(none given)"]
         raise ValueError(f"evaluate: no prompts for benchmark(s) {empty}; check data.eval_files")
@@ -53,25 +60,65 @@ def evaluate(
     out.mkdir(parents=True, exist_ok=True)
     t0 = time.monotonic()
     items = [(name, i, p) for name, ps in benchmarks.items() for i, p in enumerate(ps)]
-    stop_ids = tuple(i for i in (getattr(tokenizer, "eos_token_id", None),) if i is not None)
-    completions = []
-    for start in range(0, len(items), prompts_per_call):
-        chunk = items[start : start + prompts_per_call]
-        params = SamplingParams(
-            n=k,
-            temperature=temperature,
-            top_p=top_p,
-            max_new_tokens=max_new_tokens,
-            stop_token_ids=stop_ids,
-            # Distinct per chunk, so prompts in different calls do not share sample seeds.
-            seed=seed * 1_000_003 + start,
-        )
-        result = engine.generate([list(p.ids) for _, _, p in chunk], params)
-        if len(result) != len(chunk) or any(len(c) != k for c in result):
-            raise RuntimeError(f"engine returned {[len(c) for c in result]} samples per prompt, expected {k}")
-        completions.extend(result)
+    params = SamplingParams(
+        n=k,
+        temperature=temperature,
+        top_p=top_p,
+        max_new_tokens=max_new_tokens,
+        stop_token_ids=tuple(i for i in (getattr(tokenizer, "eos_token_id", None),) if i is not None),
+    )
+    completions = _generate(engine, [p for _, _, p in items], params, prompts_per_call, seed)
     gen_s = time.monotonic() - t0
+    records = _records(items, completions, tokenizer)
+    scored = _score(records, reward_pool)
+    with (out / SAMPLES_FILE).open("w", encoding="utf-8") as f:
+        for r in records:
+            f.write(json.dumps(r, ensure_ascii=False) + "\n")
+    where = f"the evaluation{f' at step {step}' if step is not None else ''} ({out / SAMPLES_FILE})"
+    failed = scored.num_errors + scored.num_timeouts
+    check_reward_failures(
+        where, len(records), failed, scored.errors, allow_reward_errors, "reports them as reward 0"
+    )
+    summary = {
+        "k": k,
+        "temperature": temperature,
+        "top_p": top_p,
+        "max_new_tokens": max_new_tokens,
+        "seed": seed,
+        "step": step,
+        "weight_version": engine.weight_version,
+        **_scores(benchmarks, records, k),
+        "reward_timeouts": scored.num_timeouts,
+        "reward_errors": scored.num_errors,
+        "generate_s": gen_s,
+        "total_s": time.monotonic() - t0,
+    }
+    (out / SUMMARY_FILE).write_text(json.dumps(summary, indent=2) + "\n")
+    return summary
 
+
+def _generate(
+    engine: RolloutEngine, prompts: list[Prompt], params: SamplingParams, prompts_per_call: int, seed: int
+) -> list[list[Any]]:
+    """``params.n`` completions per prompt, ``prompts_per_call`` prompts per engine call."""
+    completions = []
+    for start in range(0, len(prompts), prompts_per_call):
+        chunk = prompts[start : start + prompts_per_call]
+        # Distinct per chunk, so prompts in different calls do not share sample seeds.
+        chunk_params = dataclasses.replace(params, seed=seed * 1_000_003 + start)
+        result = engine.generate([list(p.ids) for p in chunk], chunk_params)
+        if len(result) != len(chunk) or any(len(c) != params.n for c in result):
+            raise RuntimeError(
+                f"engine returned {[len(c) for c in result]} samples per prompt, expected {params.n}"
+            )
+        completions.extend(result)
+    return completions
+
+
+def _records(
+    items: list[tuple[str, int, Prompt]], completions: list[list[Any]], tokenizer: Any
+) -> list[dict[str, Any]]:
+    """One ``samples.jsonl`` record per sample (its reward is added once scored)."""
     records = []
     for (name, i, p), samples in zip(items, completions, strict=True):
         for j, c in enumerate(samples):
@@ -91,6 +138,11 @@ def evaluate(
                     "weight_version": c.weight_version,
                 }
             )
+    return records
+
+
+def _score(records: list[dict[str, Any]], reward_pool: RewardPool | None) -> RewardResult:
+    """Score every record with its row's reward kind; sets each record's ``reward``."""
     own_pool = reward_pool is None
     pool = reward_pool or RewardPool(num_workers=2)
     try:
@@ -102,11 +154,13 @@ def evaluate(
             pool.close()
     for r, reward in zip(records, scored.rewards, strict=True):
         r["reward"] = reward
+    return scored
 
-    with (out / SAMPLES_FILE).open("w", encoding="utf-8") as f:
-        for r in records:
-            f.write(json.dumps(r, ensure_ascii=False) + "\n")
 
+def _scores(
+    benchmarks: Mapping[str, Sequence[Prompt]], records: list[dict[str, Any]], k: int
+) -> dict[str, Any]:
+    """``benchmarks`` (avg@k, pass@k and lengths per benchmark) and ``mean_avg_at_k`` of the summary."""
     per_bench: dict[str, dict[str, float]] = {}
     for name, ps in benchmarks.items():
         rs = [r for r in records if r["benchmark"] == name]
@@ -119,23 +173,8 @@ def evaluate(
             "response_tokens_mean": sum(r["num_tokens"] for r in rs) / len(rs),
             "truncated_frac": sum(r["finish_reason"] == "length" for r in rs) / len(rs),
         }
-    summary = {
-        "k": k,
-        "temperature": temperature,
-        "top_p": top_p,
-        "max_new_tokens": max_new_tokens,
-        "seed": seed,
-        "step": step,
-        "weight_version": engine.weight_version,
-        "benchmarks": per_bench,
-        "mean_avg_at_k": sum(b["avg_at_k"] for b in per_bench.values()) / len(per_bench),
-        "reward_timeouts": scored.num_timeouts,
-        "reward_errors": scored.num_errors,
-        "generate_s": gen_s,
-        "total_s": time.monotonic() - t0,
-    }
-    (out / SUMMARY_FILE).write_text(json.dumps(summary, indent=2) + "\n")
-    return summary
+    mean = sum(b["avg_at_k"] for b in per_bench.values()) / len(per_bench)
+    return {"benchmarks": per_bench, "mean_avg_at_k": mean}
 
 
 def build_eval_benchmarks(
@@ -162,8 +201,10 @@ def run_eval(
     *,
     step: int | None = None,
     reward_pool: RewardPool | None = None,
+    allow_reward_errors: bool = False,
 ) -> dict[str, Any]:
-    """Evaluate ``engine`` on the recipe's held-out benchmarks; what ``srpo eval`` and the trainer call."""
+    """Evaluate ``engine`` on the recipe's held-out benchmarks; what ``srpo eval`` and the trainer call
+    (``allow_reward_errors``: see ``evaluate``)."""
     benches = build_eval_benchmarks(data, tokenizer, cfg.max_prompts_per_benchmark)
     own_pool = reward_pool is None
     pool = reward_pool or RewardPool(num_workers=cfg.reward_workers, timeout_s=cfg.reward_timeout_s)
@@ -181,13 +222,24 @@ def run_eval(
             prompts_per_call=cfg.prompts_per_call,
             reward_pool=pool,
             step=step,
+            allow_reward_errors=allow_reward_errors,
         )
     finally:
         if own_pool:
             pool.close()
 
 
-def greedy_accuracy(engine: Any, tokenizer: Any, cfg: Any, out_dir: Path, step: int | None = None) -> float:
-    """Held-out accuracy of one greedy sample per problem (temperature 0, k = 1); ``cfg`` the recipe."""
+def greedy_accuracy(
+    engine: Any,
+    tokenizer: Any,
+    cfg: Any,
+    out_dir: Path,
+    step: int | None = None,
+    allow_reward_errors: bool | None = None,
+) -> float:
+    """Held-out accuracy of one greedy sample per problem (temperature 0, k = 1); ``cfg`` the recipe
+    (``allow_reward_errors``: default the recipe's ``rollout.allow_reward_errors``)."""
     greedy_cfg = dataclasses.replace(cfg.eval, k=1, temperature=0.0, top_p=1.0)
-    return run_eval(engine, tokenizer, cfg.data, greedy_cfg, out_dir, step=step)["mean_avg_at_k"]
+    allow = cfg.rollout.allow_reward_errors if allow_reward_errors is None else allow_reward_errors
+    summary = run_eval(engine, tokenizer, cfg.data, greedy_cfg, out_dir, step=step, allow_reward_errors=allow)
+    return summary["mean_avg_at_k"]

@@ -74,7 +74,8 @@ def eval_main(args: argparse.Namespace) -> int:
             )
         engine = build_engine(cfg.rollout, str(hf_dir))
         try:
-            avg = run_eval(engine, tokenizer, cfg.data, cfg.eval, out / "avg_at_k")
+            allow = cfg.rollout.allow_reward_errors  # training's rule: all rewards failed is refused
+            avg = run_eval(engine, tokenizer, cfg.data, cfg.eval, out / "avg_at_k", allow_reward_errors=allow)
             result = {
                 "checkpoint": str(ckpt),
                 f"avg@{cfg.eval.k}": avg["mean_avg_at_k"],

@@ -118,7 +118,13 @@ def launch_main(args: argparse.Namespace) -> int:
         name = check_name(args.name, "--name") if args.name else f"srpo-{name_from_file(recipe_path.stem)}"
         cfg = load_recipe(recipe_path, list(args.override))  # as `srpo train` will load it
         placement = RolloutPlacement.from_config(cfg.rollout)
-        cluster.check_request(args.nodes + placement.engine_nodes_on(cluster.executor), args.gpus_per_node)
+        engine_nodes = placement.engine_nodes_on(cluster.executor)
+        cluster.check_request(args.nodes, args.gpus_per_node, engine_nodes)
+        if not args.probe:  # the trainer's start-up checks that need only the HF config, before submitting
+            from srpo_megatron.launch.start_checks import check_before_submit
+
+            gpus = args.gpus_per_node if args.gpus_per_node is not None else cluster.gpus_per_node
+            check_before_submit(cfg, args.nodes * (gpus if gpus > 0 else cluster.tasks_per_node))
         request = LaunchRequest(
             name=name,
             command=_job_command(args, recipe_path, cfg, cluster.code),

@@ -180,6 +180,25 @@ def wait(exp, timeout: float = 3600.0, poll: float = 1.0) -> list[JobInfo]:
 _WORKER_ERROR = re.compile(r"^\[\w+?\d+\]:[\w.]*(Error|Exception)\b.*$", re.M)
 
 
+_ROOT_CAUSE_RANK = re.compile(r"Root Cause \(first observed failure\):.*?rank\s*:\s*(\d+)", re.S)
+_RANK_ERROR = r"^\[\w+?{rank}\]:(?:srpo [\w-]+: error: .*|[\w.]*(?:Error|Exception)\b.*)$"
+
+
+def first_failing_rank(log: str, job_dir: str) -> str | None:
+    """``rank N: <its last error line> (log: <its stderr.log>)`` for torchrun's first failing rank (its
+    "Root Cause"), or None when the log names none. Torchrun's own traceback fills the log's end; the
+    rank's one-line refusal (``srpo train: error: ...``) or exception sits higher, among every rank's."""
+    cause = _ROOT_CAUSE_RANK.search(log)
+    if cause is None:
+        return None
+    rank = cause.group(1)
+    lines = re.findall(_RANK_ERROR.format(rank=rank), log, re.M)
+    files = sorted(Path(job_dir).glob(f"**/torchelastic/**/attempt_*/{rank}/stderr.log"))
+    where = f" (log: {files[-1]})" if files else ""
+    said = lines[-1].split("]:", 1)[1] if lines else "no error line in the log"
+    return f"first failing rank {rank}: {said}{where}"
+
+
 def check_completed(exp, infos: list[JobInfo], tail: int = 40) -> None:
     """Raise :class:`JobError` with state and log tail for every task that did not complete.
 
@@ -192,10 +211,12 @@ def check_completed(exp, infos: list[JobInfo], tail: int = 40) -> None:
         for i in bad:
             log = read_logs(exp, i).rstrip()
             error = _WORKER_ERROR.search(log)
+            rank = first_failing_rank(log, i.job_dir) if not i.job_id else None
             last = "\n".join(log.splitlines()[-tail:]) or "(no log output)"
             parts.append(
                 f"job {i.name} (Slurm id {i.job_id or '-'}) of experiment {i.experiment_id} ended {i.state}"
-                + (f"\nfirst worker error: {error.group(0)}" if error else "")
+                + (f"\n{rank}" if rank else "")
+                + (f"\nfirst worker error: {error.group(0)}" if error and not rank else "")
                 + f"\nlast {tail} log lines ({', '.join(i.log_files) or 'no log file'}):\n{last}"
             )
         raise JobError("\n\n".join(parts))

@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from srpo_megatron.config import ConfigError, TrainConfig, load_cluster, load_recipe
+from srpo_megatron.conversion.output_guard import check_conversion_sizes
 from srpo_megatron.models.performance import fused_output
 from srpo_megatron.planner.memory import (
     SGLANG_SWA_FULL_TOKENS_RATIO,
@@ -56,6 +57,7 @@ def packaged_configs() -> list[str]:
 def resolve_hf_config(hf_dir: str) -> tuple[dict, str]:
     """The HF config of ``model.hf_dir`` (or the packaged one of the same name) and where it came from."""
     path = Path(hf_dir) / "config.json"
+    check_conversion_sizes(Path(hf_dir))  # a converter output whose files changed size: one line
     if path.is_file():
         return json.loads(path.read_text()), str(path)
     name = Path(hf_dir.rstrip("/")).name.lower()
@@ -228,6 +230,11 @@ def cluster_plan(args: argparse.Namespace) -> tuple[Plan, list[Plan], str]:
             f"cluster {cluster.name!r} has gpus_per_node={cluster.gpus_per_node}, gpu_memory_gib={gib}: "
             "the planner needs GPU nodes; set both in the cluster file (or pass --gpu-memory-gib)"
         )
+    # launch's rule (ClusterConfig.check_request): at least one node, within the partition's max_nodes,
+    # engine nodes of a separate placement on Slurm included, so plan never "fits" what launch refuses
+    cfg = load_recipe(args.recipe, list(args.override))
+    engine_nodes = 0 if cluster.executor == "local" else cfg.rollout.engine_nodes
+    cluster.check_request(args.nodes, engine_nodes=engine_nodes)
     gpus = args.nodes * cluster.gpus_per_node
     return plan_recipe(args.recipe, args.override, gpus, cluster.gpus_per_node, int(gib * GiB))
 

@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from pathlib import Path
 from typing import Any
 
 from srpo_megatron.config import RolloutConfig
+from srpo_megatron.conversion.output_guard import check_conversion_sizes
 from srpo_megatron.rollout.base import RolloutEngine
 
 
@@ -14,6 +16,7 @@ def load_tokenizer(hf_dir: str) -> Any:
     """The policy's tokenizer (with its chat template) from the HF folder."""
     from transformers import AutoTokenizer
 
+    check_conversion_sizes(Path(hf_dir))  # a converter output's truncated file: one line naming it
     try:
         return AutoTokenizer.from_pretrained(hf_dir)
     except (OSError, ValueError) as e:
@@ -36,6 +39,7 @@ def build_engine(
     server of ``urls`` / ``rollout.sglang.url``). Separate placement always talks HTTP to its server
     and waits for it to come up (the job starts the servers as the trainer starts). How weights reach
     the engine is not decided here: ``weights.weight_sync.build_weight_sync`` picks the strategy."""
+    check_conversion_sizes(Path(model_path))  # a converter output's truncated shard: one line
     if rollout.engine == "hf":
         from srpo_megatron.rollout.hf_engine import HFEngine, HFEngineConfig
 

@@ -33,11 +33,15 @@ def evaluate_policy(
     if engine is None:
         return None
     out = run_dir / "eval" / f"step_{step:06d}"
-    avg = run_eval(engine, tokenizer, cfg.data, cfg.eval, out / "avg_at_k", step=step)
+    # Only rank 0 evaluates: a refusal here would leave the other ranks waiting, so an evaluation whose
+    # rewards all failed is the warning line (the steps themselves refuse it, rewards/failures.py).
+    avg = run_eval(
+        engine, tokenizer, cfg.data, cfg.eval, out / "avg_at_k", step=step, allow_reward_errors=True
+    )
     append_eval_log(run_dir, avg, step, clock.elapsed())
     result = {"step": step, f"avg@{cfg.eval.k}": avg["mean_avg_at_k"]}
     if cfg.train.eval_greedy:
-        result["greedy"] = greedy_accuracy(engine, tokenizer, cfg, out / "greedy", step)
+        result["greedy"] = greedy_accuracy(engine, tokenizer, cfg, out / "greedy", step, True)
     print(
         f"[eval] step {step}: " + ", ".join(f"{k}={v:.4f}" for k, v in result.items() if k != "step"),
         flush=True,

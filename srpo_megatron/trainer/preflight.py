@@ -24,6 +24,7 @@ from typing import Any
 import torch.distributed as dist
 
 from srpo_megatron.config import ConfigError
+from srpo_megatron.conversion.output_guard import check_conversion_sizes
 from srpo_megatron.models.architecture import pipeline_stage_layers
 
 
@@ -31,6 +32,8 @@ def read_model_config(hf_dir: str) -> dict[str, Any]:
     """The HF ``config.json`` of ``model.hf_dir`` (a folder or the file itself) as a dict, or a one-line
     ConfigError naming the file."""
     path = Path(hf_dir).expanduser()
+    if path.is_dir():
+        check_conversion_sizes(path)  # a converter output whose files changed size: one line, first
     path = path / "config.json" if path.is_dir() else path
     if not path.is_file():
         raise ConfigError(

@@ -44,17 +44,25 @@ def checkpoint_bytes(ckpt: Path) -> int:
         return sum(p.stat().st_size for p in ckpt.rglob("*") if p.is_file())
 
 
-def space_problem(root: Path, step: int) -> tuple[str, int] | None:
-    """``(why, bytes needed)`` when ``root`` has less free space than the previous checkpoint takes."""
-    previous = next(iter(step_dirs(root)), None) if root.is_dir() else None
+def space_problem(root: Path, step: int, keep_last: int = 1) -> tuple[str, int] | None:
+    """``(why, bytes needed)`` when ``root`` has less free space than the previous checkpoint takes.
+
+    What ``why`` suggests is always something the run accepts: the older checkpoints may be deleted (a
+    resume needs only the newest), and ``run.keep_last=1`` only when the run keeps more than one (lower
+    values are refused, and retention deletes only after a save completes, so it frees nothing now)."""
+    dirs = step_dirs(root) if root.is_dir() else []
+    previous = next(iter(dirs), None)
     if previous is None:
         return None
     needed, free = checkpoint_bytes(previous), shutil.disk_usage(root).free
     if free >= needed:
         return None
+    older = [d.name for d in dirs[1:]]
+    hint = f" (a resume needs only {previous.name}; {', '.join(older)} may be deleted)" if older else ""
+    keep = "; run.keep_last=1 keeps only the newest checkpoint from then on" if keep_last > 1 else ""
     why = (
         f"not saving checkpoint step {step}: {root} has {free} bytes free, the previous checkpoint "
-        f"{previous} takes {needed} bytes; free space there (or lower run.keep_last) and rerun"
+        f"{previous} takes {needed} bytes; free space there{hint} and rerun{keep}"
     )
     return why, needed
 
@@ -128,14 +136,17 @@ def save_failure_problem(run_dir: str | Path, log: Callable[[str], None] = print
 
 
 @contextlib.contextmanager
-def guarded_save(run_dir: str | Path, step: int, log: Callable[[str], None] = print) -> Iterator[None]:
-    """Collective: refuse a save the disk cannot hold, turn a failed save into one line, count failures."""
+def guarded_save(
+    run_dir: str | Path, step: int, log: Callable[[str], None] = print, keep_last: int = 1
+) -> Iterator[None]:
+    """Collective: refuse a save the disk cannot hold, turn a failed save into one line, count failures
+    (``keep_last``: the run's ``run.keep_last``, for the refusal's suggestion)."""
     import torch.distributed as dist
 
     run_dir = Path(run_dir)
     root = run_dir / "checkpoints"
     rank0 = not dist.is_initialized() or dist.get_rank() == 0
-    verdict = space_problem(root, step) if rank0 else None
+    verdict = space_problem(root, step, keep_last) if rank0 else None
     if dist.is_initialized() and dist.get_world_size() > 1:
         box = [verdict]
         dist.broadcast_object_list(box, src=0)

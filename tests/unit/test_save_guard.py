@@ -47,7 +47,7 @@ def test_save_refused_when_free_space_is_below_the_previous_checkpoint(tmp_path,
     assert not saved  # refused before writing anything
     assert str(e.value) == (
         f"not saving checkpoint step 2: {run / 'checkpoints'} has 500 bytes free, the previous checkpoint "
-        f"{previous} takes {needed} bytes; free space there (or lower run.keep_last) and rerun; the next "
+        f"{previous} takes {needed} bytes; free space there and rerun; the next "
         f"start is refused until it can succeed ({run / FAILURE_FILE})"
     )
     problem = save_failure_problem(run)  # a requeue would fail the same way: it does not start

@@ -1,0 +1,40 @@
+"""The recipe's start-up checks that need only the model's HF config, run by ``srpo launch`` before it
+submits, so a refusal the job would print after its allocation (in one rank's log) is one line here.
+
+They are the trainer's own functions, not copies: the top-K and sequence budget against the model
+(``trainer.preflight.check_model_limits``), the parallel layout against the job's process count, heads,
+experts (``parallel.ep``) and layers (``trainer.preflight.check_layout``), and rollout routing replay against
+the recompute setting and the model (``trainer.moe_replay.check_replay_config``). The HF config is read as
+``srpo plan`` reads it (``model.hf_dir``'s ``config.json``, else the packaged config of that name); when
+neither is readable on this machine the checks are skipped with a note (the job's doctor step reads it).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from srpo_megatron.config import ConfigError
+
+
+def check_before_submit(cfg: Any, world_size: int, log: Callable[[str], None] = print) -> None:
+    """Refuse ``cfg`` (a loaded recipe) on ``world_size`` training processes as ``srpo train`` would at
+    start-up, before anything is submitted (ConfigError: one line naming the key and the fix)."""
+    from srpo_megatron.models.architecture import Architecture, UnsupportedModelError
+    from srpo_megatron.planner.command import resolve_hf_config
+
+    try:
+        hf_config, _ = resolve_hf_config(cfg.model.hf_dir)
+    except ConfigError:
+        log(f"# start-up checks skipped: model.hf_dir={cfg.model.hf_dir} is not readable here")
+        return
+    from srpo_megatron.trainer.moe_replay import check_replay_config
+    from srpo_megatron.trainer.preflight import check_layout, check_model_limits
+
+    check_model_limits(cfg, hf_config)
+    check_layout(cfg, world_size, hf_config)
+    try:
+        arch = Architecture.from_hf(hf_config)
+    except UnsupportedModelError as e:
+        raise ConfigError(f"model.hf_dir {cfg.model.hf_dir}: {e}") from None
+    check_replay_config(cfg, arch)
