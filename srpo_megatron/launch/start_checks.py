@@ -26,7 +26,7 @@ def check_before_submit(cfg: Any, world_size: int, log: Callable[[str], None] = 
     try:
         hf_config, _ = resolve_hf_config(cfg.model.hf_dir)
     except ConfigError:
-        log(f"# start-up checks skipped: model.hf_dir={cfg.model.hf_dir} is not readable here")
+        log(f"# start-up checks skipped: no config.json readable here for {cfg.model.hf_dir}")
         return
     from srpo_megatron.trainer.moe_replay import check_replay_config
     from srpo_megatron.trainer.preflight import check_layout, check_model_limits
