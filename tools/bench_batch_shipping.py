@@ -101,8 +101,8 @@ def collect_before(service, prompts, step):
     """The earlier collect: all-gather of every share, rank-0 routing, broadcast + expert scatter."""
     import torch.distributed as dist
 
-    from srpo_megatron.trainer.batches import rank_share
-    from srpo_megatron.trainer.rollouts import engine_metrics, route_rollouts
+    from srpo_megatron.trainer.collect.rollout_service import engine_metrics, route_rollouts
+    from srpo_megatron.trainer.microbatches.batches import rank_share
     from srpo_megatron.trainer.step_types import RolloutBatch
 
     service._check_versions()
@@ -152,7 +152,7 @@ def _rank(rank, world, tp, root, hf, data):
     from srpo_megatron.parallel import initialize_model_parallel
     from srpo_megatron.rewards import register_reward
     from srpo_megatron.rollout.factory import load_tokenizer
-    from srpo_megatron.trainer.rollouts import RolloutService
+    from srpo_megatron.trainer.collect.rollout_service import RolloutService
 
     ov = [f"model.hf_dir={hf}", f"data.train_files=[{data}]", f"run.dir={root}/run", "parallel.ep=2"]
     ov += [f"parallel.tp={tp}", "parallel.sequence_parallel=true"] if tp > 1 else []

@@ -79,7 +79,7 @@ class RolloutConfig:
     reward_import_timeout_s: float = 120.0  # a reward module whose import takes longer fails the start
     # A step whose every reward failed (raised or timed out) stops the run with one line; true trains on
     # (those rewards are 0). More than half failed: a warning with the first messages
-    # (trainer/reward_errors.py).
+    # (trainer/collect/reward_errors.py).
     allow_reward_errors: bool = False
     # MoE: the engine reports each token's experts and the policy's scoring and training passes replay them
     # (rollout routing replay, "R3"; the EMA teacher is not replayed). Needs an MoE model.

@@ -42,9 +42,9 @@ def _step(rank, world, tiny, run_dir, tp, extra):
 
     from srpo_megatron.config import TrainConfig, load_config
     from srpo_megatron.parallel import initialize_model_parallel
-    from srpo_megatron.trainer.learning import learn
-    from srpo_megatron.trainer.policy import Policy
-    from srpo_megatron.trainer.scoring import score_rollouts
+    from srpo_megatron.trainer.passes.learning import learn
+    from srpo_megatron.trainer.state.policy import Policy
+    from srpo_megatron.trainer.passes.scoring import score_rollouts
 
     _, hf, data = tiny
     groups = initialize_model_parallel(tp, 1, seed=1)

@@ -41,9 +41,9 @@ def _samples(rollout_logp=None):
 
 def _score_and_learn(rank, world, tiny, run_dir):
     from srpo_megatron.parallel import initialize_model_parallel
-    from srpo_megatron.trainer.learning import learn
-    from srpo_megatron.trainer.policy import Policy
-    from srpo_megatron.trainer.scoring import score_rollouts
+    from srpo_megatron.trainer.passes.learning import learn
+    from srpo_megatron.trainer.state.policy import Policy
+    from srpo_megatron.trainer.passes.scoring import score_rollouts
 
     out = {}
     groups = initialize_model_parallel(1, 1, seed=1)

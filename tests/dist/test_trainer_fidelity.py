@@ -39,9 +39,9 @@ def _samples(n: int):
 
 def _mini_batches(rank, world, tiny, run_dir):
     from srpo_megatron.parallel import initialize_model_parallel
-    from srpo_megatron.trainer.learning import train_mini_batch
-    from srpo_megatron.trainer.policy import Policy
-    from srpo_megatron.trainer.scoring import score_rollouts
+    from srpo_megatron.trainer.passes.learning import train_mini_batch
+    from srpo_megatron.trainer.state.policy import Policy
+    from srpo_megatron.trainer.passes.scoring import score_rollouts
 
     extra = ["loss.mode=grpo", "optim.lr=0.05", "optim.clip_grad=0.0", "train.mini_batches=4"]
     policy = Policy(tiny_config(tiny, run_dir, extra), initialize_model_parallel(1, 1, seed=1))
@@ -67,9 +67,9 @@ def test_pi_old_is_the_rollout_batchs_for_every_mini_batch(tiny, tmp_path):
 
 def _warmup(rank, world, tiny, run_dir):
     from srpo_megatron.parallel import initialize_model_parallel
-    from srpo_megatron.trainer.learning import learn
-    from srpo_megatron.trainer.policy import Policy
-    from srpo_megatron.trainer.scoring import score_rollouts
+    from srpo_megatron.trainer.passes.learning import learn
+    from srpo_megatron.trainer.state.policy import Policy
+    from srpo_megatron.trainer.passes.scoring import score_rollouts
 
     extra = [
         "loss.mode=grpo",

@@ -23,9 +23,9 @@ def tiny(tmp_path_factory):
 
 def _nonfinite_step(rank, world, tiny, run_dir):
     from srpo_megatron.parallel import initialize_model_parallel
-    from srpo_megatron.trainer.learning import train_mini_batch
-    from srpo_megatron.trainer.policy import Policy
-    from srpo_megatron.trainer.scoring import score_rollouts
+    from srpo_megatron.trainer.passes.learning import train_mini_batch
+    from srpo_megatron.trainer.state.policy import Policy
+    from srpo_megatron.trainer.passes.scoring import score_rollouts
     from srpo_megatron.trainer.step_types import Sample
 
     cfg = tiny_config(tiny, run_dir, ["loss.mode=grpo"])
@@ -53,9 +53,9 @@ def test_nonfinite_loss_skips_the_step_and_keeps_the_weights(tiny, tmp_path):
 
 def _teacher_on_skipped_step(rank, world, tiny, run_dir):
     from srpo_megatron.parallel import initialize_model_parallel
-    from srpo_megatron.trainer.learning import learn
-    from srpo_megatron.trainer.policy import Policy
-    from srpo_megatron.trainer.scoring import score_rollouts
+    from srpo_megatron.trainer.passes.learning import learn
+    from srpo_megatron.trainer.state.policy import Policy
+    from srpo_megatron.trainer.passes.scoring import score_rollouts
     from srpo_megatron.trainer.step_types import Sample
 
     cfg = tiny_config(tiny, run_dir, ["teacher.kind=ema", "teacher.ema_alpha=0.25"])
@@ -113,9 +113,9 @@ def test_zero_signal_batch_trains_without_dividing_by_zero(tiny, tmp_path):
 
 def _teacher_update(rank, world, tiny, run_dir, kind):
     from srpo_megatron.parallel import initialize_model_parallel
-    from srpo_megatron.trainer.learning import learn
-    from srpo_megatron.trainer.policy import Policy
-    from srpo_megatron.trainer.scoring import score_rollouts
+    from srpo_megatron.trainer.passes.learning import learn
+    from srpo_megatron.trainer.state.policy import Policy
+    from srpo_megatron.trainer.passes.scoring import score_rollouts
     from srpo_megatron.trainer.step_types import Sample
 
     cfg = tiny_config(tiny, run_dir, [f"teacher.kind={kind}", "teacher.ema_alpha=0.25"])
@@ -161,8 +161,8 @@ def _engine_dies(rank, world, tiny, run_dir):
     from srpo_megatron.parallel import initialize_model_parallel
     from srpo_megatron.rewards import register_reward
     from srpo_megatron.rollout.factory import load_tokenizer
-    from srpo_megatron.trainer.policy import Policy
-    from srpo_megatron.trainer.rollouts import RolloutService
+    from srpo_megatron.trainer.state.policy import Policy
+    from srpo_megatron.trainer.collect.rollout_service import RolloutService
 
     cfg = tiny_config(tiny, run_dir)
     register_reward("coin", "srpo_megatron.testing.tiny:coin_reward")

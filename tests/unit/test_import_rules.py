@@ -146,7 +146,7 @@ def module_name(root: Path, path: Path) -> str:
 
 
 def room(module: str) -> str:
-    """``srpo_megatron.trainer.checkpoint`` -> ``trainer``; the root package is its own room."""
+    """``srpo_megatron.trainer.run.checkpoint`` -> ``trainer``; the root package is its own room."""
     parts = module.split(".")
     return parts[1] if len(parts) > 1 else parts[0]
 
@@ -332,10 +332,10 @@ def test_a_planted_back_arrow_is_reported(tmp_path):
 @pytest.mark.parametrize(
     "text",
     [
-        "def f():\n    from srpo_megatron.trainer.checkpoint import save_checkpoint\n",  # lazy
+        "def f():\n    from srpo_megatron.trainer.run.checkpoint import save_checkpoint\n",  # lazy
         "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from srpo_megatron.trainer import y\n",
         "from ..trainer import y\n",  # relative
-        "import srpo_megatron.trainer.policy as p\n",
+        "import srpo_megatron.trainer.state.policy as p\n",
         "from srpo_megatron import trainer\n",
     ],
     ids=["function-level", "type-checking", "relative", "import-as", "from-root"],

@@ -12,7 +12,7 @@ import pytest
 from srpo_megatron.config import ConfigError
 from srpo_megatron.data.rows import DataError, load_rows
 from srpo_megatron.rewards import RewardPool
-from srpo_megatron.trainer.preflight import check_layout
+from srpo_megatron.trainer.run.preflight import check_layout
 
 QWEN3_TINY = {"num_attention_heads": 4, "num_key_value_heads": 2, "num_hidden_layers": 2}
 

@@ -18,7 +18,7 @@ from srpo_megatron.config import TeacherConfig
 from srpo_megatron.data.dataset import Prompt
 from srpo_megatron.data.rows import Row
 from srpo_megatron.testing.assets import qwen3_tokenizer, smollm2_tokenizer
-from srpo_megatron.trainer.routing_batch import clean_solution, teacher_prompt_ids
+from srpo_megatron.trainer.collect.sample_routing import clean_solution, teacher_prompt_ids
 
 OPEN, CLOSE = "<think>", "</think>"
 

@@ -2,7 +2,7 @@
 context of the groups a step trains, as one ``RolloutBatch``.
 
 Two phases, because dynamic sampling needs a group's rewards before the step's batch exists
-(``trainer/sample_pool.py``):
+(``trainer/collect/sample_pool.py``):
 
 - ``score_rollouts``: decode and reward completed groups (one ``RewardPool`` call);
 - ``route_groups``: route the groups a step trains, each group on its own rewards (routing, advantages and

@@ -51,8 +51,8 @@ import torch
 from srpo_megatron.config import ConfigError
 from srpo_megatron.models.moe_metrics import RouterRecorder
 from srpo_megatron.rollout.routed_experts import as_token_layer_topk
-from srpo_megatron.trainer.batches import MicroBatch, Sequence
-from srpo_megatron.trainer.packing import cp_index
+from srpo_megatron.trainer.microbatches.batches import MicroBatch, Sequence
+from srpo_megatron.trainer.microbatches.packing import cp_index
 
 
 def check_replay_config(cfg, arch) -> None:
@@ -98,7 +98,7 @@ def router_token_map(
         member = torch.full((s, 1), -1, dtype=torch.long)
         position = torch.zeros(s, 1, dtype=torch.long)
         for j, m in enumerate(mb.members):
-            if m is None:  # a filler (trainer/lockstep.py): padding only
+            if m is None:  # a filler (trainer/microbatches/lockstep.py): padding only
                 continue
             member[cu[j] : cu[j + 1], 0] = m
             position[cu[j] : cu[j + 1], 0] = torch.arange(cu[j + 1] - cu[j])

@@ -9,8 +9,8 @@ trust-region teacher, the student logits it mixes in) are scored at the same poi
 
 Results are written into one ``ScoredBatch`` on the runtime's device (last pipeline stage only). With
 context parallelism each CP rank scores the rows it holds and the CP group gathers them after each pass
-(``trainer/context_parallel.py``): the teacher needs the student's top-K ids of rows another CP rank may
-have scored, and the training pass needs every row on every CP rank.
+(``trainer/microbatches/context_parallel.py``): the teacher needs the student's top-K ids of rows another CP
+rank may have scored, and the training pass needs every row on every CP rank.
 
 Parity (``rollout.parity_top_k`` = K > 0): the student pass also takes π_old at the engine's top-K ids of
 every row (the same vocab-parallel gather as the sampled token) and logs the per-token KL(engine‖trainer)
@@ -35,21 +35,21 @@ import torch
 
 from srpo_megatron.losses import apply_rejections, score_student, score_teacher, sequence_weights
 from srpo_megatron.losses.parity import topk_parity_kl
-from srpo_megatron.trainer import context_parallel as cpar
-from srpo_megatron.trainer.batches import (
+from srpo_megatron.trainer.microbatches import context_parallel as cpar
+from srpo_megatron.trainer.microbatches.batches import (
     micro_batches_for,
     row_offsets,
     sample_tokens,
     student_sequences,
     teacher_sequences,
 )
-from srpo_megatron.trainer.lockstep import lockstep
-from srpo_megatron.trainer.moe_replay import moe_replay_for
-from srpo_megatron.trainer.output_rows import Rows, mix_rows
-from srpo_megatron.trainer.parity import engine_top_k, parity_stats
-from srpo_megatron.trainer.policy import Policy
-from srpo_megatron.trainer.schedule import run_schedule
-from srpo_megatron.trainer.stats import reduce_stats
+from srpo_megatron.trainer.microbatches.lockstep import lockstep
+from srpo_megatron.trainer.microbatches.moe_replay import moe_replay_for
+from srpo_megatron.trainer.microbatches.output_rows import Rows, mix_rows
+from srpo_megatron.trainer.microbatches.schedule import run_schedule
+from srpo_megatron.trainer.observe.stats import reduce_stats
+from srpo_megatron.trainer.passes.parity import engine_top_k, parity_stats
+from srpo_megatron.trainer.state.policy import Policy
 from srpo_megatron.trainer.step_types import Sample, ScoredBatch, StepStats
 
 
@@ -87,7 +87,7 @@ def score_rollouts(
 
     micro = lockstep(build(seqs), g, build)
     scored = ScoredBatch(samples, offsets, tokens, StepStats())
-    # rollout.parity_top_k: the engine's top-K per row, and the trainer's KL to it (trainer/parity.py)
+    # rollout.parity_top_k: the engine's top-K per row, and the trainer's KL to it (trainer/passes/parity.py)
     engine_top = engine_top_k(samples, cfg.rollout.parity_top_k, dev) if g.is_last_stage else None
 
     def on_student(row_logits: Rows, k: int) -> None:
