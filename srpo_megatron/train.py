@@ -29,7 +29,7 @@ from srpo_megatron.trainer.observe.stats import reduce_stats
 from srpo_megatron.trainer.observe.step_metrics import gather_stats, step_metrics
 from srpo_megatron.trainer.observe.teacher_watch import TeacherWatch
 from srpo_megatron.trainer.passes.learning import learn
-from srpo_megatron.trainer.passes.scoring import score_rollouts
+from srpo_megatron.trainer.passes.scoring import scoring_pass
 from srpo_megatron.trainer.run.checkpoint import load_checkpoint, load_rollout_buffer, save_checkpoint
 from srpo_megatron.trainer.run.preflight import (
     check_layout,
@@ -97,7 +97,7 @@ def train(cfg: TrainConfig) -> dict:
         mine = rollouts.next_batch(draw, st.step, st.weight_version)
         rollout_memory = policy.offload.after_rollouts()  # the engine released its memory: take it back
         # π_old, top-K ids, teacher: once, before any step; tokens staler than the bound are masked there
-        scored = score_rollouts(policy, mine.samples, trainer_version=st.weight_version)
+        scored = scoring_pass(policy, mine.samples, trainer_version=st.weight_version)
         learned = learn(policy, scored, cfg.train.mini_batches)
         policy.update_teacher_after(learned)  # no EMA step when every optimizer step was skipped
         st.weight_version += 1

@@ -4,7 +4,7 @@ tokens, in the same process, so the next drift in the demo's wall time shows as 
 The demo's recipe (``examples/smollm2_arith_cpu.yaml``) with the demo's prepared model (``tools/demo.sh``
 writes ``.cache/smollm2-hf`` and ``.cache/smollm2-mcore``), built as ``srpo train`` builds it
 (``srpo_megatron/train.py``), then one step timed by the trainer's own phases: ``generate`` and ``reward``
-(``rollouts.next_batch``), ``score`` and ``teacher`` (``score_rollouts``), ``train`` (``learn``), ``ema``
+(``rollouts.next_batch``), ``score`` and ``teacher`` (``scoring_pass``), ``train`` (``learn``), ``ema``
 (``update_teacher``), ``sync`` (weight sync into the transformers engine), and ``save``: the checkpoint the
 demo writes once after its last step (``save_checkpoint``; its parts ``save/dist_checkpointing_s``,
 ``save/extras_s``, ``save/digest_s`` (fsync + SHA-256 of every file) and ``save/finalize_s``).
@@ -133,7 +133,7 @@ def main(argv: list[str] | None = None) -> int:
     from srpo_megatron.trainer.collect.rollout_service import RolloutService
     from srpo_megatron.trainer.microbatches.batches import student_sequences
     from srpo_megatron.trainer.passes.learning import learn
-    from srpo_megatron.trainer.passes.scoring import score_rollouts
+    from srpo_megatron.trainer.passes.scoring import scoring_pass
     from srpo_megatron.trainer.run import checkpoint as ckpt_mod
     from srpo_megatron.trainer.state.policy import Policy
     from srpo_megatron.trainer.step_types import TrainerState
@@ -159,7 +159,7 @@ def main(argv: list[str] | None = None) -> int:
     phases["reward_s"] = mine.metrics.get("time/reward_s", float("nan"))
     prof = cProfile.Profile() if args.profile else None
     with prof if prof is not None else contextlib.nullcontext():
-        scored = score_rollouts(policy, mine.samples, trainer_version=st.weight_version)
+        scored = scoring_pass(policy, mine.samples, trainer_version=st.weight_version)
         learned = learn(policy, scored, cfg.train.mini_batches)
     phases["score_s"] = scored.stats.score_s
     phases["teacher_s"] = scored.stats.teacher_s

@@ -42,9 +42,9 @@ def _state(policy) -> dict[str, list[torch.Tensor]]:
 
 def _step(policy, rank: int, step: int) -> float:
     from srpo_megatron.trainer.passes.learning import learn
-    from srpo_megatron.trainer.passes.scoring import score_rollouts
+    from srpo_megatron.trainer.passes.scoring import scoring_pass
 
-    stats = learn(policy, score_rollouts(policy, tiny_samples(rank, step)), 1)
+    stats = learn(policy, scoring_pass(policy, tiny_samples(rank, step)), 1)
     policy.update_teacher()
     return stats.loss
 

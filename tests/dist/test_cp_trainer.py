@@ -96,7 +96,7 @@ def _step(rank, world, tiny, run_dir, tp, pp, cp, plants, extra=()):
     from srpo_megatron.config import TrainConfig
     from srpo_megatron.trainer.passes.learning import learn
     from srpo_megatron.trainer.state.policy import Policy
-    from srpo_megatron.trainer.passes.scoring import score_rollouts
+    from srpo_megatron.trainer.passes.scoring import scoring_pass
     from srpo_megatron.weights.export import iter_stage_hf_tensors
 
     _, hf, data = tiny
@@ -120,7 +120,7 @@ def _step(rank, world, tiny, run_dir, tp, pp, cp, plants, extra=()):
                 *extra,
             ]
             policy = Policy(load_config(TrainConfig, str(RECIPE), ov), groups)
-            scored = score_rollouts(policy, _samples())
+            scored = scoring_pass(policy, _samples())
             t = scored.tokens
             kept = (
                 None

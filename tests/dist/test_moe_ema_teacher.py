@@ -83,7 +83,7 @@ def _run(rank, world, tiny, run_dir, tp, ep, mode, plant):
     from srpo_megatron.config import TrainConfig
     from srpo_megatron.trainer.passes.learning import learn
     from srpo_megatron.trainer.state.policy import Policy
-    from srpo_megatron.trainer.passes.scoring import score_rollouts
+    from srpo_megatron.trainer.passes.scoring import scoring_pass
 
     if plant:  # the old choice: every shard reduced over the dense DP group, experts included
         teacher_module.buffer_group = lambda buffer: ps.get_data_parallel_group(with_context_parallel=True)
@@ -108,7 +108,7 @@ def _run(rank, world, tiny, run_dir, tp, ep, mode, plant):
     # before the first step the main params are the (bf16 or fp32) model params, exactly
     ref = [p.detach().double() for p in policy.model.parameters()]
     for step in range(STEPS):
-        learn(policy, score_rollouts(policy, _samples(groups.dp_rank, step)), 1)
+        learn(policy, scoring_pass(policy, _samples(groups.dp_rank, step)), 1)
         policy.update_teacher()
         main = megatron_main_params(policy.optimizer, policy.model)
         ref = [(1 - ALPHA) * r + ALPHA * m.double() for r, m in zip(ref, main, strict=True)]

@@ -55,7 +55,7 @@ def _step(rank, world, tiny, run_dir, ep, budget):
     from srpo_megatron.config import TrainConfig
     from srpo_megatron.trainer.passes.learning import learn
     from srpo_megatron.trainer.state.policy import Policy
-    from srpo_megatron.trainer.passes.scoring import score_rollouts
+    from srpo_megatron.trainer.passes.scoring import scoring_pass
     from srpo_megatron.weights.export import iter_stage_hf_tensors
 
     _, hf, data = tiny
@@ -76,7 +76,7 @@ def _step(rank, world, tiny, run_dir, ep, budget):
     real = lockstep_module.filler_micro_batch
     lockstep_module.filler_micro_batch = lambda *a, **k: fillers.append(1) or real(*a, **k)
     samples = packing_samples() if groups.dp_rank == 0 else _grpo_samples()
-    scored = score_rollouts(policy, samples)
+    scored = scoring_pass(policy, samples)
     t = scored.tokens
     kept = {"π_old": t.old_logp.clone(), "teacher log-probs": t.teacher_logp.clone()}
     stats = learn(policy, scored, 1)

@@ -64,9 +64,9 @@ def tiny_samples(rank: int, step: int):
 
 def tiny_step(policy, rank: int, step: int) -> None:
     from srpo_megatron.trainer.passes.learning import learn
-    from srpo_megatron.trainer.passes.scoring import score_rollouts
+    from srpo_megatron.trainer.passes.scoring import scoring_pass
 
-    learn(policy, score_rollouts(policy, tiny_samples(rank, step)), 1)
+    learn(policy, scoring_pass(policy, tiny_samples(rank, step)), 1)
     policy.update_teacher()
 
 

@@ -58,7 +58,7 @@ from srpo_megatron.data.rows import Row
 from srpo_megatron.rewards.pool import RewardPool
 from srpo_megatron.rollout.base import Completion
 from srpo_megatron.trainer.collect.reward_errors import check_step_rewards
-from srpo_megatron.trainer.collect.sample_routing import route_groups, score_rollouts
+from srpo_megatron.trainer.collect.sample_routing import reward_groups, route_groups
 from srpo_megatron.trainer.step_types import RolloutBatch, merge_metrics
 
 STATE_FORMAT = 1  # bump when state_dict's layout changes
@@ -161,7 +161,7 @@ class SamplePool:
         if any(s != g for s in sizes):
             raise ValueError(f"every group needs rollout.group_size = {g} completions; got sizes {sizes}")
         t0 = time.monotonic()
-        scores = score_rollouts(
+        scores = reward_groups(
             self.tokenizer, [x.prompt for x in groups], [x.completions for x in groups], self.rewards
         )
         c = self.counters

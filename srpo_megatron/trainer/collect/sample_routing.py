@@ -4,7 +4,7 @@ context of the groups a step trains, as one ``RolloutBatch``.
 Two phases, because dynamic sampling needs a group's rewards before the step's batch exists
 (``trainer/collect/sample_pool.py``):
 
-- ``score_rollouts``: decode and reward completed groups (one ``RewardPool`` call);
+- ``reward_groups``: decode and reward completed groups (one ``RewardPool`` call);
 - ``route_groups``: route the groups a step trains, each group on its own rewards (routing, advantages and
   the sibling are per group: a group routes the same whatever batch it lands in, and whatever weight
   versions its samples came from), every ``Sample`` built once, frozen, in group then member order.
@@ -70,7 +70,7 @@ def sampling_params(rollout: RolloutConfig, seed: int, prompt_offset: int = 0) -
 
 @dataclass
 class Scores:
-    """``score_rollouts``' answer: per group, each member's decoded response and reward.
+    """``reward_groups``' answer: per group, each member's decoded response and reward.
 
     texts, rewards: ``[groups][members]``; result: the pool's counters (``reward/timeouts``,
     ``reward/errors``); seconds: the scoring's wall time (the step's ``time/reward_s``).
@@ -82,7 +82,7 @@ class Scores:
     seconds: float
 
 
-def score_rollouts(
+def reward_groups(
     tokenizer: Any, prompts: list[Prompt], completions: list[list[Completion]], rewards: RewardPool
 ) -> Scores:
     """Rank 0: decode and reward ``completions[group][member]`` against ``prompts[group]`` (one pool call)."""
@@ -94,13 +94,13 @@ def score_rollouts(
     )
     seconds = time.monotonic() - t1
     text_groups: list[list[str]] = []
-    reward_groups: list[list[float]] = []
+    member_rewards: list[list[float]] = []
     k = 0
     for group in completions:
         text_groups.append(texts[k : k + len(group)])
-        reward_groups.append([float(v) for v in scored.rewards[k : k + len(group)]])
+        member_rewards.append([float(v) for v in scored.rewards[k : k + len(group)]])
         k += len(group)
-    return Scores(text_groups, reward_groups, scored, seconds)
+    return Scores(text_groups, member_rewards, scored, seconds)
 
 
 def route_groups(
@@ -209,14 +209,14 @@ def route_rollouts(
     t_gen: float,
 ) -> RolloutBatch:
     """Rank 0: rewards, routing, advantages and teacher prompts for ``completions[prompt][sample]``; each
-    ``Sample`` is built once with all its fields, in prompt then member order (``score_rollouts`` then
+    ``Sample`` is built once with all its fields, in prompt then member order (``reward_groups`` then
     ``route_groups``)."""
     g = rollout.group_size
     if any(len(group) != g for group in completions):
         raise ValueError(
             f"every prompt needs rollout.group_size = {g} completions; got {[len(c) for c in completions]}"
         )
-    scores = score_rollouts(tokenizer, prompts, completions, rewards)
+    scores = reward_groups(tokenizer, prompts, completions, rewards)
     batch = route_groups(tokenizer, prompts, completions, scores.texts, scores.rewards, loss, teacher)
     times = {"time/generate_s": t_gen, "time/reward_s": scores.seconds}
     return RolloutBatch(batch.samples, merge_metrics(batch.metrics, times, scores.result.metrics()))

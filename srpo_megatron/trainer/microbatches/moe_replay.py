@@ -17,8 +17,8 @@ still reach the router). The used API (``router.router_replay``, ``set_target_in
 megatron-core 0.16.1 and 0.19.2; ``tests/unit/test_moe_replay.py`` fails if it changes.
 
 The EMA teacher is never replayed: it scores the response under a different context (the sibling's
-solution in its prompt, method §1.4), so the engine's routing of the student's context does not apply to
-it; the trust-region teacher's student forward on the teacher prompt is not replayed either.
+solution in its prompt, method §1.4), so the engine's expert choice for the student's context does not apply
+to it; the trust-region teacher's student forward on the teacher prompt is not replayed either.
 
 GLM-4.5 / DeepSeek-V3 (sigmoid router, expert bias, groups): megatron's ``REPLAY_FORWARD`` takes the
 engine's experts as the selection, so neither the bias nor the group rule of the trainer enters, and weights
@@ -206,7 +206,7 @@ class MoEReplay(contextlib.AbstractContextManager):
             )
 
     def summary(self) -> dict[str, float]:
-        """The pass's routing metrics, identical on every rank (collective over DP, CP, TP under SP, PP)."""
+        """The pass's router metrics, identical on every rank (collective over DP, CP, TP under SP, PP)."""
         assert self.recorder is not None
         g = self.policy.groups
         groups = [g.dp, g.cp, g.pp, *([g.tp] if self.sp else [])]

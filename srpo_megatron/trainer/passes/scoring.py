@@ -54,9 +54,7 @@ from srpo_megatron.trainer.step_types import Sample, ScoredBatch, StepStats
 
 
 @torch.no_grad()
-def score_rollouts(
-    policy: Policy, samples: list[Sample], *, trainer_version: int | None = None
-) -> ScoredBatch:
+def scoring_pass(policy: Policy, samples: list[Sample], *, trainer_version: int | None = None) -> ScoredBatch:
     """Student scoring of every sample and teacher scoring of ``needs_teacher`` samples (collective).
 
     ``trainer_version``: the version of the policy's weights now (``TrainerState.weight_version``), for
