@@ -1,11 +1,11 @@
 """What flows through one training step, as types (a leaf: stdlib and torch only).
 
-    engines ── Completion ──▶ rank 0: route_rollouts ── Sample (frozen) ──▶ RolloutBatch
+    engines ── Completion ──▶ rank 0: route_groups ── Sample (frozen) ──▶ RolloutBatch
         ──▶ each DP replica its share (batch_shipping) ──▶ scoring: ScoredBatch ──▶ learning: StepStats
         ──▶ rank 0: step metrics (declared in ``METRICS``) ──▶ TrainerState (the checkpoint's state)
 
 - :class:`Sample`: one rollout with its reward, advantage, routing and teacher context, built once on
-  rank 0 (``trainer/collect/rollout_service.route_rollouts``) and never changed afterwards.
+  rank 0 (``trainer/collect/sample_routing.route_groups``) and never changed afterwards.
 - :class:`RolloutBatch`: a step's samples (on a trainer rank: its DP share) and rank 0's batch metrics.
 - :class:`ScoredBatch`: a rank's share after the scoring pass, the tensors the training pass consumes.
 - :class:`StepStats`: what a rank measured in a step; every field declares its reduction.
@@ -59,7 +59,7 @@ def reduce_values(how: Reduction, values: Iterable[float]) -> float:
 class Sample:
     """One rollout y_i of prompt group ``group`` (index ``member`` in the group), routed (method §1).
 
-    Built once, with every field, by ``route_rollouts`` on rank 0; frozen afterwards.
+    Built once, with every field, by ``route_groups`` on rank 0; frozen afterwards.
     """
 
     group: int
@@ -313,7 +313,7 @@ def _declare(*metrics: Metric) -> dict[str, Metric]:
 
 _M = Metric
 METRICS: dict[str, Metric] = _declare(
-    # rank 0's routing of the batch (trainer/collect/rollout_service.route_rollouts)
+    # rank 0's routing of the batch (trainer/collect/sample_routing.route_groups)
     _M("reward/mean", MEAN, "mean reward of the batch's samples", method=True),
     _M("reward/accuracy", MEAN, "share of samples whose reward passes loss.success_threshold", method=True),
     _M("reward/timeouts", SUM, "reward calls that ran past rollout.reward_timeout_s (reward 0)"),

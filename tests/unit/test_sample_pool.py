@@ -27,10 +27,10 @@ from srpo_megatron.config import LossConfig, RolloutConfig, TeacherConfig
 from srpo_megatron.losses import group_advantages, route, routing_masks
 from srpo_megatron.rewards.pool import RewardPool
 from srpo_megatron.rollout.routed_experts import compact_ids
-from srpo_megatron.trainer.collect.rollout_service import route_rollouts
 from srpo_megatron.trainer.collect.sample_pool import CompletedGroup, SamplePool, groups_of
 from srpo_megatron.trainer.collect.sample_routing import teacher_prompt_ids
 from srpo_megatron.trainer.step_types import RolloutBatch, Sample, merge_metrics
+from tests.helpers.rollout_batch import route_rollouts
 from tests.helpers.sample_pool import (
     ALL_CORRECT,
     ALL_WRONG,
@@ -49,7 +49,7 @@ def rewards():
 
 
 def _route_rollouts_before(tokenizer, prompts, completions, rollout, loss, teacher, rewards, t_gen):
-    """``trainer/collect/rollout_service.route_rollouts`` as it was at e7f52f8, verbatim but for the
+    """``route_rollouts`` (then in ``trainer/rollouts.py``) as it was at e7f52f8, verbatim but for the
     docstring."""
     rows = [
         (i, m, c)

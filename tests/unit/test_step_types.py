@@ -28,12 +28,7 @@ from srpo_megatron.losses import group_advantages, route, routing_masks
 from srpo_megatron.rewards import register_reward
 from srpo_megatron.rewards.pool import RewardPool, RewardResult
 from srpo_megatron.rollout.base import Completion
-from srpo_megatron.trainer.collect.rollout_service import (
-    EngineShare,
-    RoundFigures,
-    engine_metrics,
-    route_rollouts,
-)
+from srpo_megatron.trainer.collect.rollout_service import EngineShare, RoundFigures, engine_metrics
 from srpo_megatron.trainer.step_types import (
     METHOD_METRICS,
     METRICS,
@@ -42,6 +37,7 @@ from srpo_megatron.trainer.step_types import (
     merge_metrics,
     reduce_values,
 )
+from tests.helpers.rollout_batch import route_rollouts
 from tests.helpers.sample_pool import CharTokenizer as _Tokenizer
 
 

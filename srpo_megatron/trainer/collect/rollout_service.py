@@ -35,7 +35,6 @@ from srpo_megatron.trainer.collect.reward_errors import RewardsFailed
 from srpo_megatron.trainer.collect.sample_pool import SamplePool, groups_of
 from srpo_megatron.trainer.collect.sample_routing import (  # noqa: F401  (re-exported for tools/)
     clean_solution,
-    route_rollouts,
     sampling_params,
     teacher_prompt_ids,
 )

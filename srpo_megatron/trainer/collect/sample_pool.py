@@ -58,7 +58,7 @@ from srpo_megatron.data.rows import Row
 from srpo_megatron.rewards.pool import RewardPool
 from srpo_megatron.rollout.base import Completion
 from srpo_megatron.trainer.collect.reward_errors import check_step_rewards
-from srpo_megatron.trainer.collect.sample_routing import reward_groups, route_groups
+from srpo_megatron.trainer.collect.sample_routing import check_group_sizes, reward_groups, route_groups
 from srpo_megatron.trainer.step_types import RolloutBatch, merge_metrics
 
 STATE_FORMAT = 1  # bump when state_dict's layout changes
@@ -156,10 +156,7 @@ class SamplePool:
         and set the others aside for a possible top-up."""
         if not groups:
             return
-        g = self.rollout.group_size
-        sizes = [len(x.completions) for x in groups]
-        if any(s != g for s in sizes):
-            raise ValueError(f"every group needs rollout.group_size = {g} completions; got sizes {sizes}")
+        check_group_sizes([len(x.completions) for x in groups], self.rollout.group_size)
         t0 = time.monotonic()
         scores = reward_groups(
             self.tokenizer, [x.prompt for x in groups], [x.completions for x in groups], self.rewards

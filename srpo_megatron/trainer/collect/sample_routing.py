@@ -9,7 +9,9 @@ Two phases, because dynamic sampling needs a group's rewards before the step's b
   the sibling are per group: a group routes the same whatever batch it lands in, and whatever weight
   versions its samples came from), every ``Sample`` built once, frozen, in group then member order.
 
-``route_rollouts`` is the two in a row for one on-policy batch (what ``RolloutService.collect`` calls).
+The trainer runs them through ``trainer/collect/sample_pool.py``: ``SamplePool.add`` checks each group's
+size (``check_group_sizes``, the one place of that rule) and calls ``reward_groups``; ``SamplePool.take``
+calls ``route_groups`` on the groups a step trains.
 """
 
 from __future__ import annotations
@@ -66,6 +68,13 @@ def sampling_params(rollout: RolloutConfig, seed: int, prompt_offset: int = 0) -
         return_routed_experts=rollout.routing_replay or rollout.engine == "hf",
         top_logprobs=rollout.parity_top_k,
     )
+
+
+def check_group_sizes(sizes: list[int], group_size: int) -> None:
+    """Refuse groups that do not hold exactly ``rollout.group_size`` completions (``sizes``: per group)."""
+    if any(s != group_size for s in sizes):
+        got = f"got sizes {sizes}"
+        raise ValueError(f"every group needs rollout.group_size = {group_size} completions; {got}")
 
 
 @dataclass
@@ -196,27 +205,3 @@ def per_benchmark(benchmarks: list[str], rewards: torch.Tensor, correct: torch.T
         out[benchmark_metric("reward/{benchmark}/mean", b)] = rewards[rows].mean().item()
         out[benchmark_metric("reward/{benchmark}/accuracy", b)] = correct[rows].double().mean().item()
     return out
-
-
-def route_rollouts(
-    tokenizer: Any,
-    prompts: list[Prompt],
-    completions: list[list[Completion]],
-    rollout: RolloutConfig,
-    loss: LossConfig,
-    teacher: TeacherConfig,
-    rewards: RewardPool,
-    t_gen: float,
-) -> RolloutBatch:
-    """Rank 0: rewards, routing, advantages and teacher prompts for ``completions[prompt][sample]``; each
-    ``Sample`` is built once with all its fields, in prompt then member order (``reward_groups`` then
-    ``route_groups``)."""
-    g = rollout.group_size
-    if any(len(group) != g for group in completions):
-        raise ValueError(
-            f"every prompt needs rollout.group_size = {g} completions; got {[len(c) for c in completions]}"
-        )
-    scores = reward_groups(tokenizer, prompts, completions, rewards)
-    batch = route_groups(tokenizer, prompts, completions, scores.texts, scores.rewards, loss, teacher)
-    times = {"time/generate_s": t_gen, "time/reward_s": scores.seconds}
-    return RolloutBatch(batch.samples, merge_metrics(batch.metrics, times, scores.result.metrics()))
