@@ -32,11 +32,9 @@ from srpo_megatron.trainer.passes.learning import learn
 from srpo_megatron.trainer.passes.scoring import scoring_pass
 from srpo_megatron.trainer.run.checkpoint import load_checkpoint, load_rollout_buffer, save_checkpoint
 from srpo_megatron.trainer.run.preflight import (
-    check_layout,
-    check_model_limits,
+    check_before_model,
     check_rewards,
     data_summary,
-    read_model_config,
 )
 from srpo_megatron.trainer.run.resume import resume_point
 from srpo_megatron.trainer.run.run_dir import claim_run_dir, release_run_dir
@@ -49,9 +47,9 @@ def train(cfg: TrainConfig) -> dict:
     wall0 = time.monotonic()
     kill_forks_with_me()  # megatron's forked checkpoint writers die with this process (children.py)
     world = dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", "1"))
-    hf_config = read_model_config(cfg.model.hf_dir)  # one line for a missing or broken config.json
-    check_model_limits(cfg, hf_config)  # top-K within the vocabulary, sequence budget within positions
-    check_layout(cfg, world, hf_config)  # before megatron or the model
+    check_before_model(
+        cfg, world
+    )  # config.json, model limits, layout, MoE replay: before megatron or the model
     p = cfg.parallel
     groups = initialize_model_parallel(p.tp, p.pp, seed=cfg.run.seed, ep=p.ep, etp=p.etp, cp=p.cp)
     rank0 = dist.get_rank() == 0

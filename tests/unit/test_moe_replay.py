@@ -144,7 +144,7 @@ def test_replay_config_refusals(tmp_path):
     from types import SimpleNamespace
 
     from srpo_megatron.config import ConfigError, PerformanceConfig
-    from srpo_megatron.trainer.microbatches.moe_replay import check_replay_config
+    from srpo_megatron.trainer.run.preflight import check_replay_config
 
     def cfg(**perf):
         return SimpleNamespace(

@@ -48,30 +48,10 @@ import contextlib
 
 import torch
 
-from srpo_megatron.config import ConfigError
 from srpo_megatron.models.moe_metrics import RouterRecorder
 from srpo_megatron.rollout.routed_experts import as_token_layer_topk
 from srpo_megatron.trainer.microbatches.batches import MicroBatch, Sequence
 from srpo_megatron.trainer.microbatches.packing import cp_index
-
-
-def check_replay_config(cfg, arch) -> None:
-    """Refuse ``rollout.routing_replay`` where it cannot be honoured, naming the key and the fix."""
-    if not cfg.rollout.routing_replay:
-        return
-    if not arch.is_moe:
-        raise ConfigError(
-            f"rollout.routing_replay=true but model.hf_dir {cfg.model.hf_dir} is a dense model (no experts); "
-            "set rollout.routing_replay=false"
-        )
-    perf = cfg.performance
-    if perf.recompute == "full" or (perf.recompute == "selective" and "mlp" in perf.recompute_modules):
-        raise ConfigError(
-            f"rollout.routing_replay=true with performance.recompute={perf.recompute} would recompute the "
-            "MoE router in the backward pass, where megatron-core replays the last micro-batch's experts "
-            "under pipeline schedules; use performance.recompute=selective with recompute_modules "
-            "[core_attn] (or none)"
-        )
 
 
 def router_token_map(

@@ -25,7 +25,6 @@ from srpo_megatron.models.architecture import Architecture, padded_vocab_size
 from srpo_megatron.models.performance import Accelerators
 from srpo_megatron.models.policy import build_policy
 from srpo_megatron.parallel import ParallelGroups
-from srpo_megatron.trainer.microbatches.moe_replay import check_replay_config
 from srpo_megatron.trainer.microbatches.output_rows import OutputHead
 from srpo_megatron.trainer.state.ema_shard import ShardedEmaTeacher
 from srpo_megatron.trainer.state.offload import Offloader
@@ -43,7 +42,6 @@ class Policy:
         self.cfg, self.groups, self.device = cfg, groups, groups.device
         self.arch = Architecture.from_hf(cfg.model.hf_dir)
         self.table = ConversionTable(self.arch)
-        check_replay_config(cfg, self.arch)
         # GPU defaults (bf16 + fp32 main params, TE spec, SP, fusions, overlap, recompute): performance.py
         acc, perf = Accelerators.detect(), cfg.performance
         dtype = perf_choice.params_dtype(cfg.model.params_dtype, acc)
