@@ -144,7 +144,7 @@ def main(argv: list[str] | None = None) -> int:
             from srpo_megatron.config import load_recipe
 
             cfg = load_recipe(args.recipe, args.override)  # a bad recipe fails here, before torch loads
-            from srpo_megatron.trainer.run_dir import check_run_dir_early, release_run_dir
+            from srpo_megatron.trainer.run.run_dir import check_run_dir_early, release_run_dir
 
             check_run_dir_early(cfg.run.dir)  # a file, read-only, in use by another trainer: before torch
             from srpo_megatron.compat.fallbacks import hide_fallback_warnings

@@ -2,7 +2,7 @@
 
 A rename makes a new checkpoint or converter output visible, but only an fsync of the data and then of
 the directory makes it survive a crash: without them a power loss can leave the new name pointing at
-empty or partial files. The training checkpoints (``trainer/checkpoint.py``,
+empty or partial files. The training checkpoints (``trainer/run/checkpoint.py``,
 ``conversion/checkpoint_files.py``) and the converter's output directories (``conversion/checkpoint.py``)
 write through these.
 

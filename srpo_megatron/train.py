@@ -5,7 +5,7 @@ which holds the reward pool, routes the batch and ships every rank its data-para
 rank then scores its share once (π_old, teacher) and takes ``train.mini_batches`` optimizer steps on it.
 What flows between the phases is typed in ``trainer/step_types.py``. A run resumes from the newest
 checkpoint of ``<run.dir>/checkpoints`` that verifies (``latest`` is a hint), refusing recipe changes the
-checkpoint fixes (trainer/resume.py). Checkpoints must come from a trusted source.
+checkpoint fixes (trainer/run/resume.py). Checkpoints must come from a trusted source.
 """
 
 from __future__ import annotations
@@ -22,36 +22,34 @@ from srpo_megatron.data.dataset import EpochSampler, build_datasets, train_files
 from srpo_megatron.parallel import destroy_model_parallel, initialize_model_parallel
 from srpo_megatron.rewards import register_reward, reward_target
 from srpo_megatron.rollout.factory import load_tokenizer
-from srpo_megatron.trainer.checkpoint import load_checkpoint, load_rollout_buffer, save_checkpoint
-from srpo_megatron.trainer.evaluation import BudgetClock, evaluate_policy
-from srpo_megatron.trainer.learning import learn
-from srpo_megatron.trainer.metrics import MetricsLogger
-from srpo_megatron.trainer.policy import Policy
-from srpo_megatron.trainer.preflight import (
-    check_layout,
-    check_model_limits,
+from srpo_megatron.trainer.collect.rollout_service import RolloutService
+from srpo_megatron.trainer.observe.evaluation import BudgetClock, evaluate_policy
+from srpo_megatron.trainer.observe.metrics import MetricsLogger
+from srpo_megatron.trainer.observe.stats import reduce_stats
+from srpo_megatron.trainer.observe.step_metrics import gather_stats, step_metrics
+from srpo_megatron.trainer.observe.teacher_watch import TeacherWatch
+from srpo_megatron.trainer.passes.learning import learn
+from srpo_megatron.trainer.passes.scoring import scoring_pass
+from srpo_megatron.trainer.run.checkpoint import load_checkpoint, load_rollout_buffer, save_checkpoint
+from srpo_megatron.trainer.run.preflight import (
+    check_before_model,
     check_rewards,
     data_summary,
-    read_model_config,
 )
-from srpo_megatron.trainer.resume import resume_point
-from srpo_megatron.trainer.rollouts import RolloutService
-from srpo_megatron.trainer.run_dir import claim_run_dir, release_run_dir
-from srpo_megatron.trainer.save_guard import guarded_save
-from srpo_megatron.trainer.scoring import score_rollouts
-from srpo_megatron.trainer.stats import reduce_stats
-from srpo_megatron.trainer.step_metrics import gather_stats, step_metrics
+from srpo_megatron.trainer.run.resume import resume_point
+from srpo_megatron.trainer.run.run_dir import claim_run_dir, release_run_dir
+from srpo_megatron.trainer.run.save_guard import guarded_save
+from srpo_megatron.trainer.state.policy import Policy
 from srpo_megatron.trainer.step_types import TrainerState, merge_metrics
-from srpo_megatron.trainer.teacher_watch import TeacherWatch
 
 
 def train(cfg: TrainConfig) -> dict:
     wall0 = time.monotonic()
     kill_forks_with_me()  # megatron's forked checkpoint writers die with this process (children.py)
     world = dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", "1"))
-    hf_config = read_model_config(cfg.model.hf_dir)  # one line for a missing or broken config.json
-    check_model_limits(cfg, hf_config)  # top-K within the vocabulary, sequence budget within positions
-    check_layout(cfg, world, hf_config)  # before megatron or the model
+    check_before_model(
+        cfg, world
+    )  # config.json, model limits, layout, MoE replay: before megatron or the model
     p = cfg.parallel
     groups = initialize_model_parallel(p.tp, p.pp, seed=cfg.run.seed, ep=p.ep, etp=p.etp, cp=p.cp)
     rank0 = dist.get_rank() == 0
@@ -79,7 +77,7 @@ def train(cfg: TrainConfig) -> dict:
         first = st.step if st.next_dispatch is None else st.next_dispatch
         rollouts.load_buffer_state(first, load_rollout_buffer(ckpt) if rank0 else None)
     clock = BudgetClock(st.budget_clock_s)
-    policy.offload.before_rollouts()  # parallel.offload_during_rollout (trainer/offload.py)
+    policy.offload.before_rollouts()  # parallel.offload_during_rollout (trainer/state/offload.py)
     rollouts.sync(st.weight_version)  # the engine serves exactly the trainer's weights from here on
     logger = MetricsLogger(run_dir, cfg.run, total=cfg.train.steps, start=st.step, log=log) if rank0 else None
     if rank0:
@@ -94,11 +92,11 @@ def train(cfg: TrainConfig) -> dict:
     while st.step < cfg.train.steps:
         t0 = time.monotonic()
         # this rank's DP share of the routed batch, and the batch's metrics; off-policy: the engines
-        # keep generating the next rounds meanwhile (trainer/off_policy.py)
+        # keep generating the next rounds meanwhile (trainer/collect/off_policy.py)
         mine = rollouts.next_batch(draw, st.step, st.weight_version)
         rollout_memory = policy.offload.after_rollouts()  # the engine released its memory: take it back
         # π_old, top-K ids, teacher: once, before any step; tokens staler than the bound are masked there
-        scored = score_rollouts(policy, mine.samples, trainer_version=st.weight_version)
+        scored = scoring_pass(policy, mine.samples, trainer_version=st.weight_version)
         learned = learn(policy, scored, cfg.train.mini_batches)
         policy.update_teacher_after(learned)  # no EMA step when every optimizer step was skipped
         st.weight_version += 1

@@ -101,9 +101,10 @@ def collect_before(service, prompts, step):
     """The earlier collect: all-gather of every share, rank-0 routing, broadcast + expert scatter."""
     import torch.distributed as dist
 
-    from srpo_megatron.trainer.batches import rank_share
-    from srpo_megatron.trainer.rollouts import engine_metrics, route_rollouts
-    from srpo_megatron.trainer.step_types import RolloutBatch
+    from srpo_megatron.trainer.collect.rollout_service import engine_metrics
+    from srpo_megatron.trainer.collect.sample_routing import check_group_sizes, reward_groups, route_groups
+    from srpo_megatron.trainer.microbatches.batches import rank_share
+    from srpo_megatron.trainer.step_types import RolloutBatch, merge_metrics
 
     service._check_versions()
     share = service._generate(prompts, step, set(range(service.layout.num_engines)))
@@ -115,16 +116,13 @@ def collect_before(service, prompts, step):
     routed: list = []
     if service.rank0:
         completions = [c for k in sorted(shares) for c in shares[k].completions]
-        batch = route_rollouts(
-            service.tokenizer,
-            prompts,
-            completions,
-            cfg.rollout,
-            cfg.loss,
-            cfg.teacher,
-            service.rewards,
-            max(s.seconds for s in shares.values()),
+        check_group_sizes([len(c) for c in completions], cfg.rollout.group_size)
+        scores = reward_groups(service.tokenizer, prompts, completions, service.rewards)
+        batch = route_groups(
+            service.tokenizer, prompts, completions, scores.texts, scores.rewards, cfg.loss, cfg.teacher
         )
+        times = {"time/generate_s": max(s.seconds for s in shares.values()), "time/reward_s": scores.seconds}
+        batch.metrics = merge_metrics(batch.metrics, times, scores.result.metrics())
         batch.metrics.update(engine_metrics(list(shares.values()), service.last_sync_s))
         routed = [s.routed_experts for s in batch.samples]
         plain = [dataclasses.replace(s, routed_experts=None) for s in batch.samples]
@@ -152,7 +150,7 @@ def _rank(rank, world, tp, root, hf, data):
     from srpo_megatron.parallel import initialize_model_parallel
     from srpo_megatron.rewards import register_reward
     from srpo_megatron.rollout.factory import load_tokenizer
-    from srpo_megatron.trainer.rollouts import RolloutService
+    from srpo_megatron.trainer.collect.rollout_service import RolloutService
 
     ov = [f"model.hf_dir={hf}", f"data.train_files=[{data}]", f"run.dir={root}/run", "parallel.ep=2"]
     ov += [f"parallel.tp={tp}", "parallel.sequence_parallel=true"] if tp > 1 else []

@@ -4,15 +4,15 @@ tokens, in the same process, so the next drift in the demo's wall time shows as 
 The demo's recipe (``examples/smollm2_arith_cpu.yaml``) with the demo's prepared model (``tools/demo.sh``
 writes ``.cache/smollm2-hf`` and ``.cache/smollm2-mcore``), built as ``srpo train`` builds it
 (``srpo_megatron/train.py``), then one step timed by the trainer's own phases: ``generate`` and ``reward``
-(``rollouts.next_batch``), ``score`` and ``teacher`` (``score_rollouts``), ``train`` (``learn``), ``ema``
+(``rollouts.next_batch``), ``score`` and ``teacher`` (``scoring_pass``), ``train`` (``learn``), ``ema``
 (``update_teacher``), ``sync`` (weight sync into the transformers engine), and ``save``: the checkpoint the
 demo writes once after its last step (``save_checkpoint``; its parts ``save/dist_checkpointing_s``,
 ``save/extras_s``, ``save/digest_s`` (fsync + SHA-256 of every file) and ``save/finalize_s``).
 
 The reference: ``transformers``' own model from the same HF folder, fp32, fed the step's sequences (prompt
 + response) in the trainer's micro-batches (``train.micro_batch_size`` rows, right-padded to the batch's
-longest sequence rounded up to 8, as ``trainer/batches.py`` pads), a forward+backward of the summed
-response-token log-probs, timed ``--repeats`` times (median); and the same forward under ``no_grad``.
+longest sequence rounded up to 8, as ``trainer/microbatches/batches.py`` pads), a forward+backward of the
+summed response-token log-probs, timed ``--repeats`` times (median); and the same forward under ``no_grad``.
 ``ratio_train_vs_hf`` = ``train_s`` / HF forward+backward; ``ratio_score_vs_hf`` = ``score_s`` / HF forward.
 The training pass also runs a top-K divergence and the routed loss, so a ratio near 1-1.5 is expected; a
 ratio that grows between commits is the drift this tool exists to show. The machine's load average is
@@ -55,10 +55,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def padded_batches(seqs, micro_batch_size: int) -> list[tuple[list[list[int]], list[tuple[int, int]]]]:
-    """The trainer's right-padded micro-batches of ``seqs`` (``trainer/batches.py``): rows of
+    """The trainer's right-padded micro-batches of ``seqs`` (``trainer/microbatches/batches.py``): rows of
     ``micro_batch_size`` sequences, each padded to the longest sequence of the whole batch rounded up to 8.
     Returns per micro-batch (token rows, per row (first kept logit row, response length))."""
-    from srpo_megatron.trainer.batches import padded_len
+    from srpo_megatron.trainer.microbatches.batches import padded_len
 
     width = padded_len(seqs)
     out = []
@@ -130,12 +130,12 @@ def main(argv: list[str] | None = None) -> int:
     from srpo_megatron.data.dataset import EpochSampler, build_datasets
     from srpo_megatron.parallel import destroy_model_parallel, initialize_model_parallel
     from srpo_megatron.rollout.factory import load_tokenizer
-    from srpo_megatron.trainer import checkpoint as ckpt_mod
-    from srpo_megatron.trainer.batches import student_sequences
-    from srpo_megatron.trainer.learning import learn
-    from srpo_megatron.trainer.policy import Policy
-    from srpo_megatron.trainer.rollouts import RolloutService
-    from srpo_megatron.trainer.scoring import score_rollouts
+    from srpo_megatron.trainer.collect.rollout_service import RolloutService
+    from srpo_megatron.trainer.microbatches.batches import student_sequences
+    from srpo_megatron.trainer.passes.learning import learn
+    from srpo_megatron.trainer.passes.scoring import scoring_pass
+    from srpo_megatron.trainer.run import checkpoint as ckpt_mod
+    from srpo_megatron.trainer.state.policy import Policy
     from srpo_megatron.trainer.step_types import TrainerState
 
     t_setup = time.perf_counter()
@@ -159,7 +159,7 @@ def main(argv: list[str] | None = None) -> int:
     phases["reward_s"] = mine.metrics.get("time/reward_s", float("nan"))
     prof = cProfile.Profile() if args.profile else None
     with prof if prof is not None else contextlib.nullcontext():
-        scored = score_rollouts(policy, mine.samples, trainer_version=st.weight_version)
+        scored = scoring_pass(policy, mine.samples, trainer_version=st.weight_version)
         learned = learn(policy, scored, cfg.train.mini_batches)
     phases["score_s"] = scored.stats.score_s
     phases["teacher_s"] = scored.stats.teacher_s

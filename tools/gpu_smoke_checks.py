@@ -279,7 +279,7 @@ def train_report(run_dir: str, hf_dir: str) -> None:
     from safetensors.torch import load_file
 
     from srpo_megatron.conversion.checkpoint import megatron_to_hf
-    from srpo_megatron.trainer.checkpoint import latest_checkpoint
+    from srpo_megatron.trainer.run.checkpoint import latest_checkpoint
 
     run = Path(run_dir)
     rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines() if x.strip()]

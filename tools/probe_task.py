@@ -77,7 +77,7 @@ def probe(model, tok, level: int, reasoning: bool, args) -> dict:
     from srpo_megatron.data.rows import Row
     from srpo_megatron.data.templating import encode_text, template_text
     from srpo_megatron.rewards.arithmetic import arithmetic_reward
-    from srpo_megatron.trainer.rollouts import teacher_prompt_ids
+    from srpo_megatron.trainer.collect.rollout_service import teacher_prompt_ids
 
     t0 = time.monotonic()
     rows = generate_arithmetic_rows("test", args.problems, level, args.seed, reasoning)

@@ -81,7 +81,7 @@ class RolloutConfig:
     reward_import_timeout_s: float = 120.0  # a reward module whose import takes longer fails the start
     # A step whose every reward failed (raised or timed out) stops the run with one line; true trains on
     # (those rewards are 0). More than half failed: a warning with the first messages
-    # (trainer/reward_errors.py).
+    # (trainer/collect/reward_errors.py).
     allow_reward_errors: bool = False
     # MoE: the engine reports each token's experts and the policy's scoring and training passes replay them
     # (rollout routing replay, "R3"; the EMA teacher is not replayed). Needs an MoE model.
@@ -95,7 +95,7 @@ class RolloutConfig:
     partial: bool = False
     # Dynamic sampling (DAPO): keep only groups that carry signal, drawing more prompts, up to
     # max_sampling_rounds rounds per step, until prompts_per_step such groups are complete
-    # (trainer/sample_pool.py).
+    # (trainer/collect/sample_pool.py).
     dynamic_sampling: bool = False
     max_sampling_rounds: int = 4  # rounds of prompts per step before the batch is topped up
     # which groups carry signal: auto = those loss.mode trains with a nonzero term; mixed = some members

@@ -7,7 +7,7 @@ the policy: the policy is not trained through them, so they are not in the conve
 
 - Import (``checkpoint.hf_to_megatron``) leaves them out with one line of notice and records the source
   folder in ``hf_source.json`` beside ``hf_config.json``; the trainer's checkpoints record their
-  ``model.hf_dir`` the same way (``trainer/checkpoint.py``).
+  ``model.hf_dir`` the same way (``trainer/run/checkpoint.py``).
 - Export (``checkpoint.megatron_to_hf``) writes them back unchanged (same names, same values; cast only if
   the export dtype differs from theirs) from that folder, or from an explicit ``mtp_from``, when it has
   them; otherwise it says in one line that the export has no MTP layers. The exported ``config.json``

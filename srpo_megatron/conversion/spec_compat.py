@@ -4,7 +4,7 @@ Transformer Engine modules carry ``_extra_state`` (FP8 scaling metadata; empty f
 spec lacks for some modules (e.g. TE's core attention), so a checkpoint written on a machine without TE
 does not hold them. Both loaders of ``model.``-prefixed shards use this: the converter's
 :func:`~srpo_megatron.conversion.checkpoint.load_policy_checkpoint` and the trainer's resume
-(``trainer/checkpoint.py``).
+(``trainer/run/checkpoint.py``).
 """
 
 from __future__ import annotations

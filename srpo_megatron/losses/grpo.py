@@ -5,7 +5,7 @@ reduced: the router masks it and divides by the global token count it is given.
 
 Three policies, as in decoupled PPO (Hilton et al. 2021, "Batch size-invariance for policy optimization"):
 the target π_θ (differentiable), the proximal policy π_old — the trainer's own log-probs, scored once per
-rollout batch before its first optimizer step (``trainer/scoring.py``) — and the behaviour policy
+rollout batch before its first optimizer step (``trainer/passes/scoring.py``) — and the behaviour policy
 π_rollout, the engine's log-probs of the sampled tokens. The PPO ratio and clip use π_θ / π_old; the
 detached importance weight uses π_old / π_rollout (``tis_weight``, or ``losses/importance.py``).
 

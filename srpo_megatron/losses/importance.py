@@ -153,7 +153,7 @@ def rejected_rows(batch: TokenBatch, cfg: LossConfig) -> tuple[torch.Tensor | No
         if batch.stale is None:
             raise ValueError(
                 "loss.mask_stale_tokens needs each token's staleness (TokenBatch.stale): pass the trainer's "
-                "weight version to score_rollouts(..., trainer_version=...)"
+                "weight version to scoring_pass(..., trainer_version=...)"
             )
         stale = batch.stale & batch.mask
     rejected = None

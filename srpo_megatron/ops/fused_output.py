@@ -7,9 +7,9 @@ logits and returns the same values: log-probs at ids, the global top-k, the entr
 
 - **Forward**, chunk by chunk over tokens: one GEMM ``hidden[a:b] @ weight.T`` in the weight's dtype
   (the output layer's own product), padded vocabulary ids masked to ``finfo(dtype).min / 4`` (as
-  ``trainer/output_rows.logit_rows`` masks materialised logits), then the kernel's chunk statistics in the
-  compute dtype. Only ``[T]`` statistics are kept; the most alive at once is a few ``chunk × V/P``
-  buffers.
+  ``trainer/microbatches/output_rows.logit_rows`` masks materialised logits), then the kernel's chunk
+  statistics in the compute dtype. Only ``[T]`` statistics are kept; the most alive at once is a few
+  ``chunk × V/P`` buffers.
 - **Backward** recomputes each chunk's logits, forms ∂L/∂logits of the chunk with the kernel's formula
   (``vocab_parallel.backward_chunks``), and accumulates ∂L/∂hidden (``g @ weight``) and ∂L/∂weight
   (``gᵀ @ hidden``; in fp32 for half-precision weights, rounded once at the end). Padded ids get no
@@ -20,7 +20,7 @@ logits and returns the same values: log-probs at ids, the global top-k, the entr
 - ``mix`` (forward only): the logits ``(1 − α)·hidden @ weight.T + α·mix.hidden @ mix.weight.T`` of the
   trust-region teacher (``teacher.kind: trust_region``) without materialising either model's logits.
 
-Sequence parallelism and the row selection happen before: ``trainer/output_rows.py`` gathers the
+Sequence parallelism and the row selection happen before: ``trainer/microbatches/output_rows.py`` gathers the
 sequence-parallel hidden states with megatron's own region op and picks the response rows.
 """
 

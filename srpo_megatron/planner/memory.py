@@ -19,16 +19,16 @@ Options (``PlanSettings``), and which the trainer implements today:
 - implemented: ``tp``, ``pp`` (also layer counts it does not divide: the shared
   ``models.architecture.pipeline_stage_layers`` split), ``distributed_optimizer``, bf16/fp32 params,
   the EMA teacher with a full
-  or DP-sharded fp32 copy (``teacher_fp32: full|sharded``, trainer/ema_shard.py), ``teacher_offload``
+  or DP-sharded fp32 copy (``teacher_fp32: full|sharded``, trainer/state/ema_shard.py), ``teacher_offload``
   (the bf16 teacher in host memory between its forwards) and ``offload_during_rollout`` (grads,
-  optimizer state and teacher leave the GPU while the engine runs; trainer/offload.py, whose resident
+  optimizer state and teacher leave the GPU while the engine runs; trainer/state/offload.py, whose resident
   bytes per component equal this plan's, tests/dist/test_offload.py), colocated SGLang that releases its
   memory for training, SGLang engines on nodes of their own (``placement: separate``: their GPU is
   planned too, ``separate_engine_memory``), activation recompute (``recompute: none|full``;
   ``selective`` is planned as ``none``: an upper bound, the estimate already leaves out what
   core-attention recompute drops), ``sequence_parallel``, micro-batches padded to
   ``model.max_sequence_length``, ``cp`` (each rank holds 1/CP of every packed sequence; the trainer needs
-  packing for it), ``ep``/``etp`` (MoE, trainer/moe_replay.py). The planner
+  packing for it), ``ep``/``etp`` (MoE, trainer/microbatches/moe_replay.py). The planner
   models only keys the trainer's ``TrainConfig`` accepts (tests/unit/test_planner_recipe.py).
 
 Activations per layer and token follow what megatron's local layer spec saves for backward (measured

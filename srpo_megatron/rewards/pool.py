@@ -44,7 +44,7 @@ class RewardResult:
         return {
             "reward/timeouts": float(self.num_timeouts),
             "reward/errors": float(self.num_errors),
-        }  # the batch's reward seconds are the caller's ``time/reward_s`` (trainer/rollouts.py)
+        }  # reward seconds: the caller's ``time/reward_s`` (trainer/collect/rollout_service.py)
 
 
 class RewardValueError(TypeError):

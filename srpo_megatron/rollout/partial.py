@@ -35,7 +35,7 @@ tokens differ from an uninterrupted run: the sampler's state cannot be resumed).
 on the step a sample ended (SGLang checks its abort before the stop and length checks) is settled
 without resubmitting: last token a stop/EOS id -> ``stop``, budget spent -> ``length``. A continuation
 aborted again (a later sync) stays ``abort`` and is continued by the next call: one round per call by
-default, so a worker whose syncs wait for it to step aside (``trainer/off_policy.py``'s ``quiesced``)
+default, so a worker whose syncs wait for it to step aside (``trainer/collect/off_policy.py``'s ``quiesced``)
 returns after every aborted round. ``max_rounds`` > 1 resubmits at once, which SGLang holds at its
 pause until ``/continue_generation``: only for callers whose sync does not wait for the worker.
 

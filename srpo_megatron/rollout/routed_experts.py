@@ -14,8 +14,8 @@ and never fed back):
   capture buffer is zero-filled and only MoE layers write to it.
 
 The trainer replays these through megatron-core's ``RouterReplay`` (``moe_enable_routing_replay``) in the
-policy's scoring and training passes (``trainer/moe_replay.py``); the EMA teacher is not replayed (its
-context differs from the rollout's).
+policy's scoring and training passes (``trainer/microbatches/moe_replay.py``); the EMA teacher is not replayed
+(its context differs from the rollout's).
 """
 
 from __future__ import annotations

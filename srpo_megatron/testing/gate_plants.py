@@ -9,8 +9,8 @@ Each plant is a change that a real regression could make and that the gate must 
 - ``ema_alpha``: the EMA teacher's rate changed (``teacher.ema_alpha=0.2``; the recipe's is 0.05);
 - ``routing_all_wrong_to_sdpo``: a CODE change, not a key: routing sends every wrong sample to SDPO, also
   in all-wrong groups that have no correct sibling (method §1.3 sends those to GRPO). It is planted by
-  replacing ``route`` where the trainer calls it (``trainer/routing_batch.py``) inside the training process:
-  ``python -m srpo_megatron.testing.gate_plants routing_all_wrong_to_sdpo <srpo CLI args>``.
+  replacing ``route`` where the trainer calls it (``trainer/collect/sample_routing.py``) inside the training
+  process: ``python -m srpo_megatron.testing.gate_plants routing_all_wrong_to_sdpo <srpo CLI args>``.
 
 Override plants are plain ``-o KEY=VALUE`` overrides; ``code_plant_main`` applies a code plant and then
 runs the ``srpo`` CLI in the same process.
@@ -45,9 +45,9 @@ def apply_code_plant(name: str) -> None:
     """Install code plant ``name`` in this process (before the trainer runs)."""
     if name != "routing_all_wrong_to_sdpo":
         raise SystemExit(f"gate_plants: unknown code plant {name!r}; choose one of {', '.join(CODE_PLANTS)}")
-    from srpo_megatron.trainer import routing_batch
+    from srpo_megatron.trainer.collect import sample_routing
 
-    routing_batch.route = _route_all_wrong_to_sdpo
+    sample_routing.route = _route_all_wrong_to_sdpo
 
 
 def code_plant_main(argv: list[str]) -> int:

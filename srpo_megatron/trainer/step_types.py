@@ -1,11 +1,11 @@
 """What flows through one training step, as types (a leaf: stdlib and torch only).
 
-    engines ── Completion ──▶ rank 0: route_rollouts ── Sample (frozen) ──▶ RolloutBatch
+    engines ── Completion ──▶ rank 0: route_groups ── Sample (frozen) ──▶ RolloutBatch
         ──▶ each DP replica its share (batch_shipping) ──▶ scoring: ScoredBatch ──▶ learning: StepStats
         ──▶ rank 0: step metrics (declared in ``METRICS``) ──▶ TrainerState (the checkpoint's state)
 
 - :class:`Sample`: one rollout with its reward, advantage, routing and teacher context, built once on
-  rank 0 (``trainer/rollouts.route_rollouts``) and never changed afterwards.
+  rank 0 (``trainer/collect/sample_routing.route_groups``) and never changed afterwards.
 - :class:`RolloutBatch`: a step's samples (on a trainer rank: its DP share) and rank 0's batch metrics.
 - :class:`ScoredBatch`: a rank's share after the scoring pass, the tensors the training pass consumes.
 - :class:`StepStats`: what a rank measured in a step; every field declares its reduction.
@@ -59,7 +59,7 @@ def reduce_values(how: Reduction, values: Iterable[float]) -> float:
 class Sample:
     """One rollout y_i of prompt group ``group`` (index ``member`` in the group), routed (method §1).
 
-    Built once, with every field, by ``route_rollouts`` on rank 0; frozen afterwards.
+    Built once, with every field, by ``route_groups`` on rank 0; frozen afterwards.
     """
 
     group: int
@@ -75,9 +75,9 @@ class Sample:
     teacher_prompt_ids: list[int] | None = None  # teacher context (sibling's solution), method §1.4
     finish_reason: str = "stop"
     # MoE: the engine's experts per forwarded position, [P + R - 1, layers, top_k] (or flat), small int
-    # dtype; None when the engine reported none. Replayed by the policy (trainer/moe_replay.py).
+    # dtype; None when the engine reported none. Replayed by the policy (trainer/microbatches/moe_replay.py).
     routed_experts: torch.Tensor | None = None
-    # Off-policy bookkeeping (trainer/off_policy.py): a run-unique id (``dispatch/prompt/member``: the
+    # Off-policy bookkeeping (trainer/collect/off_policy.py): a run-unique id (``dispatch/prompt/member``: the
     # resume tests count samples by it), the weight version the engine served when the sample was
     # dispatched (its oldest token's), and, for partial rollouts, each response token's version.
     uid: str = ""
@@ -197,9 +197,9 @@ class StepStats:
     score_s: float = _stat(MAX)  # scoring pass (student), seconds
     teacher_s: float = _stat(MAX)  # teacher scoring, seconds
     train_s: float = _stat(MAX)  # training pass (all mini-batches), seconds
-    # MoE routing metrics of the scoring pass (trainer/moe_replay.py): already reduced over all ranks, so
-    # every rank reports the same value (MAX). moe = 1 marks an MoE policy, moe_compared = 1 that the
-    # engine reported experts (the two top-k shares are only defined then).
+    # MoE router metrics of the scoring pass (trainer/microbatches/moe_replay.py): already reduced over all
+    # ranks, so every rank reports the same value (MAX). moe = 1 marks an MoE policy, moe_compared = 1 that
+    # the engine reported experts (the two top-k shares are only defined then).
     moe: float = _stat(MAX)  # 1 for an MoE policy
     moe_expert_load: float = _stat(MAX)  # worst layer's max/mean tokens per expert
     moe_router_entropy: float = _stat(MAX)  # mean per-token router entropy (nats)
@@ -313,7 +313,7 @@ def _declare(*metrics: Metric) -> dict[str, Metric]:
 
 _M = Metric
 METRICS: dict[str, Metric] = _declare(
-    # rank 0's routing of the batch (trainer/rollouts.route_rollouts)
+    # rank 0's routing of the batch (trainer/collect/sample_routing.route_groups)
     _M("reward/mean", MEAN, "mean reward of the batch's samples", method=True),
     _M("reward/accuracy", MEAN, "share of samples whose reward passes loss.success_threshold", method=True),
     _M("reward/timeouts", SUM, "reward calls that ran past rollout.reward_timeout_s (reward 0)"),
@@ -329,7 +329,7 @@ METRICS: dict[str, Metric] = _declare(
     _M("response/truncated_frac", MEAN, "share of responses cut at rollout.max_new_tokens"),
     _M("time/generate_s", MAX, "rollout generation, the slowest engine's seconds", method=True),
     _M("time/reward_s", MAX, "reward scoring of the batch on rank 0, seconds", method=True),
-    # the engines (trainer/rollouts.engine_metrics): min/max over engines
+    # the engines (trainer/collect/rollout_service.engine_metrics): min/max over engines
     _M("rollout/engines", LAST, "engines that served the step"),
     _M("rollout/samples_per_engine_min", MIN, "fewest samples an engine produced"),
     _M("rollout/samples_per_engine_max", MAX, "most samples an engine produced"),
@@ -339,7 +339,7 @@ METRICS: dict[str, Metric] = _declare(
     _M("rollout/sync_s", LAST, "seconds of the weight sync before this step's rollouts"),
     _M("rollout/aborted", SUM, "generations a weight sync aborted and that were continued (rollout.partial)"),
     _M("engine/restarts", LAST, "engines restarted since the run started"),
-    # off-policy rollouts, partial rollouts and dynamic sampling (trainer/off_policy.py)
+    # off-policy rollouts, partial rollouts and dynamic sampling (trainer/collect/off_policy.py)
     _M("async/staleness_mean", MEAN, "trainer version minus each trained sample's version, mean"),
     _M("async/staleness_max", MAX, "trainer version minus the oldest trained sample's version"),
     _M("async/dropped_stale", SUM, "samples dropped this step: staler than rollout.off_policy_steps"),
@@ -354,7 +354,7 @@ METRICS: dict[str, Metric] = _declare(
     _M("sampling/dropped_mixed", SUM, "set-aside groups with members on both sides of the threshold"),
     _M("sampling/surplus_groups", SUM, "an earlier step's surplus groups dropped (off_policy_steps 0)"),
     _M("sampling/topped_up", SUM, "dropped groups trained to fill the batch after max_sampling_rounds"),
-    # the scoring and learning passes, reduced over ranks (trainer/step_metrics.step_metrics)
+    # the scoring and learning passes, reduced over ranks (trainer/observe/step_metrics.step_metrics)
     _M("loss/total", SUM, "the objective L, summed over mini-batches", method=True),
     _M("loss/grpo", MEAN, "GRPO loss per response token", method=True),
     _M("loss/sdpo", MEAN, "SDPO loss per response token", method=True),
@@ -388,7 +388,7 @@ METRICS: dict[str, Metric] = _declare(
     _M("moe/router_entropy", MEAN, "mean per-token router entropy (nats)"),
     _M("moe/topk_mismatch_share", MEAN, "share of (token, layer) whose used top-k != the engine's"),
     _M("moe/router_disagreement_share", MEAN, "same for the trainer's own top-k (before replay)"),
-    # parallel.offload_during_rollout (trainer/offload.py)
+    # parallel.offload_during_rollout (trainer/state/offload.py)
     _M("memory/rollout_resident_bytes", LAST, "trainer bytes left on the device during rollouts"),
     *(
         _M(f"memory/rollout_resident/{part}", LAST, f"{part} bytes left on the device during rollouts")

@@ -1,4 +1,4 @@
-"""``trainer/batch_shipping.py``: completions reach rank 0 only, and each rank receives exactly its DP share
+"""``trainer/collect/batch_shipping.py``: completions reach rank 0 only, and each rank receives exactly its DP share
 of the routed batch, once (world 4 as TP2 × DP2, two mini-batches).
 
 Checked per rank: the samples it received are ``batches.rank_share`` of rank 0's batch, in that order, with
@@ -32,7 +32,7 @@ def _batch(routed: bool):
 
 def _plant(how: str) -> None:
     """Replace ``share_payloads`` in this rank process with a wrong one (rank 0 is the one that uses it)."""
-    from srpo_megatron.trainer import batch_shipping
+    from srpo_megatron.trainer.collect import batch_shipping
     from srpo_megatron.trainer.step_types import RolloutBatch
 
     real = batch_shipping.share_payloads
@@ -51,8 +51,8 @@ def _plant(how: str) -> None:
 def _worker(rank, world, routed, planted):
     import torch
 
-    from srpo_megatron.trainer.batch_shipping import ship_shares
-    from srpo_megatron.trainer.batches import rank_share
+    from srpo_megatron.trainer.collect.batch_shipping import ship_shares
+    from srpo_megatron.trainer.microbatches.batches import rank_share
 
     if planted:
         _plant(planted)
@@ -90,7 +90,7 @@ def test_a_sample_outside_the_share_is_caught(planted):
 
 
 def _gather_worker(rank, world):
-    from srpo_megatron.trainer.batch_shipping import broadcast_from_rank0, gather_to_rank0
+    from srpo_megatron.trainer.collect.batch_shipping import broadcast_from_rank0, gather_to_rank0
 
     got = gather_to_rank0({"rank": rank} if rank % 2 == 0 else None)
     failures = broadcast_from_rank0([(1, "engine 1 failed")] if rank == 0 else None)

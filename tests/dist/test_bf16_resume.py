@@ -25,7 +25,7 @@ EXTRA = ["model.params_dtype=bf16", "parallel.distributed_optimizer=false"]
 
 
 def _state(policy) -> dict[str, list[torch.Tensor]]:
-    from srpo_megatron.trainer import offload as off
+    from srpo_megatron.trainer.state import offload as off
 
     out: dict[str, list[torch.Tensor]] = {"step": [], "exp_avg": [], "exp_avg_sq": []}
     for opt in off._chained(policy.optimizer):
@@ -41,17 +41,17 @@ def _state(policy) -> dict[str, list[torch.Tensor]]:
 
 
 def _step(policy, rank: int, step: int) -> float:
-    from srpo_megatron.trainer.learning import learn
-    from srpo_megatron.trainer.scoring import score_rollouts
+    from srpo_megatron.trainer.passes.learning import learn
+    from srpo_megatron.trainer.passes.scoring import scoring_pass
 
-    stats = learn(policy, score_rollouts(policy, tiny_samples(rank, step)), 1)
+    stats = learn(policy, scoring_pass(policy, tiny_samples(rank, step)), 1)
     policy.update_teacher()
     return stats.loss
 
 
 def _run(rank, world, tiny, run_dir, interrupt, plant=False):  # noqa: F811
     from srpo_megatron.compat import float16_optimizer as shim
-    from srpo_megatron.trainer.checkpoint import load_checkpoint, save_checkpoint
+    from srpo_megatron.trainer.run.checkpoint import load_checkpoint, save_checkpoint
 
     if plant:  # today's megatron method, unfixed
         shim.needs_fix = lambda opt: False
@@ -96,7 +96,7 @@ def _layouts(rank, world, tiny, run_dir):  # noqa: F811
     from megatron.core.dist_checkpointing.dict_utils import nested_values
 
     from srpo_megatron.compat import float16_optimizer as shim
-    from srpo_megatron.trainer import policy as policy_module
+    from srpo_megatron.trainer.state import policy as policy_module
 
     build = policy_module.build_policy
     policy_module.build_policy = lambda *a, **kw: build(*a, **kw).to(torch.bfloat16)  # norms bf16 as with TE
@@ -127,6 +127,6 @@ def test_the_shim_writes_upstreams_layout_where_upstream_works(tiny, tmp_path): 
 
 def test_megatron_still_cannot_save_fp32_params_in_a_bf16_model(tiny, tmp_path):  # noqa: F811
     """Planted: without the shim the save fails. When this test fails, megatron saves such a model itself:
-    delete srpo_megatron/compat/float16_optimizer.py and its use in trainer/checkpoint.py."""
+    delete srpo_megatron/compat/float16_optimizer.py and its use in trainer/run/checkpoint.py."""
     with pytest.raises(RankFailed, match="does not match any model sharded param"):
         run_distributed(_run, 1, tiny, str(tmp_path / "p"), True, True, timeout=900)

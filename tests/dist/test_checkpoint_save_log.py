@@ -37,7 +37,7 @@ class _Records(logging.Handler):
 def _save(rank, world, tiny, run_dir, plant):
     from megatron.core import dist_checkpointing
 
-    from srpo_megatron.trainer.checkpoint import save_checkpoint
+    from srpo_megatron.trainer.run.checkpoint import save_checkpoint
     from srpo_megatron.conversion.checkpoint_files import verify_checkpoint
 
     records = _Records()

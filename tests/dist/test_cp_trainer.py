@@ -71,7 +71,8 @@ def _plant(name: str | None) -> None:
     """Monkeypatch one bug into the trainer's CP path (in this worker process only)."""
     from megatron.core import parallel_state as ps
 
-    from srpo_megatron.trainer import context_parallel, learning
+    from srpo_megatron.trainer.microbatches import context_parallel
+    from srpo_megatron.trainer.passes import learning
 
     if name == "tokens_per_cp_rank":  # normalisers reduced over DP×CP: every token counted once per CP rank
         real = learning.global_normalizers
@@ -90,11 +91,12 @@ def _step(rank, world, tiny, run_dir, tp, pp, cp, plants, extra=()):
 
     from srpo_megatron.config import load_config
     from srpo_megatron.parallel import initialize_model_parallel
-    from srpo_megatron.trainer import context_parallel, learning
+    from srpo_megatron.trainer.microbatches import context_parallel
+    from srpo_megatron.trainer.passes import learning
     from srpo_megatron.config import TrainConfig
-    from srpo_megatron.trainer.learning import learn
-    from srpo_megatron.trainer.policy import Policy
-    from srpo_megatron.trainer.scoring import score_rollouts
+    from srpo_megatron.trainer.passes.learning import learn
+    from srpo_megatron.trainer.state.policy import Policy
+    from srpo_megatron.trainer.passes.scoring import scoring_pass
     from srpo_megatron.weights.export import iter_stage_hf_tensors
 
     _, hf, data = tiny
@@ -118,7 +120,7 @@ def _step(rank, world, tiny, run_dir, tp, pp, cp, plants, extra=()):
                 *extra,
             ]
             policy = Policy(load_config(TrainConfig, str(RECIPE), ov), groups)
-            scored = score_rollouts(policy, _samples())
+            scored = scoring_pass(policy, _samples())
             t = scored.tokens
             kept = (
                 None

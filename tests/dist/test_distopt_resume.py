@@ -1,7 +1,7 @@
 """A checkpoint of the distributed optimizer (every GPU recipe's) resumes exactly: DP 2, bf16 params with
 fp32 main params, the next step after loading equals the uninterrupted run's step (params, main params,
 Adam moments and step), on the real megatron path (CPU, gloo). Without the step-untying shim
-(trainer/checkpoint.py ``untie_torch_adam_steps``) the resumed step differs: planted below."""
+(trainer/run/checkpoint.py ``untie_torch_adam_steps``) the resumed step differs: planted below."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ EXTRA = ["model.params_dtype=bf16"]
 
 
 def _optimizer_state(policy) -> dict[str, list[torch.Tensor]]:
-    from srpo_megatron.trainer import offload as off
+    from srpo_megatron.trainer.state import offload as off
 
     out: dict[str, list[torch.Tensor]] = {"step": [], "exp_avg": [], "exp_avg_sq": []}
     for opt in off._chained(policy.optimizer):
@@ -35,8 +35,8 @@ def _optimizer_state(policy) -> dict[str, list[torch.Tensor]]:
 
 
 def _run(rank, world, tiny, run_dir, interrupt, plant=False):  # noqa: F811
-    from srpo_megatron.trainer import checkpoint
-    from srpo_megatron.trainer.checkpoint import load_checkpoint, save_checkpoint
+    from srpo_megatron.trainer.run import checkpoint
+    from srpo_megatron.trainer.run.checkpoint import load_checkpoint, save_checkpoint
 
     shared = []
     real = checkpoint.untie_torch_adam_steps

@@ -47,7 +47,7 @@ def _worker(rank, world, sp, dtype):
     from srpo_megatron.compat.cpu import enable_cpu_compat
     from srpo_megatron.ops import OutputShard, token_stats
     from srpo_megatron.parallel import initialize_model_parallel
-    from srpo_megatron.trainer.output_rows import hidden_rows, logit_rows
+    from srpo_megatron.trainer.microbatches.output_rows import hidden_rows, logit_rows
 
     enable_cpu_compat()
     # The stand-in of tests/dist/test_performance_cpu.py: megatron's SP linear backward allocates on

@@ -42,9 +42,9 @@ def _step(rank, world, tiny, run_dir, tp, extra):
 
     from srpo_megatron.config import TrainConfig, load_config
     from srpo_megatron.parallel import initialize_model_parallel
-    from srpo_megatron.trainer.learning import learn
-    from srpo_megatron.trainer.policy import Policy
-    from srpo_megatron.trainer.scoring import score_rollouts
+    from srpo_megatron.trainer.passes.learning import learn
+    from srpo_megatron.trainer.state.policy import Policy
+    from srpo_megatron.trainer.passes.scoring import scoring_pass
 
     _, hf, data = tiny
     groups = initialize_model_parallel(tp, 1, seed=1)
@@ -66,7 +66,7 @@ def _step(rank, world, tiny, run_dir, tp, extra):
         ]
         policy = Policy(load_config(TrainConfig, str(RECIPE), ov), groups)
         assert policy.head.fused is (fused == "on")
-        scored = score_rollouts(policy, packing_samples())
+        scored = scoring_pass(policy, packing_samples())
         t = scored.tokens
         kept = (t.old_logp, t.topk_ids, t.teacher_logp, t.teacher_entropy)
         stats = learn(policy, scored, 1)

@@ -1,5 +1,5 @@
 """The off-policy corrections through the real scoring and learning passes (one rank, the tiny policy):
-``score_rollouts(..., trainer_version=...)`` marks stale tokens from ``Sample.token_versions`` and clears
+``scoring_pass(..., trainer_version=...)`` marks stale tokens from ``Sample.token_versions`` and clears
 them (and MIS rejections under ``loss.is_rejection_denominator: drop``) from the batch's mask before any
 normaliser is counted; under ``keep`` the MIS-rejected rows stay in the mask and in N_tokens."""
 
@@ -42,9 +42,9 @@ def _samples(rollout_logp=None):
 
 def _score_and_learn(rank, world, tiny, run_dir):
     from srpo_megatron.parallel import initialize_model_parallel
-    from srpo_megatron.trainer.learning import learn
-    from srpo_megatron.trainer.policy import Policy
-    from srpo_megatron.trainer.scoring import score_rollouts
+    from srpo_megatron.trainer.passes.learning import learn
+    from srpo_megatron.trainer.state.policy import Policy
+    from srpo_megatron.trainer.passes.scoring import scoring_pass
 
     out = {}
     groups = initialize_model_parallel(1, 1, seed=1)
@@ -60,7 +60,7 @@ def _score_and_learn(rank, world, tiny, run_dir):
         ],
     }.items():
         policy = Policy(tiny_config(tiny, f"{run_dir}/{name}", ["loss.mode=grpo", *extra]), groups)
-        scored = score_rollouts(policy, _samples(rollout_logp), trainer_version=5)
+        scored = scoring_pass(policy, _samples(rollout_logp), trainer_version=5)
         t = scored.tokens
         # the next policy starts from the same weights: engine log-probs ratios 1, e^−0.5, e^0.5 to π_old
         rollout_logp = (t.old_logp.double() + torch.tensor([0.0, 0.5, -0.5] * 4).double()).tolist()
@@ -69,7 +69,7 @@ def _score_and_learn(rank, world, tiny, run_dir):
         out[name] = (t.mask.clone(), ratio, scored.stats, learned)
         if name == "stale":
             try:
-                score_rollouts(policy, _samples())  # no trainer version: staleness unknown
+                scoring_pass(policy, _samples())  # no trainer version: staleness unknown
             except ValueError as e:
                 out["unknown"] = str(e)
     return out

@@ -3,7 +3,7 @@
 Megatron's distributed optimizer cuts each grad buffer over that buffer's data-parallel group: dense
 parameters over dense DP, experts over *expert* DP (``get_megatron_optimizer`` builds the chained
 optimizer's expert half over ``intra_expt_dp_group``). The teacher's fp32 copy
-(``parallel.teacher_fp32: full``, trainer/teacher.py) all-reduces each group's disjoint shards. At EP2 on
+(``parallel.teacher_fp32: full``, trainer/state/teacher.py) all-reduces each group's disjoint shards. At EP2 on
 two ranks dense DP is 2 and expert DP is 1, so reducing the experts over the dense group (the bug, planted
 here) sums rank 0's experts with rank 1's.
 
@@ -17,7 +17,7 @@ teacher must lag the policy.
 At TP2×EP2 on four ranks (expert TP 1) the dense and the expert DP groups hold the same ranks ({0, 2},
 {1, 3}), so the planted bug happens to give the right answer there (seen); it is planted at EP2 on two
 ranks and at DP4×EP2 on four (dense DP 4, expert DP 2: the groups differ in size, and the shards too).
-``teacher_fp32: sharded`` (trainer/ema_shard.py) is held to the same reference and plant at EP2.
+``teacher_fp32: sharded`` (trainer/state/ema_shard.py) is held to the same reference and plant at EP2.
 """
 
 from __future__ import annotations
@@ -79,11 +79,11 @@ def _run(rank, world, tiny, run_dir, tp, ep, mode, plant):
 
     from srpo_megatron.config import load_config
     from srpo_megatron.parallel import initialize_model_parallel
-    from srpo_megatron.trainer import teacher as teacher_module
+    from srpo_megatron.trainer.state import teacher as teacher_module
     from srpo_megatron.config import TrainConfig
-    from srpo_megatron.trainer.learning import learn
-    from srpo_megatron.trainer.policy import Policy
-    from srpo_megatron.trainer.scoring import score_rollouts
+    from srpo_megatron.trainer.passes.learning import learn
+    from srpo_megatron.trainer.state.policy import Policy
+    from srpo_megatron.trainer.passes.scoring import scoring_pass
 
     if plant:  # the old choice: every shard reduced over the dense DP group, experts included
         teacher_module.buffer_group = lambda buffer: ps.get_data_parallel_group(with_context_parallel=True)
@@ -108,7 +108,7 @@ def _run(rank, world, tiny, run_dir, tp, ep, mode, plant):
     # before the first step the main params are the (bf16 or fp32) model params, exactly
     ref = [p.detach().double() for p in policy.model.parameters()]
     for step in range(STEPS):
-        learn(policy, score_rollouts(policy, _samples(groups.dp_rank, step)), 1)
+        learn(policy, scoring_pass(policy, _samples(groups.dp_rank, step)), 1)
         policy.update_teacher()
         main = megatron_main_params(policy.optimizer, policy.model)
         ref = [(1 - ALPHA) * r + ALPHA * m.double() for r, m in zip(ref, main, strict=True)]

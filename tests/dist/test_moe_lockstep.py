@@ -1,5 +1,5 @@
 """Expert parallelism with data-dependent passes: every DP rank runs the same number of forwards
-(``trainer/lockstep.py``), and the fillers that make it so change nothing.
+(``trainer/microbatches/lockstep.py``), and the fillers that make it so change nothing.
 
 World 2 with an MoE policy: EP2 (the two DP ranks split the experts) against EP1 (each DP rank holds every
 expert: no forward collective across DP) on the same per-rank samples. DP rank 0 has the SDPO samples of
@@ -51,11 +51,11 @@ def _grpo_samples():
 def _step(rank, world, tiny, run_dir, ep, budget):
     from srpo_megatron.config import load_config
     from srpo_megatron.parallel import initialize_model_parallel
-    from srpo_megatron.trainer import lockstep as lockstep_module
+    from srpo_megatron.trainer.microbatches import lockstep as lockstep_module
     from srpo_megatron.config import TrainConfig
-    from srpo_megatron.trainer.learning import learn
-    from srpo_megatron.trainer.policy import Policy
-    from srpo_megatron.trainer.scoring import score_rollouts
+    from srpo_megatron.trainer.passes.learning import learn
+    from srpo_megatron.trainer.state.policy import Policy
+    from srpo_megatron.trainer.passes.scoring import scoring_pass
     from srpo_megatron.weights.export import iter_stage_hf_tensors
 
     _, hf, data = tiny
@@ -76,7 +76,7 @@ def _step(rank, world, tiny, run_dir, ep, budget):
     real = lockstep_module.filler_micro_batch
     lockstep_module.filler_micro_batch = lambda *a, **k: fillers.append(1) or real(*a, **k)
     samples = packing_samples() if groups.dp_rank == 0 else _grpo_samples()
-    scored = score_rollouts(policy, samples)
+    scored = scoring_pass(policy, samples)
     t = scored.tokens
     kept = {"π_old": t.old_logp.clone(), "teacher log-probs": t.teacher_logp.clone()}
     stats = learn(policy, scored, 1)

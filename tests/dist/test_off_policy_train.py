@@ -55,7 +55,7 @@ def _train(rank, world, tiny, run_dir, url, overrides, planted=""):
     import os
 
     from srpo_megatron.train import train
-    from srpo_megatron.trainer import off_policy
+    from srpo_megatron.trainer.collect import off_policy
 
     os.environ["SRPO_ENGINE_URLS"], os.environ["SRPO_SYNC_HOST"] = url, "127.0.0.1"
     if planted == "stamp_at_completion":

@@ -37,8 +37,8 @@ def _full_master(teacher, policy) -> list[torch.Tensor]:
 
 # ---------------------------------------------------------------------------------------------------
 def _sharded_vs_full(rank, world, tiny, run_dir, dtype, plant):
-    from srpo_megatron.trainer.ema_shard import ShardedEmaTeacher, ema_bytes
-    from srpo_megatron.trainer.teacher import EmaTeacher, fp32_main_params
+    from srpo_megatron.trainer.state.ema_shard import ShardedEmaTeacher, ema_bytes
+    from srpo_megatron.trainer.state.teacher import EmaTeacher, fp32_main_params
 
     if plant:  # the bug the all-gather exists for: each rank updates only its shard of the module
         ShardedEmaTeacher.gather = lambda self: None
@@ -97,7 +97,7 @@ def test_missing_all_gather_is_caught(tiny, tmp_path):
 
 # ---------------------------------------------------------------------------------------------------
 def _save(rank, world, tiny, run_dir):
-    from srpo_megatron.trainer.checkpoint import save_checkpoint
+    from srpo_megatron.trainer.run.checkpoint import save_checkpoint
 
     policy = tiny_policy(tiny, run_dir, ["model.params_dtype=bf16", "parallel.teacher_fp32=sharded"])
     for step in range(2):
@@ -109,7 +109,7 @@ def _save(rank, world, tiny, run_dir):
 
 
 def _resume(rank, world, tiny, run_dir, mode):
-    from srpo_megatron.trainer.checkpoint import load_checkpoint
+    from srpo_megatron.trainer.run.checkpoint import load_checkpoint
 
     policy = tiny_policy(tiny, run_dir, ["model.params_dtype=bf16", f"parallel.teacher_fp32={mode}"])
     load_checkpoint(policy, Path(run_dir) / "checkpoints" / "step_000002", log=lambda _: None)
@@ -131,7 +131,7 @@ def test_sharded_ema_checkpoint_resumes_exactly(tiny, tmp_path):
 def _roundtrip(rank, world, tiny, run_dir, mode):
     from srpo_megatron.planner.memory import PlanSettings, plan_layout
     from srpo_megatron.planner.model import Layout, ModelShape
-    from srpo_megatron.trainer import offload as off
+    from srpo_megatron.trainer.state import offload as off
 
     extra = [
         "model.params_dtype=bf16",
@@ -190,7 +190,7 @@ def _roundtrip(rank, world, tiny, run_dir, mode):
 
 @pytest.mark.parametrize("mode", ["sharded", "full"])
 def test_offload_round_trip_is_exact_and_matches_the_planner(tiny, tmp_path, mode):
-    from srpo_megatron.trainer import offload as off
+    from srpo_megatron.trainer.state import offload as off
 
     for r in run_distributed(_roundtrip, 2, tiny, str(tmp_path), mode, timeout=600):
         assert r["exact"], "params, optimizer state or teacher changed in the offload round trip"

@@ -1,4 +1,4 @@
-"""The two megatron-core facts trainer/output_rows.py is built on, on every tested version (each fails once
+"""The two megatron-core facts trainer/microbatches/output_rows.py is built on, on every tested version (each fails once
 the fact changes, so the code that relies on it gets revisited):
 
 - ``GPTModel`` with ``post_process`` read False for one forward returns the decoder's hidden states
@@ -23,7 +23,7 @@ def _hidden_worker(rank, world, model_type):
     from srpo_megatron.models.policy import build_policy
     from srpo_megatron.parallel import initialize_model_parallel
     from srpo_megatron.testing.tiny import tiny_hf_config
-    from srpo_megatron.trainer.output_rows import OutputHead
+    from srpo_megatron.trainer.microbatches.output_rows import OutputHead
 
     initialize_model_parallel(1, 1, seed=1)
     cfg = tiny_hf_config(model_type, num_layers=2)

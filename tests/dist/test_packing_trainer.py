@@ -35,9 +35,9 @@ def _step(rank, world, tiny, run_dir, pp, budgets, extra=()):
     from srpo_megatron.config import load_config
     from srpo_megatron.parallel import initialize_model_parallel
     from srpo_megatron.config import TrainConfig
-    from srpo_megatron.trainer.learning import learn
-    from srpo_megatron.trainer.policy import Policy
-    from srpo_megatron.trainer.scoring import score_rollouts
+    from srpo_megatron.trainer.passes.learning import learn
+    from srpo_megatron.trainer.state.policy import Policy
+    from srpo_megatron.trainer.passes.scoring import scoring_pass
 
     _, hf, data = tiny
     out = []
@@ -56,7 +56,7 @@ def _step(rank, world, tiny, run_dir, pp, budgets, extra=()):
             *extra,
         ]
         policy = Policy(load_config(TrainConfig, str(RECIPE), ov), groups)
-        scored = score_rollouts(policy, packing_samples())
+        scored = scoring_pass(policy, packing_samples())
         t = scored.tokens
         kept = None if t is None else (t.old_logp, t.teacher_logp, t.teacher_entropy)
         stats = learn(policy, scored, 1)

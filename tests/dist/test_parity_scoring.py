@@ -1,4 +1,4 @@
-"""The parity KL in the real scoring pass (``trainer/scoring.score_rollouts`` with ``rollout.parity_top_k``):
+"""The parity KL in the real scoring pass (``trainer/passes/scoring.scoring_pass`` with ``rollout.parity_top_k``):
 the trainer's log-probs at the engine's top-K ids, from the megatron policy's logits shard, against an
 independent float64 transformers forward of the same weights.
 
@@ -66,9 +66,9 @@ def _with_engine(samples, engine_logp: list[torch.Tensor]):
 def _score(rank, world, tiny, run_dir, extra, cases):
     from srpo_megatron.config import TrainConfig, load_config
     from srpo_megatron.parallel import initialize_model_parallel
-    from srpo_megatron.trainer.policy import Policy
-    from srpo_megatron.trainer.scoring import score_rollouts
-    from srpo_megatron.trainer.step_metrics import gather_stats
+    from srpo_megatron.trainer.state.policy import Policy
+    from srpo_megatron.trainer.passes.scoring import scoring_pass
+    from srpo_megatron.trainer.observe.step_metrics import gather_stats
     from tests.helpers.recipe import RECIPE
 
     hf, data = tiny
@@ -79,7 +79,7 @@ def _score(rank, world, tiny, run_dir, extra, cases):
     policy = Policy(cfg, initialize_model_parallel(p.tp, p.pp, seed=1, cp=p.cp))
     out = {}
     for name, samples in cases.items():
-        s = gather_stats(score_rollouts(policy, samples).stats, policy.groups.host)
+        s = gather_stats(scoring_pass(policy, samples).stats, policy.groups.host)
         out[name] = (s.topk_kl_sum, s.topk_kl_max, s.topk_kl_tokens)
     return out
 

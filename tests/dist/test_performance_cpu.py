@@ -277,7 +277,7 @@ def _rng_worker(rank, world, label):
     from megatron.core import tensor_parallel
 
     from srpo_megatron.parallel import initialize_model_parallel
-    from srpo_megatron.trainer.rng_state import rng_state, set_rng_state
+    from srpo_megatron.trainer.run.rng_state import rng_state, set_rng_state
 
     initialize_model_parallel(1, 1)
     state = rng_state()

@@ -40,8 +40,8 @@ def _engines(rank, world, tiny, run_dir):
     from srpo_megatron.parallel import initialize_model_parallel
     from srpo_megatron.rewards import register_reward
     from srpo_megatron.rollout.factory import load_tokenizer
-    from srpo_megatron.trainer.policy import Policy
-    from srpo_megatron.trainer.rollouts import RolloutService
+    from srpo_megatron.trainer.state.policy import Policy
+    from srpo_megatron.trainer.collect.rollout_service import RolloutService
 
     register_reward("coin", "srpo_megatron.testing.tiny:coin_reward")
     groups = initialize_model_parallel(2, 1, seed=1)
@@ -226,8 +226,8 @@ def _separate(rank, world, tiny, run_dir, urls, pp=1, sync="distributed"):
     from srpo_megatron.parallel import initialize_model_parallel
     from srpo_megatron.rewards import register_reward
     from srpo_megatron.rollout.factory import load_tokenizer
-    from srpo_megatron.trainer.policy import Policy
-    from srpo_megatron.trainer.rollouts import RolloutService
+    from srpo_megatron.trainer.state.policy import Policy
+    from srpo_megatron.trainer.collect.rollout_service import RolloutService
     from srpo_megatron.weights.export import iter_stage_hf_tensors
 
     os.environ["SRPO_ENGINE_URLS"], os.environ["SRPO_SYNC_HOST"] = ",".join(urls), "127.0.0.1"
@@ -358,8 +358,8 @@ def _incomplete_broadcast(rank, world, tiny, run_dir, urls, plant):
     from srpo_megatron.parallel import initialize_model_parallel
     from srpo_megatron.rollout.base import EngineError
     from srpo_megatron.rollout.factory import load_tokenizer
-    from srpo_megatron.trainer.policy import Policy
-    from srpo_megatron.trainer.rollouts import RolloutService
+    from srpo_megatron.trainer.state.policy import Policy
+    from srpo_megatron.trainer.collect.rollout_service import RolloutService
     from srpo_megatron.weights.export import is_stage_sender
     from srpo_megatron.weights.weight_sync import served_manifest
 

@@ -11,7 +11,7 @@ from srpo_megatron.testing.distributed import run_distributed
 def _claim(rank: int, world: int, run_dir: str) -> tuple[bool, bool]:
     import torch.distributed as dist
 
-    from srpo_megatron.trainer import run_dir as rd
+    from srpo_megatron.trainer.run import run_dir as rd
 
     rd.claim_run_dir(run_dir)  # every rank: none raises
     held = bool(rd._HELD)

@@ -33,8 +33,8 @@ def _save_worker(rank, world, tiny, run_dir):
     from srpo_megatron.rewards import register_reward
     from srpo_megatron.rollout.factory import load_tokenizer
     from srpo_megatron.config import TrainConfig
-    from srpo_megatron.trainer.policy import Policy
-    from srpo_megatron.trainer.rollouts import RolloutService
+    from srpo_megatron.trainer.state.policy import Policy
+    from srpo_megatron.trainer.collect.rollout_service import RolloutService
 
     register_reward("coin", "srpo_megatron.testing.tiny:coin_reward")
     _, hf, data = tiny

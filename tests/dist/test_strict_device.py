@@ -74,13 +74,13 @@ class _Engine:
 def _step(rank, world, tiny, run_dir, tp, pp, extra, ep=1):
     from srpo_megatron.parallel import initialize_model_parallel
     from srpo_megatron.testing.strict_device import strict_device
-    from srpo_megatron.trainer.batches import rank_share
-    from srpo_megatron.trainer.learning import learn
-    from srpo_megatron.trainer.policy import Policy
-    from srpo_megatron.trainer.scoring import score_rollouts
-    from srpo_megatron.trainer.stats import reduce_stats
-    from srpo_megatron.trainer.step_metrics import gather_stats
-    from srpo_megatron.trainer.teacher import fp32_main_params
+    from srpo_megatron.trainer.microbatches.batches import rank_share
+    from srpo_megatron.trainer.passes.learning import learn
+    from srpo_megatron.trainer.state.policy import Policy
+    from srpo_megatron.trainer.passes.scoring import scoring_pass
+    from srpo_megatron.trainer.observe.stats import reduce_stats
+    from srpo_megatron.trainer.observe.step_metrics import gather_stats
+    from srpo_megatron.trainer.state.teacher import fp32_main_params
     from srpo_megatron.testing.sync_transports import sync_in_process
 
     with strict_device():
@@ -88,7 +88,7 @@ def _step(rank, world, tiny, run_dir, tp, pp, extra, ep=1):
         groups = initialize_model_parallel(tp, pp, seed=1, ep=ep)
         assert groups.device.type == "cuda"  # emulated: mapped to the host, provenance-checked
         policy = Policy(cfg, groups)
-        scored = score_rollouts(policy, rank_share(_samples(), 1, groups.dp_size, groups.dp_rank))
+        scored = scoring_pass(policy, rank_share(_samples(), 1, groups.dp_size, groups.dp_rank))
         before = [p.detach().double().clone() for p in policy.teacher.module.parameters()]
         stats = gather_stats(reduce_stats([scored.stats, learn(policy, scored, 1)]), groups.host)
         mains = fp32_main_params(policy.optimizer, policy.model, groups.device)
@@ -159,8 +159,8 @@ def test_a_training_step_at_uneven_pipeline_stages(tmp_path):
 def _planted(rank, world, tiny, run_dir):
     from srpo_megatron.parallel import initialize_model_parallel
     from srpo_megatron.testing.strict_device import StrictDeviceError, strict_device
-    from srpo_megatron.trainer import scoring
-    from srpo_megatron.trainer.policy import Policy
+    from srpo_megatron.trainer.passes import scoring
+    from srpo_megatron.trainer.state.policy import Policy
 
     real = scoring.micro_batches_for
 
@@ -172,10 +172,10 @@ def _planted(rank, world, tiny, run_dir):
     with strict_device():
         policy = Policy(tiny_config(tiny, run_dir), initialize_model_parallel(1, 1, seed=1))
         samples = _samples()
-        scoring.score_rollouts(policy, samples)  # the unplanted pass runs
+        scoring.scoring_pass(policy, samples)  # the unplanted pass runs
         scoring.micro_batches_for = planted
         try:
-            scoring.score_rollouts(policy, samples)
+            scoring.scoring_pass(policy, samples)
         except StrictDeviceError as e:
             return str(e)
         finally:
@@ -196,7 +196,7 @@ def _old_paths(rank, world, tiny, run_dir):
     from srpo_megatron.losses import global_normalizers
     from srpo_megatron.parallel import initialize_model_parallel
     from srpo_megatron.testing.strict_device import StrictDeviceError, strict_device
-    from srpo_megatron.trainer.batches import sample_tokens
+    from srpo_megatron.trainer.microbatches.batches import sample_tokens
 
     caught = {}
     with strict_device():

@@ -39,17 +39,17 @@ def _samples(n: int):
 
 def _mini_batches(rank, world, tiny, run_dir):
     from srpo_megatron.parallel import initialize_model_parallel
-    from srpo_megatron.trainer.learning import train_mini_batch
-    from srpo_megatron.trainer.policy import Policy
-    from srpo_megatron.trainer.scoring import score_rollouts
+    from srpo_megatron.trainer.passes.learning import train_mini_batch
+    from srpo_megatron.trainer.state.policy import Policy
+    from srpo_megatron.trainer.passes.scoring import scoring_pass
 
     extra = ["loss.mode=grpo", "optim.lr=0.05", "optim.clip_grad=0.0", "train.mini_batches=4"]
     policy = Policy(tiny_config(tiny, run_dir, extra), initialize_model_parallel(1, 1, seed=1))
-    scored = score_rollouts(policy, _samples(16))
+    scored = scoring_pass(policy, _samples(16))
     pi_old = scored.tokens.old_logp.clone()
     out = []
     for mini in scored.mini_batches(4):  # exactly what learning.learn does
-        now = score_rollouts(policy, mini.samples).tokens.old_logp  # the policy before this step
+        now = scoring_pass(policy, mini.samples).tokens.old_logp  # the policy before this step
         s = train_mini_batch(policy, mini)
         out.append(((now - mini.tokens.old_logp).abs().max().item(), s.grpo_clipped_sum / s.grpo_tokens))
     return out, torch.equal(pi_old, scored.tokens.old_logp)
@@ -67,9 +67,9 @@ def test_pi_old_is_the_rollout_batchs_for_every_mini_batch(tiny, tmp_path):
 
 def _warmup(rank, world, tiny, run_dir):
     from srpo_megatron.parallel import initialize_model_parallel
-    from srpo_megatron.trainer.learning import learn
-    from srpo_megatron.trainer.policy import Policy
-    from srpo_megatron.trainer.scoring import score_rollouts
+    from srpo_megatron.trainer.passes.learning import learn
+    from srpo_megatron.trainer.state.policy import Policy
+    from srpo_megatron.trainer.passes.scoring import scoring_pass
 
     extra = [
         "loss.mode=grpo",
@@ -81,7 +81,7 @@ def _warmup(rank, world, tiny, run_dir):
     policy = Policy(tiny_config(tiny, run_dir, extra), initialize_model_parallel(1, 1, seed=1))
     lrs = []
     for _ in range(3):
-        lrs.append(learn(policy, score_rollouts(policy, _samples(8)), 2).lr)
+        lrs.append(learn(policy, scoring_pass(policy, _samples(8)), 2).lr)
     return lrs
 
 

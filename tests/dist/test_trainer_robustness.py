@@ -23,9 +23,9 @@ def tiny(tmp_path_factory):
 
 def _nonfinite_step(rank, world, tiny, run_dir):
     from srpo_megatron.parallel import initialize_model_parallel
-    from srpo_megatron.trainer.learning import train_mini_batch
-    from srpo_megatron.trainer.policy import Policy
-    from srpo_megatron.trainer.scoring import score_rollouts
+    from srpo_megatron.trainer.passes.learning import train_mini_batch
+    from srpo_megatron.trainer.state.policy import Policy
+    from srpo_megatron.trainer.passes.scoring import scoring_pass
     from srpo_megatron.trainer.step_types import Sample
 
     cfg = tiny_config(tiny, run_dir, ["loss.mode=grpo"])
@@ -35,12 +35,12 @@ def _nonfinite_step(rank, world, tiny, run_dir):
         Sample(0, m, [1, 2, 3], [4, 5], [-1.0, -1.0], reward=float(m % 2), advantage=m % 2 - 0.5)
         for m in range(4)
     ]
-    scored = score_rollouts(policy, samples)
+    scored = scoring_pass(policy, samples)
     before = {n: p.detach().clone() for n, p in policy.model.named_parameters()}
     scored.tokens.old_logp[:2] = float("nan")  # a poisoned batch: sample 0's π_old
     out = train_mini_batch(policy, scored)
     unchanged = all(torch.equal(before[n], p) for n, p in policy.model.named_parameters())
-    ok = train_mini_batch(policy, score_rollouts(policy, samples))
+    ok = train_mini_batch(policy, scoring_pass(policy, samples))
     moved = any(not torch.equal(before[n], p) for n, p in policy.model.named_parameters())
     return out.skipped, unchanged, ok.skipped, moved
 
@@ -53,9 +53,9 @@ def test_nonfinite_loss_skips_the_step_and_keeps_the_weights(tiny, tmp_path):
 
 def _teacher_on_skipped_step(rank, world, tiny, run_dir):
     from srpo_megatron.parallel import initialize_model_parallel
-    from srpo_megatron.trainer.learning import learn
-    from srpo_megatron.trainer.policy import Policy
-    from srpo_megatron.trainer.scoring import score_rollouts
+    from srpo_megatron.trainer.passes.learning import learn
+    from srpo_megatron.trainer.state.policy import Policy
+    from srpo_megatron.trainer.passes.scoring import scoring_pass
     from srpo_megatron.trainer.step_types import Sample
 
     cfg = tiny_config(tiny, run_dir, ["teacher.kind=ema", "teacher.ema_alpha=0.25"])
@@ -67,10 +67,10 @@ def _teacher_on_skipped_step(rank, world, tiny, run_dir):
     ]
     weights = lambda m: {n: p.detach().clone().double() for n, p in m.named_parameters()}  # noqa: E731
     theta0 = weights(policy.model)
-    good = learn(policy, score_rollouts(policy, samples), 1)  # a good step: the teacher lags the student
+    good = learn(policy, scoring_pass(policy, samples), 1)  # a good step: the teacher lags the student
     ran_good = policy.update_teacher_after(good)
     theta1, t_good = weights(policy.model), weights(policy.teacher.module)
-    poisoned = score_rollouts(policy, samples)
+    poisoned = scoring_pass(policy, samples)
     poisoned.tokens.old_logp[:2] = float("nan")
     bad = learn(policy, poisoned, 1)
     ran_bad = policy.update_teacher_after(bad)
@@ -113,9 +113,9 @@ def test_zero_signal_batch_trains_without_dividing_by_zero(tiny, tmp_path):
 
 def _teacher_update(rank, world, tiny, run_dir, kind):
     from srpo_megatron.parallel import initialize_model_parallel
-    from srpo_megatron.trainer.learning import learn
-    from srpo_megatron.trainer.policy import Policy
-    from srpo_megatron.trainer.scoring import score_rollouts
+    from srpo_megatron.trainer.passes.learning import learn
+    from srpo_megatron.trainer.state.policy import Policy
+    from srpo_megatron.trainer.passes.scoring import scoring_pass
     from srpo_megatron.trainer.step_types import Sample
 
     cfg = tiny_config(tiny, run_dir, [f"teacher.kind={kind}", "teacher.ema_alpha=0.25"])
@@ -126,7 +126,7 @@ def _teacher_update(rank, world, tiny, run_dir, kind):
         Sample(0, m, [1, 2, 3], [4, 5], [-1.0, -1.0], reward=float(m % 2), advantage=m % 2 - 0.5)
         for m in range(4)
     ]
-    learn(policy, score_rollouts(policy, samples), 1)
+    learn(policy, scoring_pass(policy, samples), 1)
     policy.update_teacher()
     theta1 = {n: p.detach().double() for n, p in policy.model.named_parameters()}
     teacher = {n: p.detach().double() for n, p in policy.teacher.module.named_parameters()}
@@ -161,8 +161,8 @@ def _engine_dies(rank, world, tiny, run_dir):
     from srpo_megatron.parallel import initialize_model_parallel
     from srpo_megatron.rewards import register_reward
     from srpo_megatron.rollout.factory import load_tokenizer
-    from srpo_megatron.trainer.policy import Policy
-    from srpo_megatron.trainer.rollouts import RolloutService
+    from srpo_megatron.trainer.state.policy import Policy
+    from srpo_megatron.trainer.collect.rollout_service import RolloutService
 
     cfg = tiny_config(tiny, run_dir)
     register_reward("coin", "srpo_megatron.testing.tiny:coin_reward")

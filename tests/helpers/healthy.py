@@ -1,11 +1,12 @@
 """Healthy runs restart nothing: a run whose engines did not fault must not rebuild one.
 
-The trainer recovers from a failed engine by restarting it alone and resyncing (``trainer/rollouts.py``),
-and the run then ends rc 0; a restart that no fault caused (an engine sent work while its memory was
-released, a sync order bug) would hide the same way. So every ``metrics.jsonl`` a test leaves behind is
-checked: its counters of recoveries (``RECOVERY_METRICS``) stay 0 on every row. ``tests/conftest.py``
-checks every run under a test's ``tmp_path`` and every module fixture's folder; ``read_metrics`` checks
-the run it reads. A test that faults an engine on purpose opts out with ``@pytest.mark.engine_faults``.
+The trainer recovers from a failed engine by restarting it alone and resyncing
+(``trainer/collect/rollout_service.py``), and the run then ends rc 0; a restart that no fault caused (an
+engine sent work while its memory was released, a sync order bug) would hide the same way. So every
+``metrics.jsonl`` a test leaves behind is checked: its counters of recoveries (``RECOVERY_METRICS``) stay 0
+on every row. ``tests/conftest.py`` checks every run under a test's ``tmp_path`` and every module fixture's
+folder; ``read_metrics`` checks the run it reads. A test that faults an engine on purpose opts out with
+``@pytest.mark.engine_faults``.
 """
 
 from __future__ import annotations

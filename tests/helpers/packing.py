@@ -57,7 +57,7 @@ def _packed_case(tp, pp, cp, hf_config, hf_state, seqs, budget):
     from srpo_megatron.conversion.weights import load_hf_weights, stage_layer_offset
     from srpo_megatron.models.architecture import Architecture
     from srpo_megatron.models.policy import build_policy
-    from srpo_megatron.trainer.packing import cp_shard, pack, pad_multiple, plan_micro_batches
+    from srpo_megatron.trainer.microbatches.packing import cp_shard, pack, pad_multiple, plan_micro_batches
 
     arch = Architecture.from_hf(hf_config)
     table = ConversionTable(arch)

@@ -15,7 +15,7 @@ from srpo_megatron.data.rows import Row
 from srpo_megatron.rewards import register_reward
 from srpo_megatron.rewards.pool import RewardPool
 from srpo_megatron.rollout.base import Completion
-from srpo_megatron.trainer.sample_pool import CompletedGroup, SamplePool
+from srpo_megatron.trainer.collect.sample_pool import CompletedGroup, SamplePool
 
 G = 4  # members per group in these tests
 

@@ -35,7 +35,7 @@ def tiny(tmp_path_factory):
 def tiny_policy(tiny, run_dir, extra):
     from srpo_megatron.config import TrainConfig, load_config
     from srpo_megatron.parallel import initialize_model_parallel
-    from srpo_megatron.trainer.policy import Policy
+    from srpo_megatron.trainer.state.policy import Policy
 
     hf, data = tiny
     ov = [
@@ -63,10 +63,10 @@ def tiny_samples(rank: int, step: int):
 
 
 def tiny_step(policy, rank: int, step: int) -> None:
-    from srpo_megatron.trainer.learning import learn
-    from srpo_megatron.trainer.scoring import score_rollouts
+    from srpo_megatron.trainer.passes.learning import learn
+    from srpo_megatron.trainer.passes.scoring import scoring_pass
 
-    learn(policy, score_rollouts(policy, tiny_samples(rank, step)), 1)
+    learn(policy, scoring_pass(policy, tiny_samples(rank, step)), 1)
     policy.update_teacher()
 
 

@@ -1,6 +1,7 @@
 """What a new user sees from ``srpo train`` on CPU: megatron-core's Transformer Engine / Apex fallback
 warnings are replaced by one line saying what runs instead, and a checkpoint save says nothing about an
-"old incomplete / corrupted checkpoint" (``srpo_megatron/compat/fallbacks.py``, ``trainer/checkpoint.py``).
+"old incomplete / corrupted checkpoint" (``srpo_megatron/compat/fallbacks.py``,
+``trainer/run/checkpoint.py``).
 
 The planted variant: the same imports without the filter print megatron's fallback warnings, so the
 counts below can fail."""

@@ -119,7 +119,7 @@ def test_each_hf_folder_reader_checks_the_size_manifest_first(tiny, tmp_path):
     from srpo_megatron.conversion.output_guard import ConversionInputError
     from srpo_megatron.conversion.safetensors_io import HFCheckpointReader
     from srpo_megatron.rollout.factory import build_engine, load_tokenizer
-    from srpo_megatron.trainer.preflight import read_model_config
+    from srpo_megatron.trainer.run.preflight import read_model_config
 
     _, hf, _ = tiny
     out, _, _ = _converted_copy(hf, tmp_path / "converted")

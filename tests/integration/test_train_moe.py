@@ -25,7 +25,8 @@ from safetensors.torch import load_file
 from srpo_megatron.testing.distributed import run_distributed
 
 # Several multi-rank `srpo train` runs per fixture: 2 min 16 s for the file on 2 idle cores. It was `slow`
-# (~15 min) while the EP2 run hung until its timeout: uneven passes across DP ranks (trainer/lockstep.py).
+# (~15 min) while the EP2 run hung until its timeout: uneven passes across DP ranks
+# (trainer/microbatches/lockstep.py).
 pytestmark = [pytest.mark.moe, pytest.mark.timeout(2400)]
 
 REPO = Path(__file__).resolve().parents[2]

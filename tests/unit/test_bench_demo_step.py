@@ -18,7 +18,7 @@ def _bench():
 
 
 def test_reference_batches_match_the_trainers_padding_and_response_rows():
-    from srpo_megatron.trainer.batches import micro_batches_for, student_sequences
+    from srpo_megatron.trainer.microbatches.batches import micro_batches_for, student_sequences
     from srpo_megatron.trainer.step_types import Sample
 
     samples = [Sample(0, m, list(range(1, 4 + m)), [50 + m] * (2 + m), [-1.0] * (2 + m)) for m in range(5)]

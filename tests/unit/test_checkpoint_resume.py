@@ -31,8 +31,8 @@ from srpo_megatron.conversion.checkpoint_files import (
     write_manifest,
 )
 from srpo_megatron.conversion.spec_compat import drop_absent_extra_state
-from srpo_megatron.trainer.resume import MAY_CHANGE_ON_RESUME, check_resume_recipe, recipe_changes
-from srpo_megatron.trainer.rng_state import rng_states_compatible
+from srpo_megatron.trainer.run.resume import MAY_CHANGE_ON_RESUME, check_resume_recipe, recipe_changes
+from srpo_megatron.trainer.run.rng_state import rng_states_compatible
 
 
 def _save(run: Path, step: int, latest: bool = True) -> Path:
@@ -145,7 +145,7 @@ class _Exploit:
 
 
 def test_crafted_pickle_in_rng_file_is_refused_not_executed(tmp_path):
-    from srpo_megatron.trainer.rng_state import load_rng_file
+    from srpo_megatron.trainer.run.rng_state import load_rng_file
 
     marker = tmp_path / "PWNED"
     evil = tmp_path / "rank_00000.pt"
@@ -161,7 +161,7 @@ def test_crafted_pickle_in_rng_file_is_refused_not_executed(tmp_path):
 
 
 def test_rng_state_round_trips_through_weights_only(tmp_path):
-    from srpo_megatron.trainer.rng_state import load_rng_file, rng_state, set_rng_state
+    from srpo_megatron.trainer.run.rng_state import load_rng_file, rng_state, set_rng_state
 
     random.seed(3), np.random.seed(4), torch.manual_seed(5)
     np.random.standard_normal()  # leave a cached Gaussian in numpy's state

@@ -1,7 +1,8 @@
 """Dynamic sampling's extra rounds on a colocated SGLang engine: the engine serves every round of a step and
 releases its memory once, after the step's last round (``RolloutService.next_batch``).
 
-The service is the production one (``trainer/rollouts.py``: its worker, its pool, its restart path) with
+The service is the production one (``trainer/collect/rollout_service.py``: its worker, its pool, its
+restart path) with
 two stand-ins: the engine is the real ``SGLangEngine`` over ``SGLangMemoryRules`` (an in-process transport
 that keeps SGLang's release/resume rules, ``tests/helpers/sglang.py``), and the weight sync streams a
 fixed set of tensors into it through the engine's own ``update_weights`` (its resume order is the
@@ -54,7 +55,7 @@ def _service(tiny, run_dir, monkeypatch):
     returns it and every transport it built (one per engine build)."""
     from srpo_megatron.rewards import register_reward
     from srpo_megatron.rollout.factory import load_tokenizer
-    from srpo_megatron.trainer import rollouts
+    from srpo_megatron.trainer.collect import rollout_service as rollouts
 
     register_reward("coin", "srpo_megatron.testing.tiny:coin_reward")
     cfg = tiny_config(
@@ -132,7 +133,7 @@ def test_every_round_of_a_step_is_served_and_memory_is_released_once_per_step(ti
 
 
 def test_planted_release_after_every_round_is_caught(tiny, tmp_path, monkeypatch):
-    from srpo_megatron.trainer import off_policy
+    from srpo_megatron.trainer.collect import off_policy
 
     run = off_policy.GenerationWorker._run
 

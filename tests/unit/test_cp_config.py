@@ -8,7 +8,7 @@ from types import SimpleNamespace
 import pytest
 
 from srpo_megatron.config import ConfigError, TrainConfig, load_config
-from srpo_megatron.trainer.preflight import check_layout
+from srpo_megatron.trainer.run.preflight import check_layout
 
 RECIPE = Path(__file__).resolve().parents[2] / "examples" / "tiny_cpu_test.yaml"
 QWEN3_TINY = {"num_attention_heads": 4, "num_key_value_heads": 2, "num_hidden_layers": 2}

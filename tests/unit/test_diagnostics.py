@@ -1,5 +1,5 @@
 """Diagnostics of issue 28: per-benchmark reward and accuracy on a mixed batch, and the "teacher moved?"
-trend and inert-SDPO warning (``trainer/teacher_watch.py``), each against a hand computation."""
+trend and inert-SDPO warning (``trainer/observe/teacher_watch.py``), each against a hand computation."""
 
 from __future__ import annotations
 
@@ -12,10 +12,10 @@ from srpo_megatron.config import LossConfig, TeacherConfig
 from srpo_megatron.data.dataset import Prompt
 from srpo_megatron.data.rows import Row
 from srpo_megatron.rollout.base import Completion
-from srpo_megatron.trainer.metrics import MetricsLogger
-from srpo_megatron.trainer.routing_batch import route_groups
+from srpo_megatron.trainer.collect.sample_routing import route_groups
+from srpo_megatron.trainer.observe.metrics import MetricsLogger
+from srpo_megatron.trainer.observe.teacher_watch import TeacherWatch, slope
 from srpo_megatron.trainer.step_types import declared, merge_metrics, undeclared
-from srpo_megatron.trainer.teacher_watch import TeacherWatch, slope
 from tests.helpers.sample_pool import CharTokenizer as _Tokenizer
 
 # ------------------------------------------------------------------------------ per-benchmark rewards

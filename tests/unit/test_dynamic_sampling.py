@@ -1,4 +1,5 @@
-"""Dynamic sampling in ``trainer/sample_pool.py`` (``rollout.dynamic_sampling``, ``max_sampling_rounds``).
+"""Dynamic sampling in ``trainer/collect/sample_pool.py`` (``rollout.dynamic_sampling``,
+``max_sampling_rounds``).
 
 On scripted rewards (the real ``RewardPool``, ``workers=0``, a registered ``scripted`` reward kind):
 
@@ -17,7 +18,7 @@ import pytest
 
 from srpo_megatron.config import LossConfig
 from srpo_megatron.rewards.pool import RewardPool
-from srpo_megatron.trainer.sample_pool import CompletedGroup, SamplePool
+from srpo_megatron.trainer.collect.sample_pool import CompletedGroup, SamplePool
 from srpo_megatron.trainer.step_types import RolloutBatch
 from tests.helpers.sample_pool import ALL_CORRECT, ALL_WRONG, MIXED, group, make_pool
 

@@ -1,11 +1,11 @@
-"""The EMA teacher keeps an fp32 copy (trainer/teacher.py): in bf16 it follows a float64 reference EMA
+"""The EMA teacher keeps an fp32 copy (trainer/state/teacher.py): in bf16 it follows a float64 reference EMA
 of a steadily drifting student, where the old bf16-in-place update (planted here) nearly freezes."""
 
 from __future__ import annotations
 
 import torch
 
-from srpo_megatron.trainer.teacher import EmaTeacher
+from srpo_megatron.trainer.state.teacher import EmaTeacher
 
 ALPHA, STEPS, DRIFT = 0.05, 500, 5e-6  # the issue's setting: Adam-sized steps of lr 5e-6
 

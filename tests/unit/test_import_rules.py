@@ -9,7 +9,9 @@ moves the failure to run time). On top of the layers:
 - ``LEAVES`` import no other room at all (``config/`` is the torch-free recipe every tool loads);
 - ``THIRD_PARTY`` limits what some rooms may import from outside the standard library (``config/``: only
   ``yaml``; ``ops/`` and ``losses/``: only ``torch``, since the math takes tensors and explicit groups);
-- the room graph has no cycle.
+- the room graph has no cycle;
+- inside ``trainer/`` the rooms (``TRAINER_ROOMS``: ``observe/`` ... ``run/``) are stacked the same way, with
+  ``trainer/step_types.py`` the leaf they all import, and no folder holds more than ``MAX_MODULES`` modules.
 
 ``PENDING`` lists the edges that break the rules on this branch and the renovation that removes each
 (issue 25); it is meant to be emptied, and an entry that no longer occurs fails the test too.
@@ -86,7 +88,7 @@ LAYERS: tuple[Layer, ...] = (
     Layer(
         "trainer",
         ("trainer/",),
-        "the SRPO step's pieces: policy runtime, rollouts, scoring, learning, checkpoints, metrics",
+        "the SRPO step's rooms: observe, microbatches, state, passes, collect, run (TRAINER_ROOMS below)",
     ),
     Layer(
         "tools on the recipe",
@@ -147,7 +149,7 @@ def module_name(root: Path, path: Path) -> str:
 
 
 def room(module: str) -> str:
-    """``srpo_megatron.trainer.checkpoint`` -> ``trainer``; the root package is its own room."""
+    """``srpo_megatron.trainer.run.checkpoint`` -> ``trainer``; the root package is its own room."""
     parts = module.split(".")
     return parts[1] if len(parts) > 1 else parts[0]
 
@@ -333,10 +335,10 @@ def test_a_planted_back_arrow_is_reported(tmp_path):
 @pytest.mark.parametrize(
     "text",
     [
-        "def f():\n    from srpo_megatron.trainer.checkpoint import save_checkpoint\n",  # lazy
+        "def f():\n    from srpo_megatron.trainer.run.checkpoint import save_checkpoint\n",  # lazy
         "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from srpo_megatron.trainer import y\n",
         "from ..trainer import y\n",  # relative
-        "import srpo_megatron.trainer.policy as p\n",
+        "import srpo_megatron.trainer.state.policy as p\n",
         "from srpo_megatron import trainer\n",
     ],
     ids=["function-level", "type-checking", "relative", "import-as", "from-root"],
@@ -395,5 +397,179 @@ def test_a_cycle_between_rooms_is_reported(tmp_path):
     assert cycles(room_graph(root, pending={})) == [["rollout", "trainer", "rollout"]]
 
 
+# ------------------------------------------------------------------------------ rooms inside trainer/
+#
+# trainer/ is split into rooms of its own, stacked like the package's layers: a trainer module may import
+# its own room, the rooms below it and ``trainer/step_types.py`` (the leaf every room imports), never a
+# room beside or above it. The package ``trainer/__init__.py`` imports nothing of the trainer, and a
+# trainer room is imported by its full path (``srpo_megatron.trainer.passes.scoring``), never through
+# ``from srpo_megatron.trainer import x``. No folder of srpo_megatron/ holds more than ``MAX_MODULES``.
+
+TRAINER = f"{PACKAGE}.trainer"
+TRAINER_LEAF = f"{TRAINER}.step_types"
+
+# Lowest first, as LAYERS.
+TRAINER_ROOMS: tuple[Layer, ...] = (
+    Layer(
+        "observe",
+        ("observe/",),
+        "per-step metrics and logs, the StepStats reduction, step metrics, the teacher watch, evaluation",
+    ),
+    Layer(
+        "microbatches",
+        ("microbatches/",),
+        "packing, batch tensors, the CP split, output rows, MoE replay, EP lockstep, megatron schedules",
+    ),
+    Layer(
+        "state",
+        ("state/",),
+        "the policy (model, DDP, optimizer), the self-teacher, its sharded copy, offload",
+    ),
+    Layer("passes", ("passes/",), "the no-grad scoring pass (with parity) and the training pass"),
+    Layer(
+        "collect",
+        ("collect/",),
+        "the rollout service, off-policy workers, the sample pool, rewarding and sample routing, shipping",
+    ),
+    Layer(
+        "run", ("run/",), "the run dir and its lock, start-up checks, checkpoints, RNG state, saves, resume"
+    ),
+)
+
+MAX_MODULES = 20  # .py files (``__init__.py`` included) directly in one folder of srpo_megatron/
+
+
+def trainer_room(module: str) -> str | None:
+    """``srpo_megatron.trainer.passes.scoring`` -> ``passes``; ``step_types`` for the leaf, ``""`` for the
+    package itself, None outside the trainer."""
+    parts = module.split(".")
+    if parts[:2] != [PACKAGE, "trainer"]:
+        return None
+    return parts[2] if len(parts) > 2 else ""
+
+
+def trainer_violations(edges: list[Edge]) -> list[str]:
+    """Every import between trainer modules that breaks the rooms' order, as ``a → b (where): why``."""
+    index = {r: i for i, layer in enumerate(TRAINER_ROOMS) for r in layer.rooms}
+    out = []
+    for e in edges:
+        a, b = trainer_room(e.source), trainer_room(e.target)
+        if a is None or b is None or a == "step_types":  # step_types: INNER_LEAVES says it imports none
+            continue
+        head = f"{e.source} → {e.target} ({e.where})"
+        if b == "":
+            out.append(
+                f"{head}: import a trainer module by its full path (srpo_megatron.trainer.<room>.<module>)"
+            )
+        elif a == "":
+            out.append(f"{head}: the trainer package's __init__ imports no trainer module")
+        elif a == b or b == "step_types":
+            continue
+        elif a not in index or b not in index:
+            missing = a if a not in index else b
+            out.append(
+                f"{head}: trainer room {missing!r} is not in TRAINER_ROOMS; add it (and its __init__ note)"
+            )
+        elif index[b] >= index[a]:
+            side = "beside it" if index[a] == index[b] else "above it"
+            out.append(
+                f"{head}: trainer/{a}/ (room {index[a]}) may not import trainer/{b}/ "
+                f"(room {index[b]}, {side}); "
+                f"imports go down the trainer's rooms: move what {a} needs into {a} or below"
+            )
+    return out
+
+
+def trainer_strays(root: Path) -> list[str]:
+    """Trainer modules outside the registered rooms (at the top lie ``__init__.py`` and ``step_types.py``)."""
+    rooms = {r for layer in TRAINER_ROOMS for r in layer.rooms}
+    out = []
+    for path in sorted((root / PACKAGE / "trainer").rglob("*.py")):
+        rel = path.relative_to(root / PACKAGE / "trainer")
+        top = len(rel.parts) == 1 and rel.name in ("__init__.py", "step_types.py")
+        if not top and (len(rel.parts) != 2 or rel.parts[0] not in rooms):
+            out.append(
+                f"srpo_megatron/trainer/{rel}: not in a trainer room; put it in one of {sorted(rooms)}"
+            )
+    return out
+
+
+def crowded_folders(root: Path, limit: int = MAX_MODULES) -> list[str]:
+    """Folders of ``root/srpo_megatron`` with more than ``limit`` modules, as ``folder: n modules``."""
+    out = []
+    for folder in sorted({p.parent for p in (root / PACKAGE).rglob("*.py")}):
+        n = len(list(folder.glob("*.py")))
+        if n > limit:
+            out.append(f"{folder.relative_to(root)}/: {n} modules (at most {limit}); split it into rooms")
+    return out
+
+
+def trainer_markdown_table() -> str:
+    lines = ["| trainer room | owns |", "|---|---|"]
+    for i, layer in reversed(list(enumerate(TRAINER_ROOMS))):
+        lines.append(f"| {i} `trainer/{layer.files[0]}` | {layer.owns} |")
+    lines.append("| leaf `trainer/step_types.py` | what flows through one step, as types |")
+    return "\n".join(lines)
+
+
+def test_trainer_rooms_import_down():
+    found = trainer_violations(read_imports(REPO)[0])
+    assert not found, "imports that break the trainer's room order:\n" + "\n".join(found)
+
+
+def test_every_trainer_module_lies_in_a_registered_room():
+    found = trainer_strays(REPO)
+    assert not found, "\n".join(found)
+    on_disk = {p.parent.name for p in (REPO / PACKAGE / "trainer").glob("*/__init__.py")}
+    assert on_disk == {r for layer in TRAINER_ROOMS for r in layer.rooms}, on_disk
+
+
+def test_no_folder_holds_more_than_max_modules():
+    found = crowded_folders(REPO)
+    assert not found, "\n".join(found)
+
+
+def test_a_planted_upward_import_between_trainer_rooms_is_reported(tmp_path):
+    files = {f"trainer/{r}/__init__.py": "" for r in ("microbatches", "passes", "state")}
+    files |= {
+        "trainer/microbatches/batches.py": "from srpo_megatron.trainer.passes.scoring import scoring_pass\n",
+        "trainer/passes/scoring.py": "from srpo_megatron.trainer.state import policy\n"  # down: allowed
+        "from srpo_megatron.trainer.step_types import Sample\n",  # the leaf: allowed
+        # its own room (allowed), then a room through the package (not its full path)
+        "trainer/state/policy.py": "def f():\n    from srpo_megatron.trainer.state.teacher import T\n"
+        "    from srpo_megatron.trainer import scoring\n",  # not by its full path
+    }
+    found = trainer_violations(read_imports(_tree(tmp_path, files))[0])
+    assert len(found) == 2, found
+    up, short = found
+    assert up.startswith("srpo_megatron.trainer.microbatches.batches → srpo_megatron.trainer.passes.scoring")
+    assert "trainer/microbatches/ (room 1) may not import trainer/passes/ (room 3, above it)" in up
+    assert short.startswith("srpo_megatron.trainer.state.policy → srpo_megatron.trainer (")
+    assert "by its full path" in short
+
+
+def test_a_planted_stray_trainer_module_and_an_unknown_room_are_reported(tmp_path):
+    files = {"trainer/loose.py": "", "trainer/attic/__init__.py": "", "trainer/attic/old.py": ""}
+    files["trainer/passes/__init__.py"] = ""
+    files["trainer/passes/x.py"] = "import srpo_megatron.trainer.attic.old\n"
+    root = _tree(tmp_path, files)
+    strays = trainer_strays(root)
+    assert any("trainer/loose.py: not in a trainer room" in s for s in strays), strays
+    assert any("trainer/attic/old.py: not in a trainer room" in s for s in strays), strays
+    [found] = trainer_violations(read_imports(root)[0])
+    assert "trainer room 'attic' is not in TRAINER_ROOMS" in found
+
+
+def test_a_planted_crowded_folder_is_reported(tmp_path):
+    root = _tree(tmp_path, {f"ops/m{i:02d}.py": "" for i in range(MAX_MODULES)})  # + __init__.py: 21
+    [found] = crowded_folders(root)
+    assert (
+        found == f"srpo_megatron/ops/: {MAX_MODULES + 1} modules (at most {MAX_MODULES}); split it into rooms"
+    )
+    assert crowded_folders(root, limit=MAX_MODULES + 1) == []
+
+
 if __name__ == "__main__":
     print(markdown_table())
+    print()
+    print(trainer_markdown_table())

@@ -460,7 +460,7 @@ def _routed(prob, cfg, n_micro, stale=None):
     if stale is not None:
         batch.stale = torch.tensor(stale)
     counts = apply_rejections(batch, cfg, sample_offsets(prob))
-    if cfg.aggregation == "seq_mean_token_mean":  # after the rejections, as trainer/scoring.py
+    if cfg.aggregation == "seq_mean_token_mean":  # after the rejections, as trainer/passes/scoring.py
         batch.seq_weight = sequence_weights(batch.mask, sample_offsets(prob))
     micro = batch.split(n_micro)
     norm = global_normalizers(micro, cfg.beta)

@@ -19,8 +19,8 @@ from srpo_megatron.losses import (
     routed_loss,
     sdpo_token_loss,
 )
-from srpo_megatron.trainer.batches import sample_tokens
-from srpo_megatron.trainer.step_metrics import step_metrics
+from srpo_megatron.trainer.microbatches.batches import sample_tokens
+from srpo_megatron.trainer.observe.step_metrics import step_metrics
 from srpo_megatron.trainer.step_types import RolloutBatch, Sample, StepStats
 from tests.helpers.losses_reference import ref_off_policy, ref_routed_loss, rel_err
 from tests.helpers.losses_scenario import build_batch, make_problem, ref_cfg

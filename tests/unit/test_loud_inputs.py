@@ -27,9 +27,9 @@ from srpo_megatron.data.rows import DataError, load_rows
 from srpo_megatron.launch.data_files import host_path
 from srpo_megatron.launch.shell_safety import is_secret
 from srpo_megatron.rewards import RewardPool, register_reward
-from srpo_megatron.trainer.preflight import check_model_limits, read_model_config
-from srpo_megatron.trainer.reward_errors import RewardsFailed, check_step_rewards
-from srpo_megatron.trainer.sample_pool import CompletedGroup
+from srpo_megatron.trainer.collect.reward_errors import RewardsFailed, check_step_rewards
+from srpo_megatron.trainer.collect.sample_pool import CompletedGroup
+from srpo_megatron.trainer.run.preflight import check_model_limits, read_model_config
 from tests.helpers.sample_pool import G, completion, make_pool, prompt
 
 

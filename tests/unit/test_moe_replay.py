@@ -5,7 +5,8 @@
 - ``router_token_map`` places each (sequence, position) where megatron's router sees it: the micro-batch
   transposed to ``[s, b]`` and flattened, split into TP chunks under sequence parallelism, packed
   sequences at their ``cu_seqlens``; the reference is the token ids themselves laid out that way.
-- megatron-core's ``RouterReplay`` (the API ``trainer/moe_replay.py`` drives, identical in 0.16.1 and
+- megatron-core's ``RouterReplay`` (the API ``trainer/microbatches/moe_replay.py`` drives, identical in 0.16.1
+and
   0.19.2) returns the target experts with the trainer's own scores gathered at them under
   ``REPLAY_FORWARD``, and its own top-k once the action is cleared.
 """
@@ -16,8 +17,8 @@ import pytest
 import torch
 
 from srpo_megatron.rollout.base import SamplingParams
-from srpo_megatron.trainer.batches import Sequence, make_micro_batches, make_packed_micro_batches
-from srpo_megatron.trainer.moe_replay import router_token_map
+from srpo_megatron.trainer.microbatches.batches import Sequence, make_micro_batches, make_packed_micro_batches
+from srpo_megatron.trainer.microbatches.moe_replay import router_token_map
 
 pytestmark = pytest.mark.moe
 
@@ -143,7 +144,7 @@ def test_replay_config_refusals(tmp_path):
     from types import SimpleNamespace
 
     from srpo_megatron.config import ConfigError, PerformanceConfig
-    from srpo_megatron.trainer.moe_replay import check_replay_config
+    from srpo_megatron.trainer.run.preflight import check_replay_config
 
     def cfg(**perf):
         return SimpleNamespace(

@@ -11,7 +11,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from srpo_megatron.trainer import offload as off
+from srpo_megatron.trainer.state import offload as off
 
 
 def _policy():

@@ -7,7 +7,7 @@ import random
 import pytest
 import torch
 
-from srpo_megatron.trainer.packing import (
+from srpo_megatron.trainer.microbatches.packing import (
     cp_index,
     cp_shard,
     pack,

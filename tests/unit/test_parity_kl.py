@@ -1,4 +1,5 @@
-"""The trainer-vs-engine parity KL over the engine's top-K (``losses/parity.py``, ``trainer/parity.py``) and
+"""The trainer-vs-engine parity KL over the engine's top-K (``losses/parity.py``,
+``trainer/passes/parity.py``) and
 the engines' top-K return path (SGLang's ``top_logprobs_num`` request field and ``output_top_logprobs``).
 
 - The KL is exactly 0 for identical distributions, equals an independent float64 computation (plain Python
@@ -28,8 +29,8 @@ from srpo_megatron.rollout.sglang.protocol import (
     parse_generate_response,
 )
 from srpo_megatron.testing.sglang_standin import sglang_output
-from srpo_megatron.trainer.parity import engine_top_k, parity_stats
-from srpo_megatron.trainer.step_metrics import step_metrics
+from srpo_megatron.trainer.observe.step_metrics import step_metrics
+from srpo_megatron.trainer.passes.parity import engine_top_k, parity_stats
 from srpo_megatron.trainer.step_types import RolloutBatch, Sample, StepStats
 from tests.helpers.parity import reference_kl as _reference_kl
 

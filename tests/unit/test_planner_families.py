@@ -212,7 +212,7 @@ def test_family_recipes_plan_exactly_and_dryrun(recipe, name, nodes, replay, hf_
     from srpo_megatron.cli import main
     from srpo_megatron.config import TrainConfig, load_config
     from srpo_megatron.models.architecture import Architecture
-    from srpo_megatron.trainer.moe_replay import check_replay_config
+    from srpo_megatron.trainer.run.preflight import check_replay_config
 
     path = REPO / "examples" / recipe
     cfg = load_config(TrainConfig, path)

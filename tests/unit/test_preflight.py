@@ -12,7 +12,7 @@ import pytest
 from srpo_megatron.config import ConfigError
 from srpo_megatron.data.rows import DataError, load_rows
 from srpo_megatron.rewards import RewardPool
-from srpo_megatron.trainer.preflight import check_layout
+from srpo_megatron.trainer.run.preflight import check_before_model, check_layout
 
 QWEN3_TINY = {"num_attention_heads": 4, "num_key_value_heads": 2, "num_hidden_layers": 2}
 
@@ -106,3 +106,41 @@ def test_non_utf8_data_line_is_skipped_and_counted(tmp_path):
         and report.num_bad == 1
         and report.first_errors[0].startswith(f"{tmp_path}/rows.jsonl:2:")
     )
+
+
+@pytest.mark.parametrize(
+    ("model", "extra", "message"),
+    [
+        (
+            "dense",
+            ["rollout.routing_replay=true"],
+            "is a dense model (no experts); set rollout.routing_replay=false",
+        ),
+        (
+            "moe",
+            ["rollout.routing_replay=true", "performance.recompute=full"],
+            "would recompute the MoE router",
+        ),
+        ("dense", [], None),
+        ("moe", ["rollout.routing_replay=true"], None),
+    ],
+    ids=["replay-on-dense", "replay-with-full-recompute", "dense", "moe-replay"],
+)
+def test_the_start_up_checks_refuse_expert_replay_it_cannot_honour(tmp_path, model, extra, message):
+    """``check_before_model`` (what `srpo train` runs before megatron) includes the MoE replay refusals."""
+    import json
+
+    from srpo_megatron.testing.tiny import tiny_hf_config, tiny_moe_config
+    from tests.helpers.recipe import tiny_config
+
+    hf = tmp_path / model
+    hf.mkdir()
+    config = (tiny_hf_config("qwen3") if model == "dense" else tiny_moe_config()).to_dict()
+    config["max_position_embeddings"] = 4096  # the tiny recipe's 256-token sequences fit
+    (hf / "config.json").write_text(json.dumps(config))
+    cfg = tiny_config((tmp_path, hf, tmp_path / "train.jsonl"), tmp_path / "run", extra)
+    if message is None:
+        check_before_model(cfg, 1)
+    else:
+        with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):
+            check_before_model(cfg, 1)

@@ -18,8 +18,8 @@ import psutil
 
 from srpo_megatron.evaluation.plots import _read_jsonl
 from srpo_megatron.testing.leftovers import MARKER, leftovers
-from srpo_megatron.trainer.metrics import MetricsLogger
-from srpo_megatron.trainer.run_dir import lock_run_dir, release_run_dir
+from srpo_megatron.trainer.observe.metrics import MetricsLogger
+from srpo_megatron.trainer.run.run_dir import lock_run_dir, release_run_dir
 
 REPO = Path(__file__).resolve().parents[2]
 RUN = SimpleNamespace(tensorboard=False, wandb_project=None, progress_bar=False)
@@ -64,8 +64,8 @@ def test_plot_names_the_lines_it_skips(tmp_path, capsys):
 
 
 _HOLD = (
-    "import sys, time; from srpo_megatron.trainer.run_dir import lock_run_dir; lock_run_dir(sys.argv[1]); "
-    "print('held', flush=True); time.sleep(600)"
+    "import sys, time; from srpo_megatron.trainer.run.run_dir import lock_run_dir; "
+    "lock_run_dir(sys.argv[1]); print('held', flush=True); time.sleep(600)"
 )
 
 

@@ -1,4 +1,4 @@
-"""``trainer/sample_pool.py``: rank 0's completed groups between the engines and the step's batch.
+"""``trainer/collect/sample_pool.py``: rank 0's completed groups between the engines and the step's batch.
 
 - On-policy (no dynamic sampling, bound 0) the pool's batch is today's ``route_rollouts`` batch: the same
   ``Sample`` s in the same order, field by field, and the same metric values for every existing name
@@ -27,10 +27,10 @@ from srpo_megatron.config import LossConfig, RolloutConfig, TeacherConfig
 from srpo_megatron.losses import group_advantages, route, routing_masks
 from srpo_megatron.rewards.pool import RewardPool
 from srpo_megatron.rollout.routed_experts import compact_ids
-from srpo_megatron.trainer.rollouts import route_rollouts
-from srpo_megatron.trainer.routing_batch import teacher_prompt_ids
-from srpo_megatron.trainer.sample_pool import CompletedGroup, SamplePool, groups_of
+from srpo_megatron.trainer.collect.sample_pool import CompletedGroup, SamplePool, groups_of
+from srpo_megatron.trainer.collect.sample_routing import teacher_prompt_ids
 from srpo_megatron.trainer.step_types import RolloutBatch, Sample, merge_metrics
+from tests.helpers.rollout_batch import route_rollouts
 from tests.helpers.sample_pool import (
     ALL_CORRECT,
     ALL_WRONG,
@@ -49,7 +49,8 @@ def rewards():
 
 
 def _route_rollouts_before(tokenizer, prompts, completions, rollout, loss, teacher, rewards, t_gen):
-    """``trainer/rollouts.route_rollouts`` as it was at e7f52f8, verbatim but for the docstring."""
+    """``route_rollouts`` (then in ``trainer/rollouts.py``) as it was at e7f52f8, verbatim but for the
+    docstring."""
     rows = [
         (i, m, c)
         for i, (_, group) in enumerate(zip(prompts, completions, strict=True))

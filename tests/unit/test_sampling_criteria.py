@@ -1,4 +1,5 @@
-"""Which groups dynamic sampling keeps (``rollout.dynamic_sampling_criterion``, ``trainer/sample_pool.py``),
+"""Which groups dynamic sampling keeps (``rollout.dynamic_sampling_criterion``,
+``trainer/collect/sample_pool.py``),
 the set-aside counters by reason, and the surplus rule at ``off_policy_steps = 0``.
 
 - ``auto`` keeps exactly the groups whose routed loss has a nonzero term under ``loss.mode``: checked
@@ -31,7 +32,7 @@ from srpo_megatron.config import ConfigError, ConfigWarning, LossConfig, Rollout
 from srpo_megatron.config.loss import MODES
 from srpo_megatron.losses.routing import group_advantages, route, routing_masks
 from srpo_megatron.rewards.pool import RewardPool
-from srpo_megatron.trainer.sample_pool import CompletedGroup
+from srpo_megatron.trainer.collect.sample_pool import CompletedGroup
 from tests.helpers.recipe import RECIPE
 from tests.helpers.sample_pool import ALL_CORRECT, ALL_WRONG, MIXED, group, make_pool
 

@@ -1,4 +1,4 @@
-"""trainer/save_guard.py: a checkpoint save the disk cannot hold is refused with the path and both sizes,
+"""trainer/run/save_guard.py: a checkpoint save the disk cannot hold is refused with the path and both sizes,
 ENOSPC anywhere in a save is one line naming the path, and the same save failing twice in a row stops
 the job (the next start is refused until the space is there). ``shutil.disk_usage`` is monkeypatched: a
 real full disk is tests/integration/test_probe_lifecycle.py's tmpfs."""
@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 
 from srpo_megatron.conversion.checkpoint_files import CheckpointError
-from srpo_megatron.trainer import save_guard
-from srpo_megatron.trainer.save_guard import FAILURE_FILE, guarded_save, save_failure_problem
+from srpo_megatron.trainer.run import save_guard
+from srpo_megatron.trainer.run.save_guard import FAILURE_FILE, guarded_save, save_failure_problem
 
 Usage = namedtuple("Usage", "total used free")
 

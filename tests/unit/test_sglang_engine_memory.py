@@ -104,7 +104,7 @@ def test_a_failed_update_leaves_nothing_paused_twice():
 
 
 def test_a_released_engine_takes_its_served_version_again():
-    """A checkpoint save releases the engines and re-pushes the same version (trainer/offload.py)."""
+    """A checkpoint save releases the engines and re-pushes the same version (trainer/state/offload.py)."""
     engine, rules = _engine()
     engine.update_weights(WEIGHTS.items(), version=3)
     with pytest.raises(EngineError, match="not newer"):

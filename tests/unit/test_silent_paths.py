@@ -30,7 +30,7 @@ from srpo_megatron.conversion.checkpoint_files import (
 )
 from srpo_megatron.data.dataset import EpochSampler, train_files_sha256
 from srpo_megatron.data.rows import DataError
-from srpo_megatron.trainer import save_guard
+from srpo_megatron.trainer.run import save_guard
 from tests.helpers.recipe import RECIPE
 
 

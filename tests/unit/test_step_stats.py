@@ -7,7 +7,7 @@ import dataclasses
 import pytest
 import torch
 
-from srpo_megatron.trainer.stats import reduce_stats
+from srpo_megatron.trainer.observe.stats import reduce_stats
 from srpo_megatron.trainer.step_types import MAX, SUM, StepStats
 
 

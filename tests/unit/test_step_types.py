@@ -28,7 +28,7 @@ from srpo_megatron.losses import group_advantages, route, routing_masks
 from srpo_megatron.rewards import register_reward
 from srpo_megatron.rewards.pool import RewardPool, RewardResult
 from srpo_megatron.rollout.base import Completion
-from srpo_megatron.trainer.rollouts import EngineShare, RoundFigures, engine_metrics, route_rollouts
+from srpo_megatron.trainer.collect.rollout_service import EngineShare, RoundFigures, engine_metrics
 from srpo_megatron.trainer.step_types import (
     METHOD_METRICS,
     METRICS,
@@ -37,6 +37,7 @@ from srpo_megatron.trainer.step_types import (
     merge_metrics,
     reduce_values,
 )
+from tests.helpers.rollout_batch import route_rollouts
 from tests.helpers.sample_pool import CharTokenizer as _Tokenizer
 
 
@@ -117,7 +118,7 @@ def test_a_metric_produced_twice_or_undeclared_is_refused():
 
 
 def test_the_logger_refuses_an_undeclared_metric(tmp_path):
-    from srpo_megatron.trainer.metrics import MetricsLogger
+    from srpo_megatron.trainer.observe.metrics import MetricsLogger
 
     run = SimpleNamespace(tensorboard=False, wandb_project=None, progress_bar=False)
     logger = MetricsLogger(tmp_path, run, total=1, start=0)

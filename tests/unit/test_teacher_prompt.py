@@ -18,7 +18,7 @@ from srpo_megatron.config import TeacherConfig
 from srpo_megatron.data.dataset import Prompt
 from srpo_megatron.data.rows import Row
 from srpo_megatron.testing.assets import qwen3_tokenizer, smollm2_tokenizer
-from srpo_megatron.trainer.routing_batch import clean_solution, teacher_prompt_ids
+from srpo_megatron.trainer.collect.sample_routing import clean_solution, teacher_prompt_ids
 
 OPEN, CLOSE = "<think>", "</think>"
 
@@ -105,7 +105,7 @@ def test_teacher_prompt_ids_equal_sdpos(tokenizer, row, response):
 
 
 def test_a_decoded_sibling_with_leading_whitespace_changes_the_ids(tokenizer):
-    """The path ``score_rollouts`` takes (decode with special tokens skipped), on real token ids: the
+    """The path ``reward_groups`` takes (decode with special tokens skipped), on real token ids: the
     leading space SDPO keeps is a different token than the old rule's stripped text."""
     eos = tokenizer.convert_tokens_to_ids("<|im_end|>")
     ids = [*tokenizer(" The answer is <answer>B</answer>\n", add_special_tokens=False)["input_ids"], eos]

@@ -1,6 +1,6 @@
 """The EMA teacher with its fp32 copy sharded over data parallelism (``parallel.teacher_fp32: sharded``).
 
-The full EMA teacher (``trainer/teacher.py``) keeps a whole fp32 copy θ′ on every rank: 4 bytes per
+The full EMA teacher (``trainer/state/teacher.py``) keeps a whole fp32 copy θ′ on every rank: 4 bytes per
 parameter of the stage, as much as the policy's fp32 main params before the distributed optimizer
 shards them. Here each DP rank keeps only the slice of θ′ that lines up with *its* shard of the
 distributed optimizer's main params (megatron-core's ``DistributedOptimizer``: for each grad buffer and
@@ -36,7 +36,7 @@ import torch
 import torch.distributed as dist
 
 from srpo_megatron.config import ConfigError
-from srpo_megatron.trainer import teacher as full_teacher
+from srpo_megatron.trainer.state import teacher as full_teacher
 
 TEACHER_FP32_PREFIX = "teacher_fp32."
 

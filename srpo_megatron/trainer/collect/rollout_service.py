@@ -1,10 +1,11 @@
 """method §1 steps 1–4: rollouts, rewards, routing and the teacher's context, as one ``RolloutBatch``.
 
 Rollouts run data-parallel over every engine (``RolloutService``), in rounds dispatched to the engines'
-workers (``trainer/off_policy.py``: inline on-policy, a thread per engine host off-policy); each engine
+workers (``trainer/collect/off_policy.py``: inline on-policy, a thread per engine host off-policy); each
+engine
 host sends its completions of a round to global rank 0 only (``batch_shipping.gather_to_rank0``), rank 0
-rewards them into its ``SamplePool`` (``trainer/sample_pool.py``: dynamic sampling, staleness) and routes
-a batch from it (``routing_batch.route_groups``: every ``Sample`` built once, frozen), and
+rewards them into its ``SamplePool`` (``trainer/collect/sample_pool.py``: dynamic sampling, staleness) and
+routes a batch from it (``sample_routing.route_groups``: every ``Sample`` built once, frozen), and
 ``batch_shipping.ship_shares`` sends each trainer rank its data-parallel share of the samples once, MoE
 routed experts included, with the batch's metrics. Routing and advantages are decided on rank 0 alone,
 so all ranks agree on them.
@@ -28,18 +29,17 @@ from srpo_megatron.rewards.pool import RewardPool
 from srpo_megatron.rollout.base import Completion, EngineError
 from srpo_megatron.rollout.partial import continue_partial
 from srpo_megatron.rollout.placement import EngineLayout, engine_urls, separate_layout, split_prompts
-from srpo_megatron.trainer.batch_shipping import broadcast_from_rank0, gather_to_rank0, ship_shares
-from srpo_megatron.trainer.metrics import SampleLog
-from srpo_megatron.trainer.off_policy import GenerationWorker, Job
-from srpo_megatron.trainer.offload import Offloader
-from srpo_megatron.trainer.reward_errors import RewardsFailed
-from srpo_megatron.trainer.routing_batch import (  # noqa: F401  (re-exported for tools/)
+from srpo_megatron.trainer.collect.batch_shipping import broadcast_from_rank0, gather_to_rank0, ship_shares
+from srpo_megatron.trainer.collect.off_policy import GenerationWorker, Job
+from srpo_megatron.trainer.collect.reward_errors import RewardsFailed
+from srpo_megatron.trainer.collect.sample_pool import SamplePool, groups_of
+from srpo_megatron.trainer.collect.sample_routing import (  # noqa: F401  (re-exported for tools/)
     clean_solution,
-    route_rollouts,
     sampling_params,
     teacher_prompt_ids,
 )
-from srpo_megatron.trainer.sample_pool import SamplePool, groups_of
+from srpo_megatron.trainer.observe.metrics import SampleLog
+from srpo_megatron.trainer.state.offload import Offloader
 from srpo_megatron.trainer.step_types import METRICS, RolloutBatch, merge_metrics, reduce_values
 from srpo_megatron.weights.weight_sync import build_weight_sync
 

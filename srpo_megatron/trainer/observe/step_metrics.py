@@ -12,7 +12,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from srpo_megatron.trainer.stats import reduce_stats
+from srpo_megatron.trainer.observe.stats import reduce_stats
 from srpo_megatron.trainer.step_types import RolloutBatch, StepStats, merge_metrics
 
 
@@ -62,7 +62,7 @@ def step_metrics(batch: RolloutBatch, s: StepStats, sync_s: float, step_s: float
     if s.topk_kl_tokens:  # rollout.parity_top_k > 0 (losses/parity.py)
         m["logprob/topk_kl_mean"] = s.topk_kl_sum / s.topk_kl_tokens
         m["logprob/topk_kl_max"] = s.topk_kl_max
-    if s.moe:  # MoE policies: routing of the scoring pass (trainer/moe_replay.py)
+    if s.moe:  # MoE policies: the router metrics of the scoring pass (trainer/microbatches/moe_replay.py)
         m["moe/expert_load_max_over_mean"] = s.moe_expert_load
         m["moe/router_entropy"] = s.moe_router_entropy
         if s.moe_compared:

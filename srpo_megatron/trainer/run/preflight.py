@@ -1,5 +1,7 @@
 """Checks `srpo train` runs before loading the model, so bad input fails in seconds with one line.
 
+- :func:`check_before_model`: the checks below that need only the recipe and the model's ``config.json``,
+  in the order `srpo train` runs them.
 - :func:`read_model_config`: the policy's ``config.json``, or one line naming it when it is missing, not
   JSON or not an object.
 - :func:`check_model_limits`: ``loss.top_k`` within the vocabulary, ``model.max_sequence_length`` at least
@@ -8,6 +10,8 @@
 - :func:`check_layout`: the world divides into TP × PP × CP × DP and the model and batch divide over them
   (heads and KV groups over TP, layers over PP, experts over EP once the recipe has ``parallel.ep``, the
   step's samples over mini-batches × DP).
+- :func:`check_replay_config`: ``rollout.routing_replay`` only for an MoE model and with a recompute that
+  leaves the router out of the backward pass (``trainer/microbatches/moe_replay.py`` replays the experts).
 - :func:`check_rewards`: every reward target the data needs is imported, its signature checked (it must
   take ``(response, answer)``: ``os:system`` is refused before it is called), and called once on a dummy
   input, with a timeout, by the reward pool the run will score with (rank 0's worker processes); a dummy
@@ -25,7 +29,16 @@ import torch.distributed as dist
 
 from srpo_megatron.config import ConfigError
 from srpo_megatron.conversion.output_guard import check_conversion_sizes
-from srpo_megatron.models.architecture import pipeline_stage_layers
+from srpo_megatron.models.architecture import Architecture, pipeline_stage_layers
+
+
+def check_before_model(cfg: Any, world_size: int) -> None:
+    """`srpo train`'s checks before megatron or the model: the model's ``config.json`` readable, the model
+    limits, the parallel layout over ``world_size`` processes, then MoE expert replay."""
+    hf_config = read_model_config(cfg.model.hf_dir)  # one line for a missing or broken config.json
+    check_model_limits(cfg, hf_config)  # top-K within the vocabulary, sequence budget within positions
+    check_layout(cfg, world_size, hf_config)
+    check_replay_config(cfg, Architecture.from_hf(cfg.model.hf_dir))  # replay: MoE, router not recomputed
 
 
 def read_model_config(hf_dir: str) -> dict[str, Any]:
@@ -117,6 +130,25 @@ def check_layout(cfg: Any, world_size: int, hf_config: dict) -> None:
             f"rollout.prompts_per_step × rollout.group_size = {samples} samples per step do not split into "
             f"train.mini_batches={cfg.train.mini_batches} × data-parallel size {dp} (= {world_size} "
             f"processes / (tp={tp} × pp={pp} × cp={cp})); make the samples a multiple of {parts}"
+        )
+
+
+def check_replay_config(cfg, arch) -> None:
+    """Refuse ``rollout.routing_replay`` where it cannot be honoured, naming the key and the fix."""
+    if not cfg.rollout.routing_replay:
+        return
+    if not arch.is_moe:
+        raise ConfigError(
+            f"rollout.routing_replay=true but model.hf_dir {cfg.model.hf_dir} is a dense model (no experts); "
+            "set rollout.routing_replay=false"
+        )
+    perf = cfg.performance
+    if perf.recompute == "full" or (perf.recompute == "selective" and "mlp" in perf.recompute_modules):
+        raise ConfigError(
+            f"rollout.routing_replay=true with performance.recompute={perf.recompute} would recompute the "
+            "MoE router in the backward pass, where megatron-core replays the last micro-batch's experts "
+            "under pipeline schedules; use performance.recompute=selective with recompute_modules "
+            "[core_attn] (or none)"
         )
 
 

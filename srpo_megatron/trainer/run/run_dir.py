@@ -23,7 +23,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from srpo_megatron.config import ConfigError
-from srpo_megatron.trainer.save_guard import save_failure_problem
+from srpo_megatron.trainer.run.save_guard import save_failure_problem
 
 LOCK_FILE = ".lock"
 _HELD: dict[str, int] = {}  # resolved run dir -> the open, locked file (one per process)

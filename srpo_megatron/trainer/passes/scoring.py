@@ -9,8 +9,8 @@ trust-region teacher, the student logits it mixes in) are scored at the same poi
 
 Results are written into one ``ScoredBatch`` on the runtime's device (last pipeline stage only). With
 context parallelism each CP rank scores the rows it holds and the CP group gathers them after each pass
-(``trainer/context_parallel.py``): the teacher needs the student's top-K ids of rows another CP rank may
-have scored, and the training pass needs every row on every CP rank.
+(``trainer/microbatches/context_parallel.py``): the teacher needs the student's top-K ids of rows another CP
+rank may have scored, and the training pass needs every row on every CP rank.
 
 Parity (``rollout.parity_top_k`` = K > 0): the student pass also takes π_old at the engine's top-K ids of
 every row (the same vocab-parallel gather as the sampled token) and logs the per-token KL(engine‖trainer)
@@ -35,28 +35,26 @@ import torch
 
 from srpo_megatron.losses import apply_rejections, score_student, score_teacher, sequence_weights
 from srpo_megatron.losses.parity import topk_parity_kl
-from srpo_megatron.trainer import context_parallel as cpar
-from srpo_megatron.trainer.batches import (
+from srpo_megatron.trainer.microbatches import context_parallel as cpar
+from srpo_megatron.trainer.microbatches.batches import (
     micro_batches_for,
     row_offsets,
     sample_tokens,
     student_sequences,
     teacher_sequences,
 )
-from srpo_megatron.trainer.lockstep import lockstep
-from srpo_megatron.trainer.moe_replay import moe_replay_for
-from srpo_megatron.trainer.output_rows import Rows, mix_rows
-from srpo_megatron.trainer.parity import engine_top_k, parity_stats
-from srpo_megatron.trainer.policy import Policy
-from srpo_megatron.trainer.schedule import run_schedule
-from srpo_megatron.trainer.stats import reduce_stats
+from srpo_megatron.trainer.microbatches.lockstep import lockstep
+from srpo_megatron.trainer.microbatches.moe_replay import moe_replay_for
+from srpo_megatron.trainer.microbatches.output_rows import Rows, mix_rows
+from srpo_megatron.trainer.microbatches.schedule import run_schedule
+from srpo_megatron.trainer.observe.stats import reduce_stats
+from srpo_megatron.trainer.passes.parity import EngineTopK, engine_top_k, parity_stats
+from srpo_megatron.trainer.state.policy import Policy
 from srpo_megatron.trainer.step_types import Sample, ScoredBatch, StepStats
 
 
 @torch.no_grad()
-def score_rollouts(
-    policy: Policy, samples: list[Sample], *, trainer_version: int | None = None
-) -> ScoredBatch:
+def scoring_pass(policy: Policy, samples: list[Sample], *, trainer_version: int | None = None) -> ScoredBatch:
     """Student scoring of every sample and teacher scoring of ``needs_teacher`` samples (collective).
 
     ``trainer_version``: the version of the policy's weights now (``TrainerState.weight_version``), for
@@ -64,13 +62,12 @@ def score_rollouts(
     """
     t0 = time.monotonic()
     cfg, g, dev = policy.cfg, policy.groups, policy.device
-    mbs, k_top, lc = cfg.train.micro_batch_size, cfg.loss.top_k, cfg.loss
-    chunk = lc.chunk_tokens or None
+    mbs = cfg.train.micro_batch_size
     offsets = row_offsets(samples)
     tokens = (
         sample_tokens(
             samples,
-            k_top,
+            cfg.loss.top_k,
             dev,
             trainer_version=trainer_version,
             max_staleness=cfg.rollout.off_policy_steps,
@@ -87,7 +84,31 @@ def score_rollouts(
 
     micro = lockstep(build(seqs), g, build)
     scored = ScoredBatch(samples, offsets, tokens, StepStats())
-    # rollout.parity_top_k: the engine's top-K per row, and the trainer's KL to it (trainer/parity.py)
+    engine_top, moe_stats, rejections = _student_pass(policy, scored, seqs, micro)
+    t_student = time.monotonic() - t0
+    teacher_runs = _teacher_pass(policy, scored, build)
+    stats = StepStats(
+        teacher_runs=float(teacher_runs),
+        score_s=t_student,
+        teacher_s=time.monotonic() - t0 - t_student,
+        **rejections,
+    )
+    stats = reduce_stats([stats, parity_stats(engine_top)])
+    stats = stats.counted_once(g.is_last_stage and g.tp_rank == 0 and g.cp_rank == 0)
+    scored.stats = reduce_stats([stats, moe_stats])
+    return scored
+
+
+def _student_pass(
+    policy: Policy, scored: ScoredBatch, seqs: list, micro: list
+) -> tuple[EngineTopK | None, StepStats, dict[str, float]]:
+    """The student's forward over ``micro``: π_old, its top-K ids (and the parity KL) into ``scored.tokens``,
+    gathered over CP; then the off-policy rejections and the sequence weights. Answers the engine's top-K
+    (parity, or None), the MoE router stats and the rejection counts."""
+    cfg, g, dev = policy.cfg, policy.groups, policy.device
+    k_top, lc, tokens, samples = cfg.loss.top_k, cfg.loss, scored.tokens, scored.samples
+    chunk = lc.chunk_tokens or None
+    # rollout.parity_top_k: the engine's top-K per row, and the trainer's KL to it (trainer/passes/parity.py)
     engine_top = engine_top_k(samples, cfg.rollout.parity_top_k, dev) if g.is_last_stage else None
 
     def on_student(row_logits: Rows, k: int) -> None:
@@ -115,56 +136,56 @@ def score_rollouts(
         if engine_top is not None:
             cpar.gather_tensor(engine_top.kl, g.cp)
         if lc.rejects_tokens:  # every CP rank holds every row now, so all of them reject the same ones
-            rejections = {k: float(v) for k, v in apply_rejections(tokens, lc, offsets).items()}
+            rejections = {k: float(v) for k, v in apply_rejections(tokens, lc, scored.offsets).items()}
         if lc.aggregation == "seq_mean_token_mean":  # 1/|y_i| from each sample's full rows, after rejections
-            tokens.seq_weight = sequence_weights(tokens.mask, offsets)
-    t_student = time.monotonic() - t0
+            tokens.seq_weight = sequence_weights(tokens.mask, scored.offsets)
+    return engine_top, moe_stats, rejections
 
+
+def _teacher_pass(policy: Policy, scored: ScoredBatch, build) -> int:
+    """The teacher's forward over the ``needs_teacher`` samples (the trust-region teacher mixes in the
+    student's logits of the same prompts): its log-probs at the student's top-K ids, entropy and
+    sampled-token log-prob into ``scored.tokens``, gathered over CP. Answers the teacher forwards run."""
+    cfg, g = policy.cfg, policy.groups
+    lc, tokens, samples = cfg.loss, scored.tokens, scored.samples
+    chunk = lc.chunk_tokens or None
     teacher_runs = 0
     wanted = [i for i, s in enumerate(samples) if s.needs_teacher]
     t_micro = []
     if policy.teacher is not None:  # EP > 1: a DP rank without teacher samples still runs fillers
         t_seqs = teacher_sequences([samples[i] for i in wanted])
         t_micro = lockstep(build(t_seqs) if wanted else [], g, build)
-    if t_micro:
-        mix = cfg.teacher.kind == "trust_region"
-        student_logits: dict[int, Rows] = {}  # fused: hidden rows [T, H], not [T, V/TP] logits
-        if mix:  # log q = (1−α) log q_ref + α log q_θ  ⇔  logits mix (the log-normaliser is shared)
-            policy.ddp.eval()
-            keep = lambda r, k: student_logits.__setitem__(k, r)  # noqa: E731
-            run_schedule(policy.ddp, t_micro, keep, policy.head, forward_only=True)
-            policy.ddp.train()
+    if not t_micro:
+        return teacher_runs
+    mix = cfg.teacher.kind == "trust_region"
+    student_logits: dict[int, Rows] = {}  # fused: hidden rows [T, H], not [T, V/TP] logits
+    if mix:  # log q = (1−α) log q_ref + α log q_θ  ⇔  logits mix (the log-normaliser is shared)
+        policy.ddp.eval()
+        keep = lambda r, k: student_logits.__setitem__(k, r)  # noqa: E731
+        run_schedule(policy.ddp, t_micro, keep, policy.head, forward_only=True)
+        policy.ddp.train()
 
-        def on_teacher(row_logits: Rows, k: int) -> None:
-            nonlocal teacher_runs
-            if mix:
-                row_logits = mix_rows(row_logits, student_logits[k], cfg.teacher.ema_alpha)
-            members = [wanted[j] for j in t_micro[k].members if j is not None]
-            teacher_runs += len(members)
-            every = scored.row_index(members)
-            rows = t_micro[k].local(every)  # the teacher's split of these tokens, not the student's
-            # Rows of samples that need a teacher but take no SDPO loss (advantage_mix) hold top-K ids 0:
-            # only their sampled-token log-prob is used.
-            ts = score_teacher(
-                row_logits, tokens.topk_ids[rows], g.tp, lc.temperature, tokens.response_ids[rows], chunk
-            )
-            tokens.teacher_logp[rows] = ts.logp.float()
-            tokens.teacher_entropy[rows] = ts.entropy.float()
-            tokens.teacher_token_logp[rows] = ts.token_logp.float()
-            tokens.teacher[every] = True
+    def on_teacher(row_logits: Rows, k: int) -> None:
+        nonlocal teacher_runs
+        if mix:
+            row_logits = mix_rows(row_logits, student_logits[k], cfg.teacher.ema_alpha)
+        members = [wanted[j] for j in t_micro[k].members if j is not None]
+        teacher_runs += len(members)
+        every = scored.row_index(members)
+        rows = t_micro[k].local(every)  # the teacher's split of these tokens, not the student's
+        # Rows of samples that need a teacher but take no SDPO loss (advantage_mix) hold top-K ids 0:
+        # only their sampled-token log-prob is used.
+        ts = score_teacher(
+            row_logits, tokens.topk_ids[rows], g.tp, lc.temperature, tokens.response_ids[rows], chunk
+        )
+        tokens.teacher_logp[rows] = ts.logp.float()
+        tokens.teacher_entropy[rows] = ts.entropy.float()
+        tokens.teacher_token_logp[rows] = ts.token_logp.float()
+        tokens.teacher[every] = True
 
-        with policy.offload.teacher_on_device():  # parallel.teacher_offload: on host otherwise
-            assert policy.teacher_head is not None  # built with the teacher
-            run_schedule(policy.teacher.module, t_micro, on_teacher, policy.teacher_head, forward_only=True)
-        if g.is_last_stage:
-            cpar.gather_rows(tokens, cpar.TEACHER_FIELDS, g.cp)
-    stats = StepStats(
-        teacher_runs=float(teacher_runs),
-        score_s=t_student,
-        teacher_s=time.monotonic() - t0 - t_student,
-        **rejections,
-    )
-    stats = reduce_stats([stats, parity_stats(engine_top)])
-    stats = stats.counted_once(g.is_last_stage and g.tp_rank == 0 and g.cp_rank == 0)
-    scored.stats = reduce_stats([stats, moe_stats])
-    return scored
+    with policy.offload.teacher_on_device():  # parallel.teacher_offload: on host otherwise
+        assert policy.teacher_head is not None  # built with the teacher
+        run_schedule(policy.teacher.module, t_micro, on_teacher, policy.teacher_head, forward_only=True)
+    if g.is_last_stage:
+        cpar.gather_rows(tokens, cpar.TEACHER_FIELDS, g.cp)
+    return teacher_runs

@@ -1,7 +1,8 @@
 """Context parallelism in the trainer's passes: which rows a CP rank scores and trains, and how the CP
 group puts the per-token results back together. Pure functions over an explicit CP process group.
 
-With ``parallel.cp`` > 1 every packed sequence is split into 2·CP chunks (``trainer/packing.py``) and each
+With ``parallel.cp`` > 1 every packed sequence is split into 2·CP chunks (``trainer/microbatches/packing.py``)
+and each
 CP rank of a data-parallel replica runs the model on its chunks of the *same* samples. Per-token tensors
 therefore follow one rule: every CP rank keeps the replica's full flat per-token tensors (``TokenBatch``
 rows in sample then position order), and a micro-batch's ``row_index`` (``packing.CPShard.row_index``)
@@ -32,7 +33,7 @@ import torch.distributed as dist
 
 from srpo_megatron.losses import TokenBatch
 from srpo_megatron.parallel import ParallelGroups
-from srpo_megatron.trainer.packing import pad_multiple
+from srpo_megatron.trainer.microbatches.packing import pad_multiple
 from srpo_megatron.trainer.step_types import SUM, StepStats
 
 STUDENT_FIELDS = ("old_logp", "topk_ids")  # written by the student scoring pass

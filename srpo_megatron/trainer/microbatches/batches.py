@@ -6,11 +6,13 @@ p+1, so response token t sits at ``len(prompt) + t`` and its row is one earlier)
 the ``[b, S, V/TP]`` logits shard with a ``[b, S]`` mask, in sample then position order, which is the
 order of the flat per-token tensors of ``losses.TokenBatch`` and of ``step_types.ScoredBatch.tokens``.
 
-Packing (``train.max_tokens_per_micro_batch`` > 0, see ``trainer/packing.py``): sequences are laid end
+Packing (``train.max_tokens_per_micro_batch`` > 0, see ``trainer/microbatches/packing.py``): sequences are
+laid end
 to end in token-budget micro-batches (THD, ``PackedSeqParams``) instead; a micro-batch then holds tokens
 ``[1, T]`` and its members in increasing order, so the kept rows are still in sample then position order.
 With context parallelism (``parallel.cp`` > 1) a rank holds only its CP chunks ``[1, T/cp]`` and the
-micro-batch's ``row_index`` says which of the members' rows those are (``trainer/context_parallel.py``).
+micro-batch's ``row_index`` says which of the members' rows those are
+(``trainer/microbatches/context_parallel.py``).
 
 Device discipline: everything here is built once on the host (Python lists → tensors) and moved to the
 runtime's ``device`` once, at the hand-off (``make_micro_batches``, ``sample_tokens``); the passes never
@@ -26,7 +28,7 @@ from typing import Any
 import torch
 
 from srpo_megatron.losses import TokenBatch
-from srpo_megatron.trainer import packing
+from srpo_megatron.trainer.microbatches import packing
 from srpo_megatron.trainer.step_types import Sample
 
 

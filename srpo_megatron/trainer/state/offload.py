@@ -39,7 +39,7 @@ from typing import Any
 
 import torch
 
-from srpo_megatron.trainer.ema_shard import ema_bytes
+from srpo_megatron.trainer.state.ema_shard import ema_bytes
 
 # The planner's component names (planner/memory.py), so the trainer's figures line up with its table.
 POLICY = "policy params"

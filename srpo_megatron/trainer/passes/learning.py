@@ -7,7 +7,7 @@ DP; the ``num_microbatches · dp_size`` factor undoes both so gradients are summ
 With context parallelism each CP rank's loss covers its own rows (normalised by the global counts, taken
 from the full rows every CP rank holds and reduced over DP only); megatron multiplies the loss by CP and
 DDP averages over DP×CP, so the same factor sums the CP ranks' partial gradients too
-(``trainer/context_parallel.py``).
+(``trainer/microbatches/context_parallel.py``).
 A step whose gradients or loss are non-finite on any rank is skipped on every rank (weights untouched)
 when ``train.skip_nonfinite`` is set. ``StepStats.stepped`` says whether some optimizer step of the batch
 was applied from finite gradients; only then does the EMA teacher follow (``Policy.update_teacher_after``).
@@ -25,14 +25,14 @@ import torch.distributed as dist
 
 from srpo_megatron.losses import Normalizers, global_normalizers, routed_loss
 from srpo_megatron.models import performance as perf_choice
-from srpo_megatron.trainer import context_parallel as cpar
-from srpo_megatron.trainer.batches import micro_batches_for, student_sequences
-from srpo_megatron.trainer.lockstep import lockstep
-from srpo_megatron.trainer.moe_replay import moe_replay_for
-from srpo_megatron.trainer.output_rows import Rows
-from srpo_megatron.trainer.policy import Policy
-from srpo_megatron.trainer.schedule import run_schedule
-from srpo_megatron.trainer.stats import reduce_stats
+from srpo_megatron.trainer.microbatches import context_parallel as cpar
+from srpo_megatron.trainer.microbatches.batches import micro_batches_for, student_sequences
+from srpo_megatron.trainer.microbatches.lockstep import lockstep
+from srpo_megatron.trainer.microbatches.moe_replay import moe_replay_for
+from srpo_megatron.trainer.microbatches.output_rows import Rows
+from srpo_megatron.trainer.microbatches.schedule import run_schedule
+from srpo_megatron.trainer.observe.stats import reduce_stats
+from srpo_megatron.trainer.state.policy import Policy
 from srpo_megatron.trainer.step_types import ScoredBatch, StepStats
 
 

@@ -1,6 +1,6 @@
 """Rank 0's pool of completed, rewarded prompt groups, from "groups arrive" to "a step's batch is routed".
 
-The scheduler (``trainer/off_policy.py``) dispatches prompts to the engines and hands every completed
+The scheduler (``trainer/collect/off_policy.py``) dispatches prompts to the engines and hands every completed
 group to ``SamplePool.add``; ``SamplePool.take`` answers a routed ``RolloutBatch`` of exactly ``n`` groups,
 or None while it needs more (``missing`` says how many prompts the next round should draw). Pure host
 bookkeeping: no collectives, nothing but rank 0 calls it. The rules:
@@ -36,12 +36,13 @@ bookkeeping: no collectives, nothing but rank 0 calls it. The rules:
   (on-policy) nothing is generated ahead of its step, so a group that turns stale is dynamic sampling's
   surplus from an earlier step (a round answers more groups than the batch needs): it is dropped the
   same way but counted as ``sampling/surplus_groups`` (groups), not in ``async/dropped_stale``.
-- **The step's metrics** (``take``): the routing metrics of ``routing_batch.route_groups`` over the trained
+- **The step's metrics** (``take``): the routing metrics of ``sample_routing.route_groups`` over the trained
   groups; ``time/reward_s``, ``reward/timeouts``, ``reward/errors`` of every ``add`` since the last batch;
   ``sampling/*``; ``async/dropped_stale``; ``async/staleness_mean``/``_max`` (trainer version minus each
   trained sample's dispatch ``weight_version``, i.e. its oldest token's); ``async/partial_share`` (share
   of trained samples whose tokens span more than one version).
-- **Loud reward failures** (``trainer/reward_errors.py``): when ``take`` answers a batch, more than half
+- **Loud reward failures** (``trainer/collect/reward_errors.py``): when ``take`` answers a batch, more than
+half
   of the rewards scored since the last batch failed: a warning with the first messages; all of them: the
   run stops (``RewardsFailed``) unless ``rollout.allow_reward_errors``.
 - **Checkpoints.** ``state_dict`` holds every group not yet trained and the step's counters as plain
@@ -66,8 +67,8 @@ from srpo_megatron.data.dataset import Prompt
 from srpo_megatron.data.rows import Row
 from srpo_megatron.rewards.pool import RewardPool
 from srpo_megatron.rollout.base import Completion
-from srpo_megatron.trainer.reward_errors import check_step_rewards
-from srpo_megatron.trainer.routing_batch import route_groups, score_rollouts
+from srpo_megatron.trainer.collect.reward_errors import check_step_rewards
+from srpo_megatron.trainer.collect.sample_routing import check_group_sizes, reward_groups, route_groups
 from srpo_megatron.trainer.step_types import RolloutBatch, merge_metrics
 
 STATE_FORMAT = 1  # bump when state_dict's layout changes
@@ -207,12 +208,9 @@ class SamplePool:
         carry signal and set the others aside for a possible top-up."""
         if not groups:
             return
-        g = self.rollout.group_size
-        sizes = [len(x.completions) for x in groups]
-        if any(s != g for s in sizes):
-            raise ValueError(f"every group needs rollout.group_size = {g} completions; got sizes {sizes}")
+        check_group_sizes([len(x.completions) for x in groups], self.rollout.group_size)
         t0 = time.monotonic()
-        scores = score_rollouts(
+        scores = reward_groups(
             self.tokenizer, [x.prompt for x in groups], [x.completions for x in groups], self.rewards
         )
         c = self.counters
@@ -274,8 +272,8 @@ class SamplePool:
         with at most ``bound`` versions of staleness; None while fewer than ``n`` groups qualify (stale
         groups are dropped and counted even then). ``t_gen`` becomes ``time/generate_s`` when given.
 
-        Rewards that failed (``trainer/reward_errors.py``) are checked when a batch is answered: more than
-        half of the step's rewards: a warning; all of them: ``RewardsFailed`` unless
+        Rewards that failed (``trainer/collect/reward_errors.py``) are checked when a batch is answered: more
+        than half of the step's rewards: a warning; all of them: ``RewardsFailed`` unless
         ``rollout.allow_reward_errors`` (``step`` names the step in the line)."""
         c = self.counters
         fresh = []

@@ -17,8 +17,8 @@ still reach the router). The used API (``router.router_replay``, ``set_target_in
 megatron-core 0.16.1 and 0.19.2; ``tests/unit/test_moe_replay.py`` fails if it changes.
 
 The EMA teacher is never replayed: it scores the response under a different context (the sibling's
-solution in its prompt, method §1.4), so the engine's routing of the student's context does not apply to
-it; the trust-region teacher's student forward on the teacher prompt is not replayed either.
+solution in its prompt, method §1.4), so the engine's expert choice for the student's context does not apply
+to it; the trust-region teacher's student forward on the teacher prompt is not replayed either.
 
 GLM-4.5 / DeepSeek-V3 (sigmoid router, expert bias, groups): megatron's ``REPLAY_FORWARD`` takes the
 engine's experts as the selection, so neither the bias nor the group rule of the trainer enters, and weights
@@ -48,30 +48,10 @@ import contextlib
 
 import torch
 
-from srpo_megatron.config import ConfigError
 from srpo_megatron.models.moe_metrics import RouterRecorder
 from srpo_megatron.rollout.routed_experts import as_token_layer_topk
-from srpo_megatron.trainer.batches import MicroBatch, Sequence
-from srpo_megatron.trainer.packing import cp_index
-
-
-def check_replay_config(cfg, arch) -> None:
-    """Refuse ``rollout.routing_replay`` where it cannot be honoured, naming the key and the fix."""
-    if not cfg.rollout.routing_replay:
-        return
-    if not arch.is_moe:
-        raise ConfigError(
-            f"rollout.routing_replay=true but model.hf_dir {cfg.model.hf_dir} is a dense model (no experts); "
-            "set rollout.routing_replay=false"
-        )
-    perf = cfg.performance
-    if perf.recompute == "full" or (perf.recompute == "selective" and "mlp" in perf.recompute_modules):
-        raise ConfigError(
-            f"rollout.routing_replay=true with performance.recompute={perf.recompute} would recompute the "
-            "MoE router in the backward pass, where megatron-core replays the last micro-batch's experts "
-            "under pipeline schedules; use performance.recompute=selective with recompute_modules "
-            "[core_attn] (or none)"
-        )
+from srpo_megatron.trainer.microbatches.batches import MicroBatch, Sequence
+from srpo_megatron.trainer.microbatches.packing import cp_index
 
 
 def router_token_map(
@@ -98,7 +78,7 @@ def router_token_map(
         member = torch.full((s, 1), -1, dtype=torch.long)
         position = torch.zeros(s, 1, dtype=torch.long)
         for j, m in enumerate(mb.members):
-            if m is None:  # a filler (trainer/lockstep.py): padding only
+            if m is None:  # a filler (trainer/microbatches/lockstep.py): padding only
                 continue
             member[cu[j] : cu[j + 1], 0] = m
             position[cu[j] : cu[j + 1], 0] = torch.arange(cu[j + 1] - cu[j])
@@ -206,7 +186,7 @@ class MoEReplay(contextlib.AbstractContextManager):
             )
 
     def summary(self) -> dict[str, float]:
-        """The pass's routing metrics, identical on every rank (collective over DP, CP, TP under SP, PP)."""
+        """The pass's router metrics, identical on every rank (collective over DP, CP, TP under SP, PP)."""
         assert self.recorder is not None
         g = self.policy.groups
         groups = [g.dp, g.cp, g.pp, *([g.tp] if self.sp else [])]

@@ -14,9 +14,9 @@ fp32 copies (``fp32_from_float16_groups``); the distributed optimizer holds only
 each (``shard_fp32_from_float16_groups``; of fp32 params, ``shard_fp32_groups``), cut over the group of
 the param's grad buffer: dense DP for dense params, *expert* DP for experts. ``fp32_main_params``
 all-reduces each group's disjoint shards into a full fp32 copy per rank (``parallel.teacher_fp32:
-full``; ``sharded`` keeps only this rank's shard: trainer/ema_shard.py). Reducing the experts over the
+full``; ``sharded`` keeps only this rank's shard: trainer/state/ema_shard.py). Reducing the experts over the
 dense DP group instead sums different experts' weights at EP > 1 (tests/dist/test_moe_ema_teacher.py).
-Checkpoints save the fp32 copy (trainer/ema_shard.py), so a resume restores it exactly; checkpoints
+Checkpoints save the fp32 copy (trainer/state/ema_shard.py), so a resume restores it exactly; checkpoints
 written before that restart it from the saved teacher module (one rounding).
 """
 

@@ -26,7 +26,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from srpo_megatron.trainer.batches import rank_share
+from srpo_megatron.trainer.microbatches.batches import rank_share
 from srpo_megatron.trainer.step_types import RolloutBatch
 
 

@@ -52,11 +52,11 @@ from srpo_megatron.conversion.mtp import record_source
 from srpo_megatron.conversion.spec_compat import drop_absent_extra_state, stored_sharded_keys
 from srpo_megatron.durable_io import fsync_dir, fsync_tree, write_text_durably
 from srpo_megatron.models.architecture import load_hf_config_dict
-from srpo_megatron.trainer.ema_shard import load_teacher_fp32, teacher_fp32_state
-from srpo_megatron.trainer.rng_state import load_rng_file, rng_state, set_rng_state
+from srpo_megatron.trainer.run.rng_state import load_rng_file, rng_state, set_rng_state
+from srpo_megatron.trainer.state.ema_shard import load_teacher_fp32, teacher_fp32_state
 
 if TYPE_CHECKING:
-    from srpo_megatron.trainer.policy import Policy
+    from srpo_megatron.trainer.state.policy import Policy
 
 TEACHER_PREFIX = "teacher."
 STATE_FILE = "trainer_state.json"
@@ -218,7 +218,7 @@ def save_checkpoint(
         tmp.mkdir(parents=True)
     _barrier()
     megatron_results_queue()  # megatron's writer results manager dies with this process (children.py)
-    with policy.offload.all_on_device():  # host-resident teacher (trainer/offload.py)
+    with policy.offload.all_on_device():  # host-resident teacher (trainer/state/offload.py)
         dist_checkpointing.save(_sharded_state(policy, loading=False), str(tmp))
     clock.mark("dist_checkpointing_s")
     (tmp / "rng").mkdir(exist_ok=True)  # every rank (shared or per-node filesystem alike)
@@ -281,7 +281,9 @@ def load_checkpoint(policy: Policy, path: str | Path, log=print) -> dict:
     ``path`` must have passed :func:`~srpo_megatron.conversion.checkpoint_files.verify_checkpoint`.
     """
     path = Path(path)
-    with policy.offload.all_on_device():  # the host-resident teacher loads in place (trainer/offload.py)
+    with (
+        policy.offload.all_on_device()
+    ):  # the host-resident teacher loads in place (trainer/state/offload.py)
         _load_tensors(policy, path)
     state = json.loads((path / STATE_FILE).read_text())
     policy.scheduler.load_state_dict(state["scheduler"])

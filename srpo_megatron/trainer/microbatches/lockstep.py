@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 
 from srpo_megatron.parallel import ParallelGroups
-from srpo_megatron.trainer.batches import MicroBatch, Sequence
+from srpo_megatron.trainer.microbatches.batches import MicroBatch, Sequence
 
 Build = Callable[[list[Sequence]], list[MicroBatch]]  # the pass's own ``micro_batches_for`` call
 

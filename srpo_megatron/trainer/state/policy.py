@@ -4,7 +4,7 @@ the self-teacher, all on the runtime's one device.
 Device discipline: the runtime owns ``groups.device`` (``cuda:<local_rank>`` with CUDA, else the CPU).
 The model is built and loaded on the host (``use_cpu_initialization``), then moved there once, before
 DDP allocates its buffers; the teacher likewise. Everything else the passes hand to megatron or to a
-collective is created on that device (see ``trainer/batches.py``).
+collective is created on that device (see ``trainer/microbatches/batches.py``).
 
 Fidelity fix: the LR warm-up counts *training* steps (rollout batches), not optimizer steps, as verl
 does: ``step_schedule`` is called once per rollout batch, so with 4 mini-batches and 10 warm-up steps
@@ -25,12 +25,11 @@ from srpo_megatron.models.architecture import Architecture, padded_vocab_size
 from srpo_megatron.models.performance import Accelerators
 from srpo_megatron.models.policy import build_policy
 from srpo_megatron.parallel import ParallelGroups
-from srpo_megatron.trainer.ema_shard import ShardedEmaTeacher
-from srpo_megatron.trainer.moe_replay import check_replay_config
-from srpo_megatron.trainer.offload import Offloader
-from srpo_megatron.trainer.output_rows import OutputHead
+from srpo_megatron.trainer.microbatches.output_rows import OutputHead
+from srpo_megatron.trainer.state.ema_shard import ShardedEmaTeacher
+from srpo_megatron.trainer.state.offload import Offloader
+from srpo_megatron.trainer.state.teacher import EmaTeacher, fp32_main_params
 from srpo_megatron.trainer.step_types import StepStats
-from srpo_megatron.trainer.teacher import EmaTeacher, fp32_main_params
 
 
 class Policy:
@@ -43,7 +42,6 @@ class Policy:
         self.cfg, self.groups, self.device = cfg, groups, groups.device
         self.arch = Architecture.from_hf(cfg.model.hf_dir)
         self.table = ConversionTable(self.arch)
-        check_replay_config(cfg, self.arch)
         # GPU defaults (bf16 + fp32 main params, TE spec, SP, fusions, overlap, recompute): performance.py
         acc, perf = Accelerators.detect(), cfg.performance
         dtype = perf_choice.params_dtype(cfg.model.params_dtype, acc)
@@ -51,7 +49,9 @@ class Policy:
         # megatron's MoE layer trains at TP > 1 only under sequence parallelism (see models/moe.py).
         sp = sp or (self.arch.is_moe and groups.tp_size > 1)
         overrides = perf_choice.transformer_overrides(perf, sequence_parallel=sp, acc=acc)
-        if self.arch.is_moe:  # routers replay the engine's experts on request (trainer/moe_replay.py)
+        if (
+            self.arch.is_moe
+        ):  # routers replay the engine's experts on request (trainer/microbatches/moe_replay.py)
             overrides["moe_enable_routing_replay"] = cfg.rollout.routing_replay
         use_te = perf_choice.use_transformer_engine(perf, acc)
         build = lambda: build_policy(  # noqa: E731
@@ -87,7 +87,7 @@ class Policy:
             module.load_state_dict(self.model.state_dict())
             module.to(self.device)
             self.teacher = _build_teacher(module, cfg, self.optimizer, self.model)
-        par = cfg.parallel  # colocated offload and the host-resident teacher (trainer/offload.py)
+        par = cfg.parallel  # colocated offload and the host-resident teacher (trainer/state/offload.py)
         self.offload = Offloader(self, par.offload_during_rollout, par.teacher_offload)
         # Padded vocabulary rows (TP·128 multiple) are not tokens: mask them out of every softmax.
         v_pad = padded_vocab_size(self.arch.vocab_size, groups.tp_size)
@@ -157,12 +157,12 @@ class Policy:
         return True
 
     def update_teacher(self) -> None:
-        """EMA teacher update from the fp32 main params (see ``trainer/teacher.py``)."""
+        """EMA teacher update from the fp32 main params (see ``trainer/state/teacher.py``)."""
         if self.teacher is None or self.teacher.kind != "ema":
             return
         with self.offload.teacher_on_device():
             if isinstance(self.teacher, ShardedEmaTeacher):
-                self.teacher.update()  # reads its shards of the main params (trainer/ema_shard.py)
+                self.teacher.update()  # reads its shards of the main params (trainer/state/ema_shard.py)
             else:
                 self.teacher.update(fp32_main_params(self.optimizer, self.model, self.device))
 

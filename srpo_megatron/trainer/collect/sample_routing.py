@@ -2,14 +2,16 @@
 context of the groups a step trains, as one ``RolloutBatch``.
 
 Two phases, because dynamic sampling needs a group's rewards before the step's batch exists
-(``trainer/sample_pool.py``):
+(``trainer/collect/sample_pool.py``):
 
-- ``score_rollouts``: decode and reward completed groups (one ``RewardPool`` call);
+- ``reward_groups``: decode and reward completed groups (one ``RewardPool`` call);
 - ``route_groups``: route the groups a step trains, each group on its own rewards (routing, advantages and
   the sibling are per group: a group routes the same whatever batch it lands in, and whatever weight
   versions its samples came from), every ``Sample`` built once, frozen, in group then member order.
 
-``route_rollouts`` is the two in a row for one on-policy batch (what ``RolloutService.collect`` calls).
+The trainer runs them through ``trainer/collect/sample_pool.py``: ``SamplePool.add`` checks each group's
+size (``check_group_sizes``, the one place of that rule) and calls ``reward_groups``; ``SamplePool.take``
+calls ``route_groups`` on the groups a step trains.
 """
 
 from __future__ import annotations
@@ -68,9 +70,16 @@ def sampling_params(rollout: RolloutConfig, seed: int, prompt_offset: int = 0) -
     )
 
 
+def check_group_sizes(sizes: list[int], group_size: int) -> None:
+    """Refuse groups that do not hold exactly ``rollout.group_size`` completions (``sizes``: per group)."""
+    if any(s != group_size for s in sizes):
+        got = f"got sizes {sizes}"
+        raise ValueError(f"every group needs rollout.group_size = {group_size} completions; {got}")
+
+
 @dataclass
 class Scores:
-    """``score_rollouts``' answer: per group, each member's decoded response and reward.
+    """``reward_groups``' answer: per group, each member's decoded response and reward.
 
     texts, rewards: ``[groups][members]``; result: the pool's counters (``reward/timeouts``,
     ``reward/errors``); seconds: the scoring's wall time (the step's ``time/reward_s``).
@@ -82,7 +91,7 @@ class Scores:
     seconds: float
 
 
-def score_rollouts(
+def reward_groups(
     tokenizer: Any, prompts: list[Prompt], completions: list[list[Completion]], rewards: RewardPool
 ) -> Scores:
     """Rank 0: decode and reward ``completions[group][member]`` against ``prompts[group]`` (one pool call)."""
@@ -94,13 +103,13 @@ def score_rollouts(
     )
     seconds = time.monotonic() - t1
     text_groups: list[list[str]] = []
-    reward_groups: list[list[float]] = []
+    member_rewards: list[list[float]] = []
     k = 0
     for group in completions:
         text_groups.append(texts[k : k + len(group)])
-        reward_groups.append([float(v) for v in scored.rewards[k : k + len(group)]])
+        member_rewards.append([float(v) for v in scored.rewards[k : k + len(group)]])
         k += len(group)
-    return Scores(text_groups, reward_groups, scored, seconds)
+    return Scores(text_groups, member_rewards, scored, seconds)
 
 
 def route_groups(
@@ -196,27 +205,3 @@ def per_benchmark(benchmarks: list[str], rewards: torch.Tensor, correct: torch.T
         out[benchmark_metric("reward/{benchmark}/mean", b)] = rewards[rows].mean().item()
         out[benchmark_metric("reward/{benchmark}/accuracy", b)] = correct[rows].double().mean().item()
     return out
-
-
-def route_rollouts(
-    tokenizer: Any,
-    prompts: list[Prompt],
-    completions: list[list[Completion]],
-    rollout: RolloutConfig,
-    loss: LossConfig,
-    teacher: TeacherConfig,
-    rewards: RewardPool,
-    t_gen: float,
-) -> RolloutBatch:
-    """Rank 0: rewards, routing, advantages and teacher prompts for ``completions[prompt][sample]``; each
-    ``Sample`` is built once with all its fields, in prompt then member order (``score_rollouts`` then
-    ``route_groups``)."""
-    g = rollout.group_size
-    if any(len(group) != g for group in completions):
-        raise ValueError(
-            f"every prompt needs rollout.group_size = {g} completions; got {[len(c) for c in completions]}"
-        )
-    scores = score_rollouts(tokenizer, prompts, completions, rewards)
-    batch = route_groups(tokenizer, prompts, completions, scores.texts, scores.rewards, loss, teacher)
-    times = {"time/generate_s": t_gen, "time/reward_s": scores.seconds}
-    return RolloutBatch(batch.samples, merge_metrics(batch.metrics, times, scores.result.metrics()))

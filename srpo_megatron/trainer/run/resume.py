@@ -95,7 +95,7 @@ def recipe_changes(saved: dict, current: dict) -> tuple[list[str], list[str]]:
 
 def check_resume_recipe(cfg: Any, ckpt: Path, log: Callable[[str], None] = print) -> list[str]:
     """Refuse recipe changes the checkpoint fixes; log and return the ones that are applied."""
-    from srpo_megatron.trainer.checkpoint import RECIPE_FILE
+    from srpo_megatron.trainer.run.checkpoint import RECIPE_FILE
 
     saved = yaml.safe_load((ckpt / RECIPE_FILE).read_text())
     applied, refused = recipe_changes(saved, to_dict(cfg))

@@ -15,8 +15,8 @@ from collections.abc import Callable
 import torch
 
 from srpo_megatron.ops.fused_output import OutputShard
-from srpo_megatron.trainer.batches import MicroBatch
-from srpo_megatron.trainer.output_rows import OutputHead, Rows
+from srpo_megatron.trainer.microbatches.batches import MicroBatch
+from srpo_megatron.trainer.microbatches.output_rows import OutputHead, Rows
 
 OnRows = Callable[[Rows, int], torch.Tensor | None]
 
@@ -34,7 +34,7 @@ def run_schedule(
     the response rows as ``head`` gives them (``[T, V/TP]`` logits, or the fused ``OutputShard``),
     and returns that micro-batch's loss (None in forward-only passes); it is not called for a micro-batch of
     which this rank holds no rows. ``before_forward(mb_index)`` runs just before each micro-batch's forward
-    on every stage (MoE expert replay, trainer/moe_replay.py, sets its experts there)."""
+    on every stage (MoE expert replay, trainer/microbatches/moe_replay.py, sets its experts there)."""
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
     index = iter(range(len(micro_batches)))
