@@ -43,7 +43,7 @@ import torch
 from srpo_megatron.config import LossConfig
 
 if TYPE_CHECKING:
-    from srpo_megatron.losses.routed import TokenBatch
+    from srpo_megatron.losses.batch import TokenBatch
 
 
 def sequence_log_ratio(
