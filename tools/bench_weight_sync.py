@@ -243,7 +243,7 @@ def colocated_main(rank, world, config, schedule, bucket_bytes, engine_size):
         model = build_policy(arch)
     layout = EngineLayout(world, engine_size)
     host = layout.is_host(rank)
-    manifest = {h: table.hf_shape(h) for h in table.hf_names()}  # = protocol.hf_manifest of a folder
+    manifest = {h: table.hf_shape(h) for h in table.hf_names()}  # = hf_manifest of a folder
     engine = StreamingEngine(manifest) if host else None
     stage_bytes = sum(p.nbytes for p in iter_stage_params(model, table, groups))
     senders = [r for r in range(world) if r % TP == 0]  # TP rank 0 of each stage (DP=1)
