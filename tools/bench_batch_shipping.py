@@ -36,7 +36,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from srpo_megatron.testing.distributed import run_distributed
+from srpo_megatron.local_ranks import run_distributed
 
 REPO = Path(__file__).resolve().parents[1]
 RECIPE = REPO / "examples" / "tiny_cpu_test.yaml"

@@ -56,10 +56,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import srpo_megatron.ops.fused_output as fused_ops
 from srpo_megatron.config import LossConfig
+from srpo_megatron.local_ranks import run_distributed
 from srpo_megatron.losses import TokenBatch, global_normalizers, routed_loss
 from srpo_megatron.losses.scoring import score_student
 from srpo_megatron.ops import OutputShard
-from srpo_megatron.testing.distributed import run_distributed
 
 CFG = LossConfig(top_k=100, entropy_coef=1e-3)
 PATHS = ("today", "fused")

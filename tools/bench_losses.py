@@ -41,6 +41,7 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from srpo_megatron.config import LossConfig
+from srpo_megatron.local_ranks import run_distributed
 from srpo_megatron.losses import (
     TokenBatch,
     global_normalizers,
@@ -51,7 +52,6 @@ from srpo_megatron.losses import (
 from srpo_megatron.losses.scoring import score_student
 from srpo_megatron.losses.sdpo import dynamic_weights
 from srpo_megatron.ops import append_tail
-from srpo_megatron.testing.distributed import run_distributed
 
 CFG = LossConfig(top_k=100, entropy_coef=1e-3)
 

@@ -31,7 +31,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from srpo_megatron.testing.distributed import run_distributed
+from srpo_megatron.local_ranks import run_distributed
 from srpo_megatron.trainer.microbatches.batches import Sequence, make_micro_batches
 from srpo_megatron.trainer.microbatches.packing import pack, padding_waste, plan_micro_batches
 

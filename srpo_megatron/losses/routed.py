@@ -40,85 +40,20 @@ IcePop's zero-weight tokens stay in N_tokens.
 
 from __future__ import annotations
 
-import itertools
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass, fields
-from typing import Any
+from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
 from srpo_megatron.config import LossConfig
 from srpo_megatron.losses.aggregation import aggregate, sequence_count
+from srpo_megatron.losses.batch import Normalizers, TokenBatch
 from srpo_megatron.losses.grpo import grpo_token_loss
 from srpo_megatron.losses.importance import bounded_is_weight, check_rejections, loss_rows
 from srpo_megatron.losses.sdpo import dynamic_weights, raw_weights, sdpo_token_loss
 from srpo_megatron.ops.fused_output import OutputShard
-from srpo_megatron.ops.vocab_parallel import append_tail, token_stats
-
-
-@dataclass
-class TokenBatch:
-    """One micro-batch of response tokens, flat over rows T (see the module docstring)."""
-
-    response_ids: torch.Tensor  # [T] int64: sampled token y_t (global vocabulary id)
-    mask: torch.Tensor  # [T] bool: a valid response token (False = padding / prompt / rejected off-policy)
-    advantages: torch.Tensor  # [T] float: group advantage A_i of the row's sample
-    grpo: torch.Tensor  # [T] bool: z_i^GRPO of the row's sample under the mode
-    sdpo: torch.Tensor  # [T] bool: z_i^SDPO of the row's sample under the mode
-    old_logp: torch.Tensor  # [T] float: log π_old(y_t) from the scoring pass
-    rollout_logp: torch.Tensor | None = None  # [T] float: the engine's log π_rollout(y_t) (TIS)
-    ref_logp: torch.Tensor | None = None  # [T] float: reference log-probs (only for kl_coef > 0)
-    topk_ids: torch.Tensor | None = None  # [T, K] int64: student top-K ids (rows with sdpo set)
-    teacher_logp: torch.Tensor | None = None  # [T, K+1] float: teacher log-probs at topk_ids + tail
-    teacher_entropy: torch.Tensor | None = None  # [T] float: teacher full-vocabulary entropy H
-    teacher_token_logp: torch.Tensor | None = None  # [T] float: log q(y_t) (advantage_mix only)
-    teacher: torch.Tensor | None = None  # [T] bool: rows with teacher data (advantage_mix only)
-    stale: torch.Tensor | None = None  # [T] bool: generated > rollout.off_policy_steps versions ago
-    seq_log_ratio: torch.Tensor | None = None  # [T] float: Σ log π_old/π_rollout over the row's sample
-    seq_weight: torch.Tensor | None = None  # [T] float64: 1/|y_i| of the row's sample (seq_mean_token_mean)
-
-    def __len__(self) -> int:
-        return self.response_ids.shape[0]
-
-    def _map(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> TokenBatch:
-        """A new batch of ``fn`` applied to every tensor field (None fields stay None)."""
-        values: dict[str, Any] = {
-            f.name: (None if (v := getattr(self, f.name)) is None else fn(v)) for f in fields(self)
-        }
-        return TokenBatch(**values)
-
-    def slice(self, start: int, end: int) -> TokenBatch:
-        """Rows [start, end) as a new batch (views, no copies)."""
-        return self._map(lambda v: v[start:end])
-
-    def take(self, index: torch.Tensor) -> TokenBatch:
-        """Rows ``index`` ([R] int64, on the batch's device) as a new batch (copies)."""
-        return self._map(lambda v: v[index])
-
-    def to(self, device: torch.device | str) -> TokenBatch:
-        """Every tensor moved to ``device`` (one hand-off; a no-op for tensors already there)."""
-        return self._map(lambda v: v.to(device))
-
-    def split(self, n: int) -> list[TokenBatch]:
-        """Split into ``n`` consecutive micro-batches of (nearly) equal rows."""
-        t = len(self)
-        bounds = [round(i * t / n) for i in range(n + 1)]
-        return [self.slice(a, b) for a, b in itertools.pairwise(bounds)]
-
-
-@dataclass(frozen=True)
-class Normalizers:
-    """Global quantities of the whole training batch (all micro-batches, all DP ranks)."""
-
-    num_tokens: float  # valid response tokens: the denominator of L (token_mean)
-    num_sdpo_tokens: float  # |Ω_sdpo|: valid tokens routed to SDPO
-    sum_raw_weights: float  # Σ_{Ω_sdpo} w̃ with w̃ = exp(−β·H_teacher)
-    num_seqs: float = 0.0  # N_seq: samples with a valid token, the denominator of seq_mean_token_mean
-
-    @property
-    def mean_raw_weight(self) -> float:
-        return self.sum_raw_weights / max(self.num_sdpo_tokens, 1.0)
+from srpo_megatron.ops.vocab_parallel import VocabStats, append_tail, token_stats
 
 
 def _sdpo_rows(batch: TokenBatch) -> torch.Tensor:
@@ -178,92 +113,23 @@ def routed_loss(
     sdpo_rows = _sdpo_rows(batch).nonzero().squeeze(1)
     grpo_rows = batch.grpo & mask
     need_grpo = bool(grpo_rows.any())
-    ids = batch.response_ids.reshape(-1, 1)
-    if sdpo_rows.numel():
-        if batch.topk_ids is None or batch.teacher_logp is None:
-            raise ValueError("SDPO tokens need topk_ids and teacher_logp (score_student / score_teacher)")
-        ids = torch.cat([ids, batch.topk_ids], dim=1)
-    stats = token_stats(
-        student_logits,
-        ids,
-        with_entropy=need_grpo and cfg.entropy_coef != 0.0,
-        group=group,
-        temperature=cfg.temperature,
-        chunk_tokens=cfg.chunk_tokens or None,
-    )
+    stats = _student_stats(student_logits, batch, sdpo_rows, need_grpo, cfg, group)
     logp = stats.logp[:, 0]
     per_token = torch.zeros_like(logp)
     metrics: dict[str, torch.Tensor] = {}
-    count = lambda m: m.sum().to(torch.float64)  # noqa: E731
     # TIS stays inside the token losses (the paper's path, bit for bit); MIS / IcePop pass their weight.
     tis = cfg.is_correction == "tis"
     rollout_logp = batch.rollout_logp if tis else None
     is_w = None if tis else bounded_is_weight(batch.old_logp, batch.rollout_logp, batch.seq_log_ratio, cfg)
     if is_w is not None:  # IcePop's ratios outside the bounds (w > 0 inside, since is_low > 0)
-        metrics["is_zeroed_tokens"] = count((is_w == 0) & mask)
-
+        metrics["is_zeroed_tokens"] = _count((is_w == 0) & mask)
+    weights = _TokenWeights(rollout_logp, is_w)
     if need_grpo:
-        adv = batch.advantages.to(logp.dtype)
-        if cfg.mode == "advantage_mix":
-            if batch.teacher_token_logp is None or batch.teacher is None:
-                raise ValueError(
-                    "advantage_mix needs teacher_token_logp and teacher (score_teacher(response_ids=...))"
-                )
-            a_sdpo = torch.where(batch.teacher, batch.teacher_token_logp - batch.old_logp, 0.0)
-            adv = cfg.adv_mix_lambda * adv + (1.0 - cfg.adv_mix_lambda) * a_sdpo
-        loss_g, mg = grpo_token_loss(
-            logp,
-            batch.old_logp,
-            adv,
-            rollout_logp,
-            eps_low=cfg.eps_low,
-            eps_high=cfg.eps_high,
-            dual_clip=cfg.dual_clip,
-            tis_cap=cfg.tis_cap,
-            ref_logp=batch.ref_logp,
-            kl_coef=cfg.kl_coef,
-            entropy=stats.entropy if stats.entropy.numel() else None,
-            entropy_coef=cfg.entropy_coef,
-            is_weight=is_w,
-        )
+        loss_g = _grpo_branch(stats, batch, grpo_rows, weights, cfg, metrics)
         per_token = torch.where(grpo_rows, loss_g, per_token)
-        metrics["grpo_tokens"] = count(grpo_rows)
-        metrics["grpo_loss_sum"] = loss_g.detach()[grpo_rows].double().sum()
-        metrics["grpo_clipped_sum"] = mg["clipped"][grpo_rows].double().sum()
-
     if sdpo_rows.numel():
-        assert batch.teacher_logp is not None  # checked above, before token_stats
-        student_buckets = append_tail(stats.logp[sdpo_rows, 1:])
-        loss_s, ms = sdpo_token_loss(
-            student_buckets,
-            batch.teacher_logp[sdpo_rows],
-            logp[sdpo_rows],
-            batch.old_logp[sdpo_rows],
-            None if rollout_logp is None else rollout_logp[sdpo_rows],
-            alpha=cfg.divergence_alpha,
-            ratio_cap=cfg.sdpo_ratio_cap,
-            tis_cap=cfg.tis_cap,
-            is_weight=None if is_w is None else is_w[sdpo_rows],
-        )
-        if cfg.uses_dynamic_weights:
-            if batch.teacher_entropy is None:
-                raise ValueError("dynamic SDPO weights need teacher_entropy (run score_teacher first)")
-            ent = batch.teacher_entropy[sdpo_rows]
-            all_rows = torch.ones_like(ent, dtype=torch.bool)
-            mean = normalizers.mean_raw_weight if cfg.weight_scope == "batch" else None
-            w = dynamic_weights(ent, all_rows, cfg.beta, mean).to(loss_s.dtype)
-            loss_s = loss_s * w
-            metrics["raw_weight_sum"] = raw_weights(ent, cfg.beta).double().sum()
-        if batch.teacher_entropy is not None:
-            # Logged in every SDPO mode (not only where it weights the loss): Fig. 1(c)'s entropy curve.
-            metrics["teacher_entropy_sum"] = batch.teacher_entropy[sdpo_rows].double().sum()
+        loss_s = _sdpo_branch(stats, batch, sdpo_rows, weights, normalizers, cfg, metrics)
         per_token = per_token.index_add(0, sdpo_rows, loss_s)
-        metrics["sdpo_tokens"] = torch.full(
-            (), float(sdpo_rows.numel()), dtype=torch.float64, device=logp.device
-        )
-        metrics["sdpo_loss_sum"] = loss_s.detach().double().sum()
-        metrics["divergence_sum"] = ms["divergence"].double().sum()
-
     if mask is not batch.mask:  # keep: no SDPO term on a rejected row either
         per_token = torch.where(mask, per_token, 0.0)
     loss = aggregate(per_token, batch, normalizers, cfg.aggregation)
@@ -271,9 +137,137 @@ def routed_loss(
         # Nothing routed here (e.g. pure SDPO, no sample has a teacher): keep the loss attached to the
         # graph with an exactly-zero gradient, so backward and DDP hooks still run on this micro-batch.
         loss = loss + 0.0 * logp.sum()
-    metrics["tokens"] = count(mask)
+    metrics["tokens"] = _count(mask)
     if batch.rollout_logp is not None and bool(mask.any()):
         gap = (batch.old_logp - batch.rollout_logp).abs()[mask].double()
         metrics["rollout_logp_gap_sum"] = gap.sum()
         metrics["rollout_logp_gap_max"] = gap.max()
     return loss, metrics
+
+
+def _count(rows: torch.Tensor) -> torch.Tensor:
+    return rows.sum().to(torch.float64)
+
+
+@dataclass(frozen=True)
+class _TokenWeights:
+    """The detached off-policy weight of each token's policy-gradient term: TIS from ``rollout_logp``
+    inside the token losses, or the precomputed MIS / IcePop ``is_weight`` (one of them, or neither)."""
+
+    rollout_logp: torch.Tensor | None
+    is_weight: torch.Tensor | None
+
+    def rows(self, index: torch.Tensor) -> _TokenWeights:
+        pick = lambda t: None if t is None else t[index]  # noqa: E731
+        return _TokenWeights(pick(self.rollout_logp), pick(self.is_weight))
+
+
+def _student_stats(
+    student_logits: torch.Tensor | OutputShard,
+    batch: TokenBatch,
+    sdpo_rows: torch.Tensor,
+    need_grpo: bool,
+    cfg: LossConfig,
+    group: dist.ProcessGroup | None,
+) -> VocabStats:
+    """The student's log-probs at the sampled token (column 0) and, on SDPO rows, at the top-K ids; the
+    entropy only where the GRPO entropy bonus needs it."""
+    ids = batch.response_ids.reshape(-1, 1)
+    if sdpo_rows.numel():
+        if batch.topk_ids is None or batch.teacher_logp is None:
+            raise ValueError("SDPO tokens need topk_ids and teacher_logp (score_student / score_teacher)")
+        ids = torch.cat([ids, batch.topk_ids], dim=1)
+    return token_stats(
+        student_logits,
+        ids,
+        with_entropy=need_grpo and cfg.entropy_coef != 0.0,
+        group=group,
+        temperature=cfg.temperature,
+        chunk_tokens=cfg.chunk_tokens or None,
+    )
+
+
+def _grpo_branch(
+    stats: VocabStats,
+    batch: TokenBatch,
+    grpo_rows: torch.Tensor,
+    weights: _TokenWeights,
+    cfg: LossConfig,
+    metrics: dict[str, torch.Tensor],
+) -> torch.Tensor:
+    """The GRPO token loss [T] (read on ``grpo_rows`` only), its metrics added to ``metrics``."""
+    logp = stats.logp[:, 0]
+    adv = batch.advantages.to(logp.dtype)
+    if cfg.mode == "advantage_mix":
+        if batch.teacher_token_logp is None or batch.teacher is None:
+            raise ValueError(
+                "advantage_mix needs teacher_token_logp and teacher (score_teacher(response_ids=...))"
+            )
+        a_sdpo = torch.where(batch.teacher, batch.teacher_token_logp - batch.old_logp, 0.0)
+        adv = cfg.adv_mix_lambda * adv + (1.0 - cfg.adv_mix_lambda) * a_sdpo
+    loss_g, mg = grpo_token_loss(
+        logp,
+        batch.old_logp,
+        adv,
+        weights.rollout_logp,
+        eps_low=cfg.eps_low,
+        eps_high=cfg.eps_high,
+        dual_clip=cfg.dual_clip,
+        tis_cap=cfg.tis_cap,
+        ref_logp=batch.ref_logp,
+        kl_coef=cfg.kl_coef,
+        entropy=stats.entropy if stats.entropy.numel() else None,
+        entropy_coef=cfg.entropy_coef,
+        is_weight=weights.is_weight,
+    )
+    metrics["grpo_tokens"] = _count(grpo_rows)
+    metrics["grpo_loss_sum"] = loss_g.detach()[grpo_rows].double().sum()
+    metrics["grpo_clipped_sum"] = mg["clipped"][grpo_rows].double().sum()
+    return loss_g
+
+
+def _sdpo_branch(
+    stats: VocabStats,
+    batch: TokenBatch,
+    sdpo_rows: torch.Tensor,
+    weights: _TokenWeights,
+    normalizers: Normalizers,
+    cfg: LossConfig,
+    metrics: dict[str, torch.Tensor],
+) -> torch.Tensor:
+    """The (dynamically weighted) SDPO token loss on ``sdpo_rows`` ([R], in their order), its metrics
+    added to ``metrics``."""
+    assert batch.teacher_logp is not None  # checked by _student_stats
+    logp = stats.logp[:, 0]
+    student_buckets = append_tail(stats.logp[sdpo_rows, 1:])
+    w_rows = weights.rows(sdpo_rows)
+    loss_s, ms = sdpo_token_loss(
+        student_buckets,
+        batch.teacher_logp[sdpo_rows],
+        logp[sdpo_rows],
+        batch.old_logp[sdpo_rows],
+        w_rows.rollout_logp,
+        alpha=cfg.divergence_alpha,
+        ratio_cap=cfg.sdpo_ratio_cap,
+        tis_cap=cfg.tis_cap,
+        is_weight=w_rows.is_weight,
+    )
+    if cfg.uses_dynamic_weights:
+        if batch.teacher_entropy is None:
+            raise ValueError("dynamic SDPO weights need teacher_entropy (run score_teacher first)")
+        ent = batch.teacher_entropy[sdpo_rows]
+        all_rows = torch.ones_like(ent, dtype=torch.bool)
+        mean = normalizers.mean_raw_weight if cfg.weight_scope == "batch" else None
+        loss_s = loss_s * dynamic_weights(ent, all_rows, cfg.beta, mean).to(loss_s.dtype)
+    if batch.teacher_entropy is not None:
+        # Logged in every SDPO mode (not only where they weight the loss): Fig. 1(c)'s entropy curve and
+        # the entropy weight w̃ = exp(−β·H) (its mean and spread), in float64.
+        ent64 = batch.teacher_entropy[sdpo_rows].double()
+        w_raw = raw_weights(ent64, cfg.beta)
+        metrics["teacher_entropy_sum"] = ent64.sum()
+        metrics["raw_weight_sum"] = w_raw.sum()
+        metrics["raw_weight_sq_sum"] = (w_raw**2).sum()
+    metrics["sdpo_tokens"] = torch.full((), float(sdpo_rows.numel()), dtype=torch.float64, device=logp.device)
+    metrics["sdpo_loss_sum"] = loss_s.detach().double().sum()
+    metrics["divergence_sum"] = ms["divergence"].double().sum()
+    return loss_s

@@ -29,6 +29,8 @@ from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from srpo_megatron.rewards.registry import NotARewardFunction, resolve_reward, reward_target
+
 
 @dataclass
 class RewardResult:
@@ -69,8 +71,6 @@ def _describe(e: BaseException) -> str:
 def _import_problem(target: str) -> tuple[object, str | None]:
     """(the reward function, None), or (None, why it cannot be used: import error, not a function, or a
     signature that does not take (response, answer))."""
-    from srpo_megatron.rewards import NotARewardFunction, resolve_reward
-
     try:
         return resolve_reward(target), None
     except NotARewardFunction as e:
@@ -168,8 +168,6 @@ class RewardPool:
         An unknown kind raises at once (a configuration error); everything else that goes wrong inside a
         reward function gives 0 and is counted.
         """
-        from srpo_megatron.rewards import reward_target
-
         if not len(kinds) == len(responses) == len(answers):
             raise ValueError(
                 f"lengths differ: {len(kinds)} kinds, {len(responses)} responses, {len(answers)}"

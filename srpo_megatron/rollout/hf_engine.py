@@ -391,12 +391,7 @@ class HFEngine:
         bsz = len(rows)
         lengths = [len(prompts[i]) for i, _ in rows]
         width = max(lengths)
-        input_ids = torch.zeros(bsz, width, dtype=torch.long, device=dev)
-        mask = torch.zeros(bsz, width, dtype=torch.long, device=dev)
-        for r, (i, _) in enumerate(rows):
-            input_ids[r, width - lengths[r] :] = torch.tensor(list(prompts[i]), dtype=torch.long)
-            mask[r, width - lengths[r] :] = 1
-        positions = (mask.cumsum(-1) - 1).clamp(min=0)
+        input_ids, mask, positions = _left_padded([prompts[i] for i, _ in rows], width, dev)
         gens = [
             torch.Generator(device="cpu").manual_seed(sample_seed(base_seed, params.prompt_offset + i, j))
             for i, j in rows
@@ -433,13 +428,7 @@ class HFEngine:
                 routed.append(torch.stack(per_layer, dim=2).to(torch.int32).cpu())
             # Log-probs in fp32 whatever the model dtype; the distribution the trainer re-scores.
             logp = torch.log_softmax(out.logits[:, -1, :].float() / temperature, dim=-1)  # [B, V]
-            if greedy:
-                next_ids = logp.argmax(dim=-1)
-            else:
-                probs = truncate_top_k_top_p(logp.exp(), params.top_k, params.top_p)
-                next_ids = torch.stack(
-                    [torch.multinomial(probs[r].cpu(), 1, generator=gens[r])[0] for r in range(bsz)]
-                ).to(dev)
+            next_ids = logp.argmax(dim=-1) if greedy else _sample(logp, params, gens)
             chosen = logp.gather(-1, next_ids[:, None])[:, 0].tolist()
             top = logp.topk(min(k_top, logp.shape[-1]), dim=-1) if k_top else None  # SGLang's top logprobs
             ids_list = next_ids.tolist()
@@ -459,14 +448,7 @@ class HFEngine:
             step_ids = next_ids[:, None]
             step_pos = step_pos[:, -1:] + 1
             mask = torch.cat([mask, mask.new_ones(bsz, 1)], dim=-1)
-        experts: list[torch.Tensor | None] = [None] * bsz
-        if top_k:  # SGLang's layout: the prompt positions, then every response token but the last
-            for r in range(bsz):
-                if not tokens[r]:  # aborted before its prefill: nothing was forwarded
-                    continue
-                decoded = [routed[t][r, 0] for t in range(1, len(tokens[r]))]
-                prompt = routed[0][r, width - lengths[r] :]
-                experts[r] = torch.cat([prompt, *(d[None] for d in decoded)])
+        experts = _routed_experts(routed, tokens, lengths, width) if top_k else [None] * bsz
         return [
             Completion(
                 prompt_index=i,
@@ -489,6 +471,40 @@ class HFEngine:
         if not (getattr(config, "num_experts", 0) or getattr(config, "n_routed_experts", 0)):
             return 0
         return int(config.num_experts_per_tok)
+
+
+def _left_padded(
+    prompts: Sequence[Sequence[int]], width: int, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The prompts left-padded to ``width``: (input ids, attention mask, position ids), each [B, width]."""
+    input_ids = torch.zeros(len(prompts), width, dtype=torch.long, device=device)
+    mask = torch.zeros(len(prompts), width, dtype=torch.long, device=device)
+    for r, prompt in enumerate(prompts):
+        input_ids[r, width - len(prompt) :] = torch.tensor(list(prompt), dtype=torch.long)
+        mask[r, width - len(prompt) :] = 1
+    return input_ids, mask, (mask.cumsum(-1) - 1).clamp(min=0)
+
+
+def _sample(logp: torch.Tensor, params: SamplingParams, gens: list[torch.Generator]) -> torch.Tensor:
+    """One token per row from log-probs [B, V] after top-k / top-p, each row with its own CPU generator."""
+    probs = truncate_top_k_top_p(logp.exp(), params.top_k, params.top_p)
+    picks = [torch.multinomial(probs[r].cpu(), 1, generator=gens[r])[0] for r in range(logp.shape[0])]
+    return torch.stack(picks).to(logp.device)
+
+
+def _routed_experts(
+    routed: list[torch.Tensor], tokens: list[list[int]], lengths: list[int], width: int
+) -> list[torch.Tensor | None]:
+    """Each row's experts in SGLang's layout: the prompt positions, then every response token but the last
+    (``routed``: per forward, [B, positions, layers, top_k]; None for a row aborted before its prefill)."""
+    experts: list[torch.Tensor | None] = [None] * len(tokens)
+    for r, row in enumerate(tokens):
+        if not row:  # aborted before its prefill: nothing was forwarded
+            continue
+        decoded = [routed[t][r, 0] for t in range(1, len(row))]
+        prompt = routed[0][r, width - lengths[r] :]
+        experts[r] = torch.cat([prompt, *(d[None] for d in decoded)])
+    return experts
 
 
 def _stack_rows(rows: list[torch.Tensor], k: int, dtype: torch.dtype) -> torch.Tensor:

@@ -22,7 +22,7 @@ def _write_tiny(
     import transformers
     from transformers import AutoModelForCausalLM
 
-    from srpo_megatron.testing.assets import qwen3_tokenizer
+    from srpo_megatron.data.assets import qwen3_tokenizer
 
     out = Path(out_dir)
     if (out / "config.json").is_file() and (out / "tokenizer_config.json").is_file():
@@ -513,7 +513,7 @@ def write_tiny_deepseek(out_dir: str | Path, seed: int = 0) -> Path:
     import torch
     from transformers import AutoModelForCausalLM
 
-    from srpo_megatron.testing.assets import qwen3_tokenizer
+    from srpo_megatron.data.assets import qwen3_tokenizer
 
     out = Path(out_dir)
     if (out / "config.json").is_file() and (out / "tokenizer_config.json").is_file():

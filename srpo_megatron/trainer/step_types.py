@@ -176,7 +176,8 @@ class StepStats:
     grpo_clipped_sum: float = _stat(SUM)  # GRPO tokens whose ratio was clipped
     sdpo_loss_sum: float = _stat(SUM)  # Σ per-token (weighted) SDPO loss
     divergence_sum: float = _stat(SUM)  # Σ per-token top-K divergence
-    raw_weight_sum: float = _stat(SUM)  # Σ w̃ = exp(−β·H) over SDPO tokens
+    raw_weight_sum: float = _stat(SUM)  # Σ w̃ = exp(−β·H) over SDPO tokens (logged mean; routed_loss)
+    raw_weight_sq_sum: float = _stat(SUM)  # Σ w̃² over SDPO tokens (logged spread)
     teacher_entropy_sum: float = _stat(SUM)  # Σ teacher entropy over SDPO tokens
     rollout_logp_gap_sum: float = _stat(SUM)  # Σ |log π_old − log π_rollout|
     rollout_logp_gap_max: float = _stat(MAX)  # max |log π_old − log π_rollout|
@@ -186,8 +187,6 @@ class StepStats:
     rejected_tokens: float = _stat(SUM)  # tokens dropped after scoring (loss.is_correction mis, stale)
     stale_tokens: float = _stat(SUM)  # of those, the stale ones (loss.mask_stale_tokens)
     is_zeroed_tokens: float = _stat(SUM)  # tokens kept in N_tokens with IS weight 0 (IcePop)
-    w_tilde_sum: float = _stat(SUM)  # Σ w̃ over this rank's SDPO tokens (logged mean)
-    w_tilde_sq_sum: float = _stat(SUM)  # Σ w̃² (logged spread)
     teacher_runs: float = _stat(SUM)  # samples the teacher forward scored
     grad_norm_sum: float = _stat(SUM)  # Σ grad norm over optimizer steps (mean = / optimizer_steps)
     optimizer_steps: float = _stat(SUM)  # optimizer steps taken or skipped

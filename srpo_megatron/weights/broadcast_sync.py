@@ -53,7 +53,7 @@ from srpo_megatron.rollout.sglang.protocol import (
 from srpo_megatron.weights.export import is_stage_sender, iter_stage_params
 from srpo_megatron.weights.fused_experts import fuse_expert_slices
 from srpo_megatron.weights.p2p import DEFAULT_BUCKET_BYTES
-from srpo_megatron.weights.weight_sync import served_manifest
+from srpo_megatron.weights.sync_common import served_manifest
 
 
 def init_weights_group(

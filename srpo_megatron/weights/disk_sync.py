@@ -25,7 +25,7 @@ from srpo_megatron.rollout.base import EngineError
 from srpo_megatron.rollout.gate import head, missing_names, validated_stream
 from srpo_megatron.rollout.placement import EngineLayout
 from srpo_megatron.weights.engine_sync import ColocatedSync
-from srpo_megatron.weights.weight_sync import served_manifest
+from srpo_megatron.weights.sync_common import served_manifest
 
 
 def write_folder(

@@ -42,7 +42,7 @@ from srpo_megatron.weights.p2p import (
     send_bucket,
     send_done,
 )
-from srpo_megatron.weights.weight_sync import agree_failures
+from srpo_megatron.weights.sync_common import agree_failures
 
 
 def grid(groups: ParallelGroups) -> list[tuple[int, int, int]]:

@@ -25,11 +25,12 @@ from __future__ import annotations
 
 from typing import Any, Protocol
 
-import torch.distributed as dist
-
 from srpo_megatron.config import ConfigError, RolloutConfig
 from srpo_megatron.rollout.base import RolloutEngine
 from srpo_megatron.rollout.placement import EngineLayout
+from srpo_megatron.weights.broadcast_sync import BroadcastSync
+from srpo_megatron.weights.disk_sync import DiskSync
+from srpo_megatron.weights.engine_sync import ColocatedSync
 
 # (placement, rollout.sglang.weight_sync) -> strategy; the CPU engine (engine=hf) is colocated, no key.
 STRATEGIES = {
@@ -81,33 +82,7 @@ def build_weight_sync(
     ``push``."""
     name = strategy_name(cfg.rollout)
     if name == "broadcast":
-        from srpo_megatron.weights.broadcast_sync import BroadcastSync
-
         return BroadcastSync(cfg, policy, groups, layout, urls)
     if name == "disk":
-        from srpo_megatron.weights.disk_sync import DiskSync
-
         return DiskSync(cfg, policy, groups, layout)
-    from srpo_megatron.weights.engine_sync import ColocatedSync
-
     return ColocatedSync(policy, groups, layout, fuse_experts=cfg.rollout.engine == "sglang")
-
-
-def served_manifest(cfg: Any) -> tuple[dict[str, tuple[int, ...]], frozenset[str]]:
-    """The checkpoint names and shapes the SGLang servers load (the conversion table's, from the served
-    model's folder), and the tied aliases a stream may carry beyond them."""
-    from srpo_megatron.rollout.sglang.protocol import hf_manifest
-
-    sglang = cfg.rollout.sglang
-    manifest = hf_manifest(sglang.model_path or cfg.model.hf_dir)
-    return manifest, frozenset(a for a in ("lm_head.weight",) if a not in manifest)
-
-
-def agree_failures(layout: EngineLayout, group: Any, engine: int, error: str) -> dict[int, str]:
-    """Collective over ``group`` (gloo): every rank's ``error`` for its ``engine`` ("" = none), merged to
-    ``{engine: error}`` on every rank."""
-    everyone: list[Any] = [(engine, error)]
-    if layout.world_size > 1:
-        everyone = [None] * layout.world_size
-        dist.all_gather_object(everyone, (engine, error), group=group)
-    return {k: e for k, e in everyone if e}

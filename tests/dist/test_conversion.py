@@ -43,7 +43,7 @@ def tiny_folders(tmp_path_factory):
 def smollm2_folder(tmp_path_factory):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from srpo_megatron.testing.assets import smollm2_gguf_path
+    from srpo_megatron.data.assets import smollm2_gguf_path
 
     gguf = smollm2_gguf_path()
     loaded = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)

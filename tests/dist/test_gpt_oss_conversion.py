@@ -151,7 +151,7 @@ def test_policy_sync_for_sglang_sends_the_fused_expert_tensors(layout, tmp_path)
     """The SGLang-bound export (``weights.fused_experts`` over ``weights.export``'s EP gather): the fused
     expert tensors whole, bit-exact (each expert at its index), the checkpoint's file names, each once,
     which the SGLang engine's gate (manifest from the served folder) accepts."""
-    from srpo_megatron.rollout.sglang.protocol import hf_manifest
+    from srpo_megatron.conversion.manifest import hf_manifest
     from tests.helpers.moe import export_worker
     from tests.helpers.sglang import sync_through_gate
 

@@ -361,7 +361,7 @@ def _incomplete_broadcast(rank, world, tiny, run_dir, urls, plant):
     from srpo_megatron.trainer.state.policy import Policy
     from srpo_megatron.trainer.collect.rollout_service import RolloutService
     from srpo_megatron.weights.export import is_stage_sender
-    from srpo_megatron.weights.weight_sync import served_manifest
+    from srpo_megatron.weights.sync_common import served_manifest
 
     os.environ["SRPO_ENGINE_URLS"], os.environ["SRPO_SYNC_HOST"] = ",".join(urls), "127.0.0.1"
     groups = initialize_model_parallel(2, 1, seed=1)

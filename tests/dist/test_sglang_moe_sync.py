@@ -2,7 +2,7 @@
 
 The stream is the trainer's own (``weights.export.iter_stage_params`` at EP 2: experts gathered over EP
 onto the stage sender, per-expert file names); the engine builds its manifest from the model folder as
-in production (``protocol.hf_manifest``). The manifest transformers' in-memory model gives (fused
+in production (``conversion.manifest.hf_manifest``). The manifest transformers' in-memory model gives (fused
 experts, the defect of issue 24 D5) rejects the same stream.
 """
 

@@ -115,7 +115,7 @@ def _routed(eng, weight_sync):
     stand-in server (tests/unit/test_sglang_contract.py, tests/dist/test_rollout_engines.py)."""
     if weight_sync != "disk":
         return eng
-    from srpo_megatron.rollout.sglang.protocol import hf_manifest
+    from srpo_megatron.conversion.manifest import hf_manifest
     from srpo_megatron.testing.sync_transports import DiskRouted
 
     return DiskRouted(eng, eng.cfg.disk_sync_dir, hf_manifest(eng.cfg.model_path))

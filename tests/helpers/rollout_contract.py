@@ -24,8 +24,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from srpo_megatron.data.assets import AssetMissing, smollm2_gguf_path
 from srpo_megatron.rollout.base import Completion, EngineError, EngineHealth, RolloutEngine, SamplingParams
-from srpo_megatron.testing.assets import AssetMissing, smollm2_gguf_path
 from srpo_megatron.testing.tiny import TINY_ENGINE_EOS, tiny_engine_config
 
 PROMPTS = [[5, 6, 7], [9, 10, 11, 12, 13, 14], [17]]  # different lengths: exercises left padding

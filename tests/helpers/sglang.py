@@ -82,7 +82,7 @@ class SGLangMemoryRules:
 
 
 def in_memory_manifest(model_path: str) -> dict[str, tuple[int, ...]]:
-    """The planted defect: transformers' in-memory parameter names (the old ``protocol.hf_manifest``)."""
+    """The planted defect: transformers' in-memory parameter names (the old ``hf_manifest``)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     with torch.device("meta"):

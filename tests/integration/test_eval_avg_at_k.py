@@ -15,11 +15,11 @@ from fractions import Fraction
 import pytest
 
 from srpo_megatron.config import ArithmeticTaskConfig, DataConfig, EvalConfig
+from srpo_megatron.data.assets import smollm2_gguf_path, smollm2_tokenizer
 from srpo_megatron.evaluation import evaluate, run_eval
 from srpo_megatron.evaluation.avg_at_k import build_eval_benchmarks
 from srpo_megatron.rewards import RewardPool
 from srpo_megatron.rollout.hf_engine import HFEngine, HFEngineConfig
-from srpo_megatron.testing.assets import smollm2_gguf_path, smollm2_tokenizer
 
 
 @pytest.fixture(scope="module")

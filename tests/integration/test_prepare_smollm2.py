@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from srpo_megatron.testing.assets import AssetMissing, smollm2_gguf_path
+from srpo_megatron.data.assets import AssetMissing, smollm2_gguf_path
 
 ROOT = Path(__file__).resolve().parents[2]
 

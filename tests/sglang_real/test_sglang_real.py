@@ -37,6 +37,7 @@ import torch
 from safetensors.torch import load_file
 
 from srpo_megatron.config import SGLangEngineConfig
+from srpo_megatron.conversion.manifest import hf_manifest
 from srpo_megatron.rollout.base import EngineError, SamplingParams
 from srpo_megatron.rollout.sglang import flat_wire, protocol
 from srpo_megatron.rollout.sglang.engine import SGLangEngine, offline_engine_kwargs
@@ -495,7 +496,7 @@ def test_sglang_real_load_weights_consumes_the_gates_names(tiny_folders, kind):
         pytest.skip(f"sglang {REAL.version}: the model module does not import: {REAL.errors}")
     folder = tiny_folders[kind]
     config = AutoConfig.from_pretrained(folder)
-    manifest = protocol.hf_manifest(str(folder))
+    manifest = hf_manifest(str(folder))
     files = file_tensors(folder)
     assert set(manifest) == set(files), (
         "the gate must accept the checkpoint's file names (per-expert for MoE); differs by "

@@ -1,7 +1,7 @@
 """gpt-oss against SGLang's own ``GptOssForCausalLM.load_weights`` (bf16: ``_load_normal_weights``;
 marker ``sglang_real``, skipped without an sglang wheel on the path).
 
-The engine's manifest (``protocol.hf_manifest``, from the conversion table) is the checkpoint's FILE names:
+The engine's manifest (``hf_manifest``, from the conversion table) is the checkpoint's FILE names:
 the fused per-layer expert tensors whole. SGLang routes every one of them to a parameter of its model:
 ``mlp.experts.gate_up_proj`` [E, H, 2F] to ``w13_weight`` (transposed by SGLang to [E, 2F, H]), its bias to
 ``w13_weight_bias``, ``down_proj`` [E, F, H] to ``w2_weight`` ([E, H, F]), ``self_attn.sinks`` to the sinks,
@@ -16,7 +16,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from srpo_megatron.rollout.sglang import protocol
+from srpo_megatron.conversion.manifest import hf_manifest
 from srpo_megatron.testing import sglang_import
 from tests.helpers.conversion import read_hf_tensors
 
@@ -111,7 +111,7 @@ def test_sglang_real_gpt_oss_load_weights_consumes_the_manifest(oss_folder):
         pytest.skip(f"sglang {REAL.version}: sglang.srt.models.gpt_oss does not import: {REAL.errors}")
     config = AutoConfig.from_pretrained(oss_folder)
     files = read_hf_tensors(oss_folder)
-    manifest = protocol.hf_manifest(str(oss_folder))
+    manifest = hf_manifest(str(oss_folder))
     assert manifest == {n: tuple(t.shape) for n, t in files.items()}, (
         "the manifest is the file names and shapes"
     )
@@ -159,7 +159,7 @@ def test_sglang_real_gpt_oss_loads_the_trainers_fused_stream(oss_folder):
     config = AutoConfig.from_pretrained(oss_folder)
     files = read_hf_tensors(oss_folder)
     table = ConversionTable(Architecture.from_hf(oss_folder))
-    manifest = protocol.hf_manifest(str(oss_folder))
+    manifest = hf_manifest(str(oss_folder))
     buckets = flat_buckets(fuse_expert_slices(export_stream(table, files, ep=2), table), 4096)
     requests = [[(n, t.clone()) for n, t in b.views()] for b in buckets]
     assert sorted(n for r in requests for n, _ in r) == sorted(manifest)

@@ -10,8 +10,8 @@ import pytest
 
 from srpo_megatron.config import ConfigError, DataConfig, from_dict
 from srpo_megatron.data import DataError, PromptDataset, default_data_dir, load_rows
+from srpo_megatron.data.assets import qwen3_tokenizer, smollm2_tokenizer
 from srpo_megatron.data.templating import template_text
-from srpo_megatron.testing.assets import qwen3_tokenizer, smollm2_tokenizer
 
 # The README's table: (file, rows).
 FILES = [

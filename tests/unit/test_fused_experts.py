@@ -8,10 +8,10 @@ import pytest
 import torch
 
 from srpo_megatron.buckets import bucketize_pending, flat_buckets
+from srpo_megatron.conversion.manifest import hf_manifest
 from srpo_megatron.conversion.table import ConversionTable
 from srpo_megatron.models.architecture import Architecture
 from srpo_megatron.rollout.base import EngineError
-from srpo_megatron.rollout.sglang.protocol import hf_manifest
 from srpo_megatron.weights.fused_experts import SliceOrderError, fuse_expert_slices
 from tests.helpers.conversion import read_hf_tensors
 from tests.helpers.fused_experts import export_stream

@@ -26,6 +26,8 @@ rooms").
 from __future__ import annotations
 
 import ast
+import itertools
+import re
 import sys
 from collections import defaultdict
 from dataclasses import dataclass
@@ -63,8 +65,9 @@ LAYERS: tuple[Layer, ...] = (
     ),
     Layer(
         "math and process groups",
-        ("ops/", "parallel.py"),
-        "vocab-parallel log-prob/entropy/top-k (pure tensor math); megatron's TP/PP/DP/CP/EP groups",
+        ("ops/", "parallel.py", "local_ranks.py"),
+        "vocab-parallel log-prob/entropy/top-k (pure tensor math); megatron's TP/PP/DP/CP/EP groups; a "
+        "function run on N local ranks (benchmarks, tests)",
     ),
     Layer("losses", ("losses/",), "GRPO and SDPO token losses, sample routing, the routed loss"),
     Layer("rewards", ("rewards/",), "reward functions and the reward worker pool"),
@@ -567,6 +570,209 @@ def test_a_planted_crowded_folder_is_reported(tmp_path):
         found == f"srpo_megatron/ops/: {MAX_MODULES + 1} modules (at most {MAX_MODULES}); split it into rooms"
     )
     assert crowded_folders(root, limit=MAX_MODULES + 1) == []
+
+
+# ---------------------------------------------------------------------------------------------- file circles
+# Inside a room the layers say nothing; a circle of modules (a.py imports b.py imports a.py) still makes a
+# reader hold both at once and, at run time, hands one of them a half-initialised module. Every module of
+# the package is a node, ``__init__.py`` files included: ``from srpo_megatron.x import y`` is an edge to
+# ``x/__init__.py`` and, where ``y`` is a submodule, to ``x/y.py`` as well; ``import srpo_megatron.x.y``
+# is an edge to ``x/y.py``. Function-level and ``TYPE_CHECKING`` imports count, as for the layers.
+
+
+def package_modules(root: Path) -> set[str]:
+    return {module_name(root, path) for path in (root / PACKAGE).rglob("*.py")}
+
+
+def module_graph(root: Path) -> dict[str, dict[str, str]]:
+    """``{module: {imported module of the package: file:line of the first such import}}``."""
+    known = package_modules(root)
+    graph: dict[str, dict[str, str]] = defaultdict(dict)
+    for path in sorted((root / PACKAGE).rglob("*.py")):
+        module = module_name(root, path)
+        is_package = path.name == "__init__.py"
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Import):
+                targets = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                if node.level:
+                    base = module.split(".") if is_package else module.split(".")[:-1]
+                    base = base[: len(base) - (node.level - 1)]
+                    target = ".".join(base + ([node.module] if node.module else []))
+                else:
+                    target = node.module or ""
+                targets = [target, *(f"{target}.{alias.name}" for alias in node.names)]
+            else:
+                continue
+            for target in targets:
+                if target in known and target != module:
+                    graph[module].setdefault(target, f"{path.relative_to(root)}:{node.lineno}")
+    return graph
+
+
+def module_cycles(root: Path) -> list[str]:
+    """One line per circle of modules: ``a → b (where) → a (where)``."""
+    graph = module_graph(root)
+    out = []
+    for cycle in cycles({m: set(targets) for m, targets in graph.items()}):
+        hops = [f"{b} ({graph[a][b]})" for a, b in itertools.pairwise(cycle)]
+        out.append(" → ".join([cycle[0], *hops]))
+    return out
+
+
+def test_modules_import_each_other_without_circles():
+    found = module_cycles(REPO)
+    assert not found, (
+        "modules that import each other in a circle; move the shared types or helpers both need into a "
+        "leaf module that imports neither:\n" + "\n".join(found)
+    )
+
+
+def test_a_planted_file_circle_is_reported(tmp_path):
+    root = _tree(
+        tmp_path,
+        {
+            "losses/__init__.py": "from srpo_megatron.losses.routed import loss\n",
+            "losses/routed.py": "from srpo_megatron.losses.aggregation import aggregate\n",
+            # the circle back, hidden in a TYPE_CHECKING block
+            "losses/aggregation.py": (
+                "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n"
+                "    from srpo_megatron.losses.routed import TokenBatch\n"
+            ),
+            # a package __init__ and its submodule: `from srpo_megatron.conversion import rows`
+            "conversion/__init__.py": "from srpo_megatron.conversion.table import Table\n",
+            "conversion/table.py": "from srpo_megatron.conversion import rows\n",
+            "conversion/rows.py": "",
+        },
+    )
+    found = module_cycles(root)
+    assert len(found) == 2, found
+    assert any(
+        c.startswith("srpo_megatron.conversion → srpo_megatron.conversion.table (srpo_megatron/conversion/")
+        and c.endswith("→ srpo_megatron.conversion (srpo_megatron/conversion/table.py:1)")
+        for c in found
+    ), found
+    assert any("srpo_megatron.losses.aggregation (srpo_megatron/losses/routed.py:1)" in c for c in found)
+    assert any("srpo_megatron.losses.routed (srpo_megatron/losses/aggregation.py:3)" in c for c in found)
+
+
+def test_a_leaf_opens_the_circle(tmp_path):
+    root = _tree(
+        tmp_path,
+        {
+            "losses/__init__.py": "from srpo_megatron.losses.routed import loss\n",
+            "losses/batch.py": "import torch\n",
+            "losses/routed.py": "from srpo_megatron.losses import aggregation, batch\n",
+            "losses/aggregation.py": "import srpo_megatron.losses.batch as batch\n",
+            "conversion/__init__.py": "from srpo_megatron.conversion.table import Table\n",
+            "conversion/table.py": "import srpo_megatron.conversion.rows as rows\n",
+            "conversion/rows.py": "",
+        },
+    )
+    # routed imports the package __init__ (which imports routed): still a circle
+    [found] = module_cycles(root)
+    assert (
+        "srpo_megatron.losses.routed" in found
+        and "srpo_megatron.losses (srpo_megatron/losses/routed.py:1)" in found
+    )
+    (root / PACKAGE / "losses/routed.py").write_text(
+        "from srpo_megatron.losses.aggregation import f\nfrom srpo_megatron.losses.batch import TokenBatch\n"
+    )
+    assert module_cycles(root) == []
+
+
+# ---------------------------------------------------------------------------------------------- testing/
+# ``srpo_megatron/testing/`` (tiny models, the SGLang stand-in, strict-device mode) ships in the package
+# for the test suite and the training-metric gate (``tools/dev gate`` runs ``srpo_megatron.testing.gate``).
+# No production module and no tool imports it: what a benchmark or the demo needs lives in a public module
+# of the package (``local_ranks.py``, ``data/assets.py``). A ``"srpo_megatron.testing.x:fn"`` string (an
+# import by name, e.g. a reward target) counts as an import.
+
+TESTING = f"{PACKAGE}.testing"
+_TESTING_NAME = re.compile(rf"{re.escape(TESTING)}(\.\w+)*(:[\w.]+)?")
+
+
+def _imports_testing(path: Path, module: str | None) -> list[int]:
+    lines = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        names: list[str] = []
+        if isinstance(node, ast.Import):
+            names = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            target = node.module or ""
+            if node.level and module is not None:
+                base = module.split(".") if path.name == "__init__.py" else module.split(".")[:-1]
+                base = base[: len(base) - (node.level - 1)]
+                target = ".".join(base + ([node.module] if node.module else []))
+            names = [target, *(f"{target}.{alias.name}" for alias in node.names)]
+        elif isinstance(node, ast.Constant) and isinstance(node.value, str):
+            names = [node.value] if _TESTING_NAME.fullmatch(node.value) else []
+        if any(n == TESTING or n.startswith((TESTING + ".", TESTING + ":")) for n in names):
+            lines.append(node.lineno)
+    return lines
+
+
+# Tool files that still import testing/ on this branch, with what they need; meant to be emptied (an entry
+# whose file no longer imports testing/ fails ``test_every_pending_testing_import_still_occurs``).
+TESTING_PENDING: dict[str, str] = {
+    "tools/bench_batch_shipping.py": "tiny.write_tiny_run and the coin reward (a tiny random run's folder)",
+    "tools/bench_off_policy.py": "standin_process.StandInProcess (SGLang stand-in), tiny.write_tiny_run",
+    "tools/gpu_smoke_checks.py": "tiny.write_tiny_run",
+    "tools/bench_weight_sync.py": "sync_transports (the in-process stage channel and receiver)",
+}
+
+
+def imports_of_testing(root: Path) -> list[str]:
+    """``file:line`` of every import of ``srpo_megatron/testing/`` outside it and outside tests/: from
+    the package's other modules and from ``tools/*.py``."""
+    found = []
+    for path in sorted((root / PACKAGE).rglob("*.py")):
+        module = module_name(root, path)
+        if module == TESTING or module.startswith(TESTING + "."):
+            continue
+        found += [f"{path.relative_to(root)}:{n}" for n in _imports_testing(path, module)]
+    for path in sorted((root / "tools").rglob("*.py")):
+        found += [f"{path.relative_to(root)}:{n}" for n in _imports_testing(path, None)]
+    return found
+
+
+def test_only_tests_and_the_gate_import_testing():
+    found = [f for f in imports_of_testing(REPO) if f.rsplit(":", 1)[0] not in TESTING_PENDING]
+    assert not found, (
+        f"imports of {TESTING} outside tests/ (it is test support; move what a tool needs to "
+        "a public module of the package, as local_ranks.py and data/assets.py):\n" + "\n".join(found)
+    )
+
+
+def test_every_pending_testing_import_still_occurs():
+    files = {f.rsplit(":", 1)[0] for f in imports_of_testing(REPO)}
+    stale = sorted(set(TESTING_PENDING) - files)
+    assert not stale, f"TESTING_PENDING files that no longer import testing/; remove them: {stale}"
+
+
+@pytest.mark.parametrize(
+    ("name", "text"),
+    [
+        ("ops/x.py", "def f():\n    from srpo_megatron.testing.tiny import write_tiny_run\n"),
+        ("ops/x.py", "from srpo_megatron import testing\n"),
+        ("ops/x.py", "from ..testing import tiny\n"),
+        ("ops/x.py", 'TARGET = "srpo_megatron.testing.tiny:coin_reward"\n'),
+        ("../tools/bench_x.py", "import srpo_megatron.testing.distributed as d\n"),
+    ],
+    ids=["package-lazy", "package-from-root", "package-relative", "package-by-name", "tools"],
+)
+def test_a_planted_testing_import_is_reported(tmp_path, name, text):
+    root = _tree(tmp_path, {name: text, "testing/__init__.py": "", "testing/tiny.py": "import os\n"})
+    (root / "tools").mkdir(exist_ok=True)
+    found = imports_of_testing(root)
+    where = "tools/bench_x.py:1" if name.startswith("..") else f"{PACKAGE}/{name}:"
+    assert len(found) == 1 and found[0].startswith(where), found
+    # testing/ itself, tests/ and prose that names the module are not imports
+    (root / PACKAGE / "testing/gate.py").write_text("from srpo_megatron.testing.tiny import f\n")
+    (root / "tests").mkdir(exist_ok=True)
+    (root / "tests/test_x.py").write_text("from srpo_megatron.testing.tiny import f\n")
+    (root / PACKAGE / "ops/y.py").write_text('"""Runs ``srpo_megatron.testing.tiny`` in the tests."""\n')
+    assert imports_of_testing(root) == found
 
 
 if __name__ == "__main__":

@@ -399,4 +399,8 @@ def test_teacher_entropy_is_logged_in_every_sdpo_mode(mode):
     _, m = routed_loss(prob.student, batch, global_normalizers([batch], cfg.beta), cfg)
     rows = batch.sdpo & batch.mask
     assert abs(float(m["teacher_entropy_sum"]) - float(batch.teacher_entropy[rows].sum())) < 1e-9
-    assert float(m["teacher_entropy_sum"]) > 0 and "raw_weight_sum" not in m
+    assert float(m["teacher_entropy_sum"]) > 0
+    # the entropy weight w̃ = exp(−β·H) is logged in every SDPO mode too (its one computation for the logs)
+    w = torch.exp(-cfg.beta * batch.teacher_entropy[rows].double())
+    assert abs(float(m["raw_weight_sum"]) - float(w.sum())) < 1e-12
+    assert abs(float(m["raw_weight_sq_sum"]) - float((w**2).sum())) < 1e-12

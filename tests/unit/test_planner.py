@@ -22,7 +22,6 @@ from srpo_megatron.config import ConfigError
 from srpo_megatron.config.loading import merge
 from srpo_megatron.planner.command import HF_CONFIG_DIR, plan_recipe
 from srpo_megatron.planner.memory import GiB, PlanSettings, activation_bytes, plan_layout
-from srpo_megatron.planner.meta import meta_stage_params
 from srpo_megatron.planner.model import (
     Layout,
     ModelShape,
@@ -32,6 +31,7 @@ from srpo_megatron.planner.model import (
     param_tensors,
     stage_layers,
 )
+from tests.helpers.planner_meta import meta_stage_params
 
 REPO = Path(__file__).resolve().parents[2]
 H100 = int(79.6 * GiB)

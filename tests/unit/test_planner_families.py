@@ -140,7 +140,7 @@ def test_deepseek_v3_tensors_equal_the_policy_on_meta(stage):
     EP16: stage 0 (embedding, 2 of the 3 dense layers), stage 15 (3 MoE layers, final norm, output), same
     tensors in the same order, same expert flags. The CPU spec splits the MLA down projections by TP, which
     Transformer Engine keeps whole: ``local_spec=True`` compares like with like."""
-    from srpo_megatron.planner.meta import meta_stage_params
+    from tests.helpers.planner_meta import meta_stage_params
 
     layout = Layout(tp=4, pp=16, dp=4, ep=16)
     ref = [(t.numel, t.expert, t.shared) for _, t in meta_stage_params(hf("DeepSeek-V3"), layout, stage)]

@@ -78,9 +78,9 @@ def test_reward_targets_are_probed_with_timeouts(reward_modules, workers):
 
 
 def test_scoring_with_a_hanging_import_times_out_instead_of_hanging(reward_modules, monkeypatch):
-    from srpo_megatron import rewards
+    from srpo_megatron.rewards import registry
 
-    monkeypatch.setitem(rewards._REGISTRY, "hangs", "hanging_reward:reward")
+    monkeypatch.setitem(registry._REGISTRY, "hangs", "hanging_reward:reward")
     with RewardPool(1, timeout_s=5, import_timeout_s=2) as pool:
         result = pool.score(["hangs", "hangs"], ["a", "b"], ["x", "y"])
     assert result.rewards == [0.0, 0.0] and result.num_timeouts == 2

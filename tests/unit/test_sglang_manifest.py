@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import pytest
 
+from srpo_megatron.conversion.manifest import hf_manifest
 from srpo_megatron.rollout.base import EngineError
-from srpo_megatron.rollout.sglang.protocol import hf_manifest
 from tests.helpers.conversion import read_hf_tensors
 from tests.helpers.sglang import in_memory_manifest, sync_through_gate
 

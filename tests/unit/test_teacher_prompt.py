@@ -15,9 +15,9 @@ import re
 import pytest
 
 from srpo_megatron.config import TeacherConfig
+from srpo_megatron.data.assets import qwen3_tokenizer, smollm2_tokenizer
 from srpo_megatron.data.dataset import Prompt
 from srpo_megatron.data.rows import Row
-from srpo_megatron.testing.assets import qwen3_tokenizer, smollm2_tokenizer
 from srpo_megatron.trainer.collect.sample_routing import clean_solution, teacher_prompt_ids
 
 OPEN, CLOSE = "<think>", "</think>"

@@ -33,6 +33,7 @@ import torch
 
 from srpo_megatron.buckets import bucketize
 from srpo_megatron.config import SGLangEngineConfig
+from srpo_megatron.conversion.manifest import hf_manifest
 from srpo_megatron.rollout.base import Completion, EngineError, EngineHealth, SamplingParams
 from srpo_megatron.rollout.gate import check_version, head, missing_names, validated_stream
 from srpo_megatron.rollout.sglang.protocol import (
@@ -43,7 +44,6 @@ from srpo_megatron.rollout.sglang.protocol import (
     build_requests_body,
     build_update_weights_from_disk_request,
     build_update_weights_from_tensor_request,
-    hf_manifest,
     memory_tags,
     model_eos_token_ids,
     parse_generate_response,

@@ -396,19 +396,6 @@ def parse_update_response(resp: Any, what: str) -> None:
         raise EngineError(f"SGLang {what} failed: {msg}")
 
 
-def hf_manifest(model_path: str) -> dict[str, tuple[int, ...]]:
-    """The checkpoint FILE names and shapes of the served model (per-expert for MoE), from the conversion
-    table: every tensor a full sync sends, what SGLang's ``load_weights`` expects and what every weight
-    receiver validates against. Not transformers' in-memory
-    names, which differ from the files for fused modules (transformers >= 5 fuses MoE experts into
-    ``mlp.experts.gate_up_proj`` / ``down_proj``)."""
-    from srpo_megatron.conversion.table import ConversionTable
-    from srpo_megatron.models.architecture import Architecture
-
-    table = ConversionTable(Architecture.from_hf(model_path))
-    return dict(table.hf_file_plan())  # gpt-oss: its fused expert tensors whole, as the files hold them
-
-
 def model_eos_token_ids(model_path: str) -> tuple[int, ...]:
     """The EOS ids SGLang stops at for the model in ``model_path``: ``eos_token_id`` of ``config.json``
     and of ``generation_config.json``, united (``ModelConfig._get_hf_eos_token_id``); missing files: none."""

