@@ -25,8 +25,6 @@ import json
 from pathlib import Path
 from typing import Any
 
-import torch.distributed as dist
-
 from srpo_megatron.config import ConfigError
 from srpo_megatron.conversion.output_guard import check_conversion_sizes
 from srpo_megatron.models.architecture import Architecture, pipeline_stage_layers
@@ -154,6 +152,8 @@ def check_replay_config(cfg, arch) -> None:
 
 def check_rewards(targets: list[str], rollout: Any) -> None:
     """Collective: rank 0 probes ``targets`` in the pool's kind of process; every rank raises on failure."""
+    import torch.distributed as dist  # here: `srpo launch` runs this module's other checks without torch
+
     from srpo_megatron.rewards import RewardPool
 
     problem = None
