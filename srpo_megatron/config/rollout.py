@@ -107,6 +107,11 @@ class RolloutConfig:
     # (logprob/topk_kl_mean, logprob/topk_kl_max); 0 = off. Off by default: on SGLang it adds a top-k per
     # decoded token and K [logprob, id, text] triples per token to every generate response.
     parity_top_k: int = 0
+    # The engine's weight precision: bf16 = the trainer's weights as they are; fp8 = the engine serves
+    # 128x128-block e4m3 weights (SGLang ``quantization=fp8``) and every sync quantizes them, the CPU
+    # engine emulating it with dequantize(quantize(W)) (README "Low precision"). Pair fp8 with an IS
+    # correction (loss.is_correction: icepop or mis) for the precision gap it opens.
+    precision: Literal["bf16", "fp8"] = "bf16"
 
     def __post_init__(self) -> None:
         self._check_sampling()
