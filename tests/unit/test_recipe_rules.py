@@ -31,6 +31,7 @@ ADDED_SINCE = {
     "loss.is_high": 5.0,
     "loss.mask_stale_tokens": False,
     "loss.is_rejection_denominator": "drop",
+    "rollout.precision": "bf16",
     "moe.expert_bias_update_rate": 0.0,
     "loss.aggregation": "token_mean",
     "teacher.enable_thinking": False,
