@@ -101,7 +101,7 @@ def doctor_main(args: argparse.Namespace) -> int:
     if getattr(args, "acceptance", False):
         from srpo_megatron.doctor.acceptance.command import acceptance_main
 
-        return acceptance_main(args.recipe, args.json)
+        return acceptance_main(args.recipe, args.json, overrides=tuple(args.override))
     try:
         checks, where = collect(args.recipe, list(args.override), args.cluster)
     except ConfigError as e:  # an unusable --cluster file: nothing to hold the node to

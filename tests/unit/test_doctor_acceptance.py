@@ -85,6 +85,7 @@ def test_a_gpu_part_missing_on_a_cuda_node_fails(tmp_path):
     for name in ("versions.transformer_engine", "versions.sglang", "versions.apex_extensions"):
         assert run_check(by_name[name], ctx).status == "fail", name
     assert run_check(by_name["te_attention.mla.bshd"], ctx).status == "fail"
+    assert run_check(by_name["versions.flash_attn"], ctx).status == "warn"  # optional: TE prefers cuDNN
 
 
 def test_a_check_that_raises_is_that_checks_failure(tmp_path):

@@ -42,11 +42,15 @@ REGISTRY: tuple[AcceptanceCheck, ...] = (
 
 
 def run_acceptance(
-    recipe: str | None, probes: Probes | None = None, work_dir: Path | None = None, emit=None
+    recipe: str | None,
+    probes: Probes | None = None,
+    work_dir: Path | None = None,
+    emit=None,
+    overrides: tuple[str, ...] = (),
 ) -> list[Result]:
     """Every check of :data:`REGISTRY`; ``emit(result)`` is called as each one ends (a live report)."""
     work = Path(work_dir) if work_dir else Path(tempfile.mkdtemp(prefix="srpo-acceptance-"))
-    ctx = Context(probes or Probes(), recipe or "", work)
+    ctx = Context(probes or Probes(), recipe or "", work, overrides=tuple(overrides))
     results = []
     for check in REGISTRY:
         result = run_check(check, ctx)
@@ -62,7 +66,9 @@ def _text(r: Result) -> str:
     return line + (f"  -> {r.fix}" if r.status in ("fail", "warn") else "")
 
 
-def acceptance_main(recipe: str | None, as_json: bool, probes: Probes | None = None) -> int:
+def acceptance_main(
+    recipe: str | None, as_json: bool, probes: Probes | None = None, overrides: tuple[str, ...] = ()
+) -> int:
     start = time.monotonic()
 
     def emit(r: Result) -> None:
@@ -70,7 +76,7 @@ def acceptance_main(recipe: str | None, as_json: bool, probes: Probes | None = N
 
     if not as_json:
         print("srpo doctor --acceptance: does this node's GPU stack work? (one line per check)", flush=True)
-    results = run_acceptance(recipe, probes, emit=emit)
+    results = run_acceptance(recipe, probes, emit=emit, overrides=overrides)
     line = summary_line(results, time.monotonic() - start)
     if as_json:
         print(line, flush=True)

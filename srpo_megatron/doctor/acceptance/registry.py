@@ -72,9 +72,10 @@ class Context:
     """What every check gets: the probes, the recipe of the train check, a scratch folder, a time limit."""
 
     probes: Probes
-    recipe: str
+    recipe: str  # "" = the tiny recipe
     work_dir: Path
     timeout_s: float = 300.0  # one check's subprocess(es) together
+    overrides: tuple[str, ...] = ()  # --override KEY=VALUE items for the recipe's train run
     cache: dict[str, Any] = field(default_factory=dict)  # a child run shared by several checks
 
 

@@ -2,10 +2,10 @@
 
 Without a RECIPE: the tiny recipe (``examples/tiny_cpu_test.yaml``) on a tiny random Qwen3 with the real
 tokenizer, written by ``tools/gpu_smoke_checks.py prepare-tiny`` (the source tree the image installs
-from). With a RECIPE: that recipe, its paths as they are. Either way: ``train.steps=3``, the run directory
-under the doctor's scratch folder, ``rollout.engine=sglang``, ``performance.layer_spec=te``, bf16.
-Passing means three finite steps, no engine restart, and the trainer-vs-engine log-prob gap
-(``logprob/gap_mean``, the parity metric) reported.
+from). With a RECIPE: that recipe and the doctor's ``--override`` items, its paths as they are. Either
+way: ``train.steps=3``, the run directory under the doctor's scratch folder, ``rollout.engine=sglang``,
+``performance.layer_spec=te``, bf16. Passing means three finite steps, no engine restart, and the
+trainer-vs-engine log-prob gap (``logprob/gap_mean``, the parity metric) reported.
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ def train_command(ctx: Context, run_dir: Path, tiny: Path | None) -> list[str]:
         overrides += [f"model.hf_dir={hf}", f"data.train_files=[{tiny / 'train.jsonl'}]"]
         overrides += [f"rollout.sglang={{model_path: {hf}, engine_kwargs: {{mem_fraction_static: 0.3}}}}"]
     cmd = [sys.executable, "-m", "srpo_megatron.cli", "train", recipe]
-    for o in overrides:
+    for o in [*ctx.overrides, *overrides]:  # the doctor's own come last: they win
         cmd += ["-o", o]
     return cmd
 

@@ -68,13 +68,18 @@ def _spec(dist: str) -> SpecifierSet | None:
     return spec if spec is not None and str(spec) else EXTRA_RANGES.get(dist)
 
 
-def package_outcome(ctx: Context, dist: str, aliases: tuple[str, ...] = (), gpu_part: bool = True) -> Outcome:
-    """``dist`` installed, inside its range, and (on a CUDA node) the image's pin."""
+def package_outcome(
+    ctx: Context, dist: str, aliases: tuple[str, ...] = (), gpu_part: bool = True, optional: str = ""
+) -> Outcome:
+    """``dist`` installed, inside its range, and (on a CUDA node) the image's pin. ``optional``: why a
+    CUDA node may lack it (then missing is a warning)."""
     found = next(((d, v) for d in (dist, *aliases) if (v := ctx.probes.dist_version(d))), None)
     cuda = ctx.probes.cuda_available()
     if found is None:
         if gpu_part and not cuda:
             return needs_cuda(f"{dist} is a GPU part of the image, not installed here")
+        if optional:
+            return warned(f"{dist} is not installed: {optional}")
         return failed(f"{dist} is not installed")
     version, spec = found[1], _spec(dist)
     try:
@@ -145,8 +150,8 @@ def check_apex_extensions(ctx: Context) -> Outcome:
     return passed(f"{', '.join(APEX_EXTENSIONS)} load")
 
 
-def _package(dist: str, *aliases: str, gpu_part: bool = True):
-    return lambda ctx: package_outcome(ctx, dist, aliases, gpu_part)
+def _package(dist: str, *aliases: str, gpu_part: bool = True, optional: str = ""):
+    return lambda ctx: package_outcome(ctx, dist, aliases, gpu_part, optional)
 
 
 CHECKS = (
@@ -173,7 +178,11 @@ CHECKS = (
         "versions.flash_attn",
         "flash-attn is within the versions TE uses",
         "install a flash-attn TE accepts (2.1.1 .. 2.8.3) or rebuild the image",
-        _package("flash-attn", "flash_attn"),
+        _package(
+            "flash-attn",
+            "flash_attn",
+            optional="TE has no FlashAttention to fall back on (on Hopper it prefers FusedAttention anyway)",
+        ),
     ),
     AcceptanceCheck(
         "versions.apex_extensions",
