@@ -115,13 +115,13 @@ def test_te_backend_log_parsing_and_the_cudnn_a_fallback_needs():
     logs = te_attention.split_case_logs(stderr)
     cases = {c.name: c for c in te_attention.CASES}
     selected, reasons = te_attention.parse_backend_log(logs["mla.bshd"])
-    ok = te_attention.case_outcome(cases["mla.bshd"], selected, reasons, {"ms": 3.2}, "91800")
+    ok = te_attention.case_outcome(cases["mla.bshd"], selected, reasons, {"ms": 3.2}, "9.18.0")
     assert ok.status == "ok" and ok.metrics["backend"].startswith("FusedAttention")
     selected, reasons = te_attention.parse_backend_log(logs["gpt_oss_sliding.thd"])
-    bad = te_attention.case_outcome(cases["gpt_oss_sliding.thd"], selected, reasons, {"ms": 90.0}, "91301")
+    bad = te_attention.case_outcome(cases["gpt_oss_sliding.thd"], selected, reasons, {"ms": 90.0}, "9.13.1")
     assert bad.status == "fail" and "UnfusedDotProductAttention" in bad.detail
     assert "9.18.0" in bad.detail and "no backend supports" in bad.detail  # packed sinks need 9.18
-    bshd = te_attention.case_outcome(cases["gpt_oss_full.bshd"], selected, reasons, {}, "91200")
+    bshd = te_attention.case_outcome(cases["gpt_oss_full.bshd"], selected, reasons, {}, "9.12.0")
     assert "9.13.1" in bshd.detail
     assert te_attention.case_outcome(cases["mla.thd"], None, [], {}, "x").status == "fail"
 
@@ -160,3 +160,39 @@ def test_train_judge_wants_three_finite_steps_no_restart_and_the_parity_metric(t
     assert cfg.rollout.engine == "sglang" and cfg.rollout.sglang.model_path == str(
         tmp_path / "tiny" / "qwen3"
     )
+
+
+def _standin_engine(weights):
+    from srpo_megatron.config import SGLangEngineConfig
+    from srpo_megatron.rollout.sglang.engine import SGLangEngine
+    from srpo_megatron.testing.sglang_standin import SGLangStandInServer, standin_serialize
+    from tests.helpers.rollout_contract import tiny_model
+
+    server = SGLangStandInServer(tiny_model("llama", weights))
+    manifest = {n: tuple(t.shape) for n, t in weights.items()}
+    cfg = SGLangEngineConfig(mode="http", url=server.url, model_path="/unused", bucket_bytes=1024**2)
+    return server, SGLangEngine(cfg, manifest=manifest, serializer=standin_serialize)
+
+
+def test_sglang_live_sequence_against_the_standin_server_and_a_planted_no_op_update(monkeypatch):
+    """The live check's pause -> update x2 -> continue sequence through the real SGLangEngine (http mode)
+    against the SGLang stand-in server; then with an update that changes nothing (planted): named."""
+    from srpo_megatron.doctor.acceptance import sglang_live
+    from tests.helpers.rollout_contract import initial_weights
+
+    weights = initial_weights("llama")
+    server, engine = _standin_engine(weights)
+    try:
+        out = sglang_live.exercise(engine, weights, long_tokens=16, hold=lambda: server.hold_after_steps(3))
+        assert out.status == "ok", out.detail
+        assert out.metrics["aborted"] >= 1
+    finally:
+        server.close()
+
+    server, engine = _standin_engine(weights)
+    try:  # planted: the update installs the weights unchanged (a scaling that was dropped)
+        monkeypatch.setattr(sglang_live, "scaled", lambda w, factor: w)
+        out = sglang_live.exercise(engine, weights, long_tokens=16, hold=lambda: server.hold_after_steps(3))
+        assert out.status == "fail" and "no effect" in out.detail, out.detail
+    finally:
+        server.close()

@@ -2,8 +2,9 @@
 
 The folder is a 2-layer Qwen3 with a 1024-token vocabulary and no tokenizer (SGLang runs with
 ``skip_tokenizer_init``: token ids in, token ids out), written with ``save_pretrained`` in bf16, the dtype
-the engines serve in production. ``scaled`` multiplies every tensor by a factor: a weight update whose
-effect on sampled tokens is certain to show.
+the engines serve in production. It names no EOS token, so a request runs to its ``max_new_tokens`` (the
+pause check needs one still running after a second). ``scaled`` multiplies every tensor by a factor: a
+weight update whose effect on sampled tokens shows.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ def write_random_model(out: Path, seed: int = 0) -> Path:
     config = Qwen3Config(
         vocab_size=VOCAB, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
         num_attention_heads=4, num_key_value_heads=2, head_dim=64, max_position_embeddings=CONTEXT,
-        tie_word_embeddings=False, eos_token_id=VOCAB - 1, bos_token_id=None,
+        tie_word_embeddings=False, eos_token_id=None, bos_token_id=None,
     )  # fmt: skip
     torch.manual_seed(seed)
     AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).save_pretrained(out)

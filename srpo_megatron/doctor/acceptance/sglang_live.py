@@ -14,6 +14,7 @@ from __future__ import annotations
 import subprocess
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from srpo_megatron.doctor.acceptance.engine_model import CONTEXT, load_weights, scaled, write_random_model
@@ -44,9 +45,13 @@ def _wait_healthy(engine, proc: subprocess.Popen, timeout_s: float) -> str:
     return f"the SGLang server did not answer within {timeout_s:.0f} s"
 
 
-def exercise(engine, weights: dict, long_tokens: int = CONTEXT // 2) -> Outcome:
+def exercise(
+    engine, weights: dict, long_tokens: int = CONTEXT // 2, hold: Callable[[], threading.Event] | None = None
+) -> Outcome:
     """Pause, update and continue a running engine; judge what came back (any ``RolloutEngine`` with
-    ``pause_generation`` / ``continue_generation``)."""
+    ``pause_generation`` / ``continue_generation``). ``hold()``, called just before the long request, returns
+    an event set once it decodes (a test's server says so); without it the pause comes a second after
+    dispatch."""
     from srpo_megatron.rollout.base import SamplingParams
 
     probe = SamplingParams(max_new_tokens=32, seed=3)
@@ -59,9 +64,13 @@ def exercise(engine, weights: dict, long_tokens: int = CONTEXT // 2) -> Outcome:
         except Exception as e:  # judged below
             long["error"] = e
 
+    running = hold() if hold is not None else None
     thread = threading.Thread(target=run_long, daemon=True)
     thread.start()
-    time.sleep(1.0)  # let the requests start decoding
+    if running is None:
+        time.sleep(1.0)  # let the requests start decoding
+    elif not running.wait(timeout=120):
+        return failed("the long request never started decoding")
     engine.pause_generation()
     engine.update_weights(scaled(weights, 2.0).items(), version=engine.weight_version + 1)
     engine.continue_generation()
@@ -72,9 +81,13 @@ def exercise(engine, weights: dict, long_tokens: int = CONTEXT // 2) -> Outcome:
     aborted = [c for c in samples if c.finish_reason == "abort"]
     if not aborted:
         return failed(f"pause_generation aborted none of {len(samples)} running samples")
-    broken = [c for c in aborted if not c.token_ids or len(c.logprobs) != len(c.token_ids)]
+    broken = [c for c in aborted if len(c.logprobs) != len(c.token_ids)]
     if broken:
-        return failed(f"{len(broken)} aborted samples lack their log-probs or tokens")
+        return failed(f"{len(broken)} aborted samples lack log-probs: one per token expected")
+    if not any(c.token_ids for c in aborted):
+        return failed(
+            "every aborted sample came back without tokens: the pause did not meet a running request"
+        )
     after = engine.generate([PROMPT], probe)[0][0]
     if after.weight_version != engine.weight_version:
         return failed(
@@ -84,7 +97,7 @@ def exercise(engine, weights: dict, long_tokens: int = CONTEXT // 2) -> Outcome:
         return failed(
             "the same seeded request sampled the same tokens after weights x2: the update had no effect"
         )
-    lengths = sorted(len(c.token_ids) for c in aborted)
+    lengths = sorted(len(c.token_ids) for c in aborted)  # a request aborted before its first token has 0
     return passed(
         f"{len(aborted)}/{len(samples)} samples aborted with their log-probs ({lengths[0]}..{lengths[-1]} "
         f"tokens); the update to version {after.weight_version} changed the sampled tokens",

@@ -30,7 +30,7 @@ from srpo_megatron.doctor.acceptance.registry import (
     needs_cuda,
     passed,
 )
-from srpo_megatron.doctor.acceptance.versions import CUDNN_SINKS, CUDNN_SINKS_PACKED
+from srpo_megatron.doctor.acceptance.versions import CUDNN_SINKS, CUDNN_SINKS_PACKED, cudnn_tuple
 
 SEQ = 8192
 MARK = "@@srpo-case "
@@ -146,7 +146,8 @@ def _checker(case: AttnCase):
         row, log = result[case.name]
         selected, reasons = parse_backend_log(log)
         raw = ctx.probes.cudnn_version()
-        return case_outcome(case, selected, reasons, row, str(raw))
+        cudnn = "?" if raw is None else ".".join(map(str, cudnn_tuple(int(raw))))
+        return case_outcome(case, selected, reasons, row, cudnn)
 
     return run
 
