@@ -196,3 +196,21 @@ def test_sglang_live_sequence_against_the_standin_server_and_a_planted_no_op_upd
         assert out.status == "fail" and "no effect" in out.detail, out.detail
     finally:
         server.close()
+
+
+def test_checks_past_the_budget_fail_as_not_run(tmp_path):
+    from srpo_megatron.doctor.acceptance.command import run_acceptance
+
+    results = run_acceptance(None, work_dir=tmp_path, budget_s=5.0)
+    assert [r.check for r in results] == [c.name for c in REGISTRY]
+    assert all(r.status == "fail" and r.detail.startswith("not run") for r in results)
+
+
+def test_a_recipe_the_train_check_cannot_load_is_one_line_and_exit_2(tmp_path, capsys):
+    from srpo_megatron.cli import main
+
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("train: {steps: -1}\n")
+    assert main(["doctor", "--acceptance", str(bad), "--json"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("srpo doctor: error:")
