@@ -165,7 +165,7 @@ CHECKS = (
     AcceptanceCheck(
         "versions.cudnn",
         "cuDNN is new enough for TE's fused attention with learnable sinks (and on packed sequences)",
-        "use an image whose cuDNN is >= 9.18 (the nvidia-cudnn wheel torch loads; cluster/container/README.md)",
+        "use an image whose cuDNN is >= 9.18 (the nvidia-cudnn wheel torch loads; see cluster/container/)",
         check_cudnn,
     ),
     AcceptanceCheck(
