@@ -6,6 +6,7 @@
     srpo launch RECIPE --cluster cluster/NAME.yaml ...  submit with nemo-run (Slurm or local)
     srpo jobs status|logs|cancel [EXPERIMENT]           follow launched experiments
     srpo doctor [RECIPE] [--cluster FILE] [--json]      check this node (and a recipe's paths) first
+    srpo doctor --acceptance [RECIPE] [--json]          does the image's GPU stack work here (<= 10 min)
     srpo plan RECIPE --cluster FILE --nodes N [--json]  per-GPU memory; exit 0 fits, 3 does not
 
 Errors in recipes and inputs are printed as one line naming the key/file, value and fix (exit status 2).

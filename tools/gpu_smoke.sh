@@ -27,6 +27,10 @@
 #   bash tools/gpu_smoke.sh            # env: PYTHON (python3), MCORE_VERSIONS ("0.19.2"; e.g. "0.16.1"
 #                                      #      in a second call), PEAK_TFLOPS (790, measured H200 dense
 #                                      #      bf16), SMOKE_BUDGET_S (460), SMOKE_DIR (.cache/smoke)
+#   ACCEPTANCE=1 bash tools/gpu_smoke.sh   # inside the built image (TE, apex, SGLang, torch_memory_saver):
+#                                      # `srpo doctor --acceptance --json` instead of this plan (<= 10 min);
+#                                      # its check lines in SMOKE_DIR/acceptance.jsonl, its summary as the
+#                                      # one line, its exit status (on a CPU it runs what can run, rc 0)
 #   SMOKE_REHEARSE=1 bash tools/gpu_smoke.sh   # the same plan on this CPU machine: tests, train and report
 #                                      # run for real, the benches at CPU sizes, megatron-core as installed
 #                                      # (SMOKE_DIR .cache/smoke-rehearsal); the JSON: each part's seconds
@@ -36,6 +40,21 @@ ROOT=$PWD
 START=$SECONDS
 PY=${PYTHON:-python3}
 REHEARSE=${SMOKE_REHEARSE:-0}
+
+if [ "${ACCEPTANCE:-0}" = 1 ]; then  # the image's parts: the acceptance check covers them, not this plan
+  WORK=${SMOKE_DIR:-$ROOT/.cache/acceptance}
+  mkdir -p "$WORK"
+  PYTHONPATH=$ROOT${PYTHONPATH:+:$PYTHONPATH} "$PY" -m srpo_megatron.cli doctor --acceptance --json \
+    >"$WORK/acceptance.jsonl" 2>"$WORK/acceptance.log"
+  rc=$?
+  last=$(tail -n 1 "$WORK/acceptance.jsonl")
+  case $last in
+    *'"summary"'*) echo "$last" ;;
+    *) echo "{\"ok\":false,\"error\":\"srpo doctor --acceptance exited $rc without its summary; see $WORK\"}" ;;
+  esac
+  exit "$rc"
+fi
+
 MCORE_VERSIONS=${MCORE_VERSIONS:-0.19.2}
 PEAK_TFLOPS=${PEAK_TFLOPS:-790}
 BUDGET=${SMOKE_BUDGET_S:-460}  # the parts' share of the 8 minutes; the rest is start-up and the last line

@@ -8,4 +8,8 @@ Python, torch, CUDA runtime and driver, NCCL, GPUs, the GPU extras against the t
 HF_HOME, model and data, converted checkpoint vs HF config) and a tiny NCCL all-reduce over the node's
 GPUs (:mod:`.allreduce`). :mod:`.command` runs them; ``srpo launch`` runs it on every node as the
 job's first step. On a CPU machine the GPU extras report "not installed (GPU extra)" and pass.
+
+``srpo doctor --acceptance [RECIPE] [--json]`` (:mod:`.acceptance`) asks another question, once per built
+image on its first GPU node: do the image's GPU parts (cuDNN, Transformer Engine, apex, SGLang,
+torch_memory_saver) work together with this project, in about 10 minutes.
 """

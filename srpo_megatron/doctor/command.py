@@ -1,5 +1,7 @@
 """`srpo doctor [RECIPE] [--override KEY=VALUE ...] [--cluster FILE] [--json]`: run every check, print them.
 
+``--acceptance`` runs the image's GPU acceptance checks instead (:mod:`.acceptance`).
+
 Exit status 0 when nothing failed (warnings allowed), 1 when a check failed, so a job step or a script
 can gate on it. With ``--cluster`` the node is held to that cluster's expectations (GPUs per node,
 multi-node needs); inside a Slurm job they come from the job itself; otherwise this machine is taken as
@@ -28,6 +30,12 @@ def add_doctor_args(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--cluster", default=None, help="hold this node to a cluster file's expectations")
     parser.add_argument("--json", action="store_true", help="print the checks as JSON")
+    parser.add_argument(
+        "--acceptance",
+        action="store_true",
+        help="run the image's GPU acceptance checks (TE attention, fused output layer, live SGLang, "
+        "release/resume, a 3-step train); RECIPE: the recipe of the train check (default: the tiny one)",
+    )
 
 
 def recipe_checks(recipe: str, overrides: list[str], expect: NodeExpectations) -> list[Check]:
@@ -90,6 +98,10 @@ def collect(recipe: str | None, overrides: list[str], cluster_ref: str | None) -
 
 
 def doctor_main(args: argparse.Namespace) -> int:
+    if getattr(args, "acceptance", False):
+        from srpo_megatron.doctor.acceptance.command import acceptance_main
+
+        return acceptance_main(args.recipe, args.json, overrides=tuple(args.override))
     try:
         checks, where = collect(args.recipe, list(args.override), args.cluster)
     except ConfigError as e:  # an unusable --cluster file: nothing to hold the node to

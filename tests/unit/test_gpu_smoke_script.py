@@ -1,4 +1,5 @@
-"""tools/gpu_smoke.sh without a GPU: valid bash, one line saying it did not run, exit 0; its plan (part order,
+"""tools/gpu_smoke.sh without a GPU: valid bash, one line saying it did not run, exit 0 (ACCEPTANCE=1: the
+doctor's acceptance check, its summary line); its plan (part order,
 caps within the 8 minutes, the GPU test subset) and its JSON assembly (tools/gpu_smoke_checks.py: part
 outputs, timeouts, junit counts or the -v log of a stopped pytest, the summary); the test harness's backend
 (NCCL for CUDA ranks that each have a GPU, gloo otherwise)."""
@@ -44,6 +45,20 @@ def test_without_a_gpu_it_says_so_in_one_line_and_exits_0():
     assert line["gpu_smoke"] == "skipped" and "no CUDA GPU" in line["reason"]
     parts = REPO / ".cache" / "smoke" / "parts"
     assert not parts.exists() or not any(parts.glob("*"))
+
+
+def test_acceptance_mode_runs_the_doctors_acceptance_and_ends_with_its_summary(tmp_path):
+    """ACCEPTANCE=1 (inside the image) hands over to `srpo doctor --acceptance --json`: its check lines in
+    SMOKE_DIR/acceptance.jsonl, its summary as the one line, its exit status (here: a CPU run, rc 0)."""
+    if _cuda():
+        pytest.skip("a GPU is visible: the acceptance would run for real")
+    env = dict(os.environ, PYTHON=sys.executable, ACCEPTANCE="1", SMOKE_DIR=str(tmp_path))
+    proc = subprocess.run(["bash", str(SCRIPT)], capture_output=True, text=True, env=env, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    lines = proc.stdout.strip().splitlines()
+    assert len(lines) == 1 and json.loads(lines[0])["passed"] is True, proc.stdout
+    checks = (tmp_path / "acceptance.jsonl").read_text().splitlines()
+    assert len(checks) > 10 and all(json.loads(c)["status"] in ("ok", "skipped") for c in checks[:-1])
 
 
 def _cuda() -> bool:
