@@ -417,7 +417,8 @@ class SGLangStandInServer:
                 t = torch.empty(shape, dtype=getattr(torch, dtype))
                 opts = torch.distributed.BroadcastOptions()
                 opts.rootRank, opts.rootTensor = 0, 0
-                pg.broadcast([t], opts).wait()
+                # gloo has no float8: FP8 tensors travel as their bytes (weights.broadcast_sync.wire_tensor)
+                pg.broadcast([t.view(torch.uint8) if t.element_size() == 1 else t], opts).wait()
                 out.append((name, t))
             return out
 
