@@ -148,7 +148,10 @@ def check_served_precision(cfg: Any) -> None:
             f"{where}/config.json: quant_method {method!r} cannot be produced by the weight sync ({engine}; "
             f"blockwise FP8 into SGLang is the one quantized sync); {FIX_BF16}"
         )
-    layout = Fp8Layout.from_quantization_config(qc, f"{where}/config.json")
+    try:
+        layout = Fp8Layout.from_quantization_config(qc, f"{where}/config.json")
+    except ValueError as e:  # per-tensor or non-e4m3 FP8: not the layout the sync writes
+        raise ConfigError(str(e)) from None
     if precision != "fp8":
         raise ConfigError(
             f"{where}/config.json is a blockwise FP8 folder (quant_method fp8): SGLang serves it in FP8 with "

@@ -100,7 +100,9 @@ def qwen3_standin(layers: int = 2) -> torch.nn.Module:
         block = torch.nn.Module()
         block.self_attn, block.mlp = torch.nn.Module(), torch.nn.Module()
         L = sgl_linear
-        block.self_attn.qkv_proj = L.QKVParallelLinear(H, HEAD, NQ, NKV, prefix=p + "self_attn.qkv_proj", **kw)
+        block.self_attn.qkv_proj = L.QKVParallelLinear(
+            H, HEAD, NQ, NKV, prefix=p + "self_attn.qkv_proj", **kw
+        )
         block.self_attn.o_proj = L.RowParallelLinear(NQ * HEAD, H, prefix=p + "self_attn.o_proj", **kw)
         block.mlp.gate_up_proj = L.MergedColumnParallelLinear(H, [F, F], prefix=p + "mlp.gate_up_proj", **kw)
         block.mlp.down_proj = L.RowParallelLinear(F, H, prefix=p + "mlp.down_proj", **kw)
@@ -120,7 +122,9 @@ def bf16_weights(layers: int = 2, seed: int = 0) -> dict[str, torch.Tensor]:
     for i in range(layers):
         for mod, shape in SHAPES.items():
             scale = torch.rand(shape[0] // 32 + 1, 1, generator=g).repeat_interleave(32, 0)[: shape[0]]
-            out[f"model.layers.{i}.{mod}.weight"] = (torch.randn(shape, generator=g) * (0.01 + scale)).bfloat16()
+            out[f"model.layers.{i}.{mod}.weight"] = (
+                torch.randn(shape, generator=g) * (0.01 + scale)
+            ).bfloat16()
     return out
 
 
@@ -134,7 +138,9 @@ def reference_quantize(w: torch.Tensor, block: int = 128) -> tuple[torch.Tensor,
         for bj in range(s.shape[1]):
             blk = w[bi * block : (bi + 1) * block, bj * block : (bj + 1) * block].float()
             amax = blk.abs().max().clamp(min=1e-4)
-            q[bi * block : (bi + 1) * block, bj * block : (bj + 1) * block] = (blk * (448.0 / amax)).to(q.dtype)
+            q[bi * block : (bi + 1) * block, bj * block : (bj + 1) * block] = (blk * (448.0 / amax)).to(
+                q.dtype
+            )
             s[bi, bj] = amax / 448.0
     return q, s
 
@@ -143,10 +149,17 @@ def sync_stream(weights: dict[str, torch.Tensor], bucket_bytes: int = 200_000):
     """The FP8 sync's stream exactly as a sender makes it: ``PendingParam``s through ``quantize_pending``
     into flat buckets (planned from the announced specs, filled by ``fetch_into``); one list per bucket."""
     pending = [
-        PendingParam(n, t.numel() * 2, (lambda n=n, t=t: [(n, t.clone())]), (TensorSpec(n, t.dtype, tuple(t.shape)),))
+        PendingParam(
+            n, t.numel() * 2, (lambda n=n, t=t: [(n, t.clone())]), (TensorSpec(n, t.dtype, tuple(t.shape)),)
+        )
         for n, t in weights.items()
     ]
-    return [b.views() for b in flat_buckets(quantize_pending(pending, Fp8Layout.from_quantization_config(HUB_QC, "hub")), bucket_bytes)]
+    return [
+        b.views()
+        for b in flat_buckets(
+            quantize_pending(pending, Fp8Layout.from_quantization_config(HUB_QC, "hub")), bucket_bytes
+        )
+    ]
 
 
 def load(stand: torch.nn.Module, buckets) -> None:
@@ -185,7 +198,9 @@ def within_fp8_rounding(stand: torch.nn.Module, weights: dict[str, torch.Tensor]
     for i, block in enumerate(stand.model.layers):
         for fused, parts in FUSED.items():
             layer = block.get_submodule(fused)
-            got = block_quant_dequant(layer.weight.data, layer.weight_scale_inv.data, [128, 128], torch.float32)
+            got = block_quant_dequant(
+                layer.weight.data, layer.weight_scale_inv.data, [128, 128], torch.float32
+            )
             want = torch.cat([weights[f"model.layers.{i}.{p}.weight"].float() for p in parts])
             amax = torch.cat([blockwise_amax(weights[f"model.layers.{i}.{p}.weight"].float()) for p in parts])
             bound = (2.0**-4 * want.abs() + amax / 448.0 * 2.0**-10) * (1 + 1e-6)
@@ -277,3 +292,66 @@ def test_a_wrong_scale_convention_is_caught(monkeypatch, bug):
         torch.float32,
     )
     assert bool(((got - want).abs() <= bound * (1 + 1e-6)).all())
+
+
+def mla_standin(kv_lora: int = 192, heads: int = 4, nope: int = 64, v: int = 64) -> torch.nn.Module:
+    """``self`` for DeepSeek's ``post_load_weights``: one layer whose ``kv_b_proj`` is SGLang's real FP8
+    ``ColumnParallelLinear`` (kv_lora_rank 192: a partial 64-column edge block)."""
+    from sglang.srt.layers.linear import ColumnParallelLinear
+
+    with tp1():
+        kv_b = ColumnParallelLinear(
+            kv_lora,
+            heads * (nope + v),
+            bias=False,
+            quant_config=fp8_config(),
+            params_dtype=torch.bfloat16,
+            prefix="model.layers.0.self_attn.kv_b_proj",
+        )
+    attn = torch.nn.Module()
+    attn.kv_b_proj, attn.qk_nope_head_dim, attn.v_head_dim = kv_b, nope, v
+    attn.w_kc = attn.w_vc = attn.w_scale = None
+    layer = torch.nn.Module()
+    layer.self_attn = attn
+    stand = torch.nn.Module()
+    stand.model = torch.nn.Module()
+    stand.model.layers = torch.nn.ModuleList([layer])
+    stand.model.start_layer, stand.model.end_layer = 0, 1
+    stand.config = SimpleNamespace(num_hidden_layers=1, architectures=["DeepseekV3ForCausalLM"])
+    stand.quant_config = fp8_config()
+    return stand
+
+
+def mla_load(stand: torch.nn.Module, named) -> SimpleNamespace:
+    """Each tensor through its real parameter's weight_loader (deepseek_v2's load_weights routes
+    ``kv_b_proj.weight`` / ``.weight_scale_inv`` to them by name), then SGLang's ``post_load_weights``."""
+    from sglang.srt.models.deepseek_v2 import DeepseekV3ForCausalLM
+
+    by_name = dict(stand.named_parameters())
+    with tp1():
+        for n, t in named:
+            by_name[n].weight_loader(by_name[n], t)
+        DeepseekV3ForCausalLM.post_load_weights(stand, weight_names=[n for n, _ in named])
+    attn = stand.model.layers[0].self_attn
+    return SimpleNamespace(w_kc=attn.w_kc, w_vc=attn.w_vc, w_scale=attn.w_scale)
+
+
+def test_mla_post_load_weights_reads_the_sent_scale_like_the_folders():
+    """DeepSeek MLA: ``post_load_weights`` re-derives ``w_kc``/``w_vc`` from ``kv_b_proj`` dequantized with
+    its ``weight_scale_inv`` (on CPU it requantizes per tensor: ``block_quant_to_tensor_quant``; on CUDA
+    with 128 blocks ``block_quant_dequant``). From the sync's tensors it gets exactly what it gets from the
+    FP8 folder's (reference quantizer); planted: a stale scale (the hub's, here ones) does not."""
+    name = "model.layers.0.self_attn.kv_b_proj.weight"
+    w = (torch.randn(4 * 128, 192, generator=torch.Generator().manual_seed(4)) * 0.05).bfloat16()
+    synced = mla_load(mla_standin(), list(fp8_sync.quantize_named([(name, w)], Fp8Layout())))
+    q, s = reference_quantize(w)
+    folder = mla_load(mla_standin(), [(name, q), (name + "_scale_inv", s)])
+    for k in ("w_kc", "w_vc", "w_scale"):
+        assert same({k: getattr(synced, k)}, {k: getattr(folder, k)}) == [], k
+    # the absorbed weights are the policy's within two FP8 roundings (block, then per tensor)
+    ref_kc = w.float().unflatten(0, (-1, 128)).split([64, 64], dim=1)[0]
+    got_kc = synced.w_kc.float() * synced.w_scale.float()
+    bound = 2 * (2.0**-4 * ref_kc.abs().max() + float(w.float().abs().max()) / 448 * 2.0**-9)
+    assert float((got_kc - ref_kc).abs().max()) <= bound
+    stale = mla_load(mla_standin(), [(name, q), (name + "_scale_inv", torch.ones_like(s))])
+    assert float((stale.w_kc.float() * stale.w_scale.float() - ref_kc).abs().max()) > 10 * bound
