@@ -58,7 +58,7 @@ def test_mis_rejects_the_gap_too(tiny):
     rows = _run(
         tiny, "fp8_mis", **{"rollout.precision": "fp8", "loss.is_correction": "mis", "train.steps": 1}
     )
-    assert rows[0]["loss/is_masked_frac"] > 0 and rows[0]["logprob/gap_max"] > 1e-3
+    assert rows[0]["loss/is_masked_frac"] > 0 and rows[0]["logprob/gap_max"] > 1e-4
 
 
 def test_resume_after_step_2_is_bit_identical(tiny, fp8_icepop):
