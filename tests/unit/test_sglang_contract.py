@@ -456,6 +456,36 @@ def test_sglang_contract_distributed_sync_broadcasts_every_bucket_into_every_ser
             s.close()
 
 
+def test_sglang_contract_distributed_sync_carries_fp8_blocks(weight_sets):
+    """The broadcast path with an FP8 stream (``weights.fp8_sync``): the metadata names float8_e4m3fn and
+    float32 scales, the bytes travel over gloo (no float8 type there: ``wire_tensor`` sends the bytes), and
+    the stand-in FP8 engine holds exactly the block dequantization of what the trainer quantized."""
+    from srpo_megatron.conversion.fp8_layout import Fp8Layout
+    from srpo_megatron.ops.fp8_blocks import fake_quantize
+    from srpo_megatron.rollout.sglang.transports import HttpTransport
+    from srpo_megatron.weights.broadcast_sync import StageBroadcaster
+    from srpo_megatron.weights.fp8_sync import quantize_named
+
+    server = SGLangStandInServer(tiny_model("llama", weight_sets[0]), tp_size=1)
+    try:
+        transports = [HttpTransport(server.url, 120)]
+        sender = StageBroadcaster(
+            transports, [server.url], [1], "srpo-fp8-pp0-g0", "gloo", "127.0.0.1", timeout_s=60
+        )
+        layout = Fp8Layout()
+        sent = list(quantize_named(weight_sets[1].items(), layout))
+        sender.send_bucket(sent, 7)
+        body = next(b for path, b in server.bodies if path == "/update_weights_from_distributed")
+        assert "float8_e4m3fn" in body["dtypes"] and any(n.endswith("_scale_inv") for n in body["names"])
+        got = dict(server.model.named_parameters())
+        fp8 = [n for n in weight_sets[1] if layout.is_fp8(n)]
+        assert fp8 and all(torch.equal(got[n], fake_quantize(weight_sets[1][n])) for n in fp8)
+        assert all(torch.equal(got[n], t) for n, t in weight_sets[1].items() if n in got and n not in fp8)
+        sender.close()
+    finally:
+        server.close()
+
+
 # ------------------------------------------------------------------ partial rollouts: pause / continue
 
 
