@@ -255,6 +255,7 @@ class HFEngine:
                     f"was installed, still serving version {self._version}"
                 ) from e
             kinds = {"sent twice": duplicate, "unexpected": unexpected, "mis-shaped": misshaped}
+            kinds["mis-typed"] = bad_dtype
             for name, tensor in received:
                 problem = tensor_problem(name, tensor, self._manifest, set(staged))
                 if problem:

@@ -30,7 +30,8 @@ import torch
 
 from srpo_megatron.buckets import PendingParam, TensorSpec, flat_buckets
 from srpo_megatron.conversion.fp8_layout import Fp8Layout
-from srpo_megatron.rollout.gate import missing_names
+from srpo_megatron.rollout.base import EngineError
+from srpo_megatron.rollout.gate import missing_names, validated_stream
 from srpo_megatron.rollout.served_precision import with_fp8_scales
 from srpo_megatron.testing import sglang_import
 from srpo_megatron.weights import fp8_sync
@@ -257,6 +258,8 @@ def test_bf16_under_dense_names_into_an_fp8_engine_is_caught():
     manifest = with_fp8_scales({n: tuple(t.shape) for n, t in weights.items()}, Fp8Layout())
     missing = missing_names(manifest, set(weights))
     assert len(missing) == len(weights) and all(m.endswith("weight_scale_inv") for m in missing)
+    with pytest.raises(EngineError, match="mis-typed tensor"):  # refused at the first tensor, before sending
+        list(validated_stream(weights.items(), manifest, set()))
 
 
 @pytest.mark.parametrize("bug", ["scale instead of scale_inv", "transposed scale"])
