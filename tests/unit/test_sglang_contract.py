@@ -335,7 +335,7 @@ def test_sglang_contract_tensor_sync_into_an_fp8_folder_engine(weight_sets, mode
     try:
         cfg = SGLangEngineConfig(mode="http", url=server.url, model_path=str(folder), weight_sync="tensor")
         engine = SGLangEngine(cfg, serializer=standin_serialize, tied_aliases=())
-        with pytest.raises(EngineError, match="mis-typed tensor .*float8_e4m3fn"):
+        with pytest.raises(EngineError, match=r"mis-typed tensor .*float8_e4m3fn"):
             engine.update_weights(weight_sets[1].items(), version=1)
         assert not [b for p, b in server.bodies if p == "/update_weights_from_tensor"]
         engine.update_weights(quantize_named(weight_sets[1].items(), Fp8Layout()), version=2)
