@@ -193,3 +193,38 @@ def test_cpu_engine_emulates_the_fp8_engine():
     engine.update_weights(list(before.items()), 1)  # every sync: quantized again
     assert all(torch.equal(engine.model.state_dict()[n], fake_quantize(before[n])) for n in fp8)
     assert any(not torch.equal(state[n], before[n]) for n in fp8)
+
+
+def test_disk_sync_writes_an_fp8_folder_sglang_can_load(tmp_path):
+    """The disk path: the FP8 stream through the shared gate into a checkpoint folder with the served
+    config.json (its quantization_config); the folder passes the start-up name check (each FP8 weight has
+    its scale, nothing else has one) and holds exactly the quantized blocks."""
+    from safetensors.torch import load_file
+
+    from srpo_megatron.weights.disk_sync import DiskInstall
+    from srpo_megatron.weights.fp8_sync import quantize_named
+
+    g = torch.Generator().manual_seed(1)
+    named = {
+        PROJ: torch.randn(300, 200, generator=g).bfloat16(),
+        "model.norm.weight": torch.ones(200).bfloat16(),
+    }
+    served = folder(tmp_path, FP8_QC)
+    manifest = with_fp8_scales({n: tuple(t.shape) for n, t in named.items()}, Fp8Layout())
+    loaded = []
+    engine = SimpleNamespace(weight_version=0, update_weights_from_disk=lambda f, v: loaded.append((f, v)))
+    out = tmp_path / "engine0"
+    DiskInstall(engine, out, manifest, frozenset(), served, 1 << 20).update_weights(
+        quantize_named(named.items(), Fp8Layout()), 3
+    )
+    assert loaded == [(str(out), 3)]
+    check_served_precision(cfg(str(out), "fp8"))
+    files = {}
+    for f in out.glob("*.safetensors"):
+        files |= load_file(str(f))
+    assert files[PROJ].dtype == torch.float8_e4m3fn
+    assert torch.equal(
+        dequantize(files[PROJ], files[PROJ + "_scale_inv"]), fake_quantize(named[PROJ].float())
+    )
+    with pytest.raises(Exception, match="mis-typed"):  # planted: today's bf16 stream
+        DiskInstall(engine, out, manifest, frozenset(), served, 1 << 20).update_weights(named.items(), 4)
