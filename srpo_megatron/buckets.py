@@ -28,7 +28,10 @@ ALIGN = 256  # byte alignment of each tensor in a flat bucket (any dtype view; c
 # (one update request, i.e. one bucket); split over two, it drops both silently. So no bucket closes while a
 # layer's pair is open: a bucket may then exceed ``bucket_bytes`` by the tensors between the two (part of one
 # attention layer). ``tests/sglang_real/test_sglang_deepseek.py`` feeds SGLang's loader bucket by bucket.
+# An FP8 sync (``weights.fp8_sync``) sends each ``weight_scale_inv`` just before its weight, and SGLang fuses
+# the two scales the same way: the pair opens at the first of q_a's tensors and closes at kv_a's weight.
 _PAIR_OPEN, _PAIR_CLOSE = ".self_attn.q_a_proj.weight", ".self_attn.kv_a_proj_with_mqa.weight"
+_PAIR_OPEN_SCALE = _PAIR_OPEN + "_scale_inv"
 
 
 class _FusedPairs:
@@ -40,6 +43,8 @@ class _FusedPairs:
     def add(self, name: str) -> None:
         if name.endswith(_PAIR_OPEN):
             self.open.add(name[: -len(_PAIR_OPEN)])
+        elif name.endswith(_PAIR_OPEN_SCALE):
+            self.open.add(name[: -len(_PAIR_OPEN_SCALE)])
         elif name.endswith(_PAIR_CLOSE):
             self.open.discard(name[: -len(_PAIR_CLOSE)])
 

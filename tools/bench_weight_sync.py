@@ -23,7 +23,11 @@ sampled every 1 ms: what the sync holds). The separate mode reports the same res
 the engine's extra memory (the CPU engine stages a full version before installing it, by design: atomic
 updates).
 
-Usage: ``python tools/bench_weight_sync.py [--layers 10 --hidden 1536 --bucket-mb 512 --repeats 3]``;
+``--fp8``: the FP8 row: bf16 sync (``dtype=bfloat16``) against the blockwise FP8 sync of the same policy
+(``weights.fp8_sync``: each FP8-layout weight quantized per 128x128 block on the sender, sent as e4m3 +
+``weight_scale_inv``) into engines holding those dtypes, alternating pairs; ratio = bf16 time / FP8 time.
+
+Usage: ``python tools/bench_weight_sync.py [--layers 10 --hidden 1536 --bucket-mb 512 --repeats 3] [--fp8]``;
 the last line is one JSON object.
 """
 
@@ -204,11 +208,14 @@ class StreamingEngine:
     """Engine stand-in for the colocated bench: validates every tensor with the shared gate and copies it
     into its own weight of the same shape (as SGLang loads a bucket), never staging a version."""
 
-    def __init__(self, manifest: dict[str, tuple[int, ...]]) -> None:
+    def __init__(
+        self, manifest: dict[str, tuple[int, ...]], dtypes: dict[str, torch.dtype] | None = None
+    ) -> None:
         self.manifest = manifest
         # zeros, not empty: the engine's own weights are resident before the measured syncs (untouched
         # pages of torch.empty would be counted as the host rank's sync overhead on their first write)
-        self.weights = {n: torch.zeros(s, dtype=torch.float32) for n, s in manifest.items()}
+        dtypes = dtypes or {}
+        self.weights = {n: torch.zeros(s, dtype=dtypes.get(n, torch.float32)) for n, s in manifest.items()}
         self.weight_version = 0
         self.bytes = 0
 
@@ -224,8 +231,23 @@ class StreamingEngine:
         self.weight_version = version
 
 
+def fp8_engines(manifest):
+    """``--fp8``: a bf16 engine and a blockwise-FP8 engine (weight e4m3 + weight_scale_inv fp32)."""
+    from srpo_megatron.conversion.fp8_layout import Fp8Layout
+    from srpo_megatron.rollout.served_precision import with_fp8_scales
+
+    layout = Fp8Layout()
+    fp8 = with_fp8_scales(manifest, layout)
+    kinds = {n: torch.float8_e4m3fn if layout.is_fp8(n) else torch.float32 for n in manifest}
+    kinds |= {n: torch.float32 for n in fp8 if n not in manifest}
+    bf16 = StreamingEngine(manifest, dict.fromkeys(manifest, torch.bfloat16))
+    return {"bf16": bf16, "fp8": StreamingEngine(fp8, {n: kinds.get(n, torch.bfloat16) for n in fp8})}, layout
+
+
 def colocated_main(rank, world, config, schedule, bucket_bytes, engine_size):
-    """TP2xPP2 trainer ranks, one engine per ``engine_size`` ranks hosted in-process (weights.engine_sync)."""
+    """TP2xPP2 trainer ranks, one engine per ``engine_size`` ranks hosted in-process (weights.engine_sync).
+    Schedule kinds: ``sync`` (export dtype), ``copy`` (plain bytes), ``bf16`` / ``fp8`` (``--fp8``: the
+    bf16 sync against the FP8 one, quantizing each FP8-layout weight per 128x128 block on the sender)."""
     from srpo_megatron.conversion.table import ConversionTable
     from srpo_megatron.models.architecture import Architecture
     from srpo_megatron.models.policy import build_policy
@@ -244,10 +266,11 @@ def colocated_main(rank, world, config, schedule, bucket_bytes, engine_size):
     layout = EngineLayout(world, engine_size)
     host = layout.is_host(rank)
     manifest = {h: table.hf_shape(h) for h in table.hf_names()}  # = hf_manifest of a folder
-    engine = StreamingEngine(manifest) if host else None
+    engine = StreamingEngine(manifest) if host and "sync" in schedule else None
+    precision_engines, fp8_layout = fp8_engines(manifest) if host and "fp8" in schedule else ({}, None)
+    times = {"sync": [], "copy": [], "bf16": [], "fp8": []}
     stage_bytes = sum(p.nbytes for p in iter_stage_params(model, table, groups))
     senders = [r for r in range(world) if r % TP == 0]  # TP rank 0 of each stage (DP=1)
-    times = {"sync": [], "copy": []}
     rss, live, version, sent_total = [], [], 0, 0
     for kind in schedule:
         dist.barrier()
@@ -260,6 +283,19 @@ def colocated_main(rank, world, config, schedule, bucket_bytes, engine_size):
                 )
             rss.append(mem.rss_extra)
             live.append(mem.live_extra)
+        elif kind in ("bf16", "fp8"):  # --fp8: the same policy as bf16, then quantized to FP8 blocks
+            version += 1
+            sync_engines(
+                model,
+                table,
+                groups,
+                precision_engines.get(kind),
+                version,
+                layout,
+                bucket_bytes=bucket_bytes,
+                dtype=torch.bfloat16,
+                fp8=fp8_layout if kind == "fp8" else None,
+            )
         else:  # the same bytes over the same p2p channels (remote hosts) or a local copy (own host)
             for src in senders:
                 for h in layout.hosts:
@@ -286,8 +322,9 @@ def colocated_main(rank, world, config, schedule, bucket_bytes, engine_size):
         "live_extra": live,
         "largest": largest,
         "host": host,
-        "engine_bytes": engine.bytes if host else 0,
-        "engine_version": engine.weight_version if host else None,
+        "engine_bytes": engine.bytes if engine is not None else 0,
+        "engine_version": engine.weight_version if engine is not None else None,
+        "precision_bytes": {k: e.bytes for k, e in precision_engines.items()},
         "sent_remote": sent_total,
     }
 
@@ -347,6 +384,36 @@ def main_colocated(args, config, bucket_bytes) -> None:
     )
 
 
+def main_fp8(args, config, bucket_bytes) -> None:
+    """``--fp8``: bf16 sync vs FP8 sync (quantize + send) of the same policy, alternating, same run."""
+    from srpo_megatron.local_ranks import run_distributed
+
+    schedule = ["bf16"] + ["bf16", "fp8"] * args.repeats  # a warm-up bf16 sync, then pairs
+    ranks = run_distributed(
+        colocated_main, TP * PP, config, schedule, bucket_bytes, args.gpus_per_engine, timeout=3600
+    )
+    bf16_s = [max(r["times"]["bf16"][k + 1] for r in ranks) for k in range(args.repeats)]
+    fp8_s = [max(r["times"]["fp8"][k] for r in ranks) for k in range(args.repeats)]
+    ratios = [b / f for b, f in zip(bf16_s, fp8_s, strict=True)]
+    ratio = statistics.median(ratios)
+    got = [r["precision_bytes"] for r in ranks if r["host"]]
+    print(f"bytes received per host engine (all syncs): {got}")
+    print(
+        f"bf16 sync per pair: {[round(t, 2) for t in bf16_s]} s; "
+        f"fp8 sync (quantize + send): {[round(t, 2) for t in fp8_s]} s"
+    )
+    print(
+        f"fp8 throughput vs bf16 per pair {[round(r, 2) for r in ratios]}, median {ratio:.2f} (goal >= 0.5)"
+    )
+    result = {"placement": "colocated", "row": "fp8", "bf16_sync_s": [round(t, 3) for t in bf16_s]}
+    result |= {
+        "fp8_sync_s": [round(t, 3) for t in fp8_s],
+        "fp8_vs_bf16": round(ratio, 3),
+        "fp8_met": ratio >= 0.5,
+    }
+    print(json.dumps(result))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--layers", type=int, default=10)
@@ -357,7 +424,10 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--placement", choices=["colocated", "separate"], default="colocated")
     ap.add_argument("--gpus-per-engine", type=int, default=2, help="colocated: trainer ranks per engine")
+    ap.add_argument("--fp8", action="store_true", help="colocated: the FP8 row (bf16 sync vs FP8 sync)")
     args = ap.parse_args()
+    if args.fp8:
+        return main_fp8(args, hf_config(args), args.bucket_mb * 1024**2)
     if args.placement == "colocated":
         return main_colocated(args, hf_config(args), args.bucket_mb * 1024**2)
 

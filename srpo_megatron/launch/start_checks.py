@@ -4,10 +4,11 @@ submits, so a refusal the job would print after its allocation (in one rank's lo
 They are the trainer's own functions, not copies: the top-K and sequence budget against the model
 (``trainer.run.preflight.check_model_limits``), the parallel layout against the job's process count, heads,
 experts (``parallel.ep``) and layers (``trainer.run.preflight.check_layout``), and rollout routing replay
-against the recompute setting and the model (``trainer.run.preflight.check_replay_config``). The HF config
-is read as ``srpo plan`` reads it (``model.hf_dir``'s ``config.json``, else the packaged config of that
-name); when neither is readable on this machine the checks are skipped with a note (the job's doctor step
-reads it).
+against the recompute setting and the model (``trainer.run.preflight.check_replay_config``), and the served
+folder's quantization against ``rollout.precision`` (``rollout.served_precision.check_served_precision``).
+The HF config is read as ``srpo plan`` reads it (``model.hf_dir``'s ``config.json``, else the packaged
+config of that name); when neither is readable on this machine the checks are skipped with a note (the
+job's doctor step reads it).
 """
 
 from __future__ import annotations
@@ -23,7 +24,9 @@ def check_before_submit(cfg: Any, world_size: int, log: Callable[[str], None] = 
     start-up, before anything is submitted (ConfigError: one line naming the key and the fix)."""
     from srpo_megatron.models.architecture import Architecture, UnsupportedModelError
     from srpo_megatron.planner.command import resolve_hf_config
+    from srpo_megatron.rollout.served_precision import check_served_precision
 
+    check_served_precision(cfg)  # reads the served folder itself; skipped where it is not readable here
     try:
         hf_config, _ = resolve_hf_config(cfg.model.hf_dir)
     except ConfigError:

@@ -44,7 +44,11 @@ def build_engine(
         from srpo_megatron.rollout.hf_engine import HFEngine, HFEngineConfig
 
         return HFEngine.from_config(
-            HFEngineConfig(model_path=model_path, max_batch_size=rollout.max_batch_size)
+            HFEngineConfig(
+                model_path=model_path,
+                max_batch_size=rollout.max_batch_size,
+                precision=rollout.precision,
+            )
         )
     from srpo_megatron.rollout.sglang.engine import SGLangEngine
 

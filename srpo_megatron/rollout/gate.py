@@ -36,7 +36,9 @@ def tensor_problem(
     aliases: frozenset[str] = frozenset(),
 ) -> tuple[str, str] | None:
     """``(kind, detail)`` when ``(name, tensor)`` does not belong to the model, else None.
-    kind is one of ``unexpected``, ``mis-shaped``, ``sent twice``."""
+    kind is one of ``unexpected``, ``mis-shaped``, ``mis-typed``, ``sent twice``. ``mis-typed``: a weight
+    that an FP8 engine holds in FP8 (its ``weight_scale_inv`` is in ``manifest``) sent in another dtype:
+    SGLang would cast it to e4m3 unscaled, beside a stale scale, without an error."""
     if name in seen:
         return "sent twice", name
     if name in aliases:
@@ -45,6 +47,11 @@ def tensor_problem(
         return "unexpected", name
     if tuple(tensor.shape) != tuple(manifest[name]):
         return "mis-shaped", f"{name}: got {tuple(tensor.shape)}, model has {tuple(manifest[name])}"
+    if name + "_scale_inv" in manifest and tensor.dtype != torch.float8_e4m3fn:
+        return "mis-typed", (
+            f"{name}: got {str(tensor.dtype).removeprefix('torch.')}, the FP8 engine holds it as "
+            "float8_e4m3fn + weight_scale_inv (the sync must quantize it: rollout.precision fp8)"
+        )
     return None
 
 

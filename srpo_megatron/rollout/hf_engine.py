@@ -55,6 +55,8 @@ from typing import Literal
 import torch
 
 from srpo_megatron.config import ConfigError
+from srpo_megatron.conversion.fp8_layout import Fp8Layout
+from srpo_megatron.ops.fp8_blocks import fake_quantize
 from srpo_megatron.rollout.base import Completion, EngineError, EngineHealth, SamplingParams, sample_seed
 from srpo_megatron.rollout.gate import check_version, missing_names, tensor_problem
 from srpo_megatron.rollout.hf_moe_layout import file_format_params, gpt_oss_slice_params
@@ -73,6 +75,7 @@ class HFEngineConfig:
     max_batch_size: int = 64  # sequences decoded together in one batch (memory bound for the KV cache)
     eos_token_ids: tuple[int, ...] = ()  # stop ids always in force; empty = take them from the model
     initial_version: int = 0  # weight version reported for the weights loaded at construction
+    precision: Literal["bf16", "fp8"] = "bf16"  # fp8: emulate an FP8 engine, dequantize(quantize(W))
 
     def __post_init__(self) -> None:
         if self.max_batch_size < 1:
@@ -126,8 +129,12 @@ class HFEngine:
         max_batch_size: int = 64,
         eos_token_ids: Sequence[int] | None = None,
         initial_version: int = 0,
+        precision: str = "bf16",
     ) -> None:
-        """Serve ``model`` (a ``*ForCausalLM``; put in eval mode, gradients off) as ``initial_version``."""
+        """Serve ``model`` (a ``*ForCausalLM``; put in eval mode, gradients off) as ``initial_version``.
+        ``precision="fp8"`` emulates SGLang's blockwise-FP8 engine: every weight ``Fp8Layout`` keeps in FP8
+        is replaced by ``dequantize(quantize(W))`` (128x128 blocks, ``ops.fp8_blocks``) at load and at
+        every update, so rollouts see exactly the weights an FP8 engine computes with."""
         self._model = model.eval()
         for p in self._model.parameters():
             p.requires_grad_(False)
@@ -158,6 +165,8 @@ class HFEngine:
         required |= {name for name, _ in self._model.named_buffers() if name in state}
         self._required = set(views({name: state[name] for name in required}))
         self._manifest = {name: tuple(t.shape) for name, t in self._params.items()}
+        self._fp8 = Fp8Layout() if precision == "fp8" else None
+        self._emulate_fp8(self._params)
 
     @classmethod
     def from_config(cls, cfg: HFEngineConfig) -> HFEngine:
@@ -179,6 +188,7 @@ class HFEngine:
             max_batch_size=cfg.max_batch_size,
             eos_token_ids=cfg.eos_token_ids or None,
             initial_version=cfg.initial_version,
+            precision=cfg.precision,
         )
 
     # ------------------------------------------------------------------ state
@@ -245,6 +255,7 @@ class HFEngine:
                     f"was installed, still serving version {self._version}"
                 ) from e
             kinds = {"sent twice": duplicate, "unexpected": unexpected, "mis-shaped": misshaped}
+            kinds["mis-typed"] = bad_dtype
             for name, tensor in received:
                 problem = tensor_problem(name, tensor, self._manifest, set(staged))
                 if problem:
@@ -278,6 +289,7 @@ class HFEngine:
                 with torch.no_grad():
                     for name, tensor in staged.items():
                         self._params[name].copy_(tensor.to(self._device, non_blocking=False))
+                    self._emulate_fp8(staged)
             except Exception as e:  # a half-copied model must never serve
                 self._inconsistent = (
                     f"weight update to version {version} failed half-way ({e}); the weights are a mixture "
@@ -287,6 +299,16 @@ class HFEngine:
             self._inconsistent = ""
             self._released = False  # a complete update makes the weights resident (as SGLang's does)
             self._version = int(version)
+
+    def _emulate_fp8(self, names: Iterable[str]) -> None:
+        """``precision="fp8"``: the FP8-layout weights among ``names`` become dequantize(quantize(W))."""
+        if self._fp8 is None:
+            return
+        with torch.no_grad():
+            for name in names:
+                if self._fp8.is_fp8(name):
+                    p = self._params[name]
+                    p.copy_(fake_quantize(p, self._fp8.block))
 
     def _alias_conflicts(self, staged: dict[str, torch.Tensor]) -> list[str]:
         """Tied names (same storage) sent with different values would make the result order-dependent."""

@@ -62,6 +62,7 @@ import torch
 from safetensors.torch import load_file
 from torch.distributed.distributed_c10d import PrefixStore, rendezvous
 
+from srpo_megatron.ops.fp8_blocks import dequantize
 from srpo_megatron.rollout.base import SamplingParams
 from srpo_megatron.rollout.hf_engine import HFEngine
 from srpo_megatron.rollout.sglang import flat_wire
@@ -351,12 +352,23 @@ class SGLangStandInServer:
         """Copy ``named`` tensors into the model, stopping at the first name or shape it lacks (no
         atomicity, as in SGLang), then serve ``body``'s ``weight_version``. Stricter than SGLang, whose
         ``load_weights`` skips a name its model lacks, silently. ``expert_files``: per-expert checkpoint
-        names are accepted without loading them (see ``_is_expert_file_name``)."""
+        names are accepted without loading them (see ``_is_expert_file_name``). An FP8 sync's
+        ``<name>_scale_inv`` + e4m3 ``<name>`` (``weights.fp8_sync``, scale first) is installed as the block
+        dequantization an FP8 engine computes with (``ops.fp8_blocks.dequantize``); an FP8 weight without
+        its scale is a bad tensor."""
         params = dict(self.model.named_parameters())
         # GLM-4.5 / DeepSeek-V3: the routers' e_score_correction_bias is a buffer in HF, a parameter in SGLang
         params.update({n: b for n, b in self.model.named_buffers() if n.endswith("e_score_correction_bias")})
+        scales: dict[str, torch.Tensor] = {}
         with torch.no_grad():
             for name, t in named:
+                if name.endswith("_scale_inv") and name.removesuffix("_scale_inv") in params:
+                    scales[name.removesuffix("_scale_inv")] = t
+                    continue
+                if t.dtype == torch.float8_e4m3fn:
+                    if name not in scales or name not in params:
+                        return {"success": False, "message": f"bad tensor {name} (FP8 without its scale)"}
+                    t = dequantize(t, scales.pop(name), dtype=params[name].dtype)
                 if expert_files and name not in params and self._is_expert_file_name(name):
                     continue  # SGLang loads it into its FusedMoE; the HF model holds experts fused
                 if name not in params or params[name].shape != t.shape:
@@ -417,7 +429,8 @@ class SGLangStandInServer:
                 t = torch.empty(shape, dtype=getattr(torch, dtype))
                 opts = torch.distributed.BroadcastOptions()
                 opts.rootRank, opts.rootTensor = 0, 0
-                pg.broadcast([t], opts).wait()
+                # gloo has no float8: FP8 tensors travel as their bytes (weights.broadcast_sync.wire_tensor)
+                pg.broadcast([t.view(torch.uint8) if t.element_size() == 1 else t], opts).wait()
                 out.append((name, t))
             return out
 

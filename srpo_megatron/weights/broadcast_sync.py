@@ -39,18 +39,21 @@ import torch
 import torch.distributed as dist
 
 from srpo_megatron.buckets import bucketize_pending
+from srpo_megatron.conversion.fp8_layout import Fp8Layout
 from srpo_megatron.conversion.table import ConversionTable
 from srpo_megatron.parallel import ParallelGroups
 from srpo_megatron.ports import free_port
 from srpo_megatron.rollout.base import EngineError
 from srpo_megatron.rollout.gate import head, missing_names, validated_stream
 from srpo_megatron.rollout.placement import EngineLayout
+from srpo_megatron.rollout.served_precision import served_folder, served_fp8_layout
 from srpo_megatron.rollout.sglang.protocol import (
     build_init_weights_update_group_request,
     build_update_weights_from_distributed_request,
     parse_update_response,
 )
 from srpo_megatron.weights.export import is_stage_sender, iter_stage_params
+from srpo_megatron.weights.fp8_sync import quantize_pending
 from srpo_megatron.weights.fused_experts import fuse_expert_slices
 from srpo_megatron.weights.p2p import DEFAULT_BUCKET_BYTES
 from srpo_megatron.weights.sync_common import served_manifest
@@ -85,6 +88,14 @@ def init_weights_group(
     )
     _world.pg_group_ranks[pg] = {i: i for i in range(world_size)}  # group rank == "global" rank
     return pg
+
+
+def wire_tensor(t: torch.Tensor) -> torch.Tensor:
+    """What goes into the broadcast: ``t`` itself, except FP8 off CUDA, as its bytes (gloo has no float8
+    type; NCCL broadcasts float8 as SGLang's receiving side allocates it: CUDA tensors go as they are)."""
+    if t.dtype in (torch.float8_e4m3fn, torch.float8_e5m2) and t.device.type != "cuda":
+        return t.view(torch.uint8)
+    return t
 
 
 def _threads(fns: list[Callable[[], Any]]) -> list[threading.Thread]:
@@ -202,7 +213,7 @@ class StageBroadcaster:
             ]
         )
         for _, tensor in bucket:  # the servers receive in the order of ``names``
-            dist.broadcast(tensor.to(self.device).contiguous(), src=0, group=self.group)
+            dist.broadcast(wire_tensor(tensor.to(self.device).contiguous()), src=0, group=self.group)
         _join(waiting, "update_weights_from_distributed", self.urls)
 
     def flush_cache(self) -> None:
@@ -229,6 +240,7 @@ def broadcast_sync(
     aliases: frozenset[str] = frozenset(),
     bucket_bytes: int = DEFAULT_BUCKET_BYTES,
     dtype: torch.dtype | None = None,
+    fp8: Fp8Layout | None = None,
 ) -> str:
     """Collective over the trainer ranks: every stage streams its parameters into every server through its
     sender's ``broadcaster`` (None off the senders). Returns an error message ("" on success), the same on
@@ -236,6 +248,7 @@ def broadcast_sync(
     seen: set[str] = set()
     error = ""
     pending = fuse_expert_slices(iter_stage_params(model, table, groups, dtype), table)  # SGLang: whole x
+    pending = quantize_pending(pending, fp8)  # an FP8 engine: weight (e4m3) + weight_scale_inv
     if not is_stage_sender(groups):
         for p in pending:  # join this stage's TP gathers
             p.fetch()
@@ -284,6 +297,7 @@ class BroadcastSync:
         self.broadcaster: StageBroadcaster | None = None  # on the stage senders, once connected
         self.generation = 0
         self._manifest: tuple[dict[str, tuple[int, ...]], frozenset[str]] | None = None
+        self._fp8: Fp8Layout | None = None  # the served blockwise FP8 layout, read with the manifest
 
     def _connect(self) -> str:
         """On a stage sender without a group: build this generation's group with every server ("" or why
@@ -311,6 +325,7 @@ class BroadcastSync:
     def push(self, engine: Any, version: int, targets: list[int] | None) -> dict[int, str]:
         if self._manifest is None:  # every rank: all of them check completeness against it
             self._manifest = served_manifest(self.cfg)
+            self._fp8 = served_fp8_layout(served_folder(self.cfg))
         manifest, aliases = self._manifest
         error = self._connect() if is_stage_sender(self.groups) and self.broadcaster is None else ""
         everyone: list[Any] = [None] * self.layout.world_size
@@ -326,6 +341,7 @@ class BroadcastSync:
                 version,
                 aliases=aliases,
                 bucket_bytes=self.cfg.rollout.sglang.bucket_bytes,
+                fp8=self._fp8,
             )
         if error:
             self._disconnect()  # the next try builds a fresh group (a new generation)

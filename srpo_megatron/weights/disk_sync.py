@@ -24,6 +24,7 @@ from srpo_megatron.parallel import ParallelGroups
 from srpo_megatron.rollout.base import EngineError
 from srpo_megatron.rollout.gate import head, missing_names, validated_stream
 from srpo_megatron.rollout.placement import EngineLayout
+from srpo_megatron.rollout.served_precision import served_folder, served_fp8_layout
 from srpo_megatron.weights.engine_sync import ColocatedSync
 from srpo_megatron.weights.sync_common import served_manifest
 
@@ -87,7 +88,9 @@ class DiskSync(ColocatedSync):
     """``WeightSync`` for ``weight_sync: disk`` (module docstring), colocated or separate."""
 
     def __init__(self, cfg: Any, policy: Any, groups: ParallelGroups, layout: EngineLayout) -> None:
-        super().__init__(policy, groups, layout, fuse_experts=True)  # SGLang reads the folder
+        # SGLang reads the folder: whole fused experts, and FP8 weights + scales for a blockwise FP8 folder
+        fp8 = served_fp8_layout(served_folder(cfg))
+        super().__init__(policy, groups, layout, fuse_experts=True, fp8=fp8)
         self.cfg = cfg
         self._manifest: tuple[dict[str, tuple[int, ...]], frozenset[str]] | None = None
 

@@ -28,11 +28,13 @@ import torch
 import torch.distributed as dist
 
 from srpo_megatron.buckets import flat_buckets, streamed_views
+from srpo_megatron.conversion.fp8_layout import Fp8Layout
 from srpo_megatron.conversion.table import ConversionTable
 from srpo_megatron.parallel import ParallelGroups
 from srpo_megatron.rollout.base import EngineError, RolloutEngine
 from srpo_megatron.rollout.placement import EngineLayout
 from srpo_megatron.weights.export import iter_stage_params
+from srpo_megatron.weights.fp8_sync import quantize_pending
 from srpo_megatron.weights.fused_experts import fuse_expert_slices
 from srpo_megatron.weights.p2p import (
     DEFAULT_BUCKET_BYTES,
@@ -90,13 +92,15 @@ def sync_engines(
     bucket_bytes: int = DEFAULT_BUCKET_BYTES,
     dtype: torch.dtype | None = None,
     fuse_experts: bool = False,
+    fp8: Fp8Layout | None = None,
 ) -> int:
     """Collective: install the policy as ``version`` into each target engine (``engine`` is this rank's
     engine on hosts, None elsewhere). Returns the bytes this rank sent to other ranks. An engine that
     rejects the update raises on its host only, after the rest of its stream was drained, so the other
     ranks complete the collective; the caller agrees on failures afterwards (``RolloutService.sync``).
     ``fuse_experts`` (SGLang engines; the same on every rank): whole fused expert tensors instead of the
-    table's slices ``x[e]`` (``weights.fused_experts``; gpt-oss)."""
+    table's slices ``x[e]`` (``weights.fused_experts``; gpt-oss). ``fp8``: the engines serve this blockwise
+    FP8 layout, each FP8 weight goes quantized with its ``weight_scale_inv`` (``weights.fp8_sync``)."""
     me = dist.get_rank()
     targets = sorted(range(layout.num_engines) if targets is None else targets)
     coords = grid(groups)
@@ -107,6 +111,7 @@ def sync_engines(
     pending = iter_stage_params(model, table, groups, dtype, all_replicas=True)
     if fuse_experts:
         pending = fuse_expert_slices(pending, table)
+    pending = quantize_pending(pending, fp8)
     if not receivers:
         # This replica feeds no engine in this sync. MoE expert gathers run over EP/ETP groups that may
         # span replicas, so then it still joins every gather (and drops the result).
@@ -162,13 +167,19 @@ class ColocatedSync:
     """``WeightSync`` for engines fed from the trainer's own ranks (module docstring); ``receiver`` is what
     a host hands its stream to (the engine itself here; ``DiskSync`` writes a folder instead).
     ``fuse_experts``: SGLang engines load gpt-oss's fused expert tensors whole (``sync_engines``); the
-    transformers engine takes the table's slices."""
+    transformers engine takes the table's slices. ``fp8``: the served blockwise FP8 layout (None: bf16)."""
 
     def __init__(
-        self, policy: Any, groups: ParallelGroups, layout: EngineLayout, *, fuse_experts: bool = False
+        self,
+        policy: Any,
+        groups: ParallelGroups,
+        layout: EngineLayout,
+        *,
+        fuse_experts: bool = False,
+        fp8: Fp8Layout | None = None,
     ) -> None:
         self.policy, self.groups, self.layout = policy, groups, layout
-        self.fuse_experts = fuse_experts
+        self.fuse_experts, self.fp8 = fuse_experts, fp8
 
     def receiver(self, engine: RolloutEngine) -> Any:
         return engine
@@ -187,6 +198,7 @@ class ColocatedSync:
                 self.layout,
                 targets=targets,
                 fuse_experts=self.fuse_experts,
+                fp8=self.fp8,
             )
         except EngineError as e:  # on its host only; the others completed the collective
             error = str(e)

@@ -10,13 +10,15 @@ import torch.distributed as dist
 
 from srpo_megatron.conversion.manifest import hf_manifest
 from srpo_megatron.rollout.placement import EngineLayout
+from srpo_megatron.rollout.served_precision import served_folder, served_fp8_layout, with_fp8_scales
 
 
 def served_manifest(cfg: Any) -> tuple[dict[str, tuple[int, ...]], frozenset[str]]:
     """The checkpoint names and shapes the SGLang servers load (the conversion table's, from the served
-    model's folder), and the tied aliases a stream may carry beyond them."""
-    sglang = cfg.rollout.sglang
-    manifest = hf_manifest(sglang.model_path or cfg.model.hf_dir)
+    model's folder), and the tied aliases a stream may carry beyond them. A blockwise FP8 folder adds each
+    FP8 weight's ``weight_scale_inv`` (``rollout.served_precision.with_fp8_scales``)."""
+    folder = served_folder(cfg)
+    manifest = with_fp8_scales(hf_manifest(folder), served_fp8_layout(folder))
     return manifest, frozenset(a for a in ("lm_head.weight",) if a not in manifest)
 
 

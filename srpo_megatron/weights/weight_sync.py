@@ -28,6 +28,7 @@ from typing import Any, Protocol
 from srpo_megatron.config import ConfigError, RolloutConfig
 from srpo_megatron.rollout.base import RolloutEngine
 from srpo_megatron.rollout.placement import EngineLayout
+from srpo_megatron.rollout.served_precision import served_folder, served_fp8_layout
 from srpo_megatron.weights.broadcast_sync import BroadcastSync
 from srpo_megatron.weights.disk_sync import DiskSync
 from srpo_megatron.weights.engine_sync import ColocatedSync
@@ -85,4 +86,7 @@ def build_weight_sync(
         return BroadcastSync(cfg, policy, groups, layout, urls)
     if name == "disk":
         return DiskSync(cfg, policy, groups, layout)
-    return ColocatedSync(policy, groups, layout, fuse_experts=cfg.rollout.engine == "sglang")
+    if cfg.rollout.engine != "sglang":  # the CPU engine takes bf16, emulates FP8 itself (rollout.precision)
+        return ColocatedSync(policy, groups, layout)
+    fp8 = served_fp8_layout(served_folder(cfg))  # a blockwise FP8 folder: the sync quantizes (fp8_sync)
+    return ColocatedSync(policy, groups, layout, fuse_experts=True, fp8=fp8)

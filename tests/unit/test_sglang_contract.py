@@ -315,6 +315,37 @@ def test_sglang_contract_tensor_sync_sends_one_flattened_bucket_per_server_tp_ra
     assert out[0][0].weight_version == 1 and server.version == "1"
 
 
+def test_sglang_contract_tensor_sync_into_an_fp8_folder_engine(weight_sets, model_dir, tmp_path):
+    """Colocated tensor path, engine serving a blockwise FP8 folder: its manifest (built from the folder)
+    holds every FP8 weight's weight_scale_inv; the FP8 stream travels in SGLang's flattened buckets and the
+    stand-in FP8 engine holds the block dequantization. Planted: today's bf16 stream into it is refused
+    for the missing scales, before anything is sent."""
+    import shutil
+
+    from srpo_megatron.conversion.fp8_layout import Fp8Layout
+    from srpo_megatron.ops.fp8_blocks import fake_quantize
+    from srpo_megatron.weights.fp8_sync import quantize_named
+
+    folder = tmp_path / "fp8"
+    shutil.copytree(model_dir, folder)
+    config = json.loads((folder / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [128, 128]}
+    (folder / "config.json").write_text(json.dumps(config))
+    server = SGLangStandInServer(tiny_model("llama", weight_sets[0]), tp_size=1)
+    try:
+        cfg = SGLangEngineConfig(mode="http", url=server.url, model_path=str(folder), weight_sync="tensor")
+        engine = SGLangEngine(cfg, serializer=standin_serialize, tied_aliases=())
+        with pytest.raises(EngineError, match=r"mis-typed tensor .*float8_e4m3fn"):
+            engine.update_weights(weight_sets[1].items(), version=1)
+        assert not [b for p, b in server.bodies if p == "/update_weights_from_tensor"]
+        engine.update_weights(quantize_named(weight_sets[1].items(), Fp8Layout()), version=2)
+        got = dict(server.model.named_parameters())
+        fp8 = [n for n in weight_sets[1] if Fp8Layout().is_fp8(n)]
+        assert fp8 and all(torch.equal(got[n], fake_quantize(weight_sets[1][n])) for n in fp8)
+    finally:
+        server.close()
+
+
 def test_sglang_contract_tp_size_comes_from_the_server_not_the_recipe(tensor_engine_factory, weight_sets):
     engine, server = tensor_engine_factory(tp_size=4)  # recipe says nothing: cfg.tp_size == 1
     engine.update_weights(weight_sets[1].items(), version=1)
@@ -454,6 +485,36 @@ def test_sglang_contract_distributed_sync_broadcasts_every_bucket_into_every_ser
     finally:
         for s in servers:
             s.close()
+
+
+def test_sglang_contract_distributed_sync_carries_fp8_blocks(weight_sets):
+    """The broadcast path with an FP8 stream (``weights.fp8_sync``): the metadata names float8_e4m3fn and
+    float32 scales, the bytes travel over gloo (no float8 type there: ``wire_tensor`` sends the bytes), and
+    the stand-in FP8 engine holds exactly the block dequantization of what the trainer quantized."""
+    from srpo_megatron.conversion.fp8_layout import Fp8Layout
+    from srpo_megatron.ops.fp8_blocks import fake_quantize
+    from srpo_megatron.rollout.sglang.transports import HttpTransport
+    from srpo_megatron.weights.broadcast_sync import StageBroadcaster
+    from srpo_megatron.weights.fp8_sync import quantize_named
+
+    server = SGLangStandInServer(tiny_model("llama", weight_sets[0]), tp_size=1)
+    try:
+        transports = [HttpTransport(server.url, 120)]
+        sender = StageBroadcaster(
+            transports, [server.url], [1], "srpo-fp8-pp0-g0", "gloo", "127.0.0.1", timeout_s=60
+        )
+        layout = Fp8Layout()
+        sent = list(quantize_named(weight_sets[1].items(), layout))
+        sender.send_bucket(sent, 7)
+        body = next(b for path, b in server.bodies if path == "/update_weights_from_distributed")
+        assert "float8_e4m3fn" in body["dtypes"] and any(n.endswith("_scale_inv") for n in body["names"])
+        got = dict(server.model.named_parameters())
+        fp8 = [n for n in weight_sets[1] if layout.is_fp8(n)]
+        assert fp8 and all(torch.equal(got[n], fake_quantize(weight_sets[1][n])) for n in fp8)
+        assert all(torch.equal(got[n], t) for n, t in weight_sets[1].items() if n in got and n not in fp8)
+        sender.close()
+    finally:
+        server.close()
 
 
 # ------------------------------------------------------------------ partial rollouts: pause / continue

@@ -36,6 +36,7 @@ from srpo_megatron.config import SGLangEngineConfig
 from srpo_megatron.conversion.manifest import hf_manifest
 from srpo_megatron.rollout.base import Completion, EngineError, EngineHealth, SamplingParams
 from srpo_megatron.rollout.gate import check_version, head, missing_names, validated_stream
+from srpo_megatron.rollout.served_precision import served_fp8_layout, with_fp8_scales
 from srpo_megatron.rollout.sglang.protocol import (
     build_continue_generation_request,
     build_generate_request,
@@ -105,7 +106,9 @@ class SGLangEngine:
         offline engine able to report routed experts (``rollout.routing_replay``; an HTTP server gets the
         flag from ``servers.server_argv``)."""
         self.cfg = cfg
-        self._manifest = manifest if manifest is not None else hf_manifest(cfg.model_path)
+        if manifest is None:  # a blockwise FP8 folder: its FP8 weights' weight_scale_inv too
+            manifest = with_fp8_scales(hf_manifest(cfg.model_path), served_fp8_layout(cfg.model_path))
+        self._manifest = manifest
         self._aliases = frozenset(a for a in tied_aliases if a not in self._manifest)
         self._version = int(initial_version)
         self._memory_tags = memory_tags()  # SGLang's GPU_MEMORY_ALL_TYPES, in its order

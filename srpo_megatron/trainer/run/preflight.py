@@ -28,15 +28,18 @@ from typing import Any
 from srpo_megatron.config import ConfigError
 from srpo_megatron.conversion.output_guard import check_conversion_sizes
 from srpo_megatron.models.architecture import Architecture, pipeline_stage_layers
+from srpo_megatron.rollout.served_precision import check_served_precision
 
 
 def check_before_model(cfg: Any, world_size: int) -> None:
     """`srpo train`'s checks before megatron or the model: the model's ``config.json`` readable, the model
-    limits, the parallel layout over ``world_size`` processes, then MoE expert replay."""
+    limits, the parallel layout over ``world_size`` processes, MoE expert replay, then the served folder's
+    quantization against ``rollout.precision`` (before any engine starts)."""
     hf_config = read_model_config(cfg.model.hf_dir)  # one line for a missing or broken config.json
     check_model_limits(cfg, hf_config)  # top-K within the vocabulary, sequence budget within positions
     check_layout(cfg, world_size, hf_config)
     check_replay_config(cfg, Architecture.from_hf(cfg.model.hf_dir))  # replay: MoE, router not recomputed
+    check_served_precision(cfg)  # the served folder's quantization is one the weight sync can produce
 
 
 def read_model_config(hf_dir: str) -> dict[str, Any]:
