@@ -48,6 +48,7 @@ import contextlib
 
 import torch
 
+from srpo_megatron.compat.router_replay import ReplayRouters
 from srpo_megatron.models.moe_metrics import RouterRecorder
 from srpo_megatron.rollout.routed_experts import as_token_layer_topk
 from srpo_megatron.trainer.microbatches.batches import MicroBatch, Sequence
@@ -130,25 +131,24 @@ class MoEReplay(contextlib.AbstractContextManager):
         ]
         self.recorder = RouterRecorder(policy.model, self.num_layers) if record else None
         self._stack = contextlib.ExitStack()
+        self._replay: ReplayRouters | None = None
+        self._failed = False
 
     def __enter__(self) -> MoEReplay:
-        from megatron.core.transformer.moe.router_replay import RouterReplayAction
-
         if self.replay:
-            for router in self.routers:
-                router.router_replay.set_router_replay_action(RouterReplayAction.REPLAY_FORWARD)
-            self._stack.callback(self._clear_replay)
+            self._replay = self._stack.enter_context(ReplayRouters(self.routers))
+            self._stack.callback(self._check_consumed)  # runs first on exit: the FIFOs are still there
         if self.recorder is not None:
             self._stack.enter_context(self.recorder)
         return self
 
     def __exit__(self, *exc) -> None:
+        self._failed = exc[0] is not None
         self._stack.close()
 
-    def _clear_replay(self) -> None:
-        for router in self.routers:
-            router.router_replay.clear_indices()
-            router.router_replay.clear_router_replay_action()
+    def _check_consumed(self) -> None:
+        if not self._failed:
+            self._replay.check_consumed()
 
     def before_forward(self, k: int) -> None:
         """Set micro-batch ``k``'s replay targets and metric context (runs just before its forward)."""
@@ -175,9 +175,12 @@ class MoEReplay(contextlib.AbstractContextManager):
         engine = engine.to(dev)
         if self.replay:
             filler = torch.arange(self.top_k, dtype=torch.long, device=dev).expand(t, self.top_k)
-            for router in self.routers:
-                ids = engine[:, router.layer_number - 1].long()
-                router.router_replay.set_target_indices(torch.where(ids < 0, filler, ids))
+
+            def ids(router) -> torch.Tensor:
+                layer = engine[:, router.layer_number - 1].long()
+                return torch.where(layer < 0, filler, layer)
+
+            self._replay.set_targets(self.routers, ids)
         if self.recorder is not None:
             real = (member >= 0) & ~last
             has_engine = any(r is not None for r in self.routed)
