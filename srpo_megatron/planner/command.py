@@ -191,9 +191,10 @@ def format_plan(plan: Plan, ranked: list[Plan], source: str) -> str:
     if m.replay is not None:
         r = m.replay
         lines.append(
-            f"routing replay: {r['bytes'] / 2**20:.2f} MiB of expert ids per GPU = {r['router_tokens']} router "
-            f"tokens x {r['moe_layers']} MoE layers x top-{r['top_k']} x {r['id_bytes']} B (int64) x "
-            f"{r['in_flight']} micro-batches in flight, freed by each micro-batch's backward"
+            f"routing replay: {r['bytes'] / 2**20:.2f} MiB of expert ids per GPU = "
+            f"{r['router_tokens']} router tokens x {r['moe_layers']} MoE layers x top-{r['top_k']} x "
+            f"{r['id_bytes']} B (int64) x {r['in_flight']} micro-batches in flight, freed by each "
+            "micro-batch's backward"
         )
     if plan.settings.engine == "colocated":
         lines.append(f"engine KV cache: {m.kv_tokens} tokens per engine GPU")

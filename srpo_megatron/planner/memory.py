@@ -28,8 +28,8 @@ Options (``PlanSettings``), and which the trainer implements today:
   ``selective`` is planned as ``none``: an upper bound, the estimate already leaves out what
   core-attention recompute drops), ``sequence_parallel``, micro-batches padded to
   ``model.max_sequence_length``, ``cp`` (each rank holds 1/CP of every packed sequence; the trainer needs
-  packing for it), ``ep``/``etp`` (MoE, trainer/microbatches/moe_replay.py), ``routing_replay`` (the replayed int64
-  expert ids of the micro-batches in flight, ``replay_id_bytes``). The planner
+  packing for it), ``ep``/``etp`` (MoE, trainer/microbatches/moe_replay.py), ``routing_replay`` (the
+  replayed int64 expert ids of the micro-batches in flight, ``replay_ids``). The planner
   models only keys the trainer's ``TrainConfig`` accepts (tests/unit/test_planner_recipe.py).
 
 Activations per layer and token follow what megatron's local layer spec saves for backward (measured
