@@ -12,9 +12,13 @@ and training passes route every token to the experts the engine used when it gen
 forward :meth:`MoEReplay.before_forward` gives every router of this pipeline stage its layer's expert ids
 for this rank's tokens (``set_target_indices``) under ``RouterReplayAction.REPLAY_FORWARD``, whose top-k
 is those ids and whose gate probabilities are the trainer's own scores gathered at them (so gradients
-still reach the router). The used API (``router.router_replay``, ``set_target_indices``,
-``set_router_replay_action``, ``clear_indices``, ``clear_router_replay_action``) is the same in
-megatron-core 0.16.1 and 0.19.2; ``tests/unit/test_moe_replay.py`` fails if it changes.
+still reach the router). The same ids are replayed when activation recompute re-runs the router in the
+micro-batch's backward, under every pipeline schedule: ``compat/router_replay.py`` (``ReplayRouters``)
+keeps them per (micro-batch, router) until then and switches megatron's router to ``REPLAY_BACKWARD``,
+which megatron itself never does; the pass checks that nothing is left. The used API
+(``router.router_replay``, ``set_target_indices``, ``set_router_replay_action``, ``clear_indices``,
+``clear_router_replay_action``, ``replay_backward_list``) is the same in megatron-core 0.16.1 and 0.19.2;
+``tests/unit/test_moe_replay.py`` fails if it changes.
 
 The EMA teacher is never replayed: it scores the response under a different context (the sibling's
 solution in its prompt, method §1.4), so the engine's expert choice for the student's context does not apply
