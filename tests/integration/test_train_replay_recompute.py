@@ -8,7 +8,7 @@ biases) are perturbed, a stand-in for a real SGLang engine's bf16 / kernel diffe
   on every response token of every MoE layer (``moe/topk_mismatch_share`` 0) although its own router would
   choose otherwise, and the first step's loss and gradient norm equal the same run without recompute
   (<= 1e-5): the recompute in backward replays the micro-batch's own experts (``compat/router_replay.py``).
-- DeepSeek-V3 at PP2 (1F1B over 4 micro-batches: micro-batch k+1's forward runs before k's backward, where a
+- Qwen3-MoE at PP2 (1F1B over 4 micro-batches: micro-batch k+1's forward runs before k's backward, where a
   replay of the last-set experts went wrong) with full recompute equals the PP1 step with replay.
 """
 
@@ -117,12 +117,18 @@ def test_three_steps_at_ep2_with_full_recompute_replay_the_engines_experts(tiny)
     _same_step(rows[0], ref[0])
 
 
-def test_pp2_full_recompute_replays_each_micro_batch(tiny):
-    if tiny[0] != "deepseek":
-        pytest.skip("one family at PP2 is enough: the schedule, not the router, decides this case")
-    ref = _run(tiny, "pp1", 1, **{"train.steps": 1})
-    (row,) = _run(
-        tiny, "pp2_full", 2, **{"parallel.pp": 2, "train.steps": 1, "performance.recompute": "full"}
-    )
+@pytest.fixture(scope="module")
+def tiny_qwen3_moe(tmp_path_factory):
+    from srpo_megatron.testing.tiny import write_tiny_run
+
+    return ("qwen3_moe", *write_tiny_run(tmp_path_factory.mktemp("replay_pp2"), num_prompts=16, moe=True))
+
+
+def test_pp2_full_recompute_replays_each_micro_batch(tiny_qwen3_moe):
+    """Qwen3-MoE (every layer MoE: each stage routes; a stage of only dense layers, as the tiny DeepSeek's
+    first at PP2, stops the router metrics, ``models/moe_metrics.py``)."""
+    ref = _run(tiny_qwen3_moe, "pp1", 1, **{"train.steps": 1})
+    overrides = {"parallel.pp": 2, "train.steps": 1, "performance.recompute": "full"}
+    (row,) = _run(tiny_qwen3_moe, "pp2_full", 2, **overrides)
     assert row["moe/topk_mismatch_share"] == 0.0
     _same_step(row, ref[0])
