@@ -120,6 +120,7 @@ def settings_from_recipe(
             else float(kwargs.get("swa_full_tokens_ratio", SGLANG_SWA_FULL_TOKENS_RATIO))
         ),
         fused_output=fused_output(perf),
+        routing_replay=roll.routing_replay,
     )
     return shape, settings, source
 
@@ -186,6 +187,14 @@ def format_plan(plan: Plan, ranked: list[Plan], source: str) -> str:
         lines.append(
             f"fused output layer: loss logits {before / GiB:.2f} GiB -> {after / GiB:.2f} GiB on the last "
             "stage (performance.fused_output; off: materialised [T, V/TP] logits)"
+        )
+    if m.replay is not None:
+        r = m.replay
+        lines.append(
+            f"routing replay: {r['bytes'] / 2**20:.2f} MiB of expert ids per GPU = "
+            f"{r['router_tokens']} router tokens x {r['moe_layers']} MoE layers x top-{r['top_k']} x "
+            f"{r['id_bytes']} B (int64) x {r['in_flight']} micro-batches in flight, freed by each "
+            "micro-batch's backward"
         )
     if plan.settings.engine == "colocated":
         lines.append(f"engine KV cache: {m.kv_tokens} tokens per engine GPU")

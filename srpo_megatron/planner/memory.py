@@ -28,7 +28,8 @@ Options (``PlanSettings``), and which the trainer implements today:
   ``selective`` is planned as ``none``: an upper bound, the estimate already leaves out what
   core-attention recompute drops), ``sequence_parallel``, micro-batches padded to
   ``model.max_sequence_length``, ``cp`` (each rank holds 1/CP of every packed sequence; the trainer needs
-  packing for it), ``ep``/``etp`` (MoE, trainer/microbatches/moe_replay.py). The planner
+  packing for it), ``ep``/``etp`` (MoE, trainer/microbatches/moe_replay.py), ``routing_replay`` (the
+  replayed int64 expert ids of the micro-batches in flight, ``replay_ids``). The planner
   models only keys the trainer's ``TrainConfig`` accepts (tests/unit/test_planner_recipe.py).
 
 Activations per layer and token follow what megatron's local layer spec saves for backward (measured
@@ -115,6 +116,8 @@ class PlanSettings:
     engine_swa_ratio: float | None = SGLANG_SWA_FULL_TOKENS_RATIO
     # the output layer fused into the loss kernels (performance.fused_output; no [T, V/TP] logits)
     fused_output: bool = False
+    # rollout.routing_replay: the engine's expert ids are replayed (MoE; the int64 ids kept per micro-batch)
+    routing_replay: bool = False
 
 
 @dataclass
@@ -126,6 +129,7 @@ class StageMemory:
     rollout: dict[str, int] = field(default_factory=dict)
     resident: list[str] = field(default_factory=list)  # components on the GPU in both phases
     kv_tokens: int = 0  # tokens the engine's KV cache holds on this GPU's engine
+    replay: dict | None = None  # routing replay's expert-id terms (``replay_ids``), None without replay
 
     @property
     def peak(self) -> int:
@@ -185,6 +189,7 @@ class Plan:
             "components": {"train": self.stage.train, "rollout": self.stage.rollout},
             "resident": self.stage.resident,
             "kv_cache_tokens": self.stage.kv_tokens,
+            "replay_expert_ids": self.stage.replay,
             "separate_engine_gpu": self.engine_gpu,
             "separate_engine_kv_tokens": self.engine_kv_tokens,
             "overflow": self.overflow,
@@ -374,6 +379,24 @@ def _buffers(shape: ModelShape, s: PlanSettings, stage: int, exact: bool = True)
     return buf, opt
 
 
+def replay_ids(shape: ModelShape, layout: Layout, stage: int, tokens: int, sp: bool, in_flight: int) -> dict:
+    """Routing replay's expert ids on stage ``stage`` (``compat/router_replay.py``): int64 ``[tokens, k]``
+    per MoE layer (the index megatron's ``scores.gather`` takes) for each micro-batch between its forward
+    and its backward, ``tokens`` the micro-batch's tokens on this rank (÷ TP under sequence parallelism).
+    Kept for the backward recompute with recompute, held by autograd as the gather's index without; freed
+    with the micro-batch's backward either way. Returns the terms and their product ``bytes``."""
+    layers = stage_layers(shape.num_layers, layout.pp)
+    first = sum(layers[:stage])
+    terms = dict(
+        router_tokens=math.ceil(tokens / (layout.tp if sp else 1)),
+        moe_layers=sum(shape.is_moe_layer(i) for i in range(first, first + layers[stage])),
+        top_k=shape.moe_topk,
+        id_bytes=8,
+        in_flight=in_flight,
+    )
+    return {**terms, "bytes": math.prod(terms.values())}
+
+
 def _stage_memory(
     shape: ModelShape,
     s: PlanSettings,
@@ -403,6 +426,9 @@ def _stage_memory(
     t["teacher fp32 copy"] = fp32_copy
     in_flight = min(layout.pp - stage, micro_batches)
     t["activations"] = activation_bytes(shape, layout, stage, tokens, s, in_flight)
+    if s.routing_replay and shape.is_moe:
+        m.replay = replay_ids(shape, layout, stage, tokens, s.sequence_parallel, in_flight)
+        t["replay expert ids"] = m.replay["bytes"]
     last = stage == layout.pp - 1
     t["loss logits + chunks"] = (
         loss_logits_bytes(shape, layout, tokens, s.params_bytes, s.fused_output) if last else 0

@@ -28,6 +28,7 @@ FILES = (
     "dist/test_weight_sync.py",  # weights out of megatron's layout after an optimizer step
     "dist/test_fused_output_tp.py",  # the fused output layer vs megatron's ColumnParallelLinear (SP, TP)
     "dist/test_output_rows_upstream.py",  # GPTModel's hidden states, the region op's reduce: upstream facts
+    "dist/test_replay_recompute.py",  # the routing-replay shim, its schedules and "upstream still needs it"
 )
 
 TESTS = (

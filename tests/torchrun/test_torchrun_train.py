@@ -5,7 +5,7 @@
   this process, which the workers reach through ``SRPO_ENGINE_URLS`` as on a cluster (no
   ``SRPO_SYNC_HOST``: the sender finds its address itself);
 - colocated, two CPU engines at world 4 (TP2, ``rollout.gpus_per_engine=2``);
-- MoE at EP2 (world 2).
+- MoE at EP2 (world 2); MoE at PP2 x EP2 (world 4) with full recompute and routing replay.
 """
 
 from __future__ import annotations
@@ -141,3 +141,17 @@ def test_moe_at_ep2_under_torchrun(tmp_path, tiny_moe):
     for r in rows:
         assert 1.0 <= r["moe/expert_load_max_over_mean"] <= 2.0, "4 experts, top-2"
         assert r["moe/router_disagreement_share"] < 0.01, "engine and trainer route alike"
+
+
+def test_moe_replay_with_full_recompute_at_pp2_ep2_under_torchrun(tmp_path, tiny_moe):
+    """World 4: PP2 (1F1B, stage 0 runs micro-batch k+1's forward before k's backward) x EP2, full
+    recompute, routing replay: the recompute replays each micro-batch's experts (compat/router_replay.py)."""
+    overrides = [
+        "parallel.pp=2",
+        "parallel.ep=2",
+        "performance.recompute=full",
+        "rollout.routing_replay=true",
+    ]
+    rows = _train(tmp_path, tiny_moe, 4, *overrides)
+    for r in rows:
+        assert r["moe/topk_mismatch_share"] == 0.0, "the engine's experts on every response token and layer"

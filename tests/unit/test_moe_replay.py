@@ -158,8 +158,8 @@ def test_replay_config_refusals(tmp_path):
     check_replay_config(cfg(), moe)
     with pytest.raises(ConfigError, match="dense model"):
         check_replay_config(cfg(), dense)
-    with pytest.raises(ConfigError, match="recompute=full"):
-        check_replay_config(cfg(recompute="full"), moe)
+    check_replay_config(cfg(recompute="full"), moe)  # replayed in the recompute too (compat/router_replay.py)
+    check_replay_config(cfg(recompute="selective", recompute_modules=["mlp"]), moe)
 
 
 def test_sglang_request_asks_for_routed_experts_and_the_reply_is_decoded():
@@ -180,3 +180,55 @@ def test_sglang_request_asks_for_routed_experts_and_the_reply_is_decoded():
     }
     [[c]] = parse_generate_response([{"meta_info": meta}], rows, 1, weight_version=0)
     assert c.routed_experts.tolist() == ids.tolist()
+
+
+class _Router(torch.nn.Module):
+    """Stands in for megatron's TopKRouter around a real ``RouterReplay``: top-k of its scores, replayed."""
+
+    def __init__(self, layer_number: int):
+        from megatron.core.transformer.moe.router_replay import RouterReplay
+
+        super().__init__()
+        self.layer_number, self.router_replay = layer_number, RouterReplay()
+
+    def forward(self, scores):
+        own = lambda s, k, num_groups=None, group_topk=None: torch.topk(s, k, dim=1)  # noqa: E731
+        return self.router_replay.get_replay_topk(scores, 2, None, None, own)[1]
+
+
+@pytest.mark.parametrize("recompute", [True, False], ids=["recompute", "no-recompute"])
+def test_replay_routers_keep_each_micro_batch_for_its_recompute(recompute):
+    """``compat/router_replay.py`` on megatron's real ``RouterReplay``: a 1F1B warm-up (F0, F1, B0, B1) where
+    the checkpointed forward runs with autograd off and the recompute with it on. Each recompute gets its own
+    micro-batch's ids, nothing is kept without recompute, nothing after the pass. Planted: without the switch
+    to ``REPLAY_BACKWARD`` (megatron alone), the recompute of mb0 replays mb1's ids."""
+    from megatron.core.transformer.moe.router_replay import RouterReplay
+
+    from srpo_megatron.compat.router_replay import ReplayRouters
+
+    router = _Router(1)
+    scores = torch.rand(3, 4)
+    ids = [torch.tensor([[0, 1], [1, 2], [2, 3]]), torch.tensor([[3, 0], [0, 2], [1, 3]])]
+    try:
+        with ReplayRouters([router]) as replay:
+            seen = []
+            for k in (0, 1):  # the forwards, inside checkpoints (autograd off) when recomputed
+                replay.set_targets([router], lambda r, k=k: ids[k])
+                with torch.set_grad_enabled(not recompute):
+                    seen.append(router(scores))
+            assert replay.kept() == (2 if recompute else 0)
+            if recompute:  # the backward recomputes, in forward order, autograd on
+                seen += [router(scores), router(scores)]
+            replay.check_consumed()
+        assert all(torch.equal(s, ids[i % 2]) for i, s in enumerate(seen))
+        assert replay.kept() == 0 and router.router_replay.router_replay_action is None
+
+        # Planted: megatron's API alone (REPLAY_FORWARD per micro-batch, nothing switched).
+        from megatron.core.transformer.moe.router_replay import RouterReplayAction
+
+        for k in (0, 1):
+            router.router_replay.set_router_replay_action(RouterReplayAction.REPLAY_FORWARD)
+            router.router_replay.set_target_indices(ids[k])
+        assert torch.equal(router(scores), ids[1]), "the recompute of mb0 replays mb1's experts"
+    finally:
+        RouterReplay.global_router_replay_instances.remove(router.router_replay)

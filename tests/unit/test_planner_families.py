@@ -193,7 +193,7 @@ def test_rollout_kv_cache_by_sglangs_pools():
 REPO = Path(__file__).resolve().parents[2]
 # (recipe, packaged config, training nodes, routing replay)
 FAMILY_RECIPES = [
-    ("deepseek_v3_srpo.yaml", "DeepSeek-V3", 32, False),
+    ("deepseek_v3_srpo.yaml", "DeepSeek-V3", 32, True),
     ("glm45_air_srpo.yaml", "GLM-4.5-Air", 8, True),
     ("gpt_oss_20b_srpo.yaml", "gpt-oss-20b", 2, True),
 ]
@@ -235,6 +235,12 @@ def test_family_recipes_plan_exactly_and_dryrun(recipe, name, nodes, replay, hf_
     assert out["active_params"] == active_params(shape)
     assert (out["mtp_params_excluded"] > 0) == (name != "gpt-oss-20b")  # DeepSeek and GLM ship MTP layers
     assert out["router_buffer_elements"] == router_buffer_elements(shape)
+    ids = out["replay_expert_ids"]  # routing replay's int64 expert ids, counted in the train phase
+    assert (ids is not None) is replay
+    if replay:
+        terms = ids["router_tokens"] * ids["moe_layers"] * ids["top_k"] * ids["id_bytes"] * ids["in_flight"]
+        assert ids["bytes"] == terms == out["components"]["train"]["replay expert ids"]
+        assert ids["top_k"] == shape.moe_topk and ids["id_bytes"] == 8
     text = " ".join(line.lstrip("# ") for line in path.read_text().splitlines())
     stated = re.search(rf"--nodes {nodes}\): peak ([\d.]+) GiB per GPU", text)
     assert stated and abs(out["peak_bytes"] / GiB - float(stated.group(1))) < 0.005, "update the comment"
@@ -248,6 +254,16 @@ def test_deepseek_v3_engine_spans_four_nodes(tmp_path, capsys, stdin_devnull):
     base = ["launch", "examples/deepseek_v3_srpo.yaml", "--cluster", "h100", "--nodes", "32", "--dryrun"]
     assert commands.main([*base, "--home", str(tmp_path)]) == 0
     assert "# rollout: 1 engines of TP32 (32 GPUs each) on 4 engine node(s)" in capsys.readouterr().out
+    # Routing replay's expert ids on the worst stage (1 of PP4: 16 MoE layers), 10240-token micro-batches
+    # ÷ TP8 under sequence parallelism, 3 micro-batches in flight (PP4 - stage 1), int64: 3.75 MiB per GPU.
+    from srpo_megatron.cli import main
+
+    assert main(["plan", "examples/deepseek_v3_srpo.yaml", "--cluster", "h100", "--nodes", "32"]) == 0
+    want = (
+        "routing replay: 3.75 MiB of expert ids per GPU = 1280 router tokens x 16 MoE layers x top-8 x 8 B "
+        "(int64) x 3 micro-batches in flight"
+    )
+    assert want in capsys.readouterr().out
     # On one node (tp_size 8) the planner refuses the engine, naming its weights per GPU.
     from srpo_megatron.planner.command import plan_recipe
 

@@ -180,20 +180,20 @@ def tiny_moe(tmp_path):
 
 
 @pytest.mark.parametrize(
-    ("extra", "words"),
+    ("model", "extra", "words"),
     [
-        (["performance.recompute=full", "rollout.routing_replay=true"], "rollout.routing_replay=true with"),
-        (["parallel.ep=3"], "do not divide by parallel.ep=3"),
+        ("tiny_hf", ["rollout.routing_replay=true"], "is a dense model (no experts)"),
+        ("tiny_moe", ["parallel.ep=3"], "do not divide by parallel.ep=3"),
     ],
 )
 def test_launch_runs_the_hf_config_start_up_checks_before_submitting(
-    tmp_path, tiny_moe, capsys, extra, words
+    tmp_path, request, capsys, model, extra, words
 ):
-    """Probe: the tiny MoE recipe with recompute full + routing replay on 4 local tasks was submitted and
-    ended FAILED, its refusal only in rank 0's stderr.log; now `srpo launch` refuses it first."""
+    """Probe: a recipe refused by the start-up checks on 4 local tasks was submitted and ended FAILED, its
+    refusal only in rank 0's stderr.log; now `srpo launch` refuses it first (replay needs an MoE model)."""
     cluster = tmp_path / "local4.yaml"
     cluster.write_text(yaml.safe_dump({"name": "l4", "executor": "local", "tasks_per_node": 4}))
-    overrides = [f"model.hf_dir={tiny_moe}", *extra]
+    overrides = [f"model.hf_dir={request.getfixturevalue(model)}", *extra]
     argv = ["launch", str(RECIPE), "--cluster", str(cluster), "--home", str(tmp_path / "h"), "--dryrun"]
     line = _line(capsys, [*argv, *(a for o in overrides for a in ("-o", o))], "launch")
     assert words in line, line

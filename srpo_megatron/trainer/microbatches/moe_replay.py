@@ -12,9 +12,13 @@ and training passes route every token to the experts the engine used when it gen
 forward :meth:`MoEReplay.before_forward` gives every router of this pipeline stage its layer's expert ids
 for this rank's tokens (``set_target_indices``) under ``RouterReplayAction.REPLAY_FORWARD``, whose top-k
 is those ids and whose gate probabilities are the trainer's own scores gathered at them (so gradients
-still reach the router). The used API (``router.router_replay``, ``set_target_indices``,
-``set_router_replay_action``, ``clear_indices``, ``clear_router_replay_action``) is the same in
-megatron-core 0.16.1 and 0.19.2; ``tests/unit/test_moe_replay.py`` fails if it changes.
+still reach the router). The same ids are replayed when activation recompute re-runs the router in the
+micro-batch's backward, under every pipeline schedule: ``compat/router_replay.py`` (``ReplayRouters``)
+keeps them per (micro-batch, router) until then and switches megatron's router to ``REPLAY_BACKWARD``,
+which megatron itself never does; the pass checks that nothing is left. The used API
+(``router.router_replay``, ``set_target_indices``, ``set_router_replay_action``, ``clear_indices``,
+``clear_router_replay_action``, ``replay_backward_list``) is the same in megatron-core 0.16.1 and 0.19.2;
+``tests/unit/test_moe_replay.py`` fails if it changes.
 
 The EMA teacher is never replayed: it scores the response under a different context (the sibling's
 solution in its prompt, method §1.4), so the engine's expert choice for the student's context does not apply
@@ -48,6 +52,7 @@ import contextlib
 
 import torch
 
+from srpo_megatron.compat.router_replay import ReplayRouters
 from srpo_megatron.models.moe_metrics import RouterRecorder
 from srpo_megatron.rollout.routed_experts import as_token_layer_topk
 from srpo_megatron.trainer.microbatches.batches import MicroBatch, Sequence
@@ -130,25 +135,24 @@ class MoEReplay(contextlib.AbstractContextManager):
         ]
         self.recorder = RouterRecorder(policy.model, self.num_layers) if record else None
         self._stack = contextlib.ExitStack()
+        self._replay: ReplayRouters | None = None
+        self._failed = False
 
     def __enter__(self) -> MoEReplay:
-        from megatron.core.transformer.moe.router_replay import RouterReplayAction
-
         if self.replay:
-            for router in self.routers:
-                router.router_replay.set_router_replay_action(RouterReplayAction.REPLAY_FORWARD)
-            self._stack.callback(self._clear_replay)
+            self._replay = self._stack.enter_context(ReplayRouters(self.routers))
+            self._stack.callback(self._check_consumed)  # runs first on exit: the FIFOs are still there
         if self.recorder is not None:
             self._stack.enter_context(self.recorder)
         return self
 
     def __exit__(self, *exc) -> None:
+        self._failed = exc[0] is not None
         self._stack.close()
 
-    def _clear_replay(self) -> None:
-        for router in self.routers:
-            router.router_replay.clear_indices()
-            router.router_replay.clear_router_replay_action()
+    def _check_consumed(self) -> None:
+        if not self._failed:
+            self._replay.check_consumed()
 
     def before_forward(self, k: int) -> None:
         """Set micro-batch ``k``'s replay targets and metric context (runs just before its forward)."""
@@ -175,9 +179,12 @@ class MoEReplay(contextlib.AbstractContextManager):
         engine = engine.to(dev)
         if self.replay:
             filler = torch.arange(self.top_k, dtype=torch.long, device=dev).expand(t, self.top_k)
-            for router in self.routers:
-                ids = engine[:, router.layer_number - 1].long()
-                router.router_replay.set_target_indices(torch.where(ids < 0, filler, ids))
+
+            def ids(router) -> torch.Tensor:
+                layer = engine[:, router.layer_number - 1].long()
+                return torch.where(layer < 0, filler, layer)
+
+            self._replay.set_targets(self.routers, ids)
         if self.recorder is not None:
             real = (member >= 0) & ~last
             has_engine = any(r is not None for r in self.routed)

@@ -10,8 +10,8 @@
 - :func:`check_layout`: the world divides into TP × PP × CP × DP and the model and batch divide over them
   (heads and KV groups over TP, layers over PP, experts over EP once the recipe has ``parallel.ep``, the
   step's samples over mini-batches × DP).
-- :func:`check_replay_config`: ``rollout.routing_replay`` only for an MoE model and with a recompute that
-  leaves the router out of the backward pass (``trainer/microbatches/moe_replay.py`` replays the experts).
+- :func:`check_replay_config`: ``rollout.routing_replay`` only for an MoE model (any recompute: the
+  experts are replayed in the backward recompute too, ``compat/router_replay.py``).
 - :func:`check_rewards`: every reward target the data needs is imported, its signature checked (it must
   take ``(response, answer)``: ``os:system`` is refused before it is called), and called once on a dummy
   input, with a timeout, by the reward pool the run will score with (rank 0's worker processes); a dummy
@@ -38,7 +38,7 @@ def check_before_model(cfg: Any, world_size: int) -> None:
     hf_config = read_model_config(cfg.model.hf_dir)  # one line for a missing or broken config.json
     check_model_limits(cfg, hf_config)  # top-K within the vocabulary, sequence budget within positions
     check_layout(cfg, world_size, hf_config)
-    check_replay_config(cfg, Architecture.from_hf(cfg.model.hf_dir))  # replay: MoE, router not recomputed
+    check_replay_config(cfg, Architecture.from_hf(cfg.model.hf_dir))  # replay: an MoE model
     check_served_precision(cfg)  # the served folder's quantization is one the weight sync can produce
 
 
@@ -143,14 +143,7 @@ def check_replay_config(cfg, arch) -> None:
             f"rollout.routing_replay=true but model.hf_dir {cfg.model.hf_dir} is a dense model (no experts); "
             "set rollout.routing_replay=false"
         )
-    perf = cfg.performance
-    if perf.recompute == "full" or (perf.recompute == "selective" and "mlp" in perf.recompute_modules):
-        raise ConfigError(
-            f"rollout.routing_replay=true with performance.recompute={perf.recompute} would recompute the "
-            "MoE router in the backward pass, where megatron-core replays the last micro-batch's experts "
-            "under pipeline schedules; use performance.recompute=selective with recompute_modules "
-            "[core_attn] (or none)"
-        )
+    # Any recompute is fine: compat/router_replay.py replays each micro-batch's experts in its recompute.
 
 
 def check_rewards(targets: list[str], rollout: Any) -> None:
