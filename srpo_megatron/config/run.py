@@ -15,6 +15,9 @@ class RunConfig:
     seed: int = 1234  # seeds init, rollout sampling (per step) and data shuffling
     save_every: int = 10  # checkpoint every N optimizer steps (0 = only at the end)
     keep_last: int = 2  # checkpoints kept (older ones are deleted after a new one is complete)
+    # Distributed-optimizer state saved model-shaped (megatron's fully_reshardable: gathered on DP rank 0,
+    # slow) so a resume may change TP/PP/EP; false = dp_reshardable, fully parallel, resumes at any DP
+    checkpoint_fully_reshardable: bool = False
     tensorboard: bool = True  # also write TensorBoard scalars under <dir>/tensorboard
     wandb_project: str | None = None  # log to Weights & Biases too (needs the `wandb` extra)
     progress_bar: bool = True  # a tqdm bar with the key figures on rank 0

@@ -33,6 +33,7 @@ FILES = (
 
 TESTS = (
     "dist/test_checkpoint_files_dist.py::test_two_ranks_hash_and_verify_alike",
+    "dist/test_checkpoint_format.py::test_both_optimizer_formats_resume_bit_exactly",
     "dist/test_conversion.py::test_converted_tiny_qwen3_matches_hf_at_every_layout",
     "dist/test_conversion.py::test_trainer_checkpoint_saved_at_tp2_pp2_exports_bit_exact",
     "dist/test_conversion_stream.py::test_streamed_checkpoint_equals_megatrons_own_save",

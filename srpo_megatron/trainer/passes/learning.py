@@ -66,12 +66,12 @@ def train_mini_batch(policy: Policy, scored: ScoredBatch) -> StepStats:
         if last
         else Normalizers(1.0, 0.0, 0.0)
     )
-    per_micro: list[StepStats] = []
+    per_micro: list[tuple[dict[str, torch.Tensor], torch.Tensor]] = []  # on device until the step's sync
     scale = len(micro) * g.dp_size
 
     def on_rows(rows: Rows, k: int) -> torch.Tensor:
         loss, metrics = routed_loss(rows, micro[k].local_tokens(batches[k]), normalizers, cfg.loss, g.tp)
-        per_micro.append(StepStats.from_metrics(metrics, loss=float(loss.detach())))
+        per_micro.append((metrics, loss.detach()))
         return loss * scale
 
     policy.ddp.zero_grad_buffer()
@@ -82,10 +82,10 @@ def train_mini_batch(policy: Policy, scored: ScoredBatch) -> StepStats:
     with moe or contextlib.nullcontext():
         hook = None if moe is None else moe.before_forward
         run_schedule(policy.ddp, micro, on_rows, policy.head, forward_only=False, before_forward=hook)
-    out = reduce_stats(per_micro)
+    finite, micro_stats = _finite_and_stats(policy.model, per_micro, policy.device)  # the one host sync
+    out = reduce_stats(micro_stats)
     if last:  # each CP rank's sums cover its own rows
         out = cpar.reduce_stats_over(out, g.cp, policy.device)
-    finite = _all_true(_grads_finite(policy.model) and math.isfinite(out.loss), policy.device)
     skipped, stepped, grad_norm = 0.0, 0.0, float("nan")
     if finite or not cfg.train.skip_nonfinite:
         ok, norm, _ = policy.optimizer.step()
@@ -102,20 +102,48 @@ def train_mini_batch(policy: Policy, scored: ScoredBatch) -> StepStats:
     return out.counted_once(last and g.tp_rank == 0 and g.cp_rank == 0)
 
 
-def _grads_finite(model: torch.nn.Module) -> bool:
+def _finite_and_stats(
+    model: torch.nn.Module,
+    per_micro: list[tuple[dict[str, torch.Tensor], torch.Tensor]],
+    device: torch.device,
+) -> tuple[bool, list[StepStats]]:
+    """Collective: whether every rank's gradients and micro-batch losses are finite, and each micro-batch's
+    stats, with ONE host sync for the step (a ``tolist``), however many parameters and micro-batches.
+
+    Each rank's flag and losses stay on device; the flag is MAX-reduced over all ranks as a device tensor
+    (NCCL on GPU), then it and every micro-batch's metrics and loss, cast to float64 (exact for the fp32
+    losses and the float64/integer counts), come to the host together: the same Python floats that
+    ``float(tensor)`` gave per value. A loss sum over finite fp32 losses cannot overflow in float64, so
+    "every micro-batch loss finite" is "the step's loss finite". Megatron's own found-inf check
+    (``MixedPrecisionOptimizer.prepare_grads``) runs only with an fp16 grad scaler, and its bf16/fp32
+    ``optimizer.step()`` applies non-finite gradients; hence the check before it.
+    """
+    ok = _grads_finite(model, device)
+    if per_micro:
+        ok = ok & torch.stack([torch.isfinite(loss) for _, loss in per_micro]).all()
+    bad = (~ok).to(torch.float64).reshape(1)
+    if dist.is_initialized():
+        dist.all_reduce(bad, op=dist.ReduceOp.MAX)
+    exact = lambda v: v.detach().to(torch.float64).reshape(1)  # noqa: E731
+    packed = [bad, *(exact(v) for metrics, loss in per_micro for v in (*metrics.values(), loss))]
+    flat = torch.cat(packed).tolist()  # the host sync
+    stats, at = [], 1
+    for metrics, _ in per_micro:
+        fields = dict(zip(metrics, flat[at : at + len(metrics)], strict=True))
+        stats.append(StepStats.from_metrics(fields, loss=flat[at + len(metrics)]))
+        at += len(metrics) + 1
+    return flat[0] == 0.0, stats
+
+
+def _grads_finite(model: torch.nn.Module, device: torch.device) -> torch.Tensor:
+    """Whether every gradient of ``model`` is finite, as a 0-dim bool on device (no host sync)."""
+    flags = []
     for p in model.parameters():
         grad = getattr(p, "main_grad", None)
         if grad is None:
             grad = p.grad
-        if grad is not None and not bool(torch.isfinite(grad).all()):
-            return False
-    return True
-
-
-def _all_true(flag: bool, device: torch.device) -> bool:
-    """Every rank's ``flag`` is True (a device tensor: the default group is NCCL on GPU)."""
-    if not dist.is_initialized():
-        return flag
-    t = torch.tensor([0.0 if flag else 1.0], device=device)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return t.item() == 0.0
+        if grad is not None:
+            flags.append(torch.isfinite(grad).all())
+    if not flags:
+        return torch.ones((), dtype=torch.bool, device=device)
+    return torch.stack(flags).all()

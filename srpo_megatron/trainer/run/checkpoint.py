@@ -5,7 +5,9 @@ Layout of ``<run>/checkpoints/``::
     step_000010/                 one complete checkpoint (dist_checkpointing torch_dist directory)
         model.* tensors          the policy (``POLICY_PREFIX``, the converter's layout: export works on it)
         teacher.* tensors        the EMA/frozen self-teacher
-        optimizer.* tensors      optimizer state (megatron's sharded optimizer state dict)
+        optimizer.* tensors      optimizer state (megatron's sharded optimizer state dict; its format and
+                                 the TP/PP/EP/DP layout in dist_checkpointing's content metadata,
+                                 see optimizer_format.py)
         hf_config.json           the policy's HF config (tools/convert_megatron_to_hf.py reads it)
         hf_source.json           the policy's model.hf_dir (export copies the hub's MTP layers from it)
         trainer_state.json       step, LR scheduler, data cursor, engine weight version, metrics tail
@@ -37,6 +39,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed.checkpoint.api import CheckpointException
 
 from srpo_megatron.children import megatron_results_queue
 from srpo_megatron.compat.float16_optimizer import fix_float16_optimizer_checkpointing
@@ -52,6 +55,7 @@ from srpo_megatron.conversion.mtp import record_source
 from srpo_megatron.conversion.spec_compat import drop_absent_extra_state, stored_sharded_keys
 from srpo_megatron.durable_io import fsync_dir, fsync_tree, write_text_durably
 from srpo_megatron.models.architecture import load_hf_config_dict
+from srpo_megatron.trainer.run import optimizer_format
 from srpo_megatron.trainer.run.rng_state import load_rng_file, rng_state, set_rng_state
 from srpo_megatron.trainer.state.ema_shard import load_teacher_fp32, teacher_fp32_state
 
@@ -86,7 +90,8 @@ def _load_tensors(policy: Policy, path: Path) -> None:
     """Policy, teacher (and its fp32 EMA copy when saved) and optimizer state from ``path``."""
     from megatron.core import dist_checkpointing
 
-    sharded = _sharded_state(policy, loading=True)
+    saved = dist_checkpointing.load_content_metadata(str(path))
+    sharded = _sharded_state(policy, True, optimizer_format.loadable_sharding(saved, policy.groups, path))
     stored = stored_sharded_keys(str(path))
     fp32 = sharded.get("teacher_fp32", {})
     if fp32 and any(sh.key not in stored for sh in fp32.values()):
@@ -94,9 +99,11 @@ def _load_tensors(policy: Policy, path: Path) -> None:
     for part in ("model", "teacher"):  # saved without TE, resumed with TE: see drop_absent_extra_state
         if part in sharded:
             drop_absent_extra_state(sharded[part], stored, str(path))
+    # torch DCP's CheckpointException (a rank's KeyError, e.g. a shard key the checkpoint lacks) is a
+    # BaseException, not an Exception
     try:
         loaded = dist_checkpointing.load(sharded, str(path))
-    except Exception as e:  # megatron/torch name neither the directory nor what to do
+    except (Exception, CheckpointException) as e:  # megatron/torch name neither the directory nor the fix
         first = (str(e).strip().splitlines() or [type(e).__name__])[0][:300]
         raise CheckpointError(
             f"{path}: loading the model/optimizer shards failed ({type(e).__name__}: {first}); the recipe's "
@@ -109,7 +116,13 @@ def _load_tensors(policy: Policy, path: Path) -> None:
         policy.teacher.reset_master()
         if "teacher_fp32" in loaded:  # the exact EMA; without it one bf16 rounding (older checkpoints)
             load_teacher_fp32(policy.teacher, loaded["teacher_fp32"])
-    with _keep_torch_adam_step(policy.optimizer), fix_float16_optimizer_checkpointing(policy.optimizer):
+    # no_grad: megatron's dp_reshardable load (0.16.1, 0.19.2) copies into the fp32 params' main shards,
+    # views of the params themselves, outside no_grad (its fully_reshardable load has the decorator)
+    with (
+        torch.no_grad(),
+        _keep_torch_adam_step(policy.optimizer),
+        fix_float16_optimizer_checkpointing(policy.optimizer),
+    ):
         policy.optimizer.load_state_dict(loaded["optimizer"])
     untie_torch_adam_steps(policy.optimizer)
 
@@ -140,12 +153,16 @@ def untie_torch_adam_steps(optimizer: Any) -> int:
 
 @contextlib.contextmanager
 def _keep_torch_adam_step(optimizer: Any):
-    """Shim for megatron-core 0.16's fully_reshardable load with torch Adam (no Apex/TE, i.e. CPU).
+    """Shim for megatron-core's distributed-optimizer load with torch Adam (no Apex/TE, i.e. CPU; 0.16.1
+    and 0.19.2).
 
     ``DistributedOptimizer.load_state_dict`` restores torch Adam's per-parameter ``step`` from the param
     groups, then ``_set_main_param_and_optimizer_states`` copies every state key of the parameter from
-    the loaded tensors, which never carry ``step`` (KeyError). The shim hands it the restored ``step``
-    itself (a copy onto itself). FusedAdam (GPU) keeps ``step`` in the param groups and never needs it.
+    the loaded tensors. A fully_reshardable load's tensors carry no ``step`` (KeyError); a dp_reshardable
+    load's carry the fresh optimizer's own ``step`` as a non-persistent object (the dummy state's, not the
+    checkpoint's: it overwrote the restored step, tests/dist/test_checkpoint_format.py). The shim hands it
+    the restored ``step`` itself (a copy onto itself). FusedAdam (GPU) keeps ``step`` in the param groups
+    and never needs it.
     """
     patched = []
     for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
@@ -156,7 +173,7 @@ def _keep_torch_adam_step(optimizer: Any):
         def with_step(model_param, tensors, opt=opt, original=original):
             group, order = opt.model_param_group_index_map[model_param]
             state = opt.optimizer.state[opt.optimizer.param_groups[group]["params"][order]]
-            if "step" in state and "step" not in tensors:
+            if "step" in state:
                 tensors = {**tensors, "step": state["step"]}
             return original(model_param, tensors)
 
@@ -169,7 +186,7 @@ def _keep_torch_adam_step(optimizer: Any):
             del opt._set_main_param_and_optimizer_states  # back to the class's method
 
 
-def _sharded_state(policy: Policy, loading: bool) -> dict[str, Any]:
+def _sharded_state(policy: Policy, loading: bool, sharding: str) -> dict[str, Any]:
     model_sd = policy.model.sharded_state_dict(prefix=POLICY_PREFIX)
     state: dict[str, Any] = {"model": model_sd}
     if policy.teacher is not None:
@@ -177,10 +194,7 @@ def _sharded_state(policy: Policy, loading: bool) -> dict[str, Any]:
         fp32 = teacher_fp32_state(policy.teacher, policy.model, model_sd, loading)  # ema_shard.py
         if fp32:
             state["teacher_fp32"] = fp32
-    # The distributed optimizer's default format (fully_sharded_model_space) builds flattened_range
-    # tensors, which megatron-core 0.16 refuses on save; fully_reshardable stores model-shaped state
-    # (gathered on DP rank 0) and reshards over DP, TP and PP on load. Other optimizers ignore it.
-    meta = {"distrib_optim_sharding_type": "fully_reshardable"}
+    meta = {"distrib_optim_sharding_type": sharding}  # other optimizers ignore it
     if loading:  # its sharded_state_dict reads the moments' step: give a fresh optimizer states to load into
         for opt in getattr(policy.optimizer, "chained_optimizers", [policy.optimizer]):
             if hasattr(opt, "_init_optimizer_states_with_dummy_values") and not opt.optimizer.state:
@@ -219,7 +233,9 @@ def save_checkpoint(
     _barrier()
     megatron_results_queue()  # megatron's writer results manager dies with this process (children.py)
     with policy.offload.all_on_device():  # host-resident teacher (trainer/state/offload.py)
-        dist_checkpointing.save(_sharded_state(policy, loading=False), str(tmp))
+        content = optimizer_format.content_metadata(policy.cfg.run, policy.groups)
+        sharded = _sharded_state(policy, False, content[optimizer_format.SHARDING_KEY])
+        dist_checkpointing.save(sharded, str(tmp), content_metadata=content)
     clock.mark("dist_checkpointing_s")
     (tmp / "rng").mkdir(exist_ok=True)  # every rank (shared or per-node filesystem alike)
     torch.save(rng_state(), tmp / "rng" / f"rank_{_rank():05d}.pt")
