@@ -3,7 +3,8 @@ submits, so a refusal the job would print after its allocation (in one rank's lo
 
 They are the trainer's own functions, not copies: the top-K and sequence budget against the model
 (``trainer.run.preflight.check_model_limits``), the parallel layout against the job's process count, heads,
-experts (``parallel.ep``) and layers (``trainer.run.preflight.check_layout``), and rollout routing replay
+experts (``parallel.ep``) and layers (``trainer.run.preflight.check_layout``), CP with attention sinks
+(``check_attention_cp``), and rollout routing replay
 against the recompute setting and the model (``trainer.run.preflight.check_replay_config``). The HF config
 is read as ``srpo plan`` reads it (``model.hf_dir``'s ``config.json``, else the packaged config of that
 name); when neither is readable on this machine the checks are skipped with a note (the job's doctor step
@@ -29,10 +30,16 @@ def check_before_submit(cfg: Any, world_size: int, log: Callable[[str], None] = 
     except ConfigError:
         log(f"# start-up checks skipped: no config.json readable here for {cfg.model.hf_dir}")
         return
-    from srpo_megatron.trainer.run.preflight import check_layout, check_model_limits, check_replay_config
+    from srpo_megatron.trainer.run.preflight import (
+        check_attention_cp,
+        check_layout,
+        check_model_limits,
+        check_replay_config,
+    )
 
     check_model_limits(cfg, hf_config)
     check_layout(cfg, world_size, hf_config)
+    check_attention_cp(cfg, hf_config)  # gpt-oss sinks under CP: the a2a exchange only
     try:
         arch = Architecture.from_hf(hf_config)
     except UnsupportedModelError as e:

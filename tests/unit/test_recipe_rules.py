@@ -38,6 +38,7 @@ ADDED_SINCE = {
     "rollout.parity_top_k": 0,
     "rollout.allow_reward_errors": False,
     "performance.fused_output": "auto",
+    "parallel.cp_comm_type": "p2p",
 }
 # Keys a recipe set since the snapshot (recipe -> key -> value): the GRPO and SDPO baselines average per
 # sequence as SDPO's code, with which the paper's baseline runs were made (issue 28, D1).
