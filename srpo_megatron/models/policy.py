@@ -47,7 +47,12 @@ from megatron.core.transformer.transformer_layer import get_transformer_layer_of
 from srpo_megatron.config import ConfigError, MoEConfig
 from srpo_megatron.models.architecture import Architecture, padded_vocab_size, pipeline_stage_layers
 from srpo_megatron.models.attention import SDPACoreAttention
-from srpo_megatron.models.gpt_oss import gpt_oss_config_overrides, set_yarn_attributes, with_expert_biases
+from srpo_megatron.models.gpt_oss import (
+    gpt_oss_config_overrides,
+    keep_expert_biases_out_of_the_sp_reduce,
+    set_yarn_attributes,
+    with_expert_biases,
+)
 from srpo_megatron.models.moe import apply_router_controls, mark_tp_replicated_experts, moe_config_overrides
 from srpo_megatron.models.norms import SequenceParallelRMSNorm
 from srpo_megatron.models.performance import transformer_engine_installed, transformer_engine_problem
@@ -313,6 +318,8 @@ def build_policy(
         vp_stage=vp_stage,
         **rope,
     )
+    if arch.is_moe and arch.linear_bias:  # gpt-oss: expert biases out of the SP all-reduce, any spec
+        keep_expert_biases_out_of_the_sp_reduce(model)
     if arch.is_moe:
         apply_router_controls(model, moe)
         ep, etp = config.expert_model_parallel_size, config.expert_tensor_parallel_size
