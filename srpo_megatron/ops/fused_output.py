@@ -182,7 +182,7 @@ class _HiddenSource:
     order, hence the same values as today's path, while the GEMM gets enough rows to run at matmul speed.
     """
 
-    def __init__(self, shard: OutputShard, block: int):
+    def __init__(self, shard: OutputShard, block: int, release_at_end: bool = False):
         self.h = shard.hidden.reshape(-1, shard.hidden.shape[-1])  # [N, H]
         self.w = shard.weight
         self.pad = shard.vocab_pad if shard.vocab_pad is not None and bool(shard.vocab_pad.any()) else None
@@ -195,6 +195,9 @@ class _HiddenSource:
         self.block = block
         self._buf: torch.Tensor | None = None
         self._held = (0, 0)  # the rows [a0, b0) in ``_buf``
+        # forward passes: let the block buffer go with the last chunk's view, so it is not held through the
+        # kernel's collectives and top-k ordering (at TP2 that pushed the extra memory over 0.1 of a shard)
+        self.release_at_end = release_at_end
 
     def gemm(self, a: int, b: int, out: torch.Tensor | None = None) -> torch.Tensor:
         """The logits rows [a, b) in the weight's dtype, padded ids masked, the mix applied."""
@@ -228,6 +231,8 @@ class _HiddenSource:
             self._held = (a0, b0)
         assert self._buf is not None and b <= b0  # chunks never straddle blocks (block % chunk == 0)
         z = self._buf[a - a0 : b - a0]
+        if self.release_at_end and b == self.rows:  # the caller's view keeps it alive while it is used
+            self._buf, self._held = None, (0, 0)
         if z.dtype == cdt and temperature == 1.0:
             return z  # the kernel never writes into a chunk it was given
         out.copy_(z)
@@ -246,7 +251,14 @@ def _fused_forward(shard: OutputShard, ids, k, topk_rows, group, temperature, wi
     chunk, block = _chunks(shard.vocab_shard, chunk_tokens, shard.device)
     with torch.no_grad():
         return _forward_stats(
-            _HiddenSource(shard, block), ids, k, topk_rows, group, temperature, with_entropy, chunk
+            _HiddenSource(shard, block, release_at_end=True),
+            ids,
+            k,
+            topk_rows,
+            group,
+            temperature,
+            with_entropy,
+            chunk,
         )
 
 
@@ -256,7 +268,7 @@ class _FusedOutputStats(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, ids, k, topk_rows, group, temperature, with_entropy, chunk_tokens, pad):
         chunk, block = _chunks(weight.shape[0], chunk_tokens, hidden.device)
-        src = _HiddenSource(OutputShard(hidden, weight, pad), block)
+        src = _HiddenSource(OutputShard(hidden, weight, pad), block, release_at_end=True)
         lse, logp, topk_logp, topk_ids, ent = _forward_stats(
             src, ids, k, topk_rows, group, temperature, with_entropy, chunk
         )
