@@ -13,7 +13,9 @@ What is chosen when CUDA is present (``auto`` everywhere):
   ``main_grads_dtype`` stay fp32, which megatron requires without the precision-aware optimizer), and the
   DDP gradient buffers reduce in fp32 (``grad_reduce_in_fp32``). On CPU the default stays fp32.
 - **Layer spec.** Transformer Engine's (fused LayerNorm-linear, TE attention that dispatches to flash or
-  cuDNN fused attention) when TE imports; otherwise the local spec with SDPA core attention.
+  cuDNN fused attention) when TE imports; otherwise the local spec with SDPA core attention. A TE that is
+  installed but does not import is one ConfigError line (:func:`transformer_engine_problem`), or a warning
+  under ``layer_spec: local``; never a silent local spec.
 - **Sequence parallel** when TP > 1 (activations outside the TP regions are split along the sequence;
   norms and dropout work on ``S/TP`` rows). The local spec gets SP-aware norms (``models/norms.py``), so
   it runs without TE too; on CPU gloo it matches the HF model at TP2 (tests/dist), but the trainer refuses

@@ -7,6 +7,7 @@ QK-norm, norm epsilon, no dropout, fused kernels off: ``models/performance.py`` 
 ``build_policy`` builds the ``GPTModel`` for the calling rank's pipeline stage from layer specs: Transformer
 Engine's spec when TE imports (GPU clusters), otherwise megatron's local spec with :class:`SDPACoreAttention`
 swapped into the ``core_attention`` slot (and SP-aware norms under sequence parallelism, ``models/norms.py``).
+The decoder's final norm is always named (``final_norm_spec``), never megatron's import-time default.
 RoPE uses the model's theta; "linear" scaling maps to megatron's
 ``seq_len_interpolation_factor`` and "llama3" to ``rope_scaling``/``rope_scaling_factor``.
 
