@@ -151,6 +151,9 @@ def main(argv: list[str] | None = None) -> int:
             from srpo_megatron.compat.fallbacks import hide_fallback_warnings
 
             hide_fallback_warnings()  # megatron's expected TE/Apex fallbacks, before train imports megatron
+            from srpo_megatron.models.performance import check_transformer_engine
+
+            check_transformer_engine(cfg.performance)  # a broken TE: one line, before megatron imports it
             from srpo_megatron.train import train
 
             try:

@@ -36,6 +36,14 @@ Last line printed: one JSON object. ``extra_mem_vs_shard_fused``, ``extra_mem_vs
 
     .venv/bin/python tools/bench_fused_output.py [--tokens 4096 --vocab 151936 --hidden 1024 --k 100]
     .venv/bin/python tools/bench_fused_output.py --quick      # a small shape, seconds
+
+``--cuda`` (the GPU check script's line, ``tools/gpu_smoke.sh``): one process on the GPU, bf16, TP1, T 8,192,
+V 151,936, H 4,096 (``--quick``: small). Forward + backward of ``−Σ log p(ids)`` through megatron's output
+layer (``ColumnParallelLinear`` + ``vocab_parallel_cross_entropy``, the baseline), the fused output layer
+with its bf16 weight-gradient GEMM (fp32 accumulation; ``ops/fused_output.wgrad_mode``) and the same with
+the fp32 GEMM (``WGRAD_HALF = "off"``, the path before): milliseconds (median of 5 after a warm-up),
+peak allocated memory, and the weight gradient's relative error against megatron's. Without CUDA it prints
+one ``skipped: needs CUDA`` line and its JSON and exits 0.
 """
 
 from __future__ import annotations
@@ -214,6 +222,96 @@ def _layout(out: list[dict]) -> dict:
     )
 
 
+CUDA_SHAPE = dict(tokens=8192, vocab=151936, hidden=4096)
+CUDA_QUICK = dict(tokens=512, vocab=8192, hidden=256)
+
+
+def _cuda_time(fn, reps: int = 5) -> tuple[float, float, torch.Tensor]:
+    """(median ms, peak allocated GiB over the inputs, the weight gradient) of ``fn`` after one warm-up."""
+    fn()
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    times = []
+    for _ in range(reps):
+        start = time.perf_counter()
+        grad = fn()
+        torch.cuda.synchronize()
+        times.append((time.perf_counter() - start) * 1e3)
+    peak = (torch.cuda.max_memory_allocated() - base) / 2**30
+    return sorted(times)[reps // 2], peak, grad
+
+
+def cuda_main(quick: bool) -> dict:
+    """The ``--cuda`` mode (module doc): megatron's output layer vs the fused one, bf16 vs fp32 wgrad."""
+    if not torch.cuda.is_available():
+        print("bench_fused_output --cuda: skipped: needs CUDA (torch sees no GPU here)", flush=True)
+        return {"skipped": "needs CUDA"}
+    from megatron.core import tensor_parallel
+    from megatron.core.transformer import TransformerConfig
+
+    from srpo_megatron.ops import token_stats
+    from srpo_megatron.parallel import initialize_model_parallel
+
+    initialize_model_parallel(1, 1)
+    t, v, h = (CUDA_QUICK if quick else CUDA_SHAPE).values()
+    dev, bf16 = torch.device("cuda"), torch.bfloat16
+    gen = torch.Generator(device=dev).manual_seed(0)
+    hidden = torch.randn(t, h, device=dev, dtype=bf16, generator=gen)
+    weight = (torch.randn(v, h, device=dev, generator=gen) * (2 / math.sqrt(h))).to(bf16)
+    ids = torch.randint(0, v, (t,), device=dev, generator=gen)
+    cfg = TransformerConfig(num_layers=1, hidden_size=h, num_attention_heads=8, params_dtype=bf16, bf16=True)
+    layer = tensor_parallel.ColumnParallelLinear(
+        h, v, config=cfg, init_method=lambda w: None, bias=False, gather_output=False
+    )
+    with torch.no_grad():
+        layer.weight.copy_(weight)
+
+    def megatron() -> torch.Tensor:
+        layer.weight.grad = None
+        logits, _ = layer(hidden[:, None, :].detach().requires_grad_())
+        tensor_parallel.vocab_parallel_cross_entropy(logits, ids[:, None]).sum().backward()
+        return layer.weight.grad
+
+    def fused(mode: str):
+        def run() -> torch.Tensor:
+            fused_ops.WGRAD_HALF = mode
+            w = weight.detach().requires_grad_()
+            stats = token_stats(OutputShard(hidden.detach().requires_grad_(), w), ids[:, None])
+            (-stats.logp.float().sum()).backward()
+            return w.grad
+
+        return run
+
+    out: dict = {"tokens": t, "vocab": v, "hidden": h, "wgrad_mode": fused_ops.wgrad_mode(weight)}
+    ref = None
+    for name, fn in (
+        ("megatron", megatron),
+        ("fused_bf16_wgrad", fused("auto")),
+        ("fused_fp32_wgrad", fused("off")),
+    ):
+        ms, peak, grad = _cuda_time(fn)
+        if ref is None:
+            ref = grad.float().clone()
+        rel = float((grad.float() - ref).norm() / ref.norm())
+        out |= {
+            f"{name}_ms": round(ms, 2),
+            f"{name}_peak_gib": round(peak, 3),
+            f"{name}_wgrad_rel_vs_megatron": rel,
+        }
+        print(
+            f"cuda {name:17s} T={t} V={v} H={h} bf16: {ms:.2f} ms fwd+bwd, peak {peak:.3f} GiB, "
+            f"weight grad rel. to megatron's {rel:.2e}",
+            flush=True,
+        )
+        del grad
+    fused_ops.WGRAD_HALF = "auto"
+    out["fused_bf16_vs_fp32_wgrad_time"] = round(out["fused_bf16_wgrad_ms"] / out["fused_fp32_wgrad_ms"], 4)
+    out["fused_bf16_vs_megatron_time"] = round(out["fused_bf16_wgrad_ms"] / out["megatron_ms"], 4)
+    out["device"] = torch.cuda.get_device_name()
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--tokens", type=int, default=4096)
@@ -235,7 +333,11 @@ def main() -> None:
         default=0,
         help="override ops.fused_ops.MIN_CHUNK_ROWS_CPU in the fused ranks (0: the module's value)",
     )
+    ap.add_argument("--cuda", action="store_true", help="the GPU mode (module doc); skipped without CUDA")
     args = ap.parse_args()
+    if args.cuda:
+        print(json.dumps(cuda_main(args.quick)))
+        return
     if args.quick:
         for key, value in QUICK.items():
             setattr(args, key, value)

@@ -15,6 +15,8 @@
 #   <v>/compile    megatron's jit-fused SwiGLU through torch.compile on CUDA (first version of a call only,
 #                  as are the benches): does this image compile it (triton, a C compiler), in how long
 #   <v>/bench_losses  tools/bench_losses.py --device cuda
+#   <v>/bench_fused_output  tools/bench_fused_output.py --cuda: megatron's output layer vs the fused one
+#                  (bf16, T 8k, V 152k, H 4096), its bf16 weight-gradient GEMM vs the fp32 one
 #   <v>/bench_mfu  tools/bench_mfu.py: Qwen3-1.7B-shaped random model, local spec, bf16, seq 4096,
 #                  recompute none and full: tokens/s and MFU against PEAK_TFLOPS
 # A version that does not fit the budget whole is not started; its parts say how to run it alone.
@@ -152,6 +154,13 @@ run_part() {  # VERSION NAME CAP
           "$PY" tools/bench_losses.py --device cpu --tokens 256 --vocab 4096 --k 16
       else
         part "$v" bench_losses "$cap" "$PY" tools/bench_losses.py --device cuda
+      fi
+      ;;
+    bench_fused_output)
+      if [ "$MODE" = rehearsal ]; then  # no CUDA here: the bench's "skipped: needs CUDA" line
+        part "$v" bench_fused_output "$cap" "$PY" tools/bench_fused_output.py --cuda --quick
+      else
+        part "$v" bench_fused_output "$cap" "$PY" tools/bench_fused_output.py --cuda
       fi
       ;;
     bench_mfu)

@@ -43,8 +43,9 @@ VERSION_PARTS = (  # per megatron-core version
 )
 ONCE_PARTS = (  # the first version of a call only: the loss code is ours, MFU is the hardware's figure
     ("compile", 30),  # megatron's jit-fused SwiGLU through torch.compile: does this image compile it?
-    ("bench_losses", 40),
-    ("bench_mfu", 110),  # with the fusions compiled when the compile part passed, eager otherwise
+    ("bench_losses", 30),
+    ("bench_fused_output", 25),  # megatron's output layer vs the fused one, its bf16 vs fp32 weight grad
+    ("bench_mfu", 95),  # with the fusions compiled when the compile part passed, eager otherwise
 )
 
 # The GPU subset of the tests: the ones whose code runs on the runtime's device, one rank each (NCCL
@@ -412,6 +413,16 @@ def summary(parts: dict) -> dict:
             s["compile"] = _pick(ps["compile"], "ok", "compiled", "first_call_s", "second_call_s")
         if "bench_losses" in ps:
             s["bench_losses"] = _pick(ps["bench_losses"], "time_vs_naive", "extra_mem_vs_shard")
+        if "bench_fused_output" in ps:
+            s["bench_fused_output"] = _pick(
+                ps["bench_fused_output"],
+                "wgrad_mode",
+                "fused_bf16_vs_fp32_wgrad_time",
+                "fused_bf16_vs_megatron_time",
+                "fused_bf16_wgrad_peak_gib",
+                "megatron_peak_gib",
+                "fused_bf16_wgrad_wgrad_rel_vs_megatron",
+            )
         if "bench_mfu" in ps:
             m = ps["bench_mfu"]
             s["bench_mfu"] = {

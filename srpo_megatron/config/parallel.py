@@ -13,6 +13,8 @@ class ParallelConfig:
     tp: int = 1  # tensor-parallel size (Megatron TP; shards attention heads, MLP and the vocabulary)
     pp: int = 1  # pipeline-parallel size (layers split into pp stages)
     cp: int = 1  # context-parallel size (each packed sequence split over cp ranks; needs packing)
+    # How TE's attention exchanges K/V under cp > 1 (megatron's cp_comm_type); gpt-oss sinks need a2a
+    cp_comm_type: Literal["p2p", "a2a", "all_gather", "a2a+p2p"] = "p2p"
     ep: int = 1  # expert-parallel size (MoE: each EP rank holds num_experts / ep whole experts)
     etp: int = 1  # expert-tensor-parallel size (MoE: TP inside each expert; 1 = experts unsharded)
     distributed_optimizer: bool = False  # shard optimizer state across data-parallel ranks (ZeRO-1)

@@ -3,12 +3,12 @@ submits, so a refusal the job would print after its allocation (in one rank's lo
 
 They are the trainer's own functions, not copies: the top-K and sequence budget against the model
 (``trainer.run.preflight.check_model_limits``), the parallel layout against the job's process count, heads,
-experts (``parallel.ep``) and layers (``trainer.run.preflight.check_layout``), and rollout routing replay
-against the recompute setting and the model (``trainer.run.preflight.check_replay_config``), and the served
-folder's quantization against ``rollout.precision`` (``rollout.served_precision.check_served_precision``).
-The HF config is read as ``srpo plan`` reads it (``model.hf_dir``'s ``config.json``, else the packaged
-config of that name); when neither is readable on this machine the checks are skipped with a note (the
-job's doctor step reads it).
+experts (``parallel.ep``) and layers (``trainer.run.preflight.check_layout``), CP with attention sinks
+(``check_attention_cp``), rollout routing replay against the model
+(``trainer.run.preflight.check_replay_config``), and the served folder's quantization against ``rollout.precision``
+(``rollout.served_precision.check_served_precision``). The HF config is read as ``srpo plan`` reads it
+(``model.hf_dir``'s ``config.json``, else the packaged config of that name); when neither is readable on this
+machine the checks are skipped with a note (the job's doctor step reads it).
 """
 
 from __future__ import annotations
@@ -32,10 +32,16 @@ def check_before_submit(cfg: Any, world_size: int, log: Callable[[str], None] = 
     except ConfigError:
         log(f"# start-up checks skipped: no config.json readable here for {cfg.model.hf_dir}")
         return
-    from srpo_megatron.trainer.run.preflight import check_layout, check_model_limits, check_replay_config
+    from srpo_megatron.trainer.run.preflight import (
+        check_attention_cp,
+        check_layout,
+        check_model_limits,
+        check_replay_config,
+    )
 
     check_model_limits(cfg, hf_config)
     check_layout(cfg, world_size, hf_config)
+    check_attention_cp(cfg, hf_config)  # gpt-oss sinks under CP: the a2a exchange only
     try:
         arch = Architecture.from_hf(hf_config)
     except UnsupportedModelError as e:

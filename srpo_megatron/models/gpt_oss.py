@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import re
 from typing import Any
 
 import torch
@@ -114,6 +115,31 @@ class ExpertRowParallelLinear(RowParallelLinear):
         if bias is not None and self.is_expert and not self.explicit_expert_comm:
             output = output.clone()
         return output, bias
+
+
+EXPERT_BIAS = re.compile(r".*\.mlp\.experts\..*bias\d*")  # SequentialMLP's linear_fc2.bias, TE's bias0..N
+
+
+def keep_expert_biases_out_of_the_sp_reduce(model: torch.nn.Module) -> list[str]:
+    """Clear ``sequence_parallel`` on every routed-expert bias of a built model, whatever the spec; returns
+    the names. ``finalize_model_grads`` all-reduces over TP every parameter marked ``sequence_parallel``
+    under SP; an expert bias is a different expert per rank of the TP x EP group, or a TP-replicated copy
+    that DDP already reduces over expert-DP, so that reduce mixes or doubles its gradient.
+
+    Who marks them (read from the sources): megatron-core 0.16.1's local ``RowParallelLinear`` always under
+    SP (hence :class:`ExpertRowParallelLinear` on the local spec); on the TE spec, TE's ``GroupedLinear`` /
+    ``Linear`` mark a row-parallel bias ``(tp_size > 1) and sequence_parallel`` with the expert TP size
+    megatron passes (gpt-oss runs ETP 1, and explicit expert comms pass ``parallel_mode=None``: unmarked),
+    but megatron-core 0.19.2's ``TERowParallelLinear`` (the non-grouped TE experts) sets
+    ``bias.sequence_parallel = config.sequence_parallel`` itself under ``use_cpu_initialization``, and its
+    ``_set_expert_parameter_attributes`` (run on every TE expert linear) never clears it. This pass makes the
+    TE spec as safe as the local one without depending on those details."""
+    names = []
+    for name, param in model.named_parameters():
+        if EXPERT_BIAS.fullmatch(name):
+            param.sequence_parallel = False
+            names.append(name)
+    return names
 
 
 def with_expert_biases(spec: ModuleSpec) -> ModuleSpec:

@@ -13,7 +13,9 @@ What is chosen when CUDA is present (``auto`` everywhere):
   ``main_grads_dtype`` stay fp32, which megatron requires without the precision-aware optimizer), and the
   DDP gradient buffers reduce in fp32 (``grad_reduce_in_fp32``). On CPU the default stays fp32.
 - **Layer spec.** Transformer Engine's (fused LayerNorm-linear, TE attention that dispatches to flash or
-  cuDNN fused attention) when TE imports; otherwise the local spec with SDPA core attention.
+  cuDNN fused attention) when TE imports; otherwise the local spec with SDPA core attention. A TE that is
+  installed but does not import is one ConfigError line (:func:`transformer_engine_problem`), or a warning
+  under ``layer_spec: local``; never a silent local spec.
 - **Sequence parallel** when TP > 1 (activations outside the TP regions are split along the sequence;
   norms and dropout work on ``S/TP`` rows). The local spec gets SP-aware norms (``models/norms.py``), so
   it runs without TE too; on CPU gloo it matches the HF model at TP2 (tests/dist), but the trainer refuses
@@ -38,6 +40,7 @@ What is chosen when CUDA is present (``auto`` everywhere):
 from __future__ import annotations
 
 import importlib.util
+import warnings
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -57,15 +60,16 @@ class Accelerators:
     apex_grad_accum: bool  # apex's fused_weight_gradient_mlp_cuda imports (gradient-accumulation fusion)
     te_rope: bool  # megatron bound TE's fused_apply_rotary_pos_emb (RoPE fusion)
     torch_compile: bool  # torch.compile can build GPU kernels (triton present): megatron's jit fusions
+    # transformer_engine is installed but its import raised: the one-line reason (transformer_engine_problem)
+    transformer_engine_problem: str | None = None
 
     @classmethod
     def detect(cls) -> Accelerators:
         import torch
 
-        from srpo_megatron.models.policy import transformer_engine_available
-
         cuda = torch.cuda.is_available()
-        te = cuda and transformer_engine_available()
+        problem = transformer_engine_problem() if cuda else None
+        te = cuda and problem is None and transformer_engine_installed()
         te_rope = False
         if te:
             from megatron.core.models.common.embeddings import rope_utils
@@ -77,6 +81,7 @@ class Accelerators:
             apex_grad_accum=cuda and importlib.util.find_spec("fused_weight_gradient_mlp_cuda") is not None,
             te_rope=te_rope,
             torch_compile=cuda and importlib.util.find_spec("triton") is not None,
+            transformer_engine_problem=problem,
         )
 
     @classmethod
@@ -85,6 +90,50 @@ class Accelerators:
         return cls(
             cuda=False, transformer_engine=False, apex_grad_accum=False, te_rope=False, torch_compile=False
         )
+
+
+def transformer_engine_installed() -> bool:
+    """Whether a ``transformer_engine`` package is on the path (without importing it)."""
+    try:
+        return importlib.util.find_spec("transformer_engine") is not None
+    except (ImportError, ValueError):  # a parent import failed, or a module object without __spec__
+        return True
+
+
+def transformer_engine_problem() -> str | None:
+    """None when Transformer Engine imports or is not installed at all; otherwise one line naming the error
+    of the broken install (ImportError from a missing extension, OSError from a missing ``.so``,
+    RuntimeError from a CUDA driver mismatch) and the fix. Imports neither torch nor megatron, so a start-up
+    check can run it before megatron-core, whose own ``import transformer_engine`` catches only
+    ImportError (an OSError would end ``import megatron.core`` with a traceback)."""
+    if not transformer_engine_installed():
+        return None  # not installed (CPU machines): the local spec, as documented for layer_spec auto
+    try:
+        import transformer_engine  # noqa: F401
+    except Exception as e:  # TE raises OSError/RuntimeError, not only ImportError, when broken
+        detail = " ".join(f"{type(e).__name__}: {e}".split())[:300]
+        return (
+            f"transformer_engine is installed but does not import ({detail}); fix the install (a TE build "
+            "for this torch and CUDA driver, e.g. the NGC PyTorch container's) or set "
+            "performance.layer_spec: local to train on megatron's local spec without it"
+        )
+    return None
+
+
+def check_transformer_engine(perf: PerformanceConfig, cuda: bool | None = None) -> None:
+    """`srpo train`'s start-up check, before megatron imports: on a CUDA machine (``cuda``: default torch's
+    answer) a broken TE install is one ConfigError line, unless the recipe chose
+    ``performance.layer_spec: local`` (then a warning; TE is never used). Without CUDA TE is never used."""
+    if cuda is None:
+        import torch
+
+        cuda = torch.cuda.is_available()
+    problem = transformer_engine_problem() if cuda else None
+    if problem is None:
+        return
+    if perf.layer_spec != "local":
+        raise ConfigError(problem)
+    warnings.warn(f"{problem} (layer_spec local: not used)", RuntimeWarning, stacklevel=2)
 
 
 def params_dtype(choice: str, acc: Accelerators) -> torch.dtype:
@@ -97,7 +146,15 @@ def params_dtype(choice: str, acc: Accelerators) -> torch.dtype:
 
 
 def use_transformer_engine(perf: PerformanceConfig, acc: Accelerators) -> bool:
-    """TE layer spec: ``auto`` when TE imports; ``te`` without TE is an error naming the fix."""
+    """TE layer spec: ``auto`` when TE imports; ``te`` without TE is an error naming the fix. A broken TE
+    install (installed, import raises) is an error under ``auto`` and ``te``, never a silent local spec;
+    under ``local`` it is a warning."""
+    if acc.transformer_engine_problem is not None:
+        if perf.layer_spec != "local":
+            raise ConfigError(acc.transformer_engine_problem)
+        warnings.warn(
+            f"{acc.transformer_engine_problem} (layer_spec local: not used)", RuntimeWarning, stacklevel=2
+        )
     if perf.layer_spec == "te" and not acc.transformer_engine:
         raise ConfigError(
             "performance.layer_spec=te but transformer_engine does not import here (it needs CUDA and a "
@@ -221,12 +278,15 @@ def finish_param_gather(ddp_module: Any) -> None:
 __all__ = [
     "Accelerators",
     "PerformanceConfig",
+    "check_transformer_engine",
     "ddp_config",
     "finish_param_gather",
     "optimizer_config",
     "overlap_enabled",
     "params_dtype",
     "sequence_parallel",
+    "transformer_engine_installed",
+    "transformer_engine_problem",
     "transformer_overrides",
     "use_transformer_engine",
     "wire_overlap",

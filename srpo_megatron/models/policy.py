@@ -7,6 +7,7 @@ QK-norm, norm epsilon, no dropout, fused kernels off: ``models/performance.py`` 
 ``build_policy`` builds the ``GPTModel`` for the calling rank's pipeline stage from layer specs: Transformer
 Engine's spec when TE imports (GPU clusters), otherwise megatron's local spec with :class:`SDPACoreAttention`
 swapped into the ``core_attention`` slot (and SP-aware norms under sequence parallelism, ``models/norms.py``).
+The decoder's final norm is always named (``final_norm_spec``), never megatron's import-time default.
 RoPE uses the model's theta; "linear" scaling maps to megatron's
 ``seq_len_interpolation_factor`` and "llama3" to ``rope_scaling``/``rope_scaling_factor``.
 
@@ -37,27 +38,35 @@ import torch
 import torch.nn.functional as F
 from megatron.core import parallel_state
 from megatron.core.models.gpt import GPTModel
-from megatron.core.models.gpt.gpt_layer_specs import LNImpl, get_gpt_layer_local_spec
+from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.transformer.spec_utils import ModuleSpec
+from megatron.core.transformer.torch_norm import WrappedTorchNorm
 from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
 from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
 
-from srpo_megatron.config import MoEConfig
+from srpo_megatron.config import ConfigError, MoEConfig
 from srpo_megatron.models.architecture import Architecture, padded_vocab_size, pipeline_stage_layers
 from srpo_megatron.models.attention import SDPACoreAttention
-from srpo_megatron.models.gpt_oss import gpt_oss_config_overrides, set_yarn_attributes, with_expert_biases
+from srpo_megatron.models.gpt_oss import (
+    gpt_oss_config_overrides,
+    keep_expert_biases_out_of_the_sp_reduce,
+    set_yarn_attributes,
+    with_expert_biases,
+)
 from srpo_megatron.models.moe import apply_router_controls, mark_tp_replicated_experts, moe_config_overrides
 from srpo_megatron.models.norms import SequenceParallelRMSNorm
+from srpo_megatron.models.performance import transformer_engine_installed, transformer_engine_problem
 
 
 def transformer_engine_available() -> bool:
-    """True when Transformer Engine imports (it cannot without a CUDA driver)."""
-    try:
-        import transformer_engine  # noqa: F401
-    except Exception:  # TE raises OSError/RuntimeError, not only ImportError, without CUDA
-        return False
-    return True
+    """True when Transformer Engine imports, False when it is not installed; a broken install raises
+    :class:`ConfigError` with ``models/performance.transformer_engine_problem``'s line (no silent local
+    spec)."""
+    problem = transformer_engine_problem()
+    if problem is not None:
+        raise ConfigError(problem)
+    return transformer_engine_installed()
 
 
 def transformer_config_from_hf(
@@ -196,12 +205,12 @@ def decoder_spec(
     use_te: bool,
     moe_grouped_gemm: bool | None = None,
     vp_stage: int | None = None,
-) -> ModuleSpec | TransformerBlockSubmodules:
-    """The decoder's spec for ``config``: :func:`layer_spec`, and under sequence parallelism on the local
-    spec the block too, whose final norm must be SP-aware (the layer count is this stage's, from
-    ``parallel_state``). With dense first layers (GLM-4.5, DeepSeek-V3) the block lists this stage's layer
-    specs one by one, dense or MoE by global layer index (as megatron's ``get_gpt_decoder_block_spec`` does
-    from ``moe_layer_freq``, but with this module's attention and norms in every layer)."""
+) -> TransformerBlockSubmodules:
+    """The decoder block's spec for ``config``: this stage's :func:`layer_spec` layers (the count from
+    ``parallel_state``) and the final norm pinned by :func:`final_norm_spec`. With dense first layers
+    (GLM-4.5, DeepSeek-V3) the block lists this stage's layer specs one by one, dense or MoE by global
+    layer index (as megatron's ``get_gpt_decoder_block_spec`` does from ``moe_layer_freq``, but with this
+    module's attention and norms in every layer)."""
 
     def spec_of(moe_layer: bool | None = None) -> ModuleSpec:
         return layer_spec(
@@ -212,26 +221,32 @@ def decoder_spec(
             moe_layer=moe_layer,
         )
 
-    local_norm = config.sequence_parallel and not use_te
+    final_norm = final_norm_spec(config, use_te=use_te)
     if arch.is_moe and arch.first_dense_layers:
         first = get_transformer_layer_offset(config, vp_stage=vp_stage)
         count = get_num_layers_to_build(config, vp_stage=vp_stage)
         specs = {flag: spec_of(flag) for flag in (False, True)}
-        if use_te:
-            from megatron.core.extensions.transformer_engine import TENorm as final_norm
-        else:
-            final_norm = SequenceParallelRMSNorm if local_norm else LNImpl
         return TransformerBlockSubmodules(
             layer_specs=[specs[arch.is_moe_layer(i)] for i in range(first, first + count)],
             layer_norm=final_norm,
         )
-    spec = spec_of()
-    if local_norm:
-        return TransformerBlockSubmodules(
-            layer_specs=[spec] * get_num_layers_to_build(config, vp_stage=vp_stage),
-            layer_norm=SequenceParallelRMSNorm,
-        )
-    return spec
+    return TransformerBlockSubmodules(
+        layer_specs=[spec_of()] * get_num_layers_to_build(config, vp_stage=vp_stage), layer_norm=final_norm
+    )
+
+
+def final_norm_spec(config: TransformerConfig, *, use_te: bool) -> type:
+    """The decoder's final norm, always explicit: a bare layer spec makes megatron's ``TransformerBlock``
+    pick it at import time (``LayerNormImpl``: TENorm when TE imports, else apex's ``FusedLayerNorm`` when
+    apex imports, else ``WrappedTorchNorm``; megatron-core 0.16.1 and 0.19.2 alike), and ``FusedLayerNorm``
+    refuses RMSNorm. TE spec: ``TENorm`` (RMSNorm per the config); local spec: ``WrappedTorchNorm``
+    (``torch.nn.RMSNorm``), or :class:`SequenceParallelRMSNorm` under sequence parallelism (megatron's
+    torch norm refuses SP)."""
+    if use_te:
+        from megatron.core.extensions.transformer_engine import TENorm
+
+        return TENorm
+    return SequenceParallelRMSNorm if config.sequence_parallel else WrappedTorchNorm
 
 
 def build_policy(
@@ -304,6 +319,8 @@ def build_policy(
         vp_stage=vp_stage,
         **rope,
     )
+    if arch.is_moe and arch.linear_bias:  # gpt-oss: expert biases out of the SP all-reduce, any spec
+        keep_expert_biases_out_of_the_sp_reduce(model)
     if arch.is_moe:
         apply_router_controls(model, moe)
         ep, etp = config.expert_model_parallel_size, config.expert_tensor_parallel_size

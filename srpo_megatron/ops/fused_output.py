@@ -16,6 +16,15 @@ logits and returns the same values: log-probs at ids, the global top-k, the entr
   gradient. Under TP the hidden gradient is this rank's partial sum, exactly what ``ColumnParallelLinear``
   returns before its input's reduce: the caller's megatron region op (``copy_to`` /
   ``gather_from_sequence_parallel_region``) reduces it, as for the output layer itself.
+- **Weight gradient precision** (:func:`wgrad_mode`): on CUDA with half-precision weights each block's
+  ``gᵀ @ hidden`` is a bf16/fp16 GEMM accumulated in fp32 into the fp32 ∂L/∂weight, as megatron's output
+  layer does (``ColumnParallelLinear`` backward: apex ``fused_weight_gradient_mlp_cuda.wgrad_gemm_accum_fp32``
+  into ``main_grad`` under gradient-accumulation fusion, megatron-core 0.16.1
+  ``tensor_parallel/layers.py``): apex's kernel where it imports, else ``torch.addmm(..., out_dtype=fp32)``
+  (cuBLAS, fp32 accumulation) where this torch has it, else a half-precision product added in fp32 (each
+  block's product rounded once, as megatron's unfused ``grad_output.t().matmul(total_input)``). The
+  gradient is rounded to the weight's dtype once at the end. On CPU (and for fp32/fp64 weights) the GEMM
+  stays fp32 (``WGRAD_HALF = "force"`` runs the half path on CPU, for tests).
 - Tied embeddings: ``weight`` is the embedding parameter itself, so both uses accumulate into one grad.
 - ``mix`` (forward only): the logits ``(1 − α)·hidden @ weight.T + α·mix.hidden @ mix.weight.T`` of the
   trust-region teacher (``teacher.kind: trust_region``) without materialising either model's logits.
@@ -43,6 +52,66 @@ from srpo_megatron.ops.vocab_parallel import (
 # cache-sized chunk (1 MiB / V·4 bytes: one row at a 152k vocabulary) would make it a GEMV. One fp32 block
 # buffer is the fused path's largest work tensor (256 × V/TP × 4 bytes: 0.06 of a 4k-token logits shard).
 MIN_CHUNK_ROWS_CPU = 256
+
+# The half-precision weight-gradient GEMM (module doc): "auto" = on CUDA for bf16/fp16 weights; "force" =
+# also on CPU (tests); "off" = always the fp32 GEMM.
+WGRAD_HALF = "auto"
+
+
+def wgrad_mode(weight: torch.Tensor) -> str:
+    """How the backward forms ∂L/∂weight: ``fp32`` (fp32 GEMM of upcast blocks) or the half-precision GEMM
+    with fp32 accumulation: ``apex`` (``wgrad_gemm_accum_fp32``), ``torch`` (``addmm`` with
+    ``out_dtype``), ``half`` (half product, fp32 add). See the module doc."""
+    half = weight.dtype in (torch.bfloat16, torch.float16)
+    if not half or WGRAD_HALF == "off" or (WGRAD_HALF == "auto" and weight.device.type != "cuda"):
+        return "fp32"
+    if weight.device.type == "cuda" and weight.dtype == torch.bfloat16 and _apex_wgrad() is not None:
+        return "apex"
+    return "torch" if _addmm_out_dtype(weight.device, weight.dtype) else "half"
+
+
+def _apex_wgrad():
+    """apex's ``fused_weight_gradient_mlp_cuda`` module, or None where it does not import."""
+    try:
+        import fused_weight_gradient_mlp_cuda
+    except ImportError:
+        return None
+    return fused_weight_gradient_mlp_cuda
+
+
+_ADDMM_OUT_DTYPE: dict[tuple[str, torch.dtype], bool] = {}
+
+
+def _addmm_out_dtype(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether ``torch.addmm(acc32, a, b, out_dtype=float32, out=acc32)`` runs on ``device`` for ``dtype``
+    inputs and accumulates in place (probed once on a small problem against the fp32 product)."""
+    key = (device.type, dtype)
+    if key not in _ADDMM_OUT_DTYPE:
+        a = torch.arange(12, device=device).reshape(3, 4).to(dtype)
+        b = torch.arange(8, device=device).reshape(4, 2).to(dtype)
+        acc = torch.ones(3, 2, device=device)
+        try:
+            torch.addmm(acc, a, b, out_dtype=torch.float32, out=acc)
+            ok = bool(torch.equal(acc, 1 + a.float() @ b.float()))
+        except (RuntimeError, NotImplementedError, TypeError):
+            ok = False
+        _ADDMM_OUT_DTYPE[key] = ok
+    return _ADDMM_OUT_DTYPE[key]
+
+
+def _accumulate_wgrad(mode: str, grad_w: torch.Tensor, g: torch.Tensor, h: torch.Tensor, half) -> None:
+    """``grad_w += gᵀ @ h`` (grad_w fp32 [V/P, H], g [n, V/P], h [n, H]) per ``mode`` (:func:`wgrad_mode`);
+    ``half``: the half-precision dtype of the GEMM inputs."""
+    if mode == "fp32":
+        grad_w.addmm_(g.t(), h if h.dtype == grad_w.dtype else h.to(grad_w.dtype))
+        return
+    g, h = g.to(half), h.to(half)
+    if mode == "apex":  # megatron's call: (total_input [n, H], grad_output [n, V/P], main_grad [V/P, H])
+        _apex_wgrad().wgrad_gemm_accum_fp32(h, g, grad_w)
+    elif mode == "torch":
+        torch.addmm(grad_w, g.t(), h, out_dtype=torch.float32, out=grad_w)
+    else:
+        grad_w.add_(torch.mm(g.t(), h))
 
 
 @dataclass(frozen=True)
@@ -113,7 +182,7 @@ class _HiddenSource:
     order, hence the same values as today's path, while the GEMM gets enough rows to run at matmul speed.
     """
 
-    def __init__(self, shard: OutputShard, block: int):
+    def __init__(self, shard: OutputShard, block: int, release_at_end: bool = False):
         self.h = shard.hidden.reshape(-1, shard.hidden.shape[-1])  # [N, H]
         self.w = shard.weight
         self.pad = shard.vocab_pad if shard.vocab_pad is not None and bool(shard.vocab_pad.any()) else None
@@ -126,6 +195,9 @@ class _HiddenSource:
         self.block = block
         self._buf: torch.Tensor | None = None
         self._held = (0, 0)  # the rows [a0, b0) in ``_buf``
+        # forward passes: let the block buffer go with the last chunk's view, so it is not held through the
+        # kernel's collectives and top-k ordering (at TP2 that pushed the extra memory over 0.1 of a shard)
+        self.release_at_end = release_at_end
 
     def gemm(self, a: int, b: int, out: torch.Tensor | None = None) -> torch.Tensor:
         """The logits rows [a, b) in the weight's dtype, padded ids masked, the mix applied."""
@@ -159,6 +231,8 @@ class _HiddenSource:
             self._held = (a0, b0)
         assert self._buf is not None and b <= b0  # chunks never straddle blocks (block % chunk == 0)
         z = self._buf[a - a0 : b - a0]
+        if self.release_at_end and b == self.rows:  # the caller's view keeps it alive while it is used
+            self._buf, self._held = None, (0, 0)
         if z.dtype == cdt and temperature == 1.0:
             return z  # the kernel never writes into a chunk it was given
         out.copy_(z)
@@ -177,7 +251,14 @@ def _fused_forward(shard: OutputShard, ids, k, topk_rows, group, temperature, wi
     chunk, block = _chunks(shard.vocab_shard, chunk_tokens, shard.device)
     with torch.no_grad():
         return _forward_stats(
-            _HiddenSource(shard, block), ids, k, topk_rows, group, temperature, with_entropy, chunk
+            _HiddenSource(shard, block, release_at_end=True),
+            ids,
+            k,
+            topk_rows,
+            group,
+            temperature,
+            with_entropy,
+            chunk,
         )
 
 
@@ -187,7 +268,7 @@ class _FusedOutputStats(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, ids, k, topk_rows, group, temperature, with_entropy, chunk_tokens, pad):
         chunk, block = _chunks(weight.shape[0], chunk_tokens, hidden.device)
-        src = _HiddenSource(OutputShard(hidden, weight, pad), block)
+        src = _HiddenSource(OutputShard(hidden, weight, pad), block, release_at_end=True)
         lse, logp, topk_logp, topk_ids, ent = _forward_stats(
             src, ids, k, topk_rows, group, temperature, with_entropy, chunk
         )
@@ -210,6 +291,7 @@ class _FusedOutputStats(torch.autograd.Function):
         cdt = lse.dtype
         grad_h = torch.empty_like(h2) if ctx.needs_input_grad[0] else None
         acc_dt = _compute_dtype(weight.dtype)  # accumulate over blocks in fp32 (fp64 stays fp64)
+        mode = wgrad_mode(weight) if ctx.needs_input_grad[1] else "fp32"
         grad_w = (
             torch.zeros(weight.shape, dtype=acc_dt, device=weight.device) if ctx.needs_input_grad[1] else None
         )
@@ -235,8 +317,7 @@ class _FusedOutputStats(torch.autograd.Function):
             if grad_h is not None:
                 grad_h[a0:b0] = torch.mm(gb if gb.dtype == weight.dtype else gb.to(weight.dtype), weight)
             if grad_w is not None:
-                hb = h2[a0:b0]
-                grad_w.addmm_(gb.t(), hb if hb.dtype == cdt else hb.to(cdt))
+                _accumulate_wgrad(mode, grad_w, gb, h2[a0:b0], weight.dtype)
         gh = None if grad_h is None else grad_h.view(hidden.shape)
         gw = None if grad_w is None else grad_w.to(weight.dtype)
         return (gh, gw, *none)

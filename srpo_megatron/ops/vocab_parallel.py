@@ -240,6 +240,8 @@ def _forward_stats(
             elif rows.numel():
                 v, i = _local_topk(z[rows], kl, flags[: rows.numel()])
                 cand_v[a + rows], cand_i[a + rows] = v, i + offset
+    # Drop the last chunk's views before the collectives: a fused source frees its GEMM block with them.
+    z = d = e = None
     if world > 1:
         m_glob = m_loc.clone()
         dist.all_reduce(m_glob, op=dist.ReduceOp.MAX, group=group)
@@ -263,6 +265,7 @@ def _forward_stats(
             dist.all_gather(all_v, cand_v, group=group)
             dist.all_gather(all_i, cand_i, group=group)
             cand_v, cand_i = torch.cat(all_v, dim=1), torch.cat(all_i, dim=1)
+            del all_v, all_i  # the gathered copies are dead once concatenated
         top_v, top_i = _order_candidates(cand_v, cand_i, k)
         topk_logp = top_v - lse[:, None]
     else:

@@ -170,3 +170,37 @@ def test_a_hidden_size_mismatch_is_one_clear_error():
     h, w, *_ = _inputs(torch.float32)
     with pytest.raises(ValueError, match="hidden size"):
         OutputShard(h[:, :-1], w)
+
+
+@pytest.mark.parametrize("grad", [True, False], ids=["training", "scoring"])
+def test_the_gemm_block_is_freed_before_the_collectives_and_the_top_k_ordering(monkeypatch, grad):
+    """The forward's [block, V/P] GEMM buffer is dead once the last chunk is scored: by the time the kernel
+    reduces its statistics over TP and orders the top-k candidates it is gone (at TP2 holding it there made
+    the extra memory 0.103-0.107 of a logits shard, over the 0.1 bound; tools/bench_fused_output.py)."""
+    import weakref
+
+    from srpo_megatron.ops import fused_output as fo
+    from srpo_megatron.ops import vocab_parallel as vp
+
+    h, w, ids, _, pad = _inputs(torch.float32)
+    blocks: list[weakref.ref] = []
+    alive_at_ordering: list[bool] = []
+    chunk, order = fo._HiddenSource.chunk, vp._order_candidates
+
+    def tracking_chunk(self, *args):
+        out = chunk(self, *args)
+        if self._buf is not None and (not blocks or blocks[-1]() is not self._buf):
+            blocks.append(weakref.ref(self._buf))
+        return out
+
+    def tracking_order(*args):
+        alive_at_ordering.append(any(ref() is not None for ref in blocks))
+        return order(*args)
+
+    monkeypatch.setattr(fo._HiddenSource, "chunk", tracking_chunk)
+    monkeypatch.setattr(vp, "_order_candidates", tracking_order)
+    monkeypatch.setattr(fo, "MIN_CHUNK_ROWS_CPU", 8)  # several blocks
+    hh, ww = h.clone().requires_grad_(grad), w.clone().requires_grad_(grad)
+    with torch.set_grad_enabled(grad):
+        token_stats(OutputShard(hh, ww, pad), ids, k=K, with_entropy=True, chunk_tokens=4)
+    assert blocks and alive_at_ordering == [False]

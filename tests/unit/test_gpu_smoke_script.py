@@ -23,8 +23,17 @@ _spec = importlib.util.spec_from_file_location("gpu_smoke_checks", CHECKS)
 smoke = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(smoke)
 
-EVERY_PART = {"install", "tests", "train_run", "train", "compile", "bench_losses", "bench_mfu"}
-ONCE = {"compile", "bench_losses", "bench_mfu"}  # the first version of a call only
+EVERY_PART = {
+    "install",
+    "tests",
+    "train_run",
+    "train",
+    "compile",
+    "bench_losses",
+    "bench_fused_output",
+    "bench_mfu",
+}
+ONCE = {"compile", "bench_losses", "bench_fused_output", "bench_mfu"}  # the first version of a call only
 
 
 @pytest.mark.parametrize("script", ["gpu_smoke.sh", "prepare_gpu_wheels.sh"])
@@ -150,7 +159,14 @@ def test_the_script_records_every_part_even_when_the_budget_stops_them(tmp_path)
     assert set(out["0.19.2"]) == EVERY_PART and set(out["0.16.1"]) == EVERY_PART - ONCE
     assert all(p["ok"] is None and "not run" in p["not_run"] for p in out["0.19.2"].values())
     assert out["ok"] is True  # parts left out by the plan are not failures
-    assert set(out["summary"]["0.19.2"]) == {"tests", "train", "compile", "bench_losses", "bench_mfu"}
+    assert set(out["summary"]["0.19.2"]) == {
+        "tests",
+        "train",
+        "compile",
+        "bench_losses",
+        "bench_fused_output",
+        "bench_mfu",
+    }
 
 
 # -------------------------------------------------------------------------------------- the JSON assembly
@@ -267,3 +283,22 @@ def _cuda_count() -> int:
     import torch
 
     return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def test_the_fused_output_bench_line_is_skipped_without_cuda_and_summarised_with_it():
+    """The GPU script's fused-output part: on this CPU its ``--cuda`` mode says ``skipped: needs CUDA`` and
+    exits 0; on a GPU its figures (the bf16 weight-gradient GEMM against the fp32 one and megatron's output
+    layer) reach the summary."""
+    run = subprocess.run(
+        [sys.executable, str(REPO / "tools" / "bench_fused_output.py"), "--cuda", "--quick"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+    )
+    assert run.returncode == 0, run.stderr[-2000:]
+    lines = run.stdout.strip().splitlines()
+    assert "skipped: needs CUDA" in lines[0] and json.loads(lines[-1]) == {"skipped": "needs CUDA"}
+    part = {"wgrad_mode": "apex", "fused_bf16_vs_fp32_wgrad_time": 0.6, "fused_bf16_vs_megatron_time": 1.1}
+    got = smoke.summary({"0.19.2": {"bench_fused_output": part}})["0.19.2"]["bench_fused_output"]
+    assert got["wgrad_mode"] == "apex" and got["fused_bf16_vs_fp32_wgrad_time"] == 0.6

@@ -8,7 +8,8 @@ moves the failure to run time). On top of the layers:
 
 - ``LEAVES`` import no other room at all (``config/`` is the torch-free recipe every tool loads);
 - ``THIRD_PARTY`` limits what some rooms may import from outside the standard library (``config/``: only
-  ``yaml``; ``ops/`` and ``losses/``: only ``torch``, since the math takes tensors and explicit groups);
+  ``yaml``; ``ops/`` and ``losses/``: only ``torch``, since the math takes tensors and explicit groups, and
+  ``ops/`` apex's torch-extension wgrad kernel where it imports);
 - the room graph has no cycle;
 - inside ``trainer/`` the rooms (``TRAINER_ROOMS``: ``observe/`` ... ``run/``) are stacked the same way, with
   ``trainer/step_types.py`` the leaf they all import, and no folder holds more than ``MAX_MODULES`` modules.
@@ -128,7 +129,8 @@ INNER_LEAVES: dict[str, str] = {
 THIRD_PARTY: dict[str, frozenset[str]] = {
     f"{PACKAGE}.trainer.step_types": frozenset({"torch"}),
     "config": frozenset({"yaml"}),
-    "ops": frozenset({"torch"}),
+    # apex's wgrad kernel is a torch extension (tensors in, tensors out), imported only where it exists
+    "ops": frozenset({"torch", "fused_weight_gradient_mlp_cuda"}),
     "losses": frozenset({"torch"}),
 }
 

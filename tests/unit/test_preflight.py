@@ -12,7 +12,7 @@ import pytest
 from srpo_megatron.config import ConfigError
 from srpo_megatron.data.rows import DataError, load_rows
 from srpo_megatron.rewards import RewardPool
-from srpo_megatron.trainer.run.preflight import check_before_model, check_layout
+from srpo_megatron.trainer.run.preflight import check_attention_cp, check_before_model, check_layout
 
 QWEN3_TINY = {"num_attention_heads": 4, "num_key_value_heads": 2, "num_hidden_layers": 2}
 
@@ -140,3 +140,58 @@ def test_the_start_up_checks_refuse_expert_replay_it_cannot_honour(tmp_path, mod
     else:
         with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):
             check_before_model(cfg, 1)
+
+
+# ---- context parallelism with gpt-oss's learnable attention sinks ----------------------------------------
+
+GPT_OSS_RECIPE = Path(__file__).resolve().parents[2] / "examples" / "gpt_oss_20b_srpo.yaml"
+
+
+def _gpt_oss(*overrides: str):
+    from srpo_megatron.config import load_recipe
+    from srpo_megatron.planner.command import resolve_hf_config
+
+    packing = ["train.max_tokens_per_micro_batch=8192"]  # CP needs packing (recipe rule)
+    cfg = load_recipe(GPT_OSS_RECIPE, packing + list(overrides))
+    return cfg, resolve_hf_config(cfg.model.hf_dir)[0]  # the packaged gpt-oss-20b config.json
+
+
+def test_gpt_oss_sinks_under_cp_need_the_a2a_exchange():
+    """TE's fused attention takes learnable sinks under CP only with cp_comm_type a2a (it falls back to
+    unfused attention otherwise): the shipped gpt-oss recipe with CP2 is refused in one line by the trainer's
+    start-up check and by `srpo launch`'s; a2a passes; CP1 never asks."""
+    from srpo_megatron.launch.start_checks import check_before_submit
+    from srpo_megatron.trainer.run.preflight import check_attention_cp
+
+    cfg, hf = _gpt_oss("parallel.cp=2")
+    assert hf["model_type"] == "gpt_oss" and cfg.parallel.cp_comm_type == "p2p"  # the default
+    for check in (lambda: check_attention_cp(cfg, hf), lambda: check_before_submit(cfg, 128, log=print)):
+        with pytest.raises(ConfigError, match=r"parallel\.cp=2 with parallel\.cp_comm_type=p2p") as e:
+            check()
+        assert "\n" not in str(e.value) and "set parallel.cp_comm_type: a2a" in str(e.value)
+    for comm in ("all_gather", "a2a+p2p"):
+        with pytest.raises(ConfigError, match="learnable attention sinks"):
+            check_attention_cp(*_gpt_oss("parallel.cp=2", f"parallel.cp_comm_type={comm}"))
+    check_attention_cp(*_gpt_oss("parallel.cp=2", "parallel.cp_comm_type=a2a"))  # 64 / tp4 = 16 heads
+    check_attention_cp(*_gpt_oss())  # CP1
+    check_attention_cp(_cfg(), {**QWEN3_TINY, "model_type": "qwen3"})  # no sinks, no CP: nothing to check
+
+
+def test_a2a_needs_each_tp_ranks_heads_to_split_over_cp():
+    cfg, hf = _gpt_oss("parallel.cp=4", "parallel.cp_comm_type=a2a")  # 8 KV heads / tp4 = 2 per rank
+    with pytest.raises(ConfigError, match=r"2 key/value heads \(8 / parallel.tp=4\) over parallel.cp=4"):
+        check_attention_cp(cfg, hf)
+
+
+def test_cp_comm_type_reaches_megatrons_transformer_config():
+    """The key is megatron's own ``cp_comm_type`` (the trainer passes it to ``build_policy`` when CP > 1)."""
+    from srpo_megatron.models.architecture import Architecture
+    from srpo_megatron.models.policy import transformer_config_from_hf
+
+    cfg, hf = _gpt_oss("parallel.cp=2", "parallel.cp_comm_type=a2a")
+    tc = transformer_config_from_hf(
+        Architecture.from_hf({**hf, "num_hidden_layers": 2, "layer_types": hf["layer_types"][:2]}),
+        context_parallel_size=2,
+        cp_comm_type=cfg.parallel.cp_comm_type,
+    )
+    assert tc.cp_comm_type == "a2a" and tc.softmax_type == "learnable"

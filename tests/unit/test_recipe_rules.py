@@ -39,6 +39,7 @@ ADDED_SINCE = {
     "rollout.allow_reward_errors": False,
     "performance.fused_output": "auto",
     "run.checkpoint_fully_reshardable": False,
+    "parallel.cp_comm_type": "p2p",
 }
 # Keys a recipe set since the snapshot (recipe -> key -> value): the GRPO and SDPO baselines average per
 # sequence as SDPO's code, with which the paper's baseline runs were made (issue 28, D1).

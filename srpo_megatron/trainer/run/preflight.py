@@ -10,6 +10,9 @@
 - :func:`check_layout`: the world divides into TP × PP × CP × DP and the model and batch divide over them
   (heads and KV groups over TP, layers over PP, experts over EP once the recipe has ``parallel.ep``, the
   step's samples over mini-batches × DP).
+- :func:`check_attention_cp`: context parallelism with gpt-oss's learnable attention sinks only with
+  ``parallel.cp_comm_type: a2a`` (Transformer Engine's fused attention takes sinks only with the all-to-all
+  CP exchange; otherwise it drops to unfused attention), and a2a only where the heads split over CP.
 - :func:`check_replay_config`: ``rollout.routing_replay`` only for an MoE model (any recompute: the
   experts are replayed in the backward recompute too, ``compat/router_replay.py``).
 - :func:`check_rewards`: every reward target the data needs is imported, its signature checked (it must
@@ -38,6 +41,7 @@ def check_before_model(cfg: Any, world_size: int) -> None:
     hf_config = read_model_config(cfg.model.hf_dir)  # one line for a missing or broken config.json
     check_model_limits(cfg, hf_config)  # top-K within the vocabulary, sequence budget within positions
     check_layout(cfg, world_size, hf_config)
+    check_attention_cp(cfg, hf_config)
     check_replay_config(cfg, Architecture.from_hf(cfg.model.hf_dir))  # replay: an MoE model
     check_served_precision(cfg)  # the served folder's quantization is one the weight sync can produce
 
@@ -132,6 +136,36 @@ def check_layout(cfg: Any, world_size: int, hf_config: dict) -> None:
             f"train.mini_batches={cfg.train.mini_batches} × data-parallel size {dp} (= {world_size} "
             f"processes / (tp={tp} × pp={pp} × cp={cp})); make the samples a multiple of {parts}"
         )
+
+
+def check_attention_cp(cfg: Any, hf_config: dict) -> None:
+    """Refuse ``parallel.cp`` > 1 with learnable attention sinks (gpt-oss) unless ``parallel.cp_comm_type``
+    is ``a2a``: Transformer Engine's ``FusedAttention`` supports ``softmax_type`` learnable under context
+    parallelism only with the all-to-all exchange, and TE picks unfused attention (O(S^2) memory) rather
+    than fail. a2a splits the heads of each TP rank over CP, so those must divide."""
+    par = cfg.parallel
+    cp, comm = getattr(par, "cp", 1), getattr(par, "cp_comm_type", "p2p")
+    if cp == 1:
+        return
+    sinks = hf_config.get("model_type") == "gpt_oss"  # Architecture.from_hf: gpt-oss always has sinks
+    if sinks and comm != "a2a":
+        raise ConfigError(
+            f"parallel.cp={cp} with parallel.cp_comm_type={comm}: model.hf_dir {cfg.model.hf_dir} has "
+            "learnable attention sinks (gpt-oss), which Transformer Engine's fused attention takes under "
+            "context parallelism only with the all-to-all exchange (it falls back to unfused attention "
+            "otherwise); set parallel.cp_comm_type: a2a, or parallel.cp: 1"
+        )
+    if comm in ("a2a", "a2a+p2p"):
+        heads = hf_config.get("num_attention_heads") or 0
+        kv = hf_config.get("num_key_value_heads") or heads
+        for count, what in ((heads, "attention heads"), (kv, "key/value heads")):
+            per_rank = count // par.tp if count else 0
+            if per_rank and per_rank % cp:
+                raise ConfigError(
+                    f"parallel.cp_comm_type={comm} splits each TP rank's {per_rank} {what} "
+                    f"({count} / parallel.tp={par.tp}) over parallel.cp={cp}, which does not divide them; "
+                    f"pick a parallel.cp that divides {per_rank}, or cp_comm_type p2p (not with sinks)"
+                )
 
 
 def check_replay_config(cfg, arch) -> None:

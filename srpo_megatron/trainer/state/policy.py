@@ -61,6 +61,7 @@ class Policy:
             use_te=use_te,
             moe=cfg.moe,
             context_parallel_size=groups.cp_size,  # CP attention (TE on GPU, SDPA + K/V gather on CPU)
+            **({"cp_comm_type": cfg.parallel.cp_comm_type} if groups.cp_size > 1 else {}),
             **overrides,
         )
         self.build_module = build  # another module of the policy's architecture (the teacher, tests)
