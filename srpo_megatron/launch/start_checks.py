@@ -5,10 +5,10 @@ They are the trainer's own functions, not copies: the top-K and sequence budget 
 (``trainer.run.preflight.check_model_limits``), the parallel layout against the job's process count, heads,
 experts (``parallel.ep``) and layers (``trainer.run.preflight.check_layout``), CP with attention sinks
 (``check_attention_cp``), rollout routing replay against the model
-(``trainer.run.preflight.check_replay_config``), and the served folder's quantization against ``rollout.precision``
-(``rollout.served_precision.check_served_precision``). The HF config is read as ``srpo plan`` reads it
-(``model.hf_dir``'s ``config.json``, else the packaged config of that name); when neither is readable on this
-machine the checks are skipped with a note (the job's doctor step reads it).
+(``trainer.run.preflight.check_replay_config``), and the served folder's quantization against
+``rollout.precision`` (``rollout.served_precision.check_served_precision``). The HF config is read as
+``srpo plan`` reads it (``model.hf_dir``'s ``config.json``, else the packaged config of that name); when
+neither is readable on this machine the checks are skipped with a note (the job's doctor step reads it).
 """
 
 from __future__ import annotations
