@@ -116,6 +116,8 @@ def check_served_precision(cfg: Any) -> None:
     """Refuse, in one line, a served folder whose quantization the recipe's sync cannot produce (module
     docstring's table). Skipped when the folder's config.json is not readable here (a launch machine)."""
     folder = served_folder(cfg)
+    if not (Path(folder).expanduser() / "config.json").is_file():
+        return  # not readable on this machine (srpo launch off-cluster): the job's own start-up checks it
     precision = getattr(cfg.rollout, "precision", "bf16")
     qc = quantization_config(folder)
     key = "rollout.sglang.model_path" if cfg.rollout.engine == "sglang" else "model.hf_dir"
