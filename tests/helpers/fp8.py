@@ -56,7 +56,12 @@ def write_fp8_folder(
     ``ref_dir``, the bf16 folder an exact import of it must equal (FP8 weights replaced by their
     :func:`reference_dequantize`). Returns the FP8 folder's tensors."""
     config = json.loads((bf16_dir / "config.json").read_text())
-    qc = {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8", "weight_block_size": list(block)}
+    qc = {
+        "activation_scheme": "dynamic",
+        "fmt": "e4m3",
+        "quant_method": "fp8",
+        "weight_block_size": list(block),
+    }
     qc.update(extra_qc or {})
     layout = Fp8Layout.from_quantization_config(qc, "test")
     fp8, ref = {}, {}
