@@ -43,6 +43,10 @@ from pathlib import Path
 from typing import Any
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "qwen3_moe", "deepseek_v3", "glm4_moe", "gpt_oss")
+# Hub model types that are a supported one under another name, with the HF class their config.json names:
+# Kimi-K2 ships ``model_type: kimi_k2`` with ``architectures: [DeepseekV3ForCausalLM]`` (its remote code is
+# DeepSeek-V3's; SGLang serves it with DeepseekV3ForCausalLM), so it parses as deepseek_v3.
+MODEL_TYPE_ALIASES = {"kimi_k2": ("deepseek_v3", "DeepseekV3ForCausalLM")}
 MOE_MODEL_TYPES = ("qwen3_moe", "deepseek_v3", "glm4_moe", "gpt_oss")
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 YARN_MODEL_TYPES = ("deepseek_v3", "gpt_oss")  # the families whose YaRN RoPE is checked against HF
@@ -164,6 +168,15 @@ class Architecture:
         if where is None:
             where = str(config) if isinstance(config, str | Path) else "config.json"
         model_type = cfg.get("model_type")
+        if model_type in MODEL_TYPE_ALIASES:
+            model_type, hf_class = MODEL_TYPE_ALIASES[model_type]
+            if hf_class not in (cfg.get("architectures") or [hf_class]):
+                raise UnsupportedModelError(
+                    f"{where}: model_type {cfg['model_type']!r} with architectures "
+                    f"{cfg.get('architectures')} is not supported; it is read as {model_type} only with "
+                    f"architectures [{hf_class!r}]"
+                )
+            cfg["model_type"] = model_type
         check_quantization(cfg, where)
         if model_type not in SUPPORTED_MODEL_TYPES:
             raise UnsupportedModelError(
