@@ -251,7 +251,8 @@ def hf_to_megatron(
         progress(mtp_notice(mtp, arch, hf_dir))
     policy_names = set(reader.names()) - set(mtp)
     check_fp8_folder(
-        table,
+        table.fp8,
+        [h for h in table.hf_file_names() if table.is_fp8(h)],
         {n: reader.dtype_name(n) for n in policy_names},
         {n: reader.shape(n) for n in policy_names},
         str(hf_dir),

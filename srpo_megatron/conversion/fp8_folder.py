@@ -41,7 +41,6 @@ import torch
 
 from srpo_megatron.conversion.fp8_layout import Fp8Layout
 from srpo_megatron.conversion.output_guard import ConversionInputError
-from srpo_megatron.conversion.table import ConversionError, ConversionTable, slice_name
 from srpo_megatron.ops import fp8_blocks
 
 FP8_DTYPE_NAMES = ("F8_E4M3", "F8_E5M2")  # safetensors' names of the float8 dtypes
@@ -62,7 +61,7 @@ def dequantize_weight(
     """``q`` (float8_e4m3fn ``[rows, cols]``) times its block scales, as ``dtype``: bit for bit
     ``ops/fp8_blocks.dequantize``, one row block of float32 at a time."""
     if q.dtype != torch.float8_e4m3fn or q.dim() != 2:
-        raise ConversionError(
+        raise ConversionInputError(
             f"{name} is {q.dtype} {tuple(q.shape)}, but quantization_config says it is blockwise FP8 "
             "(a 2-D float8_e4m3fn weight with a weight_scale_inv): the folder does not match its config.json"
         )
@@ -87,7 +86,7 @@ def check_scale_shape(
     if tuple(scale_shape) == want:
         return
     why = "it is transposed" if tuple(scale_shape) == want[::-1] else "wrong shape"
-    raise ConversionError(
+    raise ConversionInputError(
         f"{Fp8Layout.scale_name(name)} has shape {list(scale_shape)}, but a {shape[0]}x{shape[1]} weight in "
         f"{block[0]}x{block[1]} blocks (quantization_config.weight_block_size) needs {list(want)} ({why}): "
         "the folder does not match its config.json; copy the model again or fix weight_block_size"
@@ -95,39 +94,43 @@ def check_scale_shape(
 
 
 def check_fp8_folder(
-    table: ConversionTable, dtypes: dict[str, str], shapes: dict[str, tuple[int, ...]], where: str
+    layout: Fp8Layout | None,
+    fp8_names: list[str],
+    dtypes: dict[str, str],
+    shapes: dict[str, tuple[int, ...]],
+    where: str,
 ) -> None:
-    """Before any tensor is read: every FP8 weight of the layout is float8_e4m3fn with a scale of the block
-    grid's shape, and no other tensor is float8 or has a scale. ``dtypes``: safetensors dtype names of the
-    folder's tensors (headers only); ``shapes``: their shapes."""
-    fp8_names = [h for h in table.hf_names() if slice_name(h) is None and table.is_fp8(h)]
+    """Before any tensor is read: every FP8 weight of the layout (``fp8_names``: the conversion table's
+    names the layout keeps in FP8) is float8_e4m3fn with a scale of the block grid's shape, and no other
+    tensor is float8 or has a scale. ``dtypes``: safetensors dtype names of the folder's tensors (headers
+    only); ``shapes``: their shapes."""
     for name in fp8_names:
         scale = Fp8Layout.scale_name(name)
         if name in dtypes and dtypes[name] != "F8_E4M3":
-            raise ConversionError(
+            raise ConversionInputError(
                 f"{where}: {name} is {dtypes[name]}, but quantization_config says it is FP8 (float8_e4m3fn "
                 f"with {scale}): the folder does not match its config.json; copy the model again"
             )
         if name in dtypes and scale not in dtypes:
-            raise ConversionError(
+            raise ConversionInputError(
                 f"{where}: {name} is float8_e4m3fn but the folder has no {scale}: without its block scales "
                 "the weight cannot be dequantized; copy the model again"
             )
         if scale in shapes and name in shapes:
-            check_scale_shape(name, shapes[name][:2], shapes[scale], table.fp8.block)
+            check_scale_shape(name, shapes[name][:2], shapes[scale], layout.block)
     expected = set(fp8_names)
     for name, dt in dtypes.items():
         if dt in FP8_DTYPE_NAMES and name not in expected:
             what = "it is not FP8 in the layout"
-            if table.fp8 is None:
+            if layout is None:
                 what = "config.json has no FP8 quantization_config"
-            raise ConversionError(
+            raise ConversionInputError(
                 f"{where}: {name} is {dt} but {what}, so it has no weight_scale_inv to dequantize it with; "
                 "restore the folder's config.json (quantization_config) or convert its bf16 release"
             )
     for name in dtypes:
         if name.endswith("_scale_inv") and name.removesuffix("_scale_inv") not in expected:
-            raise ConversionError(
+            raise ConversionInputError(
                 f"{where}: {name} scales a weight that quantization_config keeps in bf16 (the layout of "
                 "conversion/fp8_layout.py, modules_to_not_convert / ignored_layers): fix the config's lists"
             )
@@ -168,8 +171,9 @@ class Fp8Export:
             )
         return cls(layout, qc)
 
-    def plan(self, table: ConversionTable) -> list[tuple[str, tuple[int, ...]]]:
-        """The export plan with this layout; records the FP8 and scale tensors' dtypes."""
+    def plan(self, table: Any) -> list[tuple[str, tuple[int, ...]]]:
+        """The export plan of ``table`` (a ``ConversionTable``) with this layout; records the FP8 and scale
+        tensors' dtypes."""
         plan = table.hf_file_plan(self.layout)
         for name, _ in plan:
             if name.endswith("_scale_inv"):
