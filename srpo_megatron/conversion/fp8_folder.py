@@ -73,7 +73,7 @@ def dequantize_weight(
     for i in range(scale.shape[0]):
         lo, hi = i * br, min((i + 1) * br, rows)
         per_col = scale[i].repeat_interleave(bc)[:cols]  # one row of scales, each block's over its columns
-        out[lo:hi] = q[lo:hi].float() * per_col
+        out[lo:hi] = q[lo:hi].float().mul_(per_col)  # float32 product, one rounding into out
     return out
 
 
