@@ -13,8 +13,12 @@ in turn (copy, convert and export interleaved, so a burst of load from other job
   2. convert: ``srpo_megatron.conversion.checkpoint.hf_to_megatron`` (torch_dist output, fsynced);
   3. export:  ``megatron_to_hf`` of a converted checkpoint back to HF safetensors (fsynced).
 Dirty pages are flushed (``os.sync``) before every run, so no run pays for the previous one's writeback.
+Two more rows read blockwise-FP8 folders (``dense_fp8``: the dense model, ``deepseek_fp8``: a DeepSeek-V3
+shape with 64 experts whose widths end in partial 128x128 blocks): the model in bf16, every projection of
+the layers quantized with ``ops/fp8_blocks`` (float8_e4m3fn + float32 ``weight_scale_inv``), a
+``quantization_config``; the conversion dequantizes them to bf16, the copy copies the FP8 bytes.
 Prints per-stage lines, then one JSON object as the last line with, per checkpoint (``dense``, ``moe``,
-``deepseek``):
+``deepseek``, ``dense_fp8``, ``deepseek_fp8``):
 ``throughput_vs_copy`` / ``export_throughput_vs_copy`` (median copy seconds / median convert or export
 seconds, same bytes), the same from the best runs (``*_best``), ``cpu_vs_copy`` / ``export_cpu_vs_copy``
 (median CPU seconds of the copy / of the conversion or export: user + system time of the child, all
@@ -152,12 +156,16 @@ def _moe_config(args):
     )
 
 
-def _deepseek_config(args):
+def _deepseek_config(args, fp8: bool = False):
     """DeepSeek-V3's shape, small: MLA, dense first layer, 1 shared + many routed experts in 8 groups (4
     chosen, top-8). Until the DeepSeek-V3 table is in ``conversion.table.TABLES`` the same MoE is built as
     GLM-4.5 (GQA attention: no MLA rows measured); the JSON names which (``model_type``)."""
     from srpo_megatron.conversion.table import TABLES
 
+    if fp8:  # widths with partial 128x128 edge blocks (384 = 3 blocks, 192 = 1.5), fewer experts
+        args = argparse.Namespace(
+            **{**vars(args), "ds_hidden": 384, "ds_moe_intermediate": 192, "ds_experts": 64}
+        )
     moe = dict(
         hidden_size=args.ds_hidden,
         intermediate_size=4 * args.ds_hidden,
@@ -190,22 +198,63 @@ def _deepseek_config(args):
     return Glm4MoeConfig(**moe, num_key_value_heads=2, head_dim=64, attention_bias=True)
 
 
-def _bench(name: str, config, work: Path, repeats: int) -> dict:
+def _fp8_folder(src: Path, dst: Path) -> None:
+    """``src`` (a bf16 HF folder) as a blockwise-FP8 one: Fp8Layout's weights quantized (128x128 blocks)."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    from srpo_megatron.conversion.fp8_layout import Fp8Layout
+    from srpo_megatron.ops import fp8_blocks
+
+    qc = {
+        "activation_scheme": "dynamic",
+        "fmt": "e4m3",
+        "quant_method": "fp8",
+        "weight_block_size": [128, 128],
+    }
+    layout = Fp8Layout.from_quantization_config(qc, str(src))
+    dst.mkdir(parents=True)
+    weight_map = {}
+    for i, f in enumerate(sorted(src.glob("*.safetensors"))):
+        out = {}
+        with safe_open(f, framework="pt") as h:
+            for k in h.keys():  # noqa: SIM118
+                t = h.get_tensor(k)
+                if layout.is_fp8(k):
+                    out[k], out[Fp8Layout.scale_name(k)] = fp8_blocks.quantize(t)
+                else:
+                    out[k] = t
+        name = f"model-{i:05d}.safetensors"
+        save_file(out, str(dst / name), metadata={"format": "pt"})
+        weight_map.update(dict.fromkeys(out, name))
+    index = {"metadata": {}, "weight_map": weight_map}
+    (dst / "model.safetensors.index.json").write_text(json.dumps(index))
+    config = json.loads((src / "config.json").read_text())
+    (dst / "config.json").write_text(json.dumps({**config, "quantization_config": qc}))
+
+
+_ITEMSIZE = {"F32": 4, "BF16": 2, "F16": 2, "F8_E4M3": 1}
+
+
+def _bench(name: str, config, work: Path, repeats: int, fp8: bool = False) -> dict:
     import torch
     from transformers import AutoModelForCausalLM
 
     src = work / "hf"
     torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    model.save_pretrained(src, max_shard_size="200MB")
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16 if fp8 else torch.float32)
+    model.save_pretrained(work / "hf_bf16" if fp8 else src, max_shard_size="200MB")
     del model
+    if fp8:
+        _fp8_folder(work / "hf_bf16", src)
+        shutil.rmtree(work / "hf_bf16")
     from safetensors import safe_open
 
     sizes = []
     for f in sorted(src.glob("*.safetensors")):
         with safe_open(f, framework="pt") as h:
-            sizes += [h.get_slice(k).get_shape() for k in h.keys()]  # noqa: SIM118
-    sizes = [4 * _prod(shape) for shape in sizes]  # fp32
+            for k in h.keys():  # noqa: SIM118 - safe_open is not a dict
+                sizes.append(_ITEMSIZE[h.get_slice(k).get_dtype()] * _prod(h.get_slice(k).get_shape()))
     total, largest = sum(sizes), max(sizes)
     print(f"{name}: {total / 1e6:.1f} MB in {len(sizes)} tensors, largest {largest / 1e6:.1f} MB", flush=True)
     # The export stage reads a converted checkpoint: made once, outside the timings.
@@ -287,7 +336,11 @@ def main() -> None:
     p.add_argument("--ds-experts", type=int, default=256)
     p.add_argument("--ds-hidden", type=int, default=256)
     p.add_argument("--ds-moe-intermediate", type=int, default=64)
-    p.add_argument("--only", choices=["dense", "moe", "deepseek"], help="benchmark one checkpoint only")
+    p.add_argument(
+        "--only",
+        choices=["dense", "moe", "deepseek", "dense_fp8", "deepseek_fp8"],
+        help="benchmark one checkpoint only",
+    )
     p.add_argument("--repeats", type=int, default=5, help="runs of each stage (median time, worst peak)")
     p.add_argument("--workdir", default=None, help="scratch directory (default: a temp dir)")
     p.add_argument("--child", nargs=3, help=argparse.SUPPRESS)
@@ -298,11 +351,17 @@ def main() -> None:
 
     work = Path(args.workdir or tempfile.mkdtemp(prefix="bench_conversion_"))
     result = {}
-    cases = (("dense", _dense_config(args)), ("moe", _moe_config(args)), ("deepseek", _deepseek_config(args)))
+    cases = (
+        ("dense", _dense_config(args)),
+        ("moe", _moe_config(args)),
+        ("deepseek", _deepseek_config(args)),
+        ("dense_fp8", _dense_config(args)),
+        ("deepseek_fp8", _deepseek_config(args, fp8=True)),
+    )
     for name, config in cases:
         if args.only in (None, name):
             shutil.rmtree(work / name, ignore_errors=True)
-            result[name] = _bench(name, config, work / name, args.repeats)
+            result[name] = _bench(name, config, work / name, args.repeats, fp8=name.endswith("_fp8"))
             shutil.rmtree(work / name, ignore_errors=True)  # ~2x the checkpoint, regenerated every time
     print(json.dumps(result))
 

@@ -4,10 +4,16 @@ to an HF folder: sharded safetensors + index, config.json, tokenizer and generat
 checkpoint's from the model.hf_dir it records).
 
     tools/convert_megatron_to_hf.py --megatron-dir DIR --out-dir DIR [--dtype bf16|fp32]
-                                    [--max-shard-size 5GB] [--force] [--mtp-from HF_DIR]
+                                    [--max-shard-size 5GB] [--force] [--mtp-from HF_DIR] [--fp8]
 
 GLM-4.5 / DeepSeek-V3 MTP layers are re-emitted unchanged from --mtp-from, or by default from the HF folder
 the checkpoint was converted or trained from (``hf_source.json``), when that folder has them.
+
+--fp8 writes a blockwise-FP8 folder (DeepSeek-V3's format, what SGLang serves with its fp8 linear method):
+every projection of the decoder layers as float8_e4m3fn + weight_scale_inv (128x128 blocks, or the source
+folder's weight_block_size and modules_to_not_convert when the checkpoint was converted from an FP8 folder),
+the rest in --dtype, and config.json's quantization_config. Without it the export is dense, with no
+quantization_config. Details: srpo_megatron/conversion/fp8_folder.py.
 
 --megatron-dir may be a run directory: its newest checkpoint that verifies is exported, as `srpo train`
 would resume it. A trainer checkpoint is checked against its manifest.json first. --force replaces only a
@@ -51,6 +57,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-shard-size", default="5GB", help="largest safetensors shard (e.g. 5GB, 500MB)")
     p.add_argument("--force", action="store_true", help="replace a previous conversion in --out-dir")
     p.add_argument("--mtp-from", help="HF folder whose MTP layers to copy (default: the recorded source)")
+    p.add_argument("--fp8", action="store_true", help="write blockwise FP8 (weight + weight_scale_inv)")
     args = p.parse_args(argv)
     try:
         megatron_to_hf(
@@ -60,6 +67,7 @@ def main(argv: list[str] | None = None) -> int:
             max_shard_bytes=parse_size(args.max_shard_size),
             force=args.force,
             mtp_from=args.mtp_from,
+            fp8=args.fp8,
         )
     except input_errors() as e:  # bad input: one line naming the path and the fix, exit status 2
         print(f"{p.prog}: error: {' '.join(str(e).split())}", file=sys.stderr)

@@ -46,6 +46,7 @@ import torch
 
 from srpo_megatron.conversion.checkpoint_files import checkpoint_to_read, is_trainer_checkpoint
 from srpo_megatron.conversion.dist_reader import TorchDistReader
+from srpo_megatron.conversion.fp8_folder import Fp8Export, check_fp8_folder, layout_of, mtp_tensors
 from srpo_megatron.conversion.mtp import mtp_names, record_source, recorded_source
 from srpo_megatron.conversion.mtp import notice as mtp_notice
 from srpo_megatron.conversion.output_guard import (
@@ -173,6 +174,22 @@ def plain_torch_ops() -> Iterator[None]:
 
 
 @contextlib.contextmanager
+def one_torch_thread() -> Iterator[None]:
+    """torch's intra-op parallelism off for the block (restored after).
+
+    The import's write loop is memory-bound: each row's tensor ops (dtype steps, the FP8 dequantization)
+    are one pass over data about to be written. Split over OpenMP threads, every op of a small tensor pays
+    a fork-join, and on a busy host the threads wait for each other: measured on the FP8 bench checkpoint
+    (2 cores, load 18), float8 -> float32 took 638 ns per element with 2 threads and 32 with 1."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+
+
+@contextlib.contextmanager
 def single_process_megatron() -> Iterator[None]:
     """A 1-rank gloo world with TP1/PP1 megatron state (what the converters need), torn down after."""
     import torch.distributed as dist
@@ -241,13 +258,22 @@ def hf_to_megatron(
         )
     check_output_dir(out_dir, (hf_dir,), force)  # before any work
     config = read_json(hf_dir / "config.json", "pass --hf-dir an HF model folder (config.json + safetensors)")
-    arch = Architecture.from_hf(config)
-    table = ConversionTable(arch)
+    where = str(hf_dir / "config.json")
+    arch = Architecture.from_hf(config, where=where)  # refuses a quantization it cannot read, first
+    table = ConversionTable(arch, fp8=layout_of(config, where))
     reader = HFCheckpointReader(hf_dir)
     mtp = mtp_names(arch, reader.names())
     if mtp:
         progress(mtp_notice(mtp, arch, hf_dir))
-    table.check_hf_names(set(reader.names()) - set(mtp))
+    policy_names = set(reader.names()) - set(mtp)
+    check_fp8_folder(
+        table.fp8,
+        [h for h in table.hf_file_names() if table.is_fp8(h)],
+        {n: reader.dtype_name(n) for n in policy_names},
+        {n: reader.shape(n) for n in policy_names},
+        str(hf_dir),
+    )
+    table.check_hf_names(policy_names)
     shapes = {name: reader.shape(name) for name in table.hf_file_names()}
     with plain_torch_ops():
         table.check_hf_shapes(shapes)
@@ -266,7 +292,9 @@ def hf_to_megatron(
         def data_of(group: list) -> list[list[torch.Tensor]]:
             local_name, param = params[_param_id(group[0].data)]
             name = rank_param_name(table, local_name, 0)
-            hf = {h: table.hf_tensor(h, reader.get) for h in table.hf_names_for(name)}
+            step = param.dtype if name.endswith(EXPERT_BIAS_SUFFIX) else dtype
+            # (FP8 weights are dequantized straight into the conversion dtype: conversion/fp8_folder.py)
+            hf = {h: table.hf_tensor(h, reader.get, step) for h in table.hf_names_for(name)}
             # Each HF tensor is a view of its own map of the shard (HFCheckpointReader), unmapped when the
             # tensor goes: resident file pages are those of the rows in flight.
             if table.full_shape(name) != tuple(param.shape):
@@ -279,7 +307,6 @@ def hf_to_megatron(
             # built tensor would take: HF -> conversion dtype -> the param's (megatron keeps e.g. norm
             # weights in fp32 in a bf16 model), as copy_ would.
             # (The fp32 expert-bias buffer skips the conversion dtype: a bf16 step would move its values.)
-            step = param.dtype if name.endswith(EXPERT_BIAS_SUFFIX) else dtype
             hf = {h: t.to(step) for h, t in hf.items()}
             pieces = [p.to(param.dtype) for p in table.to_megatron_pieces(name, hf)]
             done[0] += 1
@@ -288,12 +315,15 @@ def hf_to_megatron(
             return [_chunk_pieces(pieces, sh.data, param) for sh in group]
 
         progress(f"saving dist_checkpointing checkpoint ({arch.model_type}, {dtype}) to {out_dir}")
-        with plain_torch_ops():
+        with plain_torch_ops(), one_torch_thread():
             write_streamed_checkpoint(tmp, sharded, common, data_of, list(groups.values()))
         reader.close()
         if arch.mxfp4_experts:  # the checkpoint holds the dequantized experts: no quantization_config
             config = {k: v for k, v in config.items() if k != "quantization_config"}
             progress(f"MXFP4 expert blocks dequantized to {dtype} (quantization_config dropped)")
+        if table.fp8 is not None:  # kept in hf_config.json: export --fp8 re-quantizes with its layout
+            br, bc = table.fp8.block
+            progress(f"blockwise FP8 weights dequantized to {dtype} ({br}x{bc} blocks)")
         config = _with_dtype(config, dtype)
         (tmp / HF_CONFIG_NAME).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
         _copy_assets(hf_dir, tmp / HF_ASSETS_DIR)
@@ -395,6 +425,37 @@ def _read_param(reader: TorchDistReader, param: torch.Tensor, group: list) -> to
     return full
 
 
+def _write_export(
+    table: ConversionTable,
+    ckpt_dir: Path,
+    reader: TorchDistReader,
+    by_name: dict[str, tuple[torch.Tensor, list]],
+    writer: PlannedSafetensorsWriter,
+    keep: dict[str, torch.dtype],
+    out_dtype: torch.dtype,
+    fp8_out: Fp8Export | None,
+    progress: Callable[[str], None],
+) -> None:
+    """Read each policy parameter from the checkpoint, convert it through the table and write its HF
+    tensors (FP8 layout weights quantized from the stored values when ``fp8_out``)."""
+    for i, name in enumerate(table.megatron_names()):
+        if name not in by_name:
+            raise ConversionError(f"policy has no parameter {name} (table and model disagree)")
+        param, group = by_name[name]
+        full = _unreadable_as_input_error(
+            ckpt_dir, name, lambda param=param, group=group: _read_param(reader, param, group)
+        )
+        for hf_name, tensor in table.to_hf(name, full):
+            base, e = slice_name(hf_name) or (hf_name, None)  # x[e]: slice e of fused x
+            quantized = fp8_out.tensors(base, tensor) if fp8_out is not None and e is None else []
+            for q_name, q in quantized:
+                writer.write(q_name, q)
+            if not quantized:
+                writer.write(base, tensor.to(keep.get(base, out_dtype)), e)
+        if (i + 1) % 50 == 0:
+            progress(f"exported {i + 1}/{len(by_name)} megatron tensors")
+
+
 def stored_policy_dtype(ckpt_dir: str | Path) -> torch.dtype:
     """dtype of the policy tensors in a checkpoint (from its metadata, no tensor read)."""
     from megatron.core import dist_checkpointing
@@ -477,12 +538,16 @@ def megatron_to_hf(
     progress: Callable[[str], None] = log,
     mtp_from: str | Path | None = None,
     verified: bool = False,
+    fp8: bool = False,
 ) -> Path:
     """Export the policy of a converter or trainer checkpoint to an HF folder loadable by transformers.
     ``ckpt_dir`` may be a run directory (``checkpoint_files.checkpoint_to_read``; ``verified``: the caller
     has already picked and verified it).
     MTP layers (GLM-4.5, DeepSeek-V3) are copied unchanged from ``mtp_from`` or the HF folder the checkpoint
-    records (``conversion/mtp.py``) when it has them; the routers' expert biases stay fp32."""
+    records (``conversion/mtp.py``) when it has them; the routers' expert biases stay fp32.
+    ``fp8``: write a blockwise-FP8 folder (``conversion/fp8_folder.py`` ``Fp8Export``): the FP8 layout's
+    weights re-quantized to float8_e4m3fn + ``weight_scale_inv``, the rest in ``dtype``; without it the
+    export is dense and ``config.json`` has no ``quantization_config``."""
     from srpo_megatron.conversion.weights import EXPERT_BIAS_SUFFIX
 
     given = Path(ckpt_dir)
@@ -501,8 +566,10 @@ def megatron_to_hf(
     config = read_json(
         ckpt_dir / HF_CONFIG_NAME, "export a checkpoint written by the converter or the trainer"
     )
-    arch = Architecture.from_hf(config)
+    where = str(ckpt_dir / HF_CONFIG_NAME)
+    arch = Architecture.from_hf(config, where=where)
     table = ConversionTable(arch)
+    fp8_out = Fp8Export.of(config, where, progress) if fp8 else None
     about = {"direction": "megatron_to_hf", "source": str(ckpt_dir.resolve())}
     output = atomic_output_dir(out_dir, force, inputs=inputs, about=about, progress=progress)
     with gc_paused(), output as tmp, single_process_megatron():
@@ -514,39 +581,36 @@ def megatron_to_hf(
         model = _skeleton(arch, stored)
         with plain_torch_ops():
             _, _, params, groups = _sharded_layout(model)
-            plan = table.hf_file_plan()
+            plan = fp8_out.plan(table) if fp8_out else table.hf_file_plan()
         mtp_reader, mtp = _mtp_source(arch, ckpt_dir, mtp_from, progress)
-        plan += [(h, mtp_reader.shape(h)) for h in mtp]
+        mtp_plan = []
+        if mtp_reader is not None:
+            source_layout = layout_of(
+                read_json(mtp_reader.dir / "config.json", "pass --mtp-from"), str(mtp_reader.dir)
+            )
+            out_layout = fp8_out.layout if fp8_out else None
+            mtp_plan = mtp_tensors(mtp, mtp_reader, source_layout, out_layout, out_dtype)
+        plan += [(h, shape) for h, shape, _, _ in mtp_plan]
         # Written in their own dtype whatever the export's: the routers' expert biases in fp32 (HF and SGLang
         # hold them in fp32 and the hub ships them so; bf16 would move near-tied choices), the MTP layers
-        # as the source has them (unchanged).
+        # as the source has them (unchanged), FP8 weights and their scales.
         keep = {
             h: torch.float32
             for n in table.megatron_names()
             if n.endswith(EXPERT_BIAS_SUFFIX)
             for h in table.hf_names_for(n)
         }
-        keep.update({h: mtp_reader.get(h).dtype for h in mtp})
+        keep.update({h: dt for h, _, dt, _ in mtp_plan})
+        keep.update(fp8_out.dtypes if fp8_out else {})
         by_name = {params[pid][0]: (params[pid][1], group) for pid, group in groups.items()}
-        progress(f"exporting {ckpt_dir} ({arch.model_type}, {stored} -> {out_dtype})")
+        progress(f"exporting {ckpt_dir} ({arch.model_type}, {stored} -> {out_dtype}{', FP8' if fp8 else ''})")
         reader = _unreadable_as_input_error(ckpt_dir, "its metadata", lambda: TorchDistReader(ckpt_dir))
         writer = PlannedSafetensorsWriter(tmp, plan, out_dtype, max_shard_bytes, dtypes=keep)
         with plain_torch_ops():
             try:
-                for i, name in enumerate(table.megatron_names()):
-                    if name not in by_name:
-                        raise ConversionError(f"policy has no parameter {name} (table and model disagree)")
-                    param, group = by_name[name]
-                    full = _unreadable_as_input_error(
-                        ckpt_dir, name, lambda param=param, group=group: _read_param(reader, param, group)
-                    )
-                    for hf_name, tensor in table.to_hf(name, full):
-                        base, e = slice_name(hf_name) or (hf_name, None)  # x[e]: slice e of fused x
-                        writer.write(base, tensor.to(keep.get(base, out_dtype)), e)
-                    if (i + 1) % 50 == 0:
-                        progress(f"exported {i + 1}/{len(by_name)} megatron tensors")
-                for h in mtp:  # unchanged: same name, same values, same dtype
-                    writer.write(h, mtp_reader.get(h))
+                _write_export(table, ckpt_dir, reader, by_name, writer, keep, out_dtype, fp8_out, progress)
+                for h, _, _, read in mtp_plan:
+                    writer.write(h, read())
             finally:
                 reader.close()
                 if mtp_reader is not None:
@@ -554,6 +618,11 @@ def megatron_to_hf(
         writer.close()
         if arch.model_type == "gpt_oss":
             progress(f"gpt-oss experts written as dense {out_dtype} tensors (not MXFP4)")
+        # The tensors are dense unless --fp8: a source's quantization_config (the hub's, which the converter
+        # keeps as export metadata and trainer checkpoints copy) would describe tensors the folder lacks.
+        config = {k: v for k, v in config.items() if k != "quantization_config"}
+        if fp8_out is not None:
+            config["quantization_config"] = fp8_out.quantization_config
         config = _with_dtype(config, out_dtype)
         (tmp / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
         _export_assets(ckpt_dir, source, tmp, progress)

@@ -85,12 +85,22 @@ class HFCheckpointReader:
         return handle
 
     def dtype(self) -> torch.dtype:
-        """dtype of the first floating-point tensor (checkpoints are uniform in practice; MXFP4 blocks and
-        scales are uint8 beside bf16 tensors)."""
+        """The floating-point dtype most tensors have, quantized data aside (checkpoints are uniform in
+        practice, but MXFP4 blocks and scales are uint8, blockwise-FP8 weights float8 with float32
+        ``*_scale_inv``, and DeepSeek's router biases float32, beside bf16 tensors). From the headers."""
+        counts: dict[torch.dtype, int] = {}
         for name in self.weight_map:
-            if (dtype := self.get(name).dtype).is_floating_point:
-                return dtype
-        raise ValueError(f"{self.dir} has no floating-point tensor")
+            dtype = _TORCH_DTYPES.get(self.dtype_name(name))
+            quantized = dtype is None or dtype.itemsize == 1 or name.endswith("_scale_inv")
+            if not quantized and dtype.is_floating_point:
+                counts[dtype] = counts.get(dtype, 0) + 1
+        if not counts:
+            raise ValueError(f"{self.dir} has no floating-point tensor")
+        return max(counts, key=counts.__getitem__)
+
+    def dtype_name(self, name: str) -> str:
+        """safetensors' dtype name of ``name`` (``BF16``, ``F8_E4M3``, ...), from the header."""
+        return self.get_handle(name).dtype_name(name)
 
     def close(self) -> None:
         self._handles.clear()
@@ -133,6 +143,9 @@ class _MappedShard:
 
     def shape(self, name: str) -> tuple[int, ...]:
         return tuple(self._info(name)["shape"])
+
+    def dtype_name(self, name: str) -> str:
+        return self._info(name)["dtype"]
 
     def _info(self, name: str) -> dict:
         info = self._header.get(name)
@@ -219,13 +232,18 @@ _SAFETENSORS_DTYPES = {
     torch.int8: "I8",
     torch.uint8: "U8",
     torch.bool: "BOOL",
+    torch.float8_e4m3fn: "F8_E4M3",
+    torch.float8_e5m2: "F8_E5M2",
 }
 
 _TORCH_DTYPES = {name: dtype for dtype, name in _SAFETENSORS_DTYPES.items()}
 
 
 # safetensors' ``Dtype`` enum order: ``save_file`` lays tensors out by dtype (descending), then by name.
-_SAFETENSORS_ORDER = ("BOOL", "U8", "I8", "I16", "F16", "BF16", "I32", "F32", "F64", "I64")
+_SAFETENSORS_ORDER = (
+    *("BOOL", "U8", "I8", "F8_E5M2", "F8_E4M3", "I16"),
+    *("F16", "BF16", "I32", "F32", "F64", "I64"),
+)
 
 
 def _shard_header(

@@ -111,16 +111,7 @@ def write_streamed_checkpoint(
                 storage[MetadataIndex(obj.unique_key)] = f.put_object(obj.data)
 
             for group in groups:
-                for sh, data in zip(group, data_of(group), strict=True):
-                    pieces, dtype = _pieces(sh, data)
-                    size = torch.Size(sh.global_shape)
-                    md = state_md.setdefault(sh.key, TensorStorageMetadata(TensorProperties(dtype), size, []))
-                    if md.properties.dtype != dtype:
-                        raise ValueError(f"{sh.key}: chunks disagree on dtype")
-                    shape = torch.Size((1,) * sh.prepend_axis_num + tuple(sh.local_shape))
-                    md.chunks.append(ChunkStorageMetadata(torch.Size(sh.global_offset), shape))
-                    index = MetadataIndex(sh.key, torch.Size(sh.global_offset))
-                    storage[index] = f.put_tensor(dtype, shape, pieces)
+                _put_group(f, group, data_of(group), state_md, storage)
     finally:
         torch.serialization.set_crc32_options(crc32)
     metadata = Metadata(state_md, None, storage, StorageMeta(), CURRENT_DCP_VERSION)
@@ -132,6 +123,28 @@ def write_streamed_checkpoint(
 
         get_default_save_common_strategy().save_common(common_state, out)
     save_config(CheckpointingConfig("torch_dist"), str(out))
+
+
+def _put_group(
+    f: _DataFile,
+    group: list[ShardedTensor],
+    datas: list[torch.Tensor | list[torch.Tensor]],
+    state_md: dict,
+    storage: dict,
+) -> None:
+    """Write one group's chunks and record them in the DCP metadata. A function of its own so that the
+    group's data (e.g. the mmapped output layer, the last group) is released when it returns, not kept by
+    a loop variable through the metadata pickling that follows the last group."""
+    for sh, data in zip(group, datas, strict=True):
+        pieces, dtype = _pieces(sh, data)
+        size = torch.Size(sh.global_shape)
+        md = state_md.setdefault(sh.key, TensorStorageMetadata(TensorProperties(dtype), size, []))
+        if md.properties.dtype != dtype:
+            raise ValueError(f"{sh.key}: chunks disagree on dtype")
+        shape = torch.Size((1,) * sh.prepend_axis_num + tuple(sh.local_shape))
+        md.chunks.append(ChunkStorageMetadata(torch.Size(sh.global_offset), shape))
+        index = MetadataIndex(sh.key, torch.Size(sh.global_offset))
+        storage[index] = f.put_tensor(dtype, shape, pieces)
 
 
 def _pieces(

@@ -62,6 +62,7 @@ from collections.abc import Callable, Iterator, Mapping
 import torch
 
 import srpo_megatron.conversion.mla_rows as mla_rows
+from srpo_megatron.conversion.fp8_layout import Fp8Layout
 from srpo_megatron.models.architecture import Architecture, UnsupportedModelError, padded_vocab_size
 
 
@@ -487,12 +488,14 @@ def split_tp_shard(full: torch.Tensor, partition: TPPartition, tp: int, rank: in
 class ConversionTable:
     """The architecture's table instantiated for every layer; see the module docstring for the API."""
 
-    def __init__(self, arch: Architecture):
+    def __init__(self, arch: Architecture, fp8: Fp8Layout | None = None):
+        """``fp8``: the checkpoint's blockwise-FP8 layout (``conversion/fp8_folder.py``): its FP8 weights are
+        files ``<name>`` (float8_e4m3fn) + ``<name>_scale_inv``, read dequantized by :meth:`hf_tensor`."""
         if arch.model_type not in TABLES:
             raise UnsupportedModelError(
                 f"no conversion table for model_type {arch.model_type!r}; have {list(TABLES)}"
             )
-        self.arch = arch
+        self.arch, self.fp8 = arch, fp8
         rows = list(TABLES[arch.model_type])
         if not arch.qkv_bias and QKV_BIAS in rows:  # GLM-4.5's attention_bias is optional
             rows.remove(QKV_BIAS)
@@ -629,7 +632,19 @@ class ConversionTable:
                 out.update({base + "_blocks": None, base + "_scales": None})
             else:
                 out[base] = None
+                if self.is_fp8(base):
+                    out[Fp8Layout.scale_name(base)] = None
         return list(out)
+
+    def is_fp8(self, hf_name: str) -> bool:
+        """Whether the checkpoint stores ``hf_name`` as FP8 + ``weight_scale_inv`` (``fp8`` layout given)."""
+        return self.fp8 is not None and self.fp8.is_fp8(hf_name)
+
+    def fp8_scale_shape(self, hf_name: str, layout: Fp8Layout | None = None) -> tuple[int, int]:
+        """Shape of FP8 weight ``hf_name``'s ``weight_scale_inv``: a scale per block, edge blocks partial."""
+        rows, cols = self.hf_shape(hf_name)
+        br, bc = (layout or self.fp8).block
+        return -(-rows // br), -(-cols // bc)
 
     def _is_mxfp4(self, base: str) -> bool:
         return self.arch.mxfp4_experts and base.endswith(MXFP4_FUSED)
@@ -644,24 +659,40 @@ class ConversionTable:
                 return (*blocks, 16) if suffix == "_blocks" else blocks
         if file_name in self._hf_rows:
             return self.hf_shape(file_name)
+        base = file_name.removesuffix("_scale_inv")
+        if base != file_name and self.is_fp8(base):
+            return self.fp8_scale_shape(base)
         return (self.arch.num_experts, *self.hf_shape(file_name + "[0]"))
 
-    def hf_file_plan(self) -> list[tuple[str, tuple[int, ...]]]:
-        """``(name, shape)`` of every tensor an export writes (dense: MXFP4 is dequantized on import)."""
+    def hf_file_plan(self, fp8: Fp8Layout | None = None) -> list[tuple[str, tuple[int, ...]]]:
+        """``(name, shape)`` of every tensor an export writes: dense (MXFP4 and FP8 are dequantized on
+        import), or with ``fp8`` each of its FP8 weights followed by its ``weight_scale_inv``."""
         plan: dict[str, tuple[int, ...]] = {}
         for h in self._hf_rows:
             sliced = slice_name(h)
             if sliced is None:
                 plan[h] = self.hf_shape(h)
+                if fp8 is not None and fp8.is_fp8(h):
+                    plan[Fp8Layout.scale_name(h)] = self.fp8_scale_shape(h, fp8)
             elif sliced[0] not in plan:
                 plan[sliced[0]] = (self.arch.num_experts, *self.hf_shape(h))
         return list(plan.items())
 
-    def hf_tensor(self, hf_name: str, get: Callable[[str], torch.Tensor]) -> torch.Tensor:
+    def hf_tensor(
+        self, hf_name: str, get: Callable[[str], torch.Tensor], dtype: torch.dtype = torch.float32
+    ) -> torch.Tensor:
         """The table's HF tensor ``hf_name`` read through ``get(file_name)``: a slice ``x[e]`` indexes the
-        fused ``x`` (a view), an MXFP4 one dequantizes expert e's blocks only."""
+        fused ``x`` (a view), an MXFP4 one dequantizes expert e's blocks only, an FP8 one is dequantized
+        with its ``weight_scale_inv`` into ``dtype`` (``conversion/fp8_folder.py``; ``dtype`` applies to
+        FP8 weights only, every other tensor comes as stored)."""
         sliced = slice_name(hf_name)
         if sliced is None:
+            if self.is_fp8(hf_name):
+                from srpo_megatron.conversion.fp8_folder import dequantize_weight
+
+                return dequantize_weight(
+                    hf_name, get(hf_name), get(Fp8Layout.scale_name(hf_name)), self.fp8.block, dtype
+                )
             return get(hf_name)
         base, e = sliced
         if self._is_mxfp4(base):

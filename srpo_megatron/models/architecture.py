@@ -43,6 +43,10 @@ from pathlib import Path
 from typing import Any
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "qwen3_moe", "deepseek_v3", "glm4_moe", "gpt_oss")
+# Hub model types that are a supported one under another name, with the HF class their config.json names:
+# Kimi-K2 ships ``model_type: kimi_k2`` with ``architectures: [DeepseekV3ForCausalLM]`` (its remote code is
+# DeepSeek-V3's; SGLang serves it with DeepseekV3ForCausalLM), so it parses as deepseek_v3.
+MODEL_TYPE_ALIASES = {"kimi_k2": ("deepseek_v3", "DeepseekV3ForCausalLM")}
 MOE_MODEL_TYPES = ("qwen3_moe", "deepseek_v3", "glm4_moe", "gpt_oss")
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 YARN_MODEL_TYPES = ("deepseek_v3", "gpt_oss")  # the families whose YaRN RoPE is checked against HF
@@ -155,10 +159,25 @@ class Architecture:
         return bool(self.layer_types) and self.layer_types[layer] == "sliding_attention"
 
     @classmethod
-    def from_hf(cls, config: Any) -> Architecture:
-        """Parse and validate an HF config (folder, config.json path, dict or PretrainedConfig)."""
+    def from_hf(cls, config: Any, where: str | None = None) -> Architecture:
+        """Parse and validate an HF config (folder, config.json path, dict or PretrainedConfig).
+
+        ``where`` names the config in refusals (default: the path given, else "config.json"). A
+        ``quantization_config`` the converter cannot read is refused first (:func:`check_quantization`)."""
         cfg = load_hf_config_dict(config)
+        if where is None:
+            where = str(config) if isinstance(config, str | Path) else "config.json"
         model_type = cfg.get("model_type")
+        if model_type in MODEL_TYPE_ALIASES:
+            model_type, hf_class = MODEL_TYPE_ALIASES[model_type]
+            if hf_class not in (cfg.get("architectures") or [hf_class]):
+                raise UnsupportedModelError(
+                    f"{where}: model_type {cfg['model_type']!r} with architectures "
+                    f"{cfg.get('architectures')} is not supported; it is read as {model_type} only with "
+                    f"architectures [{hf_class!r}]"
+                )
+            cfg["model_type"] = model_type
+        check_quantization(cfg, where)
         if model_type not in SUPPORTED_MODEL_TYPES:
             raise UnsupportedModelError(
                 f"model_type {model_type!r} is not supported; supported model types are "
@@ -235,6 +254,53 @@ class Architecture:
         elif model_type == "gpt_oss":
             fields.update(_parse_gpt_oss(cfg, fields["num_layers"]))
         return cls(**fields)
+
+
+# What the converter reads besides bf16/fp16/fp32 folders (conversion/fp8_layout.py, conversion/mxfp4.py).
+READABLE_QUANTIZATION = (
+    "blockwise FP8 (quant_method 'fp8', fmt 'e4m3', a 2-D weight_block_size such as [128, 128], dynamic "
+    "activations: DeepSeek-V3, Kimi-K2, Qwen3-FP8) and gpt-oss's MXFP4 experts (quant_method 'mxfp4')"
+)
+
+
+def check_quantization(cfg: dict[str, Any], where: str) -> None:
+    """Refuse, in one line naming ``where``, the method and the fix, a ``quantization_config`` whose weights
+    the converter cannot dequantize exactly (:data:`READABLE_QUANTIZATION`). The same blockwise-FP8 rule as
+    ``conversion/fp8_layout.py``'s ``Fp8Layout.from_quantization_config`` (which this layer cannot import;
+    ``tests/unit/test_fp8_import_rules.py`` checks that both agree), plus what that one leaves to the
+    checkpoint's tensors: static activation scales and scale formats other than fp32 (``ue8m0``'s
+    power-of-two scales are fp32 values too)."""
+    qc = cfg.get("quantization_config")
+    if qc is None:
+        return
+    fix = "convert the model's bf16 release instead, or dequantize the folder to bf16 first"
+    if not isinstance(qc, dict):
+        raise UnsupportedModelError(f"{where}: quantization_config is {qc!r}, not an object; {fix}")
+    method, model_type = qc.get("quant_method"), cfg.get("model_type")
+    if method == "mxfp4" and model_type == "gpt_oss":
+        return
+    if method != "fp8" or model_type == "gpt_oss":
+        raise UnsupportedModelError(
+            f"{where}: quantization_config.quant_method={method!r} (model_type {model_type!r}) cannot be "
+            f"read by the converter, which reads bf16/fp16/fp32 folders, {READABLE_QUANTIZATION}; {fix}"
+        )
+    block, fmt = qc.get("weight_block_size"), qc.get("fmt", "e4m3")
+    blockwise = isinstance(block, list) and len(block) == 2
+    blockwise = blockwise and all(isinstance(b, int) and b > 0 for b in block)
+    problem = None
+    if fmt != "e4m3":
+        problem = f"fmt {fmt!r} (only e4m3 is read)"
+    elif not blockwise:
+        problem = f"weight_block_size {block!r} (per-tensor or per-channel FP8; only 2-D blocks are read)"
+    elif qc.get("activation_scheme", "dynamic") != "dynamic":
+        problem = f"activation_scheme {qc.get('activation_scheme')!r} (static input scales are not read)"
+    elif qc.get("scale_fmt") not in (None, "ue8m0"):
+        problem = f"scale_fmt {qc.get('scale_fmt')!r}"
+    if problem:
+        raise UnsupportedModelError(
+            f"{where}: quantization_config quant_method 'fp8' with {problem} cannot be read by the "
+            f"converter, which reads {READABLE_QUANTIZATION}; {fix}"
+        )
 
 
 def pipeline_stage_layers(num_layers: int, pp: int) -> list[int]:
@@ -480,13 +546,7 @@ def _parse_gpt_oss(cfg: dict[str, Any], num_layers: int) -> dict[str, Any]:
     window = int(cfg.get("sliding_window") or 0)
     if "sliding_attention" in layer_types and window < 1:
         raise UnsupportedModelError("gpt_oss has sliding layers but no 'sliding_window' (keys per query)")
-    quant = cfg.get("quantization_config") or {}
-    method = quant.get("quant_method")
-    if method not in (None, "mxfp4"):
-        raise UnsupportedModelError(
-            f"gpt_oss quantization_config.quant_method={method!r} is not supported; the hub's 'mxfp4' "
-            "checkpoints and bf16 ones are"
-        )
+    method = (cfg.get("quantization_config") or {}).get("quant_method")  # checked by check_quantization
     bias = bool(cfg.get("attention_bias", True))
     return dict(
         num_experts=int(experts),

@@ -114,7 +114,7 @@ class ModelShape:
                     experts > 0 and i not in dense_only and (i + 1) % step == 0 for i in range(n)
                 ),
             )
-        if cfg.get("model_type") in ("deepseek_v3", "glm4_moe", "gpt_oss"):
+        if arch.model_type in ("deepseek_v3", "glm4_moe", "gpt_oss"):  # Kimi-K2's kimi_k2 too
             n = arch.num_layers
             extra = dict(
                 num_experts=arch.num_experts,

@@ -89,6 +89,7 @@ ADDED_RECIPES = {
     "deepseek_v3_srpo.yaml",
     "glm45_air_srpo.yaml",
     "gpt_oss_20b_srpo.yaml",
+    "kimi_k2_srpo.yaml",
 }
 
 
