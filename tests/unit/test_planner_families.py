@@ -203,7 +203,7 @@ FAMILY_RECIPES = [
     ("deepseek_v3_srpo.yaml", "DeepSeek-V3", 32, True),
     ("glm45_air_srpo.yaml", "GLM-4.5-Air", 8, True),
     ("gpt_oss_20b_srpo.yaml", "gpt-oss-20b", 2, True),
-    ("kimi_k2_srpo.yaml", "Kimi-K2-Instruct", 48, False),
+    ("kimi_k2_srpo.yaml", "Kimi-K2-Instruct", 48, True),
 ]
 
 
