@@ -162,14 +162,16 @@ def test_train_judge_wants_three_finite_steps_no_restart_and_the_parity_metric(t
     )
 
 
-def _standin_engine(weights):
+def _standin_engine(weights, fp8_layout=None):
     from srpo_megatron.config import SGLangEngineConfig
+    from srpo_megatron.rollout.served_precision import with_fp8_scales
     from srpo_megatron.rollout.sglang.engine import SGLangEngine
     from srpo_megatron.testing.sglang_standin import SGLangStandInServer, standin_serialize
     from tests.helpers.rollout_contract import tiny_model
 
     server = SGLangStandInServer(tiny_model("llama", weights))
-    manifest = {n: tuple(t.shape) for n, t in weights.items()}
+    # what SGLangEngine reads from an FP8 served folder: each FP8 weight's weight_scale_inv too
+    manifest = with_fp8_scales({n: tuple(t.shape) for n, t in weights.items()}, fp8_layout)
     cfg = SGLangEngineConfig(mode="http", url=server.url, model_path="/unused", bucket_bytes=1024**2)
     return server, SGLangEngine(cfg, manifest=manifest, serializer=standin_serialize)
 
@@ -196,6 +198,88 @@ def test_sglang_live_sequence_against_the_standin_server_and_a_planted_no_op_upd
         assert out.status == "fail" and "no effect" in out.detail, out.detail
     finally:
         server.close()
+
+
+def test_sglang_live_fp8_sequence_sends_the_fp8_sync_stream_and_a_planted_bf16_update_is_named(monkeypatch):
+    """The FP8 variant: the same sequence with the update through ``weights.fp8_sync`` (e4m3 weights +
+    their weight_scale_inv, the stand-in installs the block dequantization); then a sync that sends bf16
+    under the dense names (planted: no quantization) is refused, named."""
+    from srpo_megatron.conversion.fp8_layout import Fp8Layout
+    from srpo_megatron.doctor.acceptance import sglang_live, sglang_live_fp8
+    from tests.helpers.rollout_contract import initial_weights
+
+    weights, layout = initial_weights("llama"), Fp8Layout()
+    fp8_names = [n for n in weights if layout.is_fp8(n)]
+    assert fp8_names, "the tiny model must have FP8-layout projections"
+    update = sglang_live_fp8.fp8_update(layout)
+    server, engine = _standin_engine(weights, layout)
+    try:
+        out = sglang_live.exercise(
+            engine, weights, long_tokens=16, hold=lambda: server.hold_after_steps(3), update=update
+        )
+        assert out.status == "ok", out.detail
+        assert out.metrics["aborted"] >= 1
+        received = dict(server.tensor_updates[-1][0])
+        for n in fp8_names:  # what SGLang's block-FP8 linear method loads: e4m3 + fp32 scale per block
+            assert (
+                received[n].dtype == torch.float8_e4m3fn and received[n + "_scale_inv"].dtype == torch.float32
+            )
+    finally:
+        server.close()
+
+    server, engine = _standin_engine(weights, layout)
+    try:  # planted: the sync forgets the served layout and sends bf16 under the dense names
+        monkeypatch.setattr("srpo_megatron.weights.fp8_sync.quantize_named", lambda named, layout: named)
+        out = sglang_live.exercise(
+            engine, weights, long_tokens=16, hold=lambda: server.hold_after_steps(3), update=update
+        )
+        assert out.status == "fail" and "refused" in out.detail and "_scale_inv" in out.detail, out.detail
+    finally:
+        server.close()
+
+
+def test_the_fp8_check_folder_is_blockwise_fp8_and_passes_the_served_precision_check(tmp_path):
+    """The folder the FP8 check serves: every projection e4m3 with its scale, bf16 elsewhere, DeepSeek-V3's
+    quantization_config; the start-up check passes it, and names a bf16 copy of it under the FP8 config."""
+    import json
+
+    from safetensors.torch import load_file
+
+    from srpo_megatron.conversion.manifest import hf_manifest
+    from srpo_megatron.doctor.acceptance import sglang_live_fp8
+    from srpo_megatron.doctor.acceptance.engine_model import write_random_model
+    from srpo_megatron.ops.fp8_blocks import dequantize
+    from srpo_megatron.rollout.served_precision import served_fp8_layout, with_fp8_scales
+
+    bf16 = write_random_model(tmp_path / "bf16")
+    folder = sglang_live_fp8.write_fp8_folder(bf16, tmp_path / "fp8")
+    qc = json.loads((folder / "config.json").read_text())["quantization_config"]
+    assert qc == {
+        "activation_scheme": "dynamic",
+        "fmt": "e4m3",
+        "quant_method": "fp8",
+        "weight_block_size": [128, 128],
+    }
+    assert sglang_live_fp8.served_precision_problem(folder) == ""
+    src, got = load_file(str(bf16 / "model.safetensors")), load_file(str(folder / "model.safetensors"))
+    layout = served_fp8_layout(folder)
+    manifest = with_fp8_scales(hf_manifest(str(folder)), layout)
+    assert set(got) == set(manifest)  # the names the engine's manifest of this folder expects
+    fp8 = [n for n in src if layout.is_fp8(n)]
+    assert len(fp8) == 2 * 7  # q/k/v/o, gate/up/down per layer
+    for n in fp8:
+        assert got[n].dtype == torch.float8_e4m3fn
+        w = dequantize(got[n], got[n + "_scale_inv"], dtype=torch.float64)
+        err = (w - src[n].double()).abs() / src[n].double().abs().amax()
+        assert float(err.max()) <= 2.0**-4  # e4m3: 3 mantissa bits, relative to the block's amax
+    for n in set(src) - set(fp8):
+        assert torch.equal(got[n], src[n])
+    # planted: the same config over bf16 weights (scales dropped) is refused by the start-up check
+    from safetensors.torch import save_file
+
+    save_file({n: t for n, t in got.items() if not n.endswith("_scale_inv")} | {n: src[n] for n in fp8},
+              str(folder / "model.safetensors"))  # fmt: skip
+    assert "stores" in sglang_live_fp8.served_precision_problem(folder)
 
 
 def test_checks_past_the_budget_fail_as_not_run(tmp_path):

@@ -16,6 +16,7 @@ from srpo_megatron.doctor.acceptance import (
     output_layer,
     release_resume,
     sglang_live,
+    sglang_live_fp8,
     te_attention,
     train_run,
     versions,
@@ -39,6 +40,7 @@ REGISTRY: tuple[AcceptanceCheck, ...] = (
     *te_attention.CHECKS,
     *output_layer.CHECKS,
     *sglang_live.CHECKS,
+    *sglang_live_fp8.CHECKS,
     *release_resume.CHECKS,
     *train_run.CHECKS,
 )

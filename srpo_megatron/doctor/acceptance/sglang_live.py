@@ -14,8 +14,9 @@ from __future__ import annotations
 import subprocess
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
+from typing import Any
 
 from srpo_megatron.doctor.acceptance.engine_model import CONTEXT, load_weights, scaled, write_random_model
 from srpo_megatron.doctor.acceptance.registry import (
@@ -45,13 +46,22 @@ def _wait_healthy(engine, proc: subprocess.Popen, timeout_s: float) -> str:
     return f"the SGLang server did not answer within {timeout_s:.0f} s"
 
 
+def bf16_update(weights: dict) -> Iterable[tuple[str, Any]]:
+    """The update a bf16 engine takes: every weight x2, as it is."""
+    return scaled(weights, 2.0).items()
+
+
 def exercise(
-    engine, weights: dict, long_tokens: int = CONTEXT // 2, hold: Callable[[], threading.Event] | None = None
+    engine,
+    weights: dict,
+    long_tokens: int = CONTEXT // 2,
+    hold: Callable[[], threading.Event] | None = None,
+    update: Callable[[dict], Iterable[tuple[str, Any]]] = bf16_update,
 ) -> Outcome:
     """Pause, update and continue a running engine; judge what came back (any ``RolloutEngine`` with
     ``pause_generation`` / ``continue_generation``). ``hold()``, called just before the long request, returns
     an event set once it decodes (a test's server says so); without it the pause comes a second after
-    dispatch."""
+    dispatch. ``update(weights)`` is the named-tensor stream sent (weights x2, in the served layout)."""
     from srpo_megatron.rollout.base import SamplingParams
 
     probe = SamplingParams(max_new_tokens=32, seed=3)
@@ -72,9 +82,15 @@ def exercise(
     elif not running.wait(timeout=120):
         return failed("the long request never started decoding")
     engine.pause_generation()
-    engine.update_weights(scaled(weights, 2.0).items(), version=engine.weight_version + 1)
+    refused = ""
+    try:
+        engine.update_weights(update(weights), version=engine.weight_version + 1)
+    except Exception as e:  # judged below, once the paused requests are released
+        refused = str(e)
     engine.continue_generation()
     thread.join(timeout=120)
+    if refused:
+        return failed(f"the weight update was refused: {refused}")
     if "error" in long or "out" not in long:
         return failed(f"the generate running across the pause failed: {long.get('error', 'no answer')}")
     samples = [c for group in long["out"] for c in group]
@@ -110,11 +126,23 @@ def check_sglang_live(ctx: Context) -> Outcome:
         return needs_cuda("an SGLang server runs on a GPU")
     if not ctx.probes.has_module("sglang"):
         return failed("sglang is not installed")
+    folder = write_random_model(Path(ctx.work_dir) / "random_bf16")
+    return serve_and_exercise(ctx, folder, load_weights(folder), bf16_update, "sglang_server.log")
+
+
+def serve_and_exercise(
+    ctx: Context,
+    folder: Path,
+    weights: dict,
+    update: Callable[[dict], Iterable[tuple[str, Any]]],
+    log_name: str,
+) -> Outcome:
+    """Start one SGLang server on ``folder`` with the product's command, :func:`exercise` it with ``weights``
+    sent through ``update``, stop it."""
     from srpo_megatron.config import SGLangEngineConfig
     from srpo_megatron.rollout.sglang.engine import SGLangEngine
     from srpo_megatron.rollout.sglang.servers import BASE_PORT, server_argv
 
-    folder = write_random_model(Path(ctx.work_dir) / "random_bf16")
     cfg = SGLangEngineConfig(
         mode="http",
         url=f"http://127.0.0.1:{BASE_PORT}",
@@ -122,14 +150,14 @@ def check_sglang_live(ctx: Context) -> Outcome:
         request_timeout_s=300.0,
         engine_kwargs={"mem_fraction_static": 0.3, "context_length": CONTEXT},
     )
-    log = (Path(ctx.work_dir) / "sglang_server.log").open("w")
+    log = (Path(ctx.work_dir) / log_name).open("w")
     proc = subprocess.Popen(server_argv(cfg, 0), stdout=log, stderr=subprocess.STDOUT)
     engine = SGLangEngine(cfg, colocated=False)
     try:
         why = _wait_healthy(engine, proc, ctx.timeout_s)
         if why:
             return failed(f"{why} (log: {log.name})")
-        return exercise(engine, load_weights(folder))
+        return exercise(engine, weights, update=update)
     finally:
         engine.shutdown()
         proc.terminate()
