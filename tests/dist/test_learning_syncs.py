@@ -6,7 +6,8 @@ stalls at scale.
 Counted on CPU by patching every ``torch.Tensor`` method that brings a value to the host (``item``,
 ``tolist``, ``cpu``, ``numpy``, ``__bool__``, ``__float__``, ``__int__``, ``__index__``) during ``learn``
 (scoring excluded), with the real megatron schedule, DDP and distributed optimizer at DP 2: a 2-layer
-policy with 1 and with 4 micro-batches, and a 4-layer policy with 4 micro-batches, make the same count.
+policy with 1 and with 4 micro-batches, and a 4-layer policy with 4 micro-batches, make the same count,
+with the output layer fused into the loss and with materialised logits.
 Every sync is counted, in any module (the losses' and ops' checks included), except the named CPU-only
 optimizer stand-in (``OPTIMIZER_STAND_IN``). Planted: the old per-parameter ``bool(isfinite(grad).all())``
 loop, the old per-micro-batch ``float(loss)`` and the old token-id range check read at once in
@@ -33,10 +34,12 @@ SYNCS = ("item", "tolist", "cpu", "numpy", "__bool__", "__float__", "__int__", "
 # and megatron's no-Apex ``local_multi_tensor_l2_norm`` (for apex's ``multi_tensor_l2norm``) builds the
 # norm from a list of 0-dim tensors. Every other sync, in any module (losses, ops, megatron), is counted.
 OPTIMIZER_STAND_IN = "CPU stand-ins of torch.optim / megatron local_multi_tensor_*"
-CASES = {
-    "2 layers, 1 micro-batch": (2, 4),
-    "2 layers, 4 micro-batches": (2, 1),
-    "4 layers, 4 micro-batches": (4, 1),
+CASES = {  # (layers, micro_batch_size of 4 samples, performance.fused_output)
+    "2 layers, 1 micro-batch": (2, 4, "auto"),
+    "2 layers, 4 micro-batches": (2, 1, "auto"),
+    "4 layers, 4 micro-batches": (4, 1, "auto"),
+    "2 layers, 1 micro-batch, materialised logits": (2, 4, "off"),
+    "2 layers, 4 micro-batches, materialised logits": (2, 1, "off"),
 }
 
 
@@ -129,7 +132,7 @@ def _run(rank, world, folders, run_dir, plant):
         vocab_parallel.check = _check_at_once
     hf, data = folders
     counts = {}
-    for case, (layers, mbs) in CASES.items():
+    for case, (layers, mbs, fused) in CASES.items():
         ov = [
             f"model.hf_dir={hf[layers]}",
             f"data.train_files=[{data}]",
@@ -137,6 +140,7 @@ def _run(rank, world, folders, run_dir, plant):
             "parallel.distributed_optimizer=true",
             f"train.micro_batch_size={mbs}",
             "train.skip_nonfinite=true",
+            f"performance.fused_output={fused}",
         ]
         policy = Policy(load_config(TrainConfig, str(RECIPE), ov), initialize_model_parallel(1, 1, seed=1))
         for step in range(2):  # the second step is counted (the first builds lazy state)
