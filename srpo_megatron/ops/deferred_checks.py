@@ -51,3 +51,9 @@ def raise_failed(pending: Pending, values: list[float]) -> None:
     for (_, message), value in zip(pending, values, strict=True):
         if value != 0.0:
             raise ValueError(message)
+
+
+def raise_pending(pending: Pending) -> None:
+    """``raise_failed`` for a caller with no sync of its own to join: one host sync for all the checks."""
+    if pending:
+        raise_failed(pending, torch.cat(flags(pending)).tolist())
