@@ -60,6 +60,10 @@ def _sdpo_rows(batch: TokenBatch) -> torch.Tensor:
     return batch.sdpo & batch.mask
 
 
+# The modes that route some samples to the GRPO loss (``losses/routing.py`` ``routing_masks``).
+GRPO_MODES = ("srpo", "srpo_no_dw", "grpo", "advantage_mix")
+
+
 def global_normalizers(
     micro_batches: Sequence[TokenBatch], beta: float, group: dist.ProcessGroup | None = None
 ) -> Normalizers:
@@ -70,21 +74,24 @@ def global_normalizers(
     Call once per optimizer step, after the scoring pass, on every rank (a collective when ``group`` is set).
     """
     device = micro_batches[0].mask.device if micro_batches else None
-    sums = torch.zeros(4, dtype=torch.float64, device=device)
+    # [tokens, |Ω_sdpo|, Σ w̃, N_seq, SDPO tokens without teacher_entropy]: read in one host sync
+    sums = torch.zeros(5, dtype=torch.float64, device=device)
     for mb in micro_batches:
         sums[0] += mb.mask.sum()
         sums[3] += sequence_count(mb)
         rows = _sdpo_rows(mb)
-        if bool(rows.any()):
-            if mb.teacher_entropy is None:
-                raise ValueError(
-                    "a micro-batch has SDPO tokens but no teacher_entropy (run score_teacher first)"
-                )
+        if mb.teacher_entropy is None:
+            sums[4] += rows.sum()
+        else:  # no rows: adds exactly 0
             sums[1] += rows.sum()
             sums[2] += raw_weights(mb.teacher_entropy[rows].double(), beta).sum()
     if group is not None:
         dist.all_reduce(sums, group=group)
-    return Normalizers(float(sums[0]), float(sums[1]), float(sums[2]), float(sums[3].round()))
+    sums[3] = sums[3].round()
+    tokens, sdpo, weights, seqs, untaught = sums.tolist()
+    if untaught:
+        raise ValueError("a micro-batch has SDPO tokens but no teacher_entropy (run score_teacher first)")
+    return Normalizers(tokens, sdpo, weights, seqs)
 
 
 def routed_loss(
@@ -112,7 +119,9 @@ def routed_loss(
     mask = loss_rows(batch, cfg)
     sdpo_rows = _sdpo_rows(batch).nonzero().squeeze(1)
     grpo_rows = batch.grpo & mask
-    need_grpo = bool(grpo_rows.any())
+    # Decided by the mode, not by the rows (no host sync): a micro-batch with no GRPO row computes the
+    # branch on no rows, which adds exactly 0 to the loss and to the metrics' sums.
+    need_grpo = cfg.mode in GRPO_MODES
     stats = _student_stats(student_logits, batch, sdpo_rows, need_grpo, cfg, group)
     logp = stats.logp[:, 0]
     per_token = torch.zeros_like(logp)
@@ -138,10 +147,10 @@ def routed_loss(
         # graph with an exactly-zero gradient, so backward and DDP hooks still run on this micro-batch.
         loss = loss + 0.0 * logp.sum()
     metrics["tokens"] = _count(mask)
-    if batch.rollout_logp is not None and bool(mask.any()):
+    if batch.rollout_logp is not None:  # no valid row: a sum of 0 and a max of 0, the stats' defaults
         gap = (batch.old_logp - batch.rollout_logp).abs()[mask].double()
         metrics["rollout_logp_gap_sum"] = gap.sum()
-        metrics["rollout_logp_gap_max"] = gap.max()
+        metrics["rollout_logp_gap_max"] = torch.cat([gap, gap.new_zeros(1)]).max()  # |·| >= 0
     return loss, metrics
 
 

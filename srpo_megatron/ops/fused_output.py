@@ -185,7 +185,7 @@ class _HiddenSource:
     def __init__(self, shard: OutputShard, block: int, release_at_end: bool = False):
         self.h = shard.hidden.reshape(-1, shard.hidden.shape[-1])  # [N, H]
         self.w = shard.weight
-        self.pad = shard.vocab_pad if shard.vocab_pad is not None and bool(shard.vocab_pad.any()) else None
+        self.pad = shard.vocab_pad  # an all-False mask fills nothing: no host sync to skip it
         self.mix = None
         if shard.mix is not None:
             alpha, other = shard.mix

@@ -37,6 +37,8 @@ from typing import NamedTuple, Protocol
 import torch
 import torch.distributed as dist
 
+from srpo_megatron.ops.deferred_checks import check
+
 # Bytes of one [rows, V/P] fp32 work buffer (a call uses up to three). On CPU small enough to stay in
 # cache; on accelerators large enough that kernel launches per chunk do not dominate.
 DEFAULT_CHUNK_BYTES = 1 << 20
@@ -437,9 +439,10 @@ def token_stats(
                 f"ids {tuple(ids.shape)} must start with the logits' leading shape {tuple(lead)}"
             )
         ids2 = ids.reshape(n, -1).long()
-        if ids2.numel() and (int(ids2.min()) < 0 or int(ids2.max()) >= vs * world):
-            raise ValueError(
-                f"ids must lie in [0, {vs * world}) (the padded vocabulary), got an id outside it"
+        if ids2.numel():  # out-of-range ids only miss every shard's mask on device: no wrong index
+            check(
+                (ids2.min() < 0) | (ids2.max() >= vs * world),
+                f"ids must lie in [0, {vs * world}) (the padded vocabulary), got an id outside it",
             )
     rows = None if topk_rows is None else topk_rows.reshape(n).bool()
     args = (ids2, int(k), rows, group, float(temperature), bool(with_entropy), chunk_tokens)

@@ -6,9 +6,13 @@ stalls at scale.
 Counted on CPU by patching every ``torch.Tensor`` method that brings a value to the host (``item``,
 ``tolist``, ``cpu``, ``numpy``, ``__bool__``, ``__float__``, ``__int__``, ``__index__``) during ``learn``
 (scoring excluded), with the real megatron schedule, DDP and distributed optimizer at DP 2: a 2-layer
-policy with 1 and with 4 micro-batches, and a 4-layer policy with 4 micro-batches, make the same count.
-Planted: the old per-parameter ``bool(isfinite(grad).all())`` loop and the old per-micro-batch
-``float(loss)`` each make the count grow, and the test's comparison catches both."""
+policy with 1 and with 4 micro-batches, and a 4-layer policy with 4 micro-batches, make the same count,
+with the output layer fused into the loss and with materialised logits.
+Every sync is counted, in any module (the losses' and ops' checks included), except the named CPU-only
+optimizer stand-in (``OPTIMIZER_STAND_IN``). Planted: the old per-parameter ``bool(isfinite(grad).all())``
+loop, the old per-micro-batch ``float(loss)`` and the old token-id range check read at once in
+``ops/vocab_parallel.py`` (instead of ``ops/deferred_checks.py``'s deferral) each make the count grow,
+and the test's comparison catches all three."""
 
 from __future__ import annotations
 
@@ -25,20 +29,17 @@ from tests.helpers.recipe import RECIPE
 from tests.helpers.trainer import tiny_samples
 
 SYNCS = ("item", "tolist", "cpu", "numpy", "__bool__", "__float__", "__int__", "__index__")
-# Syncs left per micro-batch in modules outside the learning pass (data-dependent checks on the
-# micro-batch's rows): losses/routed.py (``bool(rows.any())`` in global_normalizers and routed_loss),
-# ops/vocab_parallel.py (the id range check of token_stats), ops/fused_output.py (``vocab_pad.any()``).
-# Counted and printed, not held constant here.
-ELSEWHERE = ("losses/routed.py:", "ops/vocab_parallel.py:", "ops/fused_output.py:")
-# Per parameter on CPU only, in the stand-ins for what Apex/TE run on GPU: torch's own Adam (for
-# FusedAdam, which keeps ``step`` on device) reads each parameter's ``step`` with ``.item()``, and
-# megatron's no-Apex ``local_multi_tensor_l2_norm`` (for apex's ``multi_tensor_l2norm``) builds the norm
-# from a list of 0-dim tensors. Counted apart.
+# The one exclusion, per parameter and on CPU only, in the stand-ins for what Apex/TE run on GPU: torch's
+# own Adam (for FusedAdam, which keeps ``step`` on device) reads each parameter's ``step`` with ``.item()``,
+# and megatron's no-Apex ``local_multi_tensor_l2_norm`` (for apex's ``multi_tensor_l2norm``) builds the
+# norm from a list of 0-dim tensors. Every other sync, in any module (losses, ops, megatron), is counted.
 OPTIMIZER_STAND_IN = "CPU stand-ins of torch.optim / megatron local_multi_tensor_*"
-CASES = {
-    "2 layers, 1 micro-batch": (2, 4),
-    "2 layers, 4 micro-batches": (2, 1),
-    "4 layers, 4 micro-batches": (4, 1),
+CASES = {  # (layers, micro_batch_size of 4 samples, performance.fused_output)
+    "2 layers, 1 micro-batch": (2, 4, "auto"),
+    "2 layers, 4 micro-batches": (2, 1, "auto"),
+    "4 layers, 4 micro-batches": (4, 1, "auto"),
+    "2 layers, 1 micro-batch, materialised logits": (2, 4, "off"),
+    "2 layers, 4 micro-batches, materialised logits": (2, 1, "off"),
 }
 
 
@@ -125,9 +126,13 @@ def _run(rank, world, folders, run_dir, plant):
     if plant == "per micro-batch":  # the old float(loss) per micro-batch
         routed = learning.routed_loss
         learning.routed_loss = lambda *a: (lambda out: (float(out[0]), out)[1])(routed(*a))
+    if plant == "per micro-batch id check":  # the old token-id range check, read at once per call
+        from srpo_megatron.ops import vocab_parallel
+
+        vocab_parallel.check = _check_at_once
     hf, data = folders
     counts = {}
-    for case, (layers, mbs) in CASES.items():
+    for case, (layers, mbs, fused) in CASES.items():
         ov = [
             f"model.hf_dir={hf[layers]}",
             f"data.train_files=[{data}]",
@@ -135,6 +140,7 @@ def _run(rank, world, folders, run_dir, plant):
             "parallel.distributed_optimizer=true",
             f"train.micro_batch_size={mbs}",
             "train.skip_nonfinite=true",
+            f"performance.fused_output={fused}",
         ]
         policy = Policy(load_config(TrainConfig, str(RECIPE), ov), initialize_model_parallel(1, 1, seed=1))
         for step in range(2):  # the second step is counted (the first builds lazy state)
@@ -145,6 +151,11 @@ def _run(rank, world, folders, run_dir, plant):
         assert stats.stepped == 1.0 and stats.skipped == 0.0, stats
         counts[case] = (syncs.count, sum(1 for _ in policy.model.parameters()), dict(syncs.sites))
     return counts
+
+
+def _check_at_once(bad: torch.Tensor, message: str) -> None:
+    if bool(bad):
+        raise ValueError(message)
 
 
 def _old_grads_finite(model) -> bool:
@@ -158,14 +169,10 @@ def _old_grads_finite(model) -> bool:
 
 
 def _assert_constant(counts: dict) -> None:
-    """The syncs of every site but ``ELSEWHERE`` and the optimizer stand-in do not grow; learning.py's own
-    are exactly one per step."""
+    """The syncs of every site but the optimizer stand-in do not grow with layers or micro-batches; the
+    learning pass's own are exactly one per step."""
     kept = {
-        case: {
-            k: n
-            for k, n in sites.items()
-            if k != OPTIMIZER_STAND_IN and not k.split()[1].startswith(ELSEWHERE)
-        }
+        case: {k: n for k, n in sites.items() if k != OPTIMIZER_STAND_IN}
         for case, (_, _, sites) in counts.items()
     }
     syncs = {case: sum(sites.values()) for case, sites in kept.items()}
@@ -183,7 +190,7 @@ def test_host_syncs_do_not_grow_with_parameters_or_micro_batches(folders, tmp_pa
         print(f"rank {rank}: {counts}")
 
 
-@pytest.mark.parametrize("plant", ["per parameter", "per micro-batch"])
+@pytest.mark.parametrize("plant", ["per parameter", "per micro-batch", "per micro-batch id check"])
 def test_the_old_per_parameter_and_per_micro_batch_syncs_are_caught(folders, tmp_path, plant):
     counts = run_distributed(_run, 2, folders, str(tmp_path), plant, timeout=900)[0]
     with pytest.raises(AssertionError, match="host syncs per learning step grow"):

@@ -32,10 +32,11 @@ from srpo_megatron.ops.fused_output import OutputShard
 Rows = torch.Tensor | OutputShard
 
 
-def logit_rows(logits: torch.Tensor, rows: torch.Tensor, vocab_pad: torch.Tensor) -> torch.Tensor:
-    """[b, S, V/TP] logits → [T, V/TP] rows; padded vocabulary ids ([V/TP] bool) masked to a huge negative."""
+def logit_rows(logits: torch.Tensor, rows: torch.Tensor, vocab_pad: torch.Tensor | None) -> torch.Tensor:
+    """[b, S, V/TP] logits → [T, V/TP] rows; padded vocabulary ids ([V/TP] bool, None = none) masked to a
+    huge negative."""
     out = logits[rows]
-    if bool(vocab_pad.any()):
+    if vocab_pad is not None:
         out = out.masked_fill(vocab_pad, torch.finfo(out.dtype).min / 4)
     return out
 
@@ -73,7 +74,9 @@ class OutputHead:
         tp_group: dist.ProcessGroup | None = None,
         sequence_parallel: bool = False,
     ) -> None:
-        self.vocab_pad, self.fused, self.tp_group = vocab_pad, fused, tp_group
+        # read once here, not per micro-batch (a host sync): None when this shard has no padded id
+        self.vocab_pad = vocab_pad if bool(vocab_pad.any()) else None
+        self.fused, self.tp_group = fused, tp_group
         self.sequence_parallel = sequence_parallel
         self.gpt = gpt_model(module) if fused else None
         if self.gpt is not None and self.gpt.config.mtp_num_layers:

@@ -25,6 +25,7 @@ import torch.distributed as dist
 
 from srpo_megatron.losses import Normalizers, global_normalizers, routed_loss
 from srpo_megatron.models import performance as perf_choice
+from srpo_megatron.ops import deferred_checks
 from srpo_megatron.trainer.microbatches import context_parallel as cpar
 from srpo_megatron.trainer.microbatches.batches import micro_batches_for, student_sequences
 from srpo_megatron.trainer.microbatches.lockstep import lockstep
@@ -79,10 +80,10 @@ def train_mini_batch(policy: Policy, scored: ScoredBatch) -> StepStats:
     if last and normalizers.num_tokens <= 0:
         raise RuntimeError("the training batch has no response tokens; check rollout.max_new_tokens")
     moe = moe_replay_for(policy, seqs, scored.samples, micro, record=False)  # MoE expert replay
-    with moe or contextlib.nullcontext():
+    with moe or contextlib.nullcontext(), deferred_checks.deferred() as checks:  # checked at the sync
         hook = None if moe is None else moe.before_forward
         run_schedule(policy.ddp, micro, on_rows, policy.head, forward_only=False, before_forward=hook)
-    finite, micro_stats = _finite_and_stats(policy.model, per_micro, policy.device)  # the one host sync
+    finite, micro_stats = _finite_and_stats(policy.model, per_micro, policy.device, checks)  # the sync
     out = reduce_stats(micro_stats)
     if last:  # each CP rank's sums cover its own rows
         out = cpar.reduce_stats_over(out, g.cp, policy.device)
@@ -106,6 +107,7 @@ def _finite_and_stats(
     model: torch.nn.Module,
     per_micro: list[tuple[dict[str, torch.Tensor], torch.Tensor]],
     device: torch.device,
+    checks: deferred_checks.Pending = (),
 ) -> tuple[bool, list[StepStats]]:
     """Collective: whether every rank's gradients and micro-batch losses are finite, and each micro-batch's
     stats, with ONE host sync for the step (a ``tolist``), however many parameters and micro-batches.
@@ -116,7 +118,9 @@ def _finite_and_stats(
     ``float(tensor)`` gave per value. A loss sum over finite fp32 losses cannot overflow in float64, so
     "every micro-batch loss finite" is "the step's loss finite". Megatron's own found-inf check
     (``MixedPrecisionOptimizer.prepare_grads``) runs only with an fp16 grad scaler, and its bf16/fp32
-    ``optimizer.step()`` applies non-finite gradients; hence the check before it.
+    ``optimizer.step()`` applies non-finite gradients; hence the check before it. The ``checks`` recorded
+    during the schedule (``ops/deferred_checks.py``: e.g. a token id outside the vocabulary) come back in
+    the same sync and raise their message here, before any optimizer step.
     """
     ok = _grads_finite(model, device)
     if per_micro:
@@ -126,7 +130,9 @@ def _finite_and_stats(
         dist.all_reduce(bad, op=dist.ReduceOp.MAX)
     exact = lambda v: v.detach().to(torch.float64).reshape(1)  # noqa: E731
     packed = [bad, *(exact(v) for metrics, loss in per_micro for v in (*metrics.values(), loss))]
-    flat = torch.cat(packed).tolist()  # the host sync
+    flat = torch.cat([*deferred_checks.flags(checks), *packed]).tolist()  # the host sync
+    deferred_checks.raise_failed(checks, flat[: len(checks)])
+    flat = flat[len(checks) :]
     stats, at = [], 1
     for metrics, _ in per_micro:
         fields = dict(zip(metrics, flat[at : at + len(metrics)], strict=True))

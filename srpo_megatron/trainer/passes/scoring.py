@@ -35,6 +35,7 @@ import torch
 
 from srpo_megatron.losses import apply_rejections, score_student, score_teacher, sequence_weights
 from srpo_megatron.losses.parity import topk_parity_kl
+from srpo_megatron.ops import deferred_checks
 from srpo_megatron.trainer.microbatches import context_parallel as cpar
 from srpo_megatron.trainer.microbatches.batches import (
     micro_batches_for,
@@ -84,9 +85,11 @@ def scoring_pass(policy: Policy, samples: list[Sample], *, trainer_version: int 
 
     micro = lockstep(build(seqs), g, build)
     scored = ScoredBatch(samples, offsets, tokens, StepStats())
-    engine_top, moe_stats, rejections = _student_pass(policy, scored, seqs, micro)
-    t_student = time.monotonic() - t0
-    teacher_runs = _teacher_pass(policy, scored, build)
+    with deferred_checks.deferred() as checks:  # the token-id checks: one host sync for the pass
+        engine_top, moe_stats, rejections = _student_pass(policy, scored, seqs, micro)
+        t_student = time.monotonic() - t0
+        teacher_runs = _teacher_pass(policy, scored, build)
+    deferred_checks.raise_pending(checks)
     stats = StepStats(
         teacher_runs=float(teacher_runs),
         score_s=t_student,
