@@ -7,7 +7,10 @@ from typing import Literal
 
 from srpo_megatron.config.loading import ConfigError
 
-RECOMPUTE_MODULES = ("core_attn", "layernorm", "mlp")  # dense-model submodules megatron can recompute
+# Submodules megatron-core's selective recompute takes (TransformerConfig.recompute_modules, 0.16.1):
+# core_attn, layernorm, mlp (a dense layer's MLP), moe (the whole MoE layer, router included: replayed in
+# the recompute by compat/router_replay.py), moe_act (the experts' activation only; needs grouped GEMM).
+RECOMPUTE_MODULES = ("core_attn", "layernorm", "mlp", "moe", "moe_act")
 
 
 @dataclass

@@ -36,6 +36,7 @@ def check_before_submit(cfg: Any, world_size: int, log: Callable[[str], None] = 
         check_attention_cp,
         check_layout,
         check_model_limits,
+        check_recompute_modules,
         check_replay_config,
     )
 
@@ -47,3 +48,4 @@ def check_before_submit(cfg: Any, world_size: int, log: Callable[[str], None] = 
     except UnsupportedModelError as e:
         raise ConfigError(f"model.hf_dir {cfg.model.hf_dir}: {e}") from None
     check_replay_config(cfg, arch)
+    check_recompute_modules(cfg, arch)

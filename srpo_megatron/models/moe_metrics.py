@@ -91,17 +91,25 @@ def router_own_topk(router: torch.nn.Module, logits: torch.Tensor) -> torch.Tens
 
 class RouterRecorder(contextlib.AbstractContextManager):
     """Accumulate expert load, router entropy and top-k mismatch of every router in ``model`` (one pipeline
-    stage) while the block runs; ``num_layers`` is the model's total layer count (all stages)."""
+    stage) while the block runs; ``num_layers`` is the model's total layer count (all stages).
 
-    def __init__(self, model: torch.nn.Module, num_layers: int) -> None:
+    A stage that holds no router (a DeepSeek-V3 / GLM-4.5 first stage of only ``first_k_dense`` layers)
+    records nothing and reports nothing on its own (:meth:`summary` without groups is ``{}``), but takes
+    part in the cross-stage reduction with zeros of the same shape (``num_experts``: E, read from the model
+    config when not given), so every stage then reports the MoE stages' figures."""
+
+    def __init__(self, model: torch.nn.Module, num_layers: int, num_experts: int | None = None) -> None:
         self._routers = [m for n, m in model.named_modules() if n.endswith("mlp.router")]
-        if not self._routers:
-            raise ValueError("RouterRecorder: the model has no MoE router (mlp.router)")
-        first = self._routers[0]
+        config = self._routers[0].config if self._routers else getattr(model, "config", None)
+        experts = num_experts or getattr(config, "num_moe_experts", None)
+        if not experts:
+            raise ValueError(
+                "RouterRecorder: the model has no MoE router (mlp.router) and no num_moe_experts in its "
+                "config; pass num_experts (the MoE stages' expert count) for a stage of only dense layers"
+            )
+        device = self._routers[0].weight.device if self._routers else next(model.parameters()).device
         # [num_layers, E + 5] float64 on the model's device: expert counts, then the _ENT.. columns.
-        self._acc = torch.zeros(
-            num_layers, first.config.num_moe_experts + 5, dtype=torch.float64, device=first.weight.device
-        )
+        self._acc = torch.zeros(num_layers, experts + 5, dtype=torch.float64, device=device)
         self._real: torch.Tensor | None = None
         self._response: torch.Tensor | None = None
         self._engine: torch.Tensor | None = None
@@ -167,6 +175,8 @@ class RouterRecorder(contextlib.AbstractContextManager):
                 dist.all_reduce(acc, group=group)
         experts = acc.shape[1] - 5
         loads, stats = acc[:, :experts], acc[:, experts:].sum(0)
+        if stats[_TOK] == 0:  # no router forwarded a token here (a dense-only stage, not reduced)
+            return {}
         out = {
             "moe/expert_load_max_over_mean": max(expert_load_imbalance(row) for row in loads),
             "moe/router_entropy": float(stats[_ENT] / stats[_TOK].clamp_min(1)),

@@ -100,12 +100,25 @@ def settle(c: Completion, params: SamplingParams, eos_token_ids: Sequence[int]) 
 
 
 def merge_routed_experts(
-    first: torch.Tensor | None, cont: torch.Tensor | None, prompt_len: int, first_len: int, cont_len: int
+    first: torch.Tensor | None,
+    cont: torch.Tensor | None,
+    prompt_len: int,
+    first_len: int,
+    cont_len: int,
+    where: str = "a continued sample",
 ) -> torch.Tensor | None:
     """Routed experts of a continued sample: ``first`` (``[P + R1 - 1, ...]``, or flat) for the positions
     the first segment forwarded, ``cont`` (``[P + R1 + R2 - 1, ...]``, its prefill re-forwarded the first
     segment's positions under the new weights; those rows generated nothing of this sample and are
-    dropped) from position ``P + R1 - 1`` on. Same form (flat or shaped) as the inputs."""
+    dropped) from position ``P + R1 - 1`` on. Same form (flat or shaped) as the inputs.
+
+    The row counts are SGLang's: a running request aborted (``Scheduler.abort_request`` sets ``to_finish``,
+    one more decode step runs) or finished is collected by ``_maybe_collect_routed_experts`` for
+    ``[start_len, seqlen - 1)`` with ``seqlen`` = prompt + output tokens, i.e. ``P + R - 1`` rows
+    (sglang 0.5.23 ``srt/managers/scheduler_components/batch_result_processor.py:136-163``); a request
+    aborted while queued is answered by ``TokenizerManager._handle_abort_req`` with no output tokens and
+    no ``routed_experts`` in its ``meta_info`` (``srt/managers/tokenizer_manager.py:3577-3643``). Any
+    other count is refused in one line naming ``where`` (sample and segment), never padded or cut."""
     if first is None and cont is None:  # a dense model, or experts not requested
         return None
     if first_len == 0:  # the first segment forwarded nothing: the continuation's rows are all of them
@@ -114,23 +127,38 @@ def merge_routed_experts(
         return first  # the continuation was aborted before its prefill
     if first is None or cont is None:
         raise EngineError(
-            "one segment of a continued sample reports routed experts and the other does not; request "
+            f"{where}: one segment reports routed experts and the other does not; request "
             "return_routed_experts for every segment (rollout.routing_replay)"
         )
     kept = prompt_len + first_len - 1
-    per_row = first.numel() // kept
+    per_row = _per_row(first, cont, kept + cont_len)
     if per_row * kept != first.numel() or cont.numel() != (kept + cont_len) * per_row:
         raise EngineError(
-            f"routed experts of a continued sample do not line up: first segment {first.numel()} ids for "
-            f"{kept} positions, continuation {cont.numel()} ids for {kept + cont_len}"
+            f"routed experts of {where} do not line up with SGLang's prompt + output - 1 rows: earlier "
+            f"segments {first.numel()} ids, want {kept} rows (P={prompt_len} + R={first_len} - 1) of "
+            f"{per_row}; this segment {cont.numel()} ids, want {kept + cont_len} rows (+ R={cont_len}) of "
+            f"{per_row}; refusing to pad or cut: the engine's routed_experts output is off"
         )
     rows = torch.cat([first.reshape(kept, per_row), cont.reshape(kept + cont_len, per_row)[kept:]])
     return rows.reshape(-1) if first.dim() == 1 else rows.reshape(-1, *first.shape[1:])
 
 
+def _per_row(first: torch.Tensor, cont: torch.Tensor, cont_rows: int) -> int:
+    """Ids per position (layers · top_k): from the shape when shaped, else from the continuation's count
+    (SGLang's flat form), so a first segment with a wrong row count cannot pass by a divisible size."""
+    if first.dim() > 1:
+        return first[0].numel()
+    return cont.numel() // max(cont_rows, 1)
+
+
 def _cat_rows(first: torch.Tensor | None, cont: torch.Tensor | None) -> torch.Tensor | None:
     """Per-token top-K rows ``[R, K]`` of two segments end to end (None unless both segments have them)."""
     return None if first is None or cont is None else torch.cat([first, cont])
+
+
+def _segment_name(first: Completion) -> str:
+    """``sample <prompt>/<sample> segment <n>``: the continuation of ``first`` in refusals."""
+    return f"sample {first.prompt_index}/{first.meta.get('sample_index', 0)} segment {segments(first) + 1}"
 
 
 def merge_segments(first: Completion, cont: Completion, prompt_len: int) -> Completion:
@@ -150,7 +178,12 @@ def merge_segments(first: Completion, cont: Completion, prompt_len: int) -> Comp
         finish_reason=cont.finish_reason,
         token_versions=versions,
         routed_experts=merge_routed_experts(
-            first.routed_experts, cont.routed_experts, prompt_len, len(first.token_ids), len(cont.token_ids)
+            first.routed_experts,
+            cont.routed_experts,
+            prompt_len,
+            len(first.token_ids),
+            len(cont.token_ids),
+            where=_segment_name(first),
         ),
         top_ids=_cat_rows(first.top_ids, cont.top_ids),
         top_logprobs=_cat_rows(first.top_logprobs, cont.top_logprobs),

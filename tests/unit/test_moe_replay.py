@@ -162,6 +162,55 @@ def test_replay_config_refusals(tmp_path):
     check_replay_config(cfg(recompute="selective", recompute_modules=["mlp"]), moe)
 
 
+@pytest.mark.parametrize("module", ["moe", "moe_act"])
+def test_selective_recompute_of_the_moe_layer_is_reachable_and_checked(module):
+    """``performance.recompute_modules`` offers megatron-core's ``moe`` and ``moe_act`` (0.16.1's
+    ``TransformerConfig`` accepts both; the replay shim covers ``moe``, whose recompute re-runs the router:
+    tests/dist/test_replay_recompute.py); refused on a dense model, ``moe_act`` without grouped GEMM."""
+    from types import SimpleNamespace
+
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    from srpo_megatron.config import ConfigError, PerformanceConfig
+    from srpo_megatron.models.performance import Accelerators, transformer_overrides
+    from srpo_megatron.trainer.run.preflight import check_recompute_modules
+
+    perf = PerformanceConfig(recompute="selective", recompute_modules=["core_attn", module])
+    acc = Accelerators(False, False, False, False, False)
+    over = transformer_overrides(perf, sequence_parallel=False, acc=acc)
+    assert over["recompute_modules"] == ["core_attn", module] and over["recompute_granularity"] == "selective"
+    grouped = module == "moe_act"  # megatron recomputes moe_act only with grouped-GEMM experts
+    base = dict(
+        num_layers=2, hidden_size=8, num_attention_heads=2, num_moe_experts=4, moe_grouped_gemm=grouped
+    )
+    assert TransformerConfig(**base, **over).recompute_modules == ["core_attn", module], "megatron's own name"
+
+    def cfg(grouped_gemm, layer_spec="auto"):
+        return SimpleNamespace(
+            model=SimpleNamespace(hf_dir="/m"),
+            moe=SimpleNamespace(grouped_gemm=grouped_gemm),
+            performance=PerformanceConfig(
+                layer_spec=layer_spec, recompute="selective", recompute_modules=[module]
+            ),
+        )
+
+    moe, dense = SimpleNamespace(is_moe=True), SimpleNamespace(is_moe=False)
+    check_recompute_modules(cfg(True), moe)
+    with pytest.raises(ConfigError, match=rf"recompute_modules=\['{module}'\] recomputes MoE layers.*dense"):
+        check_recompute_modules(cfg(True), dense)
+    off = SimpleNamespace(model=SimpleNamespace(hf_dir="/m"), moe=SimpleNamespace(grouped_gemm=False))
+    off.performance = PerformanceConfig(recompute="full", recompute_modules=[module])
+    check_recompute_modules(off, dense)  # full recompute: the modules list is not used
+    if module == "moe_act":
+        for c in (cfg(False), cfg(None, layer_spec="local")):
+            with pytest.raises(
+                ConfigError, match=r"moe_act needs grouped-GEMM experts.*recompute moe instead"
+            ):
+                check_recompute_modules(c, moe)
+    else:
+        check_recompute_modules(cfg(False), moe)  # moe: any experts
+
+
 def test_sglang_request_asks_for_routed_experts_and_the_reply_is_decoded():
     import base64
 

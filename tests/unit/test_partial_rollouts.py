@@ -80,6 +80,62 @@ def test_partial_merge_routed_experts_keeps_the_experts_each_position_was_genera
         merge_routed_experts(first, None, 2, 3, 2)
 
 
+def _experts(rows: int, base: int, layers: int = 3, k: int = 2) -> torch.Tensor:
+    """``[rows, layers, k]`` ids unique per (position, layer, slot), offset by ``base`` (one per segment)."""
+    return base + torch.arange(rows * layers * k, dtype=torch.int32).reshape(rows, layers, k)
+
+
+def test_partial_two_segment_sample_stitches_every_generated_tokens_experts_in_order():
+    """A hand-made sample: prompt P=3, segment 1 R1=4 tokens under version 2 (SGLang returns P+R1-1=6
+    rows on abort), segment 2 R2=3 tokens under version 3 (its request is prompt + R1 tokens, so it returns
+    P+R1+R2-1=9 rows, the first 6 re-forwarded under the new weights), then segment 3 R3=2 under version 4
+    (11 rows). Stitched: one row per forwarded position, P+R-1 = 11 (tokens x layers x k), each from the
+    segment that generated the token after it, in segment order."""
+    layers, k, prompt = 3, 2, [11, 12, 13]
+    seg1 = _c([1, 2, 3, 4], version=2, routed=_experts(6, 1000, layers, k).reshape(-1), i=5, j=1)
+    seg2 = _c([5, 6, 7], version=3, routed=_experts(9, 2000, layers, k).reshape(-1))
+    seg3 = _c([8, 9], finish="stop", version=4, routed=_experts(11, 3000, layers, k).reshape(-1))
+    two = merge_segments(seg1, seg2, prompt_len=len(prompt))
+    three = merge_segments(dataclasses.replace(two, finish_reason="abort"), seg3, prompt_len=len(prompt))
+    want = torch.cat([_experts(6, 1000), _experts(9, 2000)[6:], _experts(11, 3000)[9:]])
+    assert three.routed_experts.shape == (11 * layers * k,), "SGLang's flat form is kept"
+    assert torch.equal(three.routed_experts.reshape(11, layers, k), want)
+    # per generated token t (response position P+t-1 forwards the token that predicts t): its segment
+    owner = [3000 if r >= 9 else 2000 if r >= 6 else 1000 for r in range(11)]
+    got = three.routed_experts.reshape(11, layers * k)
+    assert [int(row.min()) // 1000 * 1000 for row in got] == owner
+    assert three.token_ids == [1, 2, 3, 4, 5, 6, 7, 8, 9]
+    assert three.token_versions == [2] * 4 + [3] * 3 + [4] * 2 and three.meta["segments"] == 3
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [
+        ("segment 2", lambda s1, s2: (s1, dataclasses.replace(s2, routed_experts=s2.routed_experts[:-6]))),
+        (
+            "segment 2",
+            lambda s1, s2: (s1, dataclasses.replace(s2, routed_experts=_experts(10, 2000).reshape(-1))),
+        ),
+        ("segment 2", lambda s1, s2: (dataclasses.replace(s1, routed_experts=_experts(7, 1000)), s2)),
+    ],
+    ids=["continuation_one_row_short", "continuation_one_row_long", "first_one_row_long_shaped"],
+)
+def test_partial_wrong_routed_experts_length_is_refused_in_one_line_never_padded(bad):
+    """A segment whose routed experts are not SGLang's P + R - 1 rows is refused, in one line naming the
+    sample (prompt/sample index), the segment and both lengths."""
+    want, corrupt = bad
+    seg1 = _c([1, 2, 3, 4], version=2, routed=_experts(6, 1000).reshape(-1), i=5, j=1)
+    seg2 = _c([5, 6, 7], version=3, routed=_experts(9, 2000).reshape(-1))
+    s1, s2 = corrupt(seg1, seg2)
+    if s1.routed_experts.dim() > 1:  # the shaped form, as the CPU engine reports it
+        s2 = dataclasses.replace(s2, routed_experts=s2.routed_experts.reshape(-1, 3, 2))
+    with pytest.raises(EngineError) as err:
+        merge_segments(s1, s2, prompt_len=3)
+    msg = str(err.value)
+    assert "\n" not in msg and f"sample 5/1 {want}" in msg, msg
+    assert "6 rows (P=3 + R=4 - 1)" in msg and "9 rows (+ R=3)" in msg, msg
+
+
 def test_partial_continuation_params_reduce_the_budget_and_derive_a_seed_per_segment():
     params = SamplingParams(n=4, temperature=0.7, top_k=5, max_new_tokens=10, stop_token_ids=(9,), seed=3)
     c = _c([1, 2, 3], j=2, i=1)

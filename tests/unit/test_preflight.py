@@ -119,8 +119,21 @@ def test_non_utf8_data_line_is_skipped_and_counted(tmp_path):
         ("moe", ["rollout.routing_replay=true", "performance.recompute=full"], None),
         ("dense", [], None),
         ("moe", ["rollout.routing_replay=true"], None),
+        (
+            "dense",
+            ["performance.recompute=selective", "performance.recompute_modules=[moe]"],
+            "recompute_modules=.'moe'. recomputes MoE layers but model.hf_dir .* is a dense model; use mlp",
+        ),
+        ("moe", ["performance.recompute=selective", "performance.recompute_modules=[moe]"], None),
     ],
-    ids=["replay-on-dense", "replay-with-full-recompute-runs", "dense", "moe-replay"],
+    ids=[
+        "replay-on-dense",
+        "replay-with-full-recompute-runs",
+        "dense",
+        "moe-replay",
+        "moe-recompute-on-dense",
+        "moe-recompute",
+    ],
 )
 def test_the_start_up_checks_refuse_expert_replay_it_cannot_honour(tmp_path, model, extra, message):
     """``check_before_model`` (what `srpo train` runs before megatron) includes the MoE replay refusals."""

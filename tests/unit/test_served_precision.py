@@ -104,7 +104,8 @@ def test_start_up_checks_refuse_before_the_model(tmp_path, monkeypatch):
     from srpo_megatron.trainer.run import preflight
 
     c = cfg(folder(tmp_path, {"quant_method": "mxfp4"}))
-    for mod, name in ((preflight, n) for n in ("check_replay_config", "check_layout", "check_attention_cp")):
+    for name in ("check_replay_config", "check_recompute_modules", "check_layout", "check_attention_cp"):
+        mod = preflight
         monkeypatch.setattr(mod, name, lambda *a, **k: None)
     monkeypatch.setattr(preflight, "read_model_config", lambda _: {})
     monkeypatch.setattr(preflight, "check_model_limits", lambda *a: None)

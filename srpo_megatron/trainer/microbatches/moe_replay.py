@@ -133,7 +133,7 @@ class MoEReplay(contextlib.AbstractContextManager):
             else as_token_layer_topk(r, self.num_layers, self.top_k, len(s.ids) - 1, fused_shared=shared)
             for r, s in zip(routed, seqs, strict=True)
         ]
-        self.recorder = RouterRecorder(policy.model, self.num_layers) if record else None
+        self.recorder = RouterRecorder(policy.model, self.num_layers, arch.num_experts) if record else None
         self._stack = contextlib.ExitStack()
         self._replay: ReplayRouters | None = None
         self._failed = False

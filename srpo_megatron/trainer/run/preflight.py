@@ -15,6 +15,8 @@
   CP exchange; otherwise it drops to unfused attention), and a2a only where the heads split over CP.
 - :func:`check_replay_config`: ``rollout.routing_replay`` only for an MoE model (any recompute: the
   experts are replayed in the backward recompute too, ``compat/router_replay.py``).
+- :func:`check_recompute_modules`: selective recompute of ``moe`` / ``moe_act`` only for an MoE model,
+  ``moe_act`` only with grouped-GEMM experts (megatron-core recomputes it there only).
 - :func:`check_rewards`: every reward target the data needs is imported, its signature checked (it must
   take ``(response, answer)``: ``os:system`` is refused before it is called), and called once on a dummy
   input, with a timeout, by the reward pool the run will score with (rank 0's worker processes); a dummy
@@ -42,7 +44,9 @@ def check_before_model(cfg: Any, world_size: int) -> None:
     check_model_limits(cfg, hf_config)  # top-K within the vocabulary, sequence budget within positions
     check_layout(cfg, world_size, hf_config)
     check_attention_cp(cfg, hf_config)
-    check_replay_config(cfg, Architecture.from_hf(cfg.model.hf_dir))  # replay: an MoE model
+    arch = Architecture.from_hf(cfg.model.hf_dir)
+    check_replay_config(cfg, arch)  # replay: an MoE model
+    check_recompute_modules(cfg, arch)  # moe / moe_act recompute: an MoE model, grouped GEMM for moe_act
     check_served_precision(cfg)  # the served folder's quantization is one the weight sync can produce
 
 
@@ -178,6 +182,33 @@ def check_replay_config(cfg, arch) -> None:
             "set rollout.routing_replay=false"
         )
     # Any recompute is fine: compat/router_replay.py replays each micro-batch's experts in its recompute.
+
+
+def check_recompute_modules(cfg, arch) -> None:
+    """Refuse selective recompute of MoE submodules the model or its experts do not have, naming the key."""
+    perf = cfg.performance
+    wanted = set(perf.recompute_modules) & {"moe", "moe_act"} if perf.recompute == "selective" else set()
+    if wanted and not arch.is_moe:
+        raise ConfigError(
+            f"performance.recompute_modules={perf.recompute_modules} recomputes MoE layers but model.hf_dir "
+            f"{cfg.model.hf_dir} is a dense model; use mlp (or core_attn / layernorm) instead"
+        )
+    if "moe_act" in wanted and not _grouped_gemm(cfg.moe.grouped_gemm, perf.layer_spec):
+        raise ConfigError(
+            f"performance.recompute_modules={perf.recompute_modules}: moe_act needs grouped-GEMM experts "
+            f"(moe.grouped_gemm={cfg.moe.grouped_gemm}, layer_spec={perf.layer_spec}; Transformer Engine "
+            "needed), which this run will not build; recompute moe instead"
+        )
+
+
+def _grouped_gemm(setting: bool | None, layer_spec: str) -> bool:
+    """Whether the experts will be TE grouped GEMM (``models/moe.py``: None = with the TE layer spec, which
+    ``auto`` picks whenever Transformer Engine imports; looked up without importing it)."""
+    if setting is not None:
+        return setting
+    import importlib.util
+
+    return layer_spec != "local" and importlib.util.find_spec("transformer_engine") is not None
 
 
 def check_rewards(targets: list[str], rollout: Any) -> None:
