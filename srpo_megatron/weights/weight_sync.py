@@ -85,4 +85,5 @@ def build_weight_sync(
         return BroadcastSync(cfg, policy, groups, layout, urls)
     if name == "disk":
         return DiskSync(cfg, policy, groups, layout)
-    return ColocatedSync(policy, groups, layout, fuse_experts=cfg.rollout.engine == "sglang")
+    sglang = cfg.rollout.engine == "sglang"
+    return ColocatedSync(policy, groups, layout, fuse_experts=sglang, tp_payloads=sglang)

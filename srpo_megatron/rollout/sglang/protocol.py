@@ -24,6 +24,7 @@ from typing import Any
 
 import torch
 
+from srpo_megatron.buckets import FlatBucket
 from srpo_megatron.rollout.base import Completion, EngineError, SamplingParams, sample_seed
 from srpo_megatron.rollout.routed_experts import decode_sglang_routed_experts
 from srpo_megatron.rollout.sglang import flat_wire
@@ -197,6 +198,41 @@ def serialize_bucket_per_tp_rank(
         serialize = serializer or (lambda obj: MultiprocessingSerializer.serialize(obj, output_str=True))
     data = {"flattened_tensor": flat_tensor, "metadata": metadata}
     return [serialize(data) for _ in range(tp_size)], flat_tensor
+
+
+def flat_bucket_data(bucket: FlatBucket) -> dict[str, Any]:
+    """The ``{"flattened_tensor", "metadata"}`` object SGLang deserializes, made from a bucket the trainer
+    already flattened: ``flattened_tensor`` IS ``bucket.flat`` (no copy; the alignment gaps between tensors
+    stay, SGLang's ``reconstruct_tensors`` views each entry at its own ``start_idx:end_idx``). The metadata
+    is SGLang's ``FlattenedTensorMetadata`` when it imports, ``flat_wire``'s stand-in otherwise."""
+    try:
+        from sglang.srt.weight_sync.tensor_bucket import FlattenedTensorMetadata
+    except ImportError:
+        FlattenedTensorMetadata = flat_wire.FlattenedTensorMetadata
+    metadata = []
+    for spec, offset in zip(bucket.specs, bucket.offsets, strict=True):
+        if offset % spec.dtype.itemsize:
+            raise EngineError(
+                f"bucket tensor {spec.name} ({spec.dtype}) starts at byte {offset}, not a multiple of its "
+                "element size: SGLang cannot view it there; build buckets with buckets.FlatBucket.empty"
+            )
+        shape = torch.Size(spec.shape)
+        metadata.append(
+            FlattenedTensorMetadata(spec.name, shape, spec.dtype, offset, offset + spec.nbytes, spec.nbytes)
+        )
+    return {"flattened_tensor": bucket.flat, "metadata": metadata}
+
+
+def serialize_payload(data: dict[str, Any], serializer: Callable[[Any], str] | None = None) -> str:
+    """One TP rank's string: ``MultiprocessingSerializer.serialize(data, output_str=True)`` where SGLang
+    imports, ``flat_wire.serialize`` (the same bytes) otherwise; ``serializer`` replaces both (tests)."""
+    if serializer is not None:
+        return serializer(data)
+    try:
+        from sglang.srt.utils import MultiprocessingSerializer
+    except ImportError:
+        return flat_wire.serialize(data)
+    return MultiprocessingSerializer.serialize(data, output_str=True)
 
 
 # SGLang's ``GPU_MEMORY_ALL_TYPES`` (``sglang/srt/constants.py``; the same list in 0.5.15.post1 and 0.5.23),
