@@ -107,8 +107,6 @@ def sync_engines(
     targets = sorted(range(layout.num_engines) if targets is None else targets)
     coords = grid(groups)
     feeds = engine_feeds(layout, coords, targets)
-    if tp_payloads:
-        _check_peer_layout(layout, coords, targets)
     my_dp, _my_pp, my_tp = coords[me]
     # Hosts this replica feeds (this rank's stage goes to each of them), in engine order.
     receivers = [layout.hosts[k] for k in targets if coords[layout.hosts[k]][0] == my_dp]
@@ -116,12 +114,10 @@ def sync_engines(
     my_engine = layout.engine_of(me) if me in layout.hosts else None
     peers = None
     if tp_payloads and layout.size > 1:
-        k = layout.engine_of(me)
-        if k in targets and me != layout.hosts[k]:  # an engine peer: its host drives it
-            serve_engine_peer(layout.hosts[k], pending, groups.host, groups.device, version)
+        served, peers = _tp_payload_role(me, engine, layout, coords, targets, feeds, groups, pending, version)
+        if served:
             return 0
-        if my_engine in feeds:
-            peers = _engine_peers(engine, me, layout, coords, groups)
+        if peers is not None:
             pending = peers.wrap(pending)
     if fuse_experts:
         pending = fuse_expert_slices(pending, table)
@@ -195,12 +191,29 @@ def _check_peer_layout(layout: EngineLayout, coords: list[tuple[int, int, int]],
             )
 
 
-def _engine_peers(
-    engine: Any, me: int, layout: EngineLayout, coords: list[tuple[int, int, int]], groups: ParallelGroups
-) -> EnginePeers:
+def _tp_payload_role(
+    me: int,
+    engine: Any,
+    layout: EngineLayout,
+    coords: list[tuple[int, int, int]],
+    targets: list[int],
+    feeds: dict[int, list[int]],
+    groups: ParallelGroups,
+    pending: Iterable[Any],
+    version: int,
+) -> tuple[bool, EnginePeers | None]:
+    """An engine over several ranks (``tp_payloads``): a peer serves its host until done (True); the
+    host gets the ``EnginePeers`` that make its other TP ranks' payloads."""
+    _check_peer_layout(layout, coords, targets)
+    k = layout.engine_of(me)
+    if k in targets and me != layout.hosts[k]:
+        serve_engine_peer(layout.hosts[k], pending, groups.host, groups.device, version)
+        return True, None
+    if me not in layout.hosts or k not in feeds:
+        return False, None
     if engine is None:
-        raise WeightSyncError(f"rank {me} hosts engine {layout.engine_of(me)} but got engine=None")
-    return EnginePeers(layout.ranks_of(layout.engine_of(me))[1:], groups.host, engine.tp_size)
+        raise WeightSyncError(f"rank {me} hosts engine {k} but got engine=None")
+    return False, EnginePeers(layout.ranks_of(k)[1:], groups.host, engine.tp_size)
 
 
 class ColocatedSync:

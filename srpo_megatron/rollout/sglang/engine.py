@@ -45,6 +45,7 @@ from srpo_megatron.rollout.sglang.protocol import (
     build_update_weights_from_disk_request,
     build_update_weights_from_tensor_request,
     flat_bucket_data,
+    join_outputs,
     memory_tags,
     model_eos_token_ids,
     parse_generate_response,
@@ -52,8 +53,9 @@ from srpo_megatron.rollout.sglang.protocol import (
     serialize_bucket_per_tp_rank,
     serialize_payload,
     server_tp_size,
+    split_requests,
 )
-from srpo_megatron.rollout.sglang.transports import ChildEngineTransport, HttpTransport
+from srpo_megatron.rollout.sglang.transports import ChildEngineTransport, HttpTransport, call_each
 
 
 def offline_engine_kwargs(
@@ -172,19 +174,31 @@ class SGLangEngine:
         self._check_serving()
         dispatched = self._version  # before the call: a sync may land while the request runs
         body, rows = build_generate_request(prompts, params)
-        outputs = self._transport.call("generate", body)
+        outputs = self._generate_each(body)
         return parse_generate_response(outputs, rows, len(prompts), dispatched, params.top_logprobs)
+
+    def _generate_each(self, body: dict[str, Any]) -> list[Any]:
+        """``body``'s requests as one ``/generate`` each, ``cfg.concurrent_requests`` in flight (SGLang
+        batches concurrent requests itself), collected as each finishes: ``request_timeout_s`` bounds one
+        sample, so a long round of long samples is not taken for a dead engine. A pause aborts the
+        running requests (each answers finish_reason abort with its tokens so far) and holds the ones
+        sent later until continue, as for one body."""
+        bodies = split_requests(body)
+        answers: list[Any] = [None] * len(bodies)
+        for i, answer in call_each(self._transport, "generate", bodies, self.cfg.concurrent_requests):
+            answers[i] = answer
+        return join_outputs(answers, len(bodies))
 
     def generate_requests(
         self, inputs: Sequence[Sequence[int]], params: Sequence[SamplingParams]
     ) -> list[Completion]:
         """One completion per input, each request with its own sampling parameters (``n`` = 1, seed
-        ``sample_seed(seed, prompt_offset, 0)``), in one ``/generate`` call: the continuations of partial
-        rollouts. Versions as in ``generate``."""
+        ``sample_seed(seed, prompt_offset, 0)``), one ``/generate`` each (``_generate_each``): the
+        continuations of partial rollouts. Versions as in ``generate``."""
         self._check_serving()
         dispatched = self._version
         body = build_requests_body(inputs, params)
-        outputs = self._transport.call("generate", body)
+        outputs = self._generate_each(body)
         rows = [(k, 0) for k in range(len(inputs))]
         k = params[0].top_logprobs if params else 0  # build_requests_body: the same K for every request
         groups = parse_generate_response(outputs, rows, len(inputs), dispatched, k)

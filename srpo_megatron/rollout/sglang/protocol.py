@@ -92,6 +92,38 @@ def build_requests_body(inputs: Sequence[Sequence[int]], params: Sequence[Sampli
     return body
 
 
+# Fields of a ``/generate`` body that hold one entry per request (SGLang's batch form); the others
+# (``return_logprob``, ``return_routed_experts``, ``top_logprobs_num`` as one int) apply to every request.
+_PER_REQUEST_FIELDS = ("input_ids", "sampling_params")
+
+
+def split_requests(body: dict[str, Any]) -> list[dict[str, Any]]:
+    """The ``/generate`` body of N requests as N bodies of one request each, in order (SGLang's batch form
+    with one entry, so each answer is a list of one output). Sent concurrently, SGLang batches them in
+    its scheduler as it would the one body (slime's ``sglang_rollout`` sends one request per sample), and
+    ``request_timeout_s`` then bounds one sample's generation, not a whole round's."""
+    n = len(body["input_ids"])
+    for key in _PER_REQUEST_FIELDS:
+        if len(body[key]) != n:
+            raise EngineError(f"/generate body: {len(body[key])} {key} for {n} input_ids")
+    shared = {k: v for k, v in body.items() if k not in _PER_REQUEST_FIELDS}
+    return [{**{k: [body[k][i]] for k in _PER_REQUEST_FIELDS}, **shared} for i in range(n)]
+
+
+def join_outputs(answers: Sequence[Any], n: int) -> list[Any]:
+    """The outputs of ``split_requests``'s bodies (one answer each: a list of one output, or the output)
+    as the one body's list of ``n`` outputs."""
+    outputs = []
+    for k, answer in enumerate(answers):
+        one = answer if isinstance(answer, list) else [answer]
+        if len(one) != 1:
+            raise EngineError(f"SGLang answered request {k} (one sample) with {len(one)} outputs")
+        outputs.append(one[0])
+    if len(outputs) != n:
+        raise EngineError(f"SGLang answered {len(outputs)} of {n} requests")
+    return outputs
+
+
 # Partial rollouts (module doc of ``rollout/partial.py``): SGLang's ``PauseGenerationReqInput.mode`` is one of
 # abort | retract | in_place; the project uses abort only.
 PAUSE_MODE = "abort"
