@@ -10,7 +10,7 @@ collects each answer as it finishes.
   time, each sample taking ``sample_s``; a call whose duration exceeds the timeout fails as a timed-out
   transport does. A round of 16 long samples at capacity 4 takes 4 x 1000 s: per sample every call
   meets the 1800 s bound. Planted: the old single ``/generate`` for the round times out.
-- ``HttpTransport.call_each`` against a local server that holds each request until every one of them
+- ``call_each`` over ``HttpTransport`` against a local server that holds each request until every one of them
   arrived and answers them last-first: the requests really are in flight together and the answers come
   back in completion order (the engine puts each back in its place).
 - ``ChildEngineTransport.call_each``: the offline engine's child runs them concurrently in its event
@@ -31,7 +31,7 @@ from srpo_megatron.config import SGLangEngineConfig
 from srpo_megatron.rollout.base import EngineError, SamplingParams
 from srpo_megatron.rollout.sglang import protocol
 from srpo_megatron.rollout.sglang.engine import SGLangEngine
-from srpo_megatron.rollout.sglang.transports import ChildEngineTransport, HttpTransport
+from srpo_megatron.rollout.sglang.transports import ChildEngineTransport, HttpTransport, call_each
 from srpo_megatron.testing.sglang_standin import sglang_output
 
 TIMEOUT_S = 1800.0
@@ -168,7 +168,7 @@ def test_http_requests_are_in_flight_together_and_stream_back_as_each_finishes()
     try:
         bodies = [{"input_ids": [[k]], "sampling_params": [{}], "return_logprob": True} for k in range(n)]
         got = []
-        for k, answer in HttpTransport(server.url, TIMEOUT_S).call_each("generate", bodies, limit=n):
+        for k, answer in call_each(HttpTransport(server.url, TIMEOUT_S), "generate", bodies, limit=n):
             got.append((k, answer))
             server.received[k].set()  # only now may request k - 1 answer
         assert [k for k, _ in got] == list(range(n - 1, -1, -1))  # completion order, last request first

@@ -33,6 +33,7 @@ class HttpTransport:
     inside ``/generate`` (separate placement, partial rollouts)."""
 
     supports_pause = True  # SGLang's HTTP server has /pause_generation and /continue_generation
+    thread_safe = True  # ``call_each`` runs its calls from a pool of threads
 
     def __init__(self, url: str, timeout_s: float) -> None:
         self.url = url.rstrip("/")
@@ -63,20 +64,6 @@ class HttpTransport:
         except json.JSONDecodeError:
             return payload.decode(errors="replace")
 
-    def call_each(
-        self, method: str, bodies: Sequence[dict[str, Any]], limit: int
-    ) -> Iterator[tuple[int, Any]]:
-        """One POST per body, at most ``limit`` in flight (each on its own connection, each with its own
-        ``timeout_s``), yielding ``(index, answer)`` as each finishes. The first failure cancels what was
-        not sent yet and raises; requests already sent finish inside SGLang or hit their timeout."""
-        pool = ThreadPoolExecutor(max_workers=max(1, min(limit, len(bodies))), thread_name_prefix="sglang")
-        try:
-            futures = {pool.submit(self.call, method, body): i for i, body in enumerate(bodies)}
-            for done in as_completed(futures):
-                yield futures[done], done.result()
-        finally:
-            pool.shutdown(wait=True, cancel_futures=True)
-
     def health(self) -> bool:
         try:
             self.call("health", None, http_method="GET")
@@ -91,14 +78,26 @@ class HttpTransport:
 def call_each(
     transport: Any, method: str, bodies: Sequence[dict[str, Any]], limit: int
 ) -> Iterator[tuple[int, Any]]:
-    """``(index, answer)`` of one call per body, as each finishes: the transport's own ``call_each``
-    (concurrent: HTTP threads, the offline engine's event loop), else one ``call`` after another."""
+    """``(index, answer)`` of one call per body, as each finishes: the transport's own ``call_each`` (the
+    offline engine's child), else ``limit`` threads over ``call`` where the transport is ``thread_safe``
+    (HTTP: each request on its own connection with its own timeout), else one call after another. The
+    first failure cancels what was not sent yet and raises; requests already sent finish inside SGLang
+    or meet their own timeout."""
     each = getattr(transport, "call_each", None)
     if each is not None:
         yield from each(method, bodies, limit)
         return
-    for i, body in enumerate(bodies):
-        yield i, transport.call(method, body)
+    if not getattr(transport, "thread_safe", False):
+        for i, body in enumerate(bodies):
+            yield i, transport.call(method, body)
+        return
+    pool = ThreadPoolExecutor(max_workers=max(1, min(limit, len(bodies))), thread_name_prefix="sglang")
+    try:
+        futures = {pool.submit(transport.call, method, body): i for i, body in enumerate(bodies)}
+        for done in as_completed(futures):
+            yield futures[done], done.result()
+    finally:
+        pool.shutdown(wait=True, cancel_futures=True)
 
 
 def _run_each(
