@@ -282,8 +282,10 @@ class SGLangEngine:
         self._version = int(version)
 
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
-        """Stream HF-named tensors into SGLang in buckets (``/update_weights_from_tensor``, one flattened
-        payload per TP rank) and serve them as ``version`` (see module doc)."""
+        """Stream HF-named tensors into SGLang in buckets (``/update_weights_from_tensor``) and serve them
+        as ``version`` (see module doc). A single-process path (tests, tools): each bucket is flattened
+        into a new buffer and every TP rank gets this process's tensors; the colocated sync uses
+        ``update_weight_buckets`` (the trainer's buffers, one payload per TP rank's own GPU)."""
         with self._installing(version) as sent:
             seen: set[str] = set()
             stream = validated_stream(named_tensors, self._manifest, seen, self._aliases)

@@ -7,8 +7,10 @@ The offline ``sglang.Engine`` methods take the same keyword arguments as the HTT
 against SGLang's documented shapes (``io_struct.UpdateWeightsFromTensorReqInput`` etc.).
 
 Weight updates follow SGLang's (and slime's) convention: the *trainer* serializes each bucket as a
-``FlattenedTensorBucket`` (one flat tensor + metadata) with ``MultiprocessingSerializer``, once per engine
-TP rank, and sends ``load_format="flattened_bucket"``; each scheduler TP rank deserializes its own entry.
+``FlattenedTensorBucket`` (one flat tensor + metadata) with ``MultiprocessingSerializer``, one entry per
+engine TP rank, and sends ``load_format="flattened_bucket"``; scheduler TP rank i deserializes entry i,
+which the trainer rank owning GPU i made from its own copy (``weights.tp_payloads``). The colocated sync
+sends the trainer's flat bucket itself (``flat_bucket_data``: no second copy).
 Serializing in the trainer matters: CUDA tensors received from another process cannot be re-shared, so
 an intermediate process (our engine child, the HTTP server) must only ever see the serialized strings.
 Every update request carries ``weight_version`` (SGLang stamps it on each generate's ``meta_info``).

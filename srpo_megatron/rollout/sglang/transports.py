@@ -3,6 +3,10 @@
 in the trainer). Only picklable host objects cross the pipe: weight buckets arrive already serialized
 (``protocol.serialize_bucket_per_tp_rank``), never as tensors, because CUDA tensors received from another
 process cannot be re-shared by it.
+
+A round's generation goes out as one request per sample (``call_each``): threads over the HTTP client, or
+one pipe message the offline child runs concurrently in the engine's event loop, answering each request
+as it finishes; either way the timeout bounds one request, not the round.
 """
 
 from __future__ import annotations
@@ -293,14 +297,20 @@ class ChildEngineTransport:
                 raise EngineError(f"SGLang engine process is dead (exit code {self._proc.exitcode})")
             spec = {"method": method, "bodies": list(bodies), "limit": int(limit), "timeout": self.timeout_s}
             self._conn.send((EACH, spec))
-            while True:
-                status, result = self._recv(self.timeout_s + _PIPE_SLACK_S, method)
-                if status == "item":
-                    yield result
-                elif status == "error":
-                    raise EngineError(f"SGLang {result}")
-                else:
-                    return
+            status = "item"
+            try:
+                while status == "item":
+                    status, result = self._recv(self.timeout_s + _PIPE_SLACK_S, method)
+                    if status == "item":
+                        yield result
+                    elif status == "error":
+                        raise EngineError(f"SGLang {result}")
+            except EngineError:
+                status = "error" if status == "error" else "lost"  # a pipe that timed out is not read again
+                raise
+            finally:
+                while status == "item":  # a caller that stopped early: the pipe must be in step again
+                    status, _ = self._recv(self.timeout_s + _PIPE_SLACK_S, method)
 
     def health(self) -> bool:
         try:
