@@ -417,7 +417,10 @@ def test_partial_abort_request_aborts_without_pausing(served):
     assert reached.wait(WAIT_S)
     engine._transport.call("abort_request", {"abort_all": True})
     t.join(WAIT_S)
-    assert out["res"][0][0].finish_reason == "abort" and len(out["res"][0][0].token_ids) == 2
+    res = out["res"][0]  # one request per sample: the one the stand-in's engine took first was held
+    (held,) = [c for c in res if c.finish_reason == "abort" and c.token_ids]
+    assert len(held.token_ids) == 2
+    assert all(c is held or not c.token_ids or c.finish_reason != "abort" for c in res)
     assert not server.generation_paused
     assert engine.generate([[5, 6]], SamplingParams(max_new_tokens=2))[0][0].finish_reason != "abort"
 
