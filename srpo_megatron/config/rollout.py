@@ -34,7 +34,10 @@ class SGLangEngineConfig:
     weight_sync: WeightSyncKind = "tensor"  # tensor: colocated CUDA IPC; distributed: NCCL broadcast; disk
     bucket_bytes: int = 512 * 1024**2  # max bytes per weight-update request
     disk_sync_dir: str = ""  # weight_sync=disk: folder the safetensors shards are written to
-    request_timeout_s: float = 1800.0  # one generate / update call; beyond it the engine is declared dead
+    request_timeout_s: float = (
+        1800.0  # one request (one sample's generate, one update); beyond it: dead engine
+    )
+    concurrent_requests: int = 512  # /generate requests in flight per engine, one per sample (SGLang batches)
     startup_timeout_s: float = 1200.0  # offline: model load + CUDA graph capture
     deterministic: bool = False  # enable_deterministic_inference: seeded samples repeat, but ~slower
     memory_saver: bool | None = None  # enable_memory_saver; None = on when colocated (release/resume)
@@ -49,6 +52,11 @@ class SGLangEngineConfig:
             raise ConfigError(
                 "rollout.sglang.weight_sync=disk needs disk_sync_dir: a folder on storage both trainer "
                 "and engine can read"
+            )
+        if self.concurrent_requests < 1:
+            raise ConfigError(
+                f"rollout.sglang.concurrent_requests={self.concurrent_requests} must be >= 1: the number of "
+                "one-sample /generate requests each engine has in flight (SGLang batches them); e.g. 512"
             )
         if self.bucket_bytes < 1024**2:
             raise ConfigError(f"rollout.sglang.bucket_bytes={self.bucket_bytes} is below 1 MiB; use ≥ 64 MiB")

@@ -40,11 +40,13 @@ from srpo_megatron.weights.p2p import (
     DEFAULT_BUCKET_BYTES,
     P2PChannel,
     WeightSyncError,
+    receive_buckets,
     receive_stream,
     send_bucket,
     send_done,
 )
 from srpo_megatron.weights.sync_common import agree_failures
+from srpo_megatron.weights.tp_payloads import EnginePeers, serve_engine_peer
 
 
 def grid(groups: ParallelGroups) -> list[tuple[int, int, int]]:
@@ -93,6 +95,7 @@ def sync_engines(
     dtype: torch.dtype | None = None,
     fuse_experts: bool = False,
     fp8: Fp8Layout | None = None,
+    tp_payloads: bool = False,
 ) -> int:
     """Collective: install the policy as ``version`` into each target engine (``engine`` is this rank's
     engine on hosts, None elsewhere). Returns the bytes this rank sent to other ranks. An engine that
@@ -100,7 +103,10 @@ def sync_engines(
     ranks complete the collective; the caller agrees on failures afterwards (``RolloutService.sync``).
     ``fuse_experts`` (SGLang engines; the same on every rank): whole fused expert tensors instead of the
     table's slices ``x[e]`` (``weights.fused_experts``; gpt-oss). ``fp8``: the engines serve this blockwise
-    FP8 layout, each FP8 weight goes quantized with its ``weight_scale_inv`` (``weights.fp8_sync``)."""
+    FP8 layout, each FP8 weight goes quantized with its ``weight_scale_inv`` (``weights.fp8_sync``).
+    ``tp_payloads`` (SGLang engines; the same on every rank): the host hands its engine whole flat buckets
+    (``update_weight_buckets``, one copy) and the engine's other ranks serialize their own copies for their
+    TP ranks (``weights.tp_payloads``)."""
     me = dist.get_rank()
     targets = sorted(range(layout.num_engines) if targets is None else targets)
     coords = grid(groups)
@@ -109,6 +115,14 @@ def sync_engines(
     # Hosts this replica feeds (this rank's stage goes to each of them), in engine order.
     receivers = [layout.hosts[k] for k in targets if coords[layout.hosts[k]][0] == my_dp]
     pending = iter_stage_params(model, table, groups, dtype, all_replicas=True)
+    my_engine = layout.engine_of(me) if me in layout.hosts else None
+    peers = None
+    if tp_payloads and layout.size > 1:
+        served, peers = _tp_payload_role(me, engine, layout, coords, targets, feeds, groups, pending, version)
+        if served:
+            return 0
+        if peers is not None:
+            pending = peers.wrap(pending)
     if fuse_experts:
         pending = fuse_expert_slices(pending, table)
     pending = quantize_pending(pending, fp8)
@@ -119,7 +133,6 @@ def sync_engines(
             for p in pending:
                 p.fetch()
         return 0
-    my_engine = layout.engine_of(me) if me in layout.hosts else None
     if my_tp != 0:  # join this stage's TP gathers; the stage sender does the rest
         for p in pending:
             p.fetch()
@@ -127,13 +140,15 @@ def sync_engines(
     remote = [h for h in receivers if h != me]
     sent = 0
 
-    def my_stage() -> Iterator[tuple[str, torch.Tensor]]:
+    def my_stage() -> Iterator[Any]:
         nonlocal sent
         for bucket in flat_buckets(pending, bucket_bytes, groups.device):
             for h in remote:
                 send_bucket(P2PChannel(h, groups.host), bucket, version)
                 sent += bucket.nbytes
-            if me in receivers:
+            if me in receivers and tp_payloads:
+                yield bucket  # the SGLang engine sends the buffer itself (one copy)
+            elif me in receivers:
                 yield from streamed_views(bucket)  # the local engine installs from views of the bucket
             del bucket  # release it before the next one is gathered
         for h in remote:
@@ -143,31 +158,76 @@ def sync_engines(
         if engine is None:
             raise WeightSyncError(f"rank {me} hosts engine {my_engine} but got engine=None")
 
-        def stream() -> Iterator[tuple[str, torch.Tensor]]:
+        def stream() -> Iterator[Any]:
             for src in feeds[my_engine]:
                 if src == me:
                     yield from my_stage()
+                elif tp_payloads:
+                    yield from receive_buckets(P2PChannel(src, groups.host), version, groups.device)
                 else:
                     yield from receive_stream(P2PChannel(src, groups.host), version, groups.device)
 
         feed = stream()
         try:
-            engine.update_weights(feed, version)
+            if tp_payloads:
+                engine.update_weight_buckets(feed, version, peers)
+            else:
+                engine.update_weights(feed, version)
         except Exception:
-            for _ in feed:  # drain: the senders block on this host until their stream is received
+            for _ in feed:  # drain: the senders (and the engine's peers) follow this host's stream
                 pass
             raise
+        finally:
+            if peers is not None:
+                peers.done()
     else:
         for _ in my_stage():
             pass
     return sent
 
 
+def _check_peer_layout(layout: EngineLayout, coords: list[tuple[int, int, int]], targets: list[int]) -> None:
+    """Every rank: an engine's peers serve its host only, so none may be another stage's sender."""
+    for k in targets:
+        if len({coords[r][1] for r in layout.ranks_of(k)}) > 1:
+            raise WeightSyncError(
+                f"engine {k} spans pipeline stages (ranks {layout.ranks_of(k)}): rollout.gpus_per_engine="
+                f"{layout.size} must not exceed the ranks of one stage (parallel.tp x cp x dp)"
+            )
+
+
+def _tp_payload_role(
+    me: int,
+    engine: Any,
+    layout: EngineLayout,
+    coords: list[tuple[int, int, int]],
+    targets: list[int],
+    feeds: dict[int, list[int]],
+    groups: ParallelGroups,
+    pending: Iterable[Any],
+    version: int,
+) -> tuple[bool, EnginePeers | None]:
+    """An engine over several ranks (``tp_payloads``): a peer serves its host until done (True); the
+    host gets the ``EnginePeers`` that make its other TP ranks' payloads."""
+    _check_peer_layout(layout, coords, targets)
+    k = layout.engine_of(me)
+    if k in targets and me != layout.hosts[k]:
+        serve_engine_peer(layout.hosts[k], pending, groups.host, groups.device, version)
+        return True, None
+    if me not in layout.hosts or k not in feeds:
+        return False, None
+    if engine is None:
+        raise WeightSyncError(f"rank {me} hosts engine {k} but got engine=None")
+    return False, EnginePeers(layout.ranks_of(k)[1:], groups.host, engine.tp_size)
+
+
 class ColocatedSync:
     """``WeightSync`` for engines fed from the trainer's own ranks (module docstring); ``receiver`` is what
     a host hands its stream to (the engine itself here; ``DiskSync`` writes a folder instead).
     ``fuse_experts``: SGLang engines load gpt-oss's fused expert tensors whole (``sync_engines``); the
-    transformers engine takes the table's slices. ``fp8``: the served blockwise FP8 layout (None: bf16)."""
+    transformers engine takes the table's slices. ``fp8``: the served blockwise FP8 layout (None: bf16).
+    ``tp_payloads``: SGLang engines get whole flat buckets and one payload per TP rank
+    (``weights.tp_payloads``)."""
 
     def __init__(
         self,
@@ -177,9 +237,10 @@ class ColocatedSync:
         *,
         fuse_experts: bool = False,
         fp8: Fp8Layout | None = None,
+        tp_payloads: bool = False,
     ) -> None:
         self.policy, self.groups, self.layout = policy, groups, layout
-        self.fuse_experts, self.fp8 = fuse_experts, fp8
+        self.fuse_experts, self.fp8, self.tp_payloads = fuse_experts, fp8, tp_payloads
 
     def receiver(self, engine: RolloutEngine) -> Any:
         return engine
@@ -199,6 +260,7 @@ class ColocatedSync:
                 targets=targets,
                 fuse_experts=self.fuse_experts,
                 fp8=self.fp8,
+                tp_payloads=self.tp_payloads,
             )
         except EngineError as e:  # on its host only; the others completed the collective
             error = str(e)

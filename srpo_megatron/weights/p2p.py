@@ -103,3 +103,25 @@ def receive_stream(
         if version is not None and meta["version"] != version:
             raise WeightSyncError(f"bucket of version {meta['version']} arrived during the sync of {version}")
         yield from read_bucket(ch, meta, device)
+
+
+def receive_buckets(
+    ch, version: int | None = None, device: torch.device | str = "cpu"
+) -> Iterator[FlatBucket]:
+    """Like ``receive_stream``, for a sender of flat buckets: each bucket whole, received into one buffer
+    (a consumer that sends buffers on, the SGLang engine, takes them as they are)."""
+    while True:
+        header = torch.zeros(2, dtype=torch.int64)
+        ch.recv_meta(header)
+        if int(header[1]) == 1:
+            return
+        blob = torch.empty(int(header[0]), dtype=torch.uint8)
+        ch.recv_meta(blob)
+        meta = json.loads(bytes(blob.tolist()).decode())
+        if version is not None and meta["version"] != version:
+            raise WeightSyncError(f"bucket of version {meta['version']} arrived during the sync of {version}")
+        if "offsets" not in meta:
+            raise WeightSyncError("receive_buckets needs a sender of flat buckets (buckets.flat_buckets)")
+        bucket = FlatBucket.from_meta(meta, device)
+        ch.recv(bucket.flat)
+        yield bucket

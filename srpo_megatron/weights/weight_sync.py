@@ -89,4 +89,4 @@ def build_weight_sync(
     if cfg.rollout.engine != "sglang":  # the CPU engine takes bf16, emulates FP8 itself (rollout.precision)
         return ColocatedSync(policy, groups, layout)
     fp8 = served_fp8_layout(served_folder(cfg))  # a blockwise FP8 folder: the sync quantizes (fp8_sync)
-    return ColocatedSync(policy, groups, layout, fuse_experts=True, fp8=fp8)
+    return ColocatedSync(policy, groups, layout, fuse_experts=True, fp8=fp8, tp_payloads=True)

@@ -14,8 +14,9 @@ from srpo_megatron.testing import sglang_import
 
 def policy_sync_worker(rank, world, folder, url, tensors_names):
     """World 1: the megatron policy loaded from ``folder`` syncs into the SGLang stand-in through the
-    colocated path (``engine_sync.sync_engines``: export -> flat buckets -> ``SGLangEngine``), fp32 as
-    version 1 and bf16 as version 2; the payloads are SGLang's classes' (``sglang_import.load()``)."""
+    colocated path (``engine_sync.sync_engines``: export -> flat buckets ->
+    ``SGLangEngine.update_weight_buckets``), fp32 as version 1 and bf16 as version 2; the payloads are
+    SGLang's classes' (``sglang_import.load()``)."""
     from safetensors import safe_open
 
     from srpo_megatron.conversion.table import ConversionTable
@@ -41,6 +42,14 @@ def policy_sync_worker(rank, world, folder, url, tensors_names):
     engine = SGLangEngine(cfg, manifest=manifest, tied_aliases=())
     for version, dtype in ((1, torch.float32), (2, torch.bfloat16)):
         engine_sync.sync_engines(
-            model, table, groups, engine, version, EngineLayout(1, 1), bucket_bytes=4 * 1024**2, dtype=dtype
+            model,
+            table,
+            groups,
+            engine,
+            version,
+            EngineLayout(1, 1),
+            bucket_bytes=4 * 1024**2,
+            dtype=dtype,
+            tp_payloads=True,  # the SGLang path: the trainer's flat buckets themselves
         )
     return engine.weight_version

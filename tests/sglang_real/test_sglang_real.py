@@ -169,6 +169,32 @@ def test_sglang_real_protocol_default_is_sglangs_classes():
     )
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_sglang_real_decodes_the_trainers_flat_bucket_without_a_copy(dtype):
+    """``protocol.flat_bucket_data``: the trainer's ``FlatBucket`` (tensors at 256-byte aligned offsets,
+    gaps between them) serialized with SGLang's ``MultiprocessingSerializer`` IS the bucket's buffer, and
+    SGLang's ``FlattenedTensorBucket(flattened_tensor=..., metadata=...).reconstruct_tensors()`` (what its
+    ``flattened_bucket`` loader runs) gives back every tensor bit for bit."""
+    need("utils"), need("tensor_bucket")
+    from srpo_megatron.buckets import FlatBucket, TensorSpec
+
+    want = {"a.weight": torch.randn(3, 5).to(dtype), "b.bias": torch.randn(7).to(dtype), "c": torch.randn(1)}
+    bucket = FlatBucket.empty([TensorSpec(n, t.dtype, tuple(t.shape)) for n, t in want.items()])
+    for (_, view), t in zip(bucket.views(), want.values(), strict=True):
+        view.copy_(t)
+    data = protocol.flat_bucket_data(bucket)
+    assert data["flattened_tensor"].data_ptr() == bucket.flat.data_ptr()  # one copy
+    assert type(data["metadata"][0]) is REAL.tensor_bucket.FlattenedTensorMetadata
+    payload = protocol.serialize_payload(data)
+    decoded = REAL.utils.MultiprocessingSerializer.deserialize(payload)
+    out = REAL.tensor_bucket.FlattenedTensorBucket(
+        flattened_tensor=decoded["flattened_tensor"], metadata=decoded["metadata"]
+    ).reconstruct_tensors()
+    assert [n for n, _ in out] == list(want)
+    for (_, got), t in zip(out, want.values(), strict=True):
+        assert got.dtype == t.dtype and torch.equal(got.view(torch.uint8), t.view(torch.uint8))
+
+
 class _Loopback:
     """A ``weights.p2p`` channel to itself: what is sent is what the next recv gets (copied)."""
 

@@ -110,9 +110,12 @@ def _check(service, built, metrics) -> None:
     assert all(m["engine/restarts"] == 0 for m in metrics if "engine/restarts" in m)
     rules = built[0]
     assert not rules.dead
-    calls = [m for m, _ in rules.calls if m != "flush_cache"]
+    every = [m for m, _ in rules.calls if m != "flush_cache"]
+    # A round is one run of per-sample /generate calls (``SGLangEngine._generate_each``); two rounds meet
+    # without a call between them, so a step's rounds show as one run (``sampling/rounds`` counts them).
+    calls = [m for k, m in enumerate(every) if m != "generate" or k == 0 or every[k - 1] != "generate"]
     rounds_then_release = [
-        *["generate"] * ROUNDS,  # every round on a serving engine
+        "generate",  # every round on a serving engine
         "release_memory_occupation",  # once, when the step's batch is complete: training takes the memory
     ]
     first = ["update_weights_from_tensor", *rounds_then_release]  # nothing was released before the first

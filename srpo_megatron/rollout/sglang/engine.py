@@ -27,11 +27,11 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
-from srpo_megatron.buckets import bucketize
+from srpo_megatron.buckets import FlatBucket, bucketize
 from srpo_megatron.config import SGLangEngineConfig
 from srpo_megatron.conversion.manifest import hf_manifest
 from srpo_megatron.rollout.base import Completion, EngineError, EngineHealth, SamplingParams
@@ -45,14 +45,18 @@ from srpo_megatron.rollout.sglang.protocol import (
     build_requests_body,
     build_update_weights_from_disk_request,
     build_update_weights_from_tensor_request,
+    flat_bucket_data,
+    join_outputs,
     memory_tags,
     model_eos_token_ids,
     parse_generate_response,
     parse_update_response,
     serialize_bucket_per_tp_rank,
+    serialize_payload,
     server_tp_size,
+    split_requests,
 )
-from srpo_megatron.rollout.sglang.transports import ChildEngineTransport, HttpTransport
+from srpo_megatron.rollout.sglang.transports import ChildEngineTransport, HttpTransport, call_each
 
 
 def offline_engine_kwargs(
@@ -82,6 +86,13 @@ def _release_ipc_memory(final: bool) -> None:
         torch.cuda.ipc_collect()
         if final:
             torch.cuda.empty_cache()
+
+
+class TPPeerPayloads(Protocol):
+    """The serialized payloads of an engine's TP ranks 1.., each made by the trainer rank owning that GPU
+    from its own copy of ``bucket`` (``weights.tp_payloads.EnginePeers``)."""
+
+    def payloads(self, bucket: FlatBucket, version: int) -> list[str]: ...
 
 
 class SGLangEngine:
@@ -166,19 +177,31 @@ class SGLangEngine:
         self._check_serving()
         dispatched = self._version  # before the call: a sync may land while the request runs
         body, rows = build_generate_request(prompts, params)
-        outputs = self._transport.call("generate", body)
+        outputs = self._generate_each(body)
         return parse_generate_response(outputs, rows, len(prompts), dispatched, params.top_logprobs)
+
+    def _generate_each(self, body: dict[str, Any]) -> list[Any]:
+        """``body``'s requests as one ``/generate`` each, ``cfg.concurrent_requests`` in flight (SGLang
+        batches concurrent requests itself), collected as each finishes: ``request_timeout_s`` bounds one
+        sample, so a long round of long samples is not taken for a dead engine. A pause aborts the
+        running requests (each answers finish_reason abort with its tokens so far) and holds the ones
+        sent later until continue, as for one body."""
+        bodies = split_requests(body)
+        answers: list[Any] = [None] * len(bodies)
+        for i, answer in call_each(self._transport, "generate", bodies, self.cfg.concurrent_requests):
+            answers[i] = answer
+        return join_outputs(answers, len(bodies))
 
     def generate_requests(
         self, inputs: Sequence[Sequence[int]], params: Sequence[SamplingParams]
     ) -> list[Completion]:
         """One completion per input, each request with its own sampling parameters (``n`` = 1, seed
-        ``sample_seed(seed, prompt_offset, 0)``), in one ``/generate`` call: the continuations of partial
-        rollouts. Versions as in ``generate``."""
+        ``sample_seed(seed, prompt_offset, 0)``), one ``/generate`` each (``_generate_each``): the
+        continuations of partial rollouts. Versions as in ``generate``."""
         self._check_serving()
         dispatched = self._version
         body = build_requests_body(inputs, params)
-        outputs = self._transport.call("generate", body)
+        outputs = self._generate_each(body)
         rows = [(k, 0) for k in range(len(inputs))]
         k = params[0].top_logprobs if params else 0  # build_requests_body: the same K for every request
         groups = parse_generate_response(outputs, rows, len(inputs), dispatched, k)
@@ -262,8 +285,10 @@ class SGLangEngine:
         self._version = int(version)
 
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
-        """Stream HF-named tensors into SGLang in buckets (``/update_weights_from_tensor``, one flattened
-        payload per TP rank) and serve them as ``version`` (see module doc)."""
+        """Stream HF-named tensors into SGLang in buckets (``/update_weights_from_tensor``) and serve them
+        as ``version`` (see module doc). A single-process path (tests, tools): each bucket is flattened
+        into a new buffer and every TP rank gets this process's tensors; the colocated sync uses
+        ``update_weight_buckets`` (the trainer's buffers, one payload per TP rank's own GPU)."""
         with self._installing(version) as sent:
             seen: set[str] = set()
             stream = validated_stream(named_tensors, self._manifest, seen, self._aliases)
@@ -274,6 +299,41 @@ class SGLangEngine:
             missing = missing_names(self._manifest, seen)
             if missing:
                 raise EngineError(f"missing {len(missing)} tensors: {head(missing)}")
+
+    def update_weight_buckets(
+        self, buckets: Iterable[FlatBucket], version: int, peers: TPPeerPayloads | None = None
+    ) -> None:
+        """Install the trainer's flat buckets as they are, one ``/update_weights_from_tensor`` each, and
+        serve them as ``version``. Each bucket's buffer is the payload's ``flattened_tensor`` (no second
+        copy, ``protocol.flat_bucket_data``). ``peers`` gives engine TP ranks 1.. their payloads: each
+        trainer rank that owns one of this engine's other GPUs received the bucket and serialized its
+        own copy (``weights.tp_payloads``), so scheduler rank i maps only GPU i, as SGLang's
+        ``TpModelWorker`` expects (it deserializes ``serialized_named_tensors[tp_rank]``). Without
+        ``peers`` (an engine of TP 1, single-process tests) every rank gets this rank's tensors."""
+        with self._installing(version) as sent:
+            seen: set[str] = set()
+            for bucket in buckets:
+                for _ in validated_stream(bucket.views(), self._manifest, seen, self._aliases):
+                    pass  # checks every tensor before the bucket leaves
+                sent.append(True)
+                self._send_flat_bucket(bucket, version, peers)
+                del bucket
+            missing = missing_names(self._manifest, seen)
+            if missing:
+                raise EngineError(f"missing {len(missing)} tensors: {head(missing)}")
+
+    def _send_flat_bucket(self, bucket: FlatBucket, version: int, peers: TPPeerPayloads | None) -> None:
+        data = flat_bucket_data(bucket)
+        own = serialize_payload(data, self._serializer)
+        if peers is not None:
+            payload = [own, *peers.payloads(bucket, version)]
+        else:
+            payload = [own] + [serialize_payload(data, self._serializer) for _ in range(self.tp_size - 1)]
+        body = build_update_weights_from_tensor_request(payload, self.tp_size, False, version)
+        resp = self._transport.call("update_weights_from_tensor", body)
+        del data, payload  # only now: SGLang answered, every TP rank copied out of its buffer
+        _release_ipc_memory(final=False)
+        parse_update_response(resp, "update_weights_from_tensor")
 
     def update_weights_from_disk(self, folder: str, version: int) -> None:
         """Load the checkpoint folder ``folder`` (complete and checked: ``weights.disk_sync`` wrote it) and

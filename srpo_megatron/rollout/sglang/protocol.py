@@ -7,8 +7,10 @@ The offline ``sglang.Engine`` methods take the same keyword arguments as the HTT
 against SGLang's documented shapes (``io_struct.UpdateWeightsFromTensorReqInput`` etc.).
 
 Weight updates follow SGLang's (and slime's) convention: the *trainer* serializes each bucket as a
-``FlattenedTensorBucket`` (one flat tensor + metadata) with ``MultiprocessingSerializer``, once per engine
-TP rank, and sends ``load_format="flattened_bucket"``; each scheduler TP rank deserializes its own entry.
+``FlattenedTensorBucket`` (one flat tensor + metadata) with ``MultiprocessingSerializer``, one entry per
+engine TP rank, and sends ``load_format="flattened_bucket"``; scheduler TP rank i deserializes entry i,
+which the trainer rank owning GPU i made from its own copy (``weights.tp_payloads``). The colocated sync
+sends the trainer's flat bucket itself (``flat_bucket_data``: no second copy).
 Serializing in the trainer matters: CUDA tensors received from another process cannot be re-shared, so
 an intermediate process (our engine child, the HTTP server) must only ever see the serialized strings.
 Every update request carries ``weight_version`` (SGLang stamps it on each generate's ``meta_info``).
@@ -24,6 +26,7 @@ from typing import Any
 
 import torch
 
+from srpo_megatron.buckets import FlatBucket
 from srpo_megatron.rollout.base import Completion, EngineError, SamplingParams, sample_seed
 from srpo_megatron.rollout.routed_experts import decode_sglang_routed_experts
 from srpo_megatron.rollout.sglang import flat_wire
@@ -89,6 +92,38 @@ def build_requests_body(inputs: Sequence[Sequence[int]], params: Sequence[Sampli
     if tops - {0}:  # parity diagnostic: meta_info["output_top_logprobs"] per output
         body["top_logprobs_num"] = int(params[0].top_logprobs)
     return body
+
+
+# Fields of a ``/generate`` body that hold one entry per request (SGLang's batch form); the others
+# (``return_logprob``, ``return_routed_experts``, ``top_logprobs_num`` as one int) apply to every request.
+_PER_REQUEST_FIELDS = ("input_ids", "sampling_params")
+
+
+def split_requests(body: dict[str, Any]) -> list[dict[str, Any]]:
+    """The ``/generate`` body of N requests as N bodies of one request each, in order (SGLang's batch form
+    with one entry, so each answer is a list of one output). Sent concurrently, SGLang batches them in
+    its scheduler as it would the one body (slime's ``sglang_rollout`` sends one request per sample), and
+    ``request_timeout_s`` then bounds one sample's generation, not a whole round's."""
+    n = len(body["input_ids"])
+    for key in _PER_REQUEST_FIELDS:
+        if len(body[key]) != n:
+            raise EngineError(f"/generate body: {len(body[key])} {key} for {n} input_ids")
+    shared = {k: v for k, v in body.items() if k not in _PER_REQUEST_FIELDS}
+    return [{**{k: [body[k][i]] for k in _PER_REQUEST_FIELDS}, **shared} for i in range(n)]
+
+
+def join_outputs(answers: Sequence[Any], n: int) -> list[Any]:
+    """The outputs of ``split_requests``'s bodies (one answer each: a list of one output, or the output)
+    as the one body's list of ``n`` outputs."""
+    outputs = []
+    for k, answer in enumerate(answers):
+        one = answer if isinstance(answer, list) else [answer]
+        if len(one) != 1:
+            raise EngineError(f"SGLang answered request {k} (one sample) with {len(one)} outputs")
+        outputs.append(one[0])
+    if len(outputs) != n:
+        raise EngineError(f"SGLang answered {len(outputs)} of {n} requests")
+    return outputs
 
 
 # Partial rollouts (module doc of ``rollout/partial.py``): SGLang's ``PauseGenerationReqInput.mode`` is one of
@@ -197,6 +232,41 @@ def serialize_bucket_per_tp_rank(
         serialize = serializer or (lambda obj: MultiprocessingSerializer.serialize(obj, output_str=True))
     data = {"flattened_tensor": flat_tensor, "metadata": metadata}
     return [serialize(data) for _ in range(tp_size)], flat_tensor
+
+
+def flat_bucket_data(bucket: FlatBucket) -> dict[str, Any]:
+    """The ``{"flattened_tensor", "metadata"}`` object SGLang deserializes, made from a bucket the trainer
+    already flattened: ``flattened_tensor`` IS ``bucket.flat`` (no copy; the alignment gaps between tensors
+    stay, SGLang's ``reconstruct_tensors`` views each entry at its own ``start_idx:end_idx``). The metadata
+    is SGLang's ``FlattenedTensorMetadata`` when it imports, ``flat_wire``'s stand-in otherwise."""
+    try:
+        from sglang.srt.weight_sync.tensor_bucket import FlattenedTensorMetadata
+    except ImportError:
+        FlattenedTensorMetadata = flat_wire.FlattenedTensorMetadata
+    metadata = []
+    for spec, offset in zip(bucket.specs, bucket.offsets, strict=True):
+        if offset % spec.dtype.itemsize:
+            raise EngineError(
+                f"bucket tensor {spec.name} ({spec.dtype}) starts at byte {offset}, not a multiple of its "
+                "element size: SGLang cannot view it there; build buckets with buckets.FlatBucket.empty"
+            )
+        shape = torch.Size(spec.shape)
+        metadata.append(
+            FlattenedTensorMetadata(spec.name, shape, spec.dtype, offset, offset + spec.nbytes, spec.nbytes)
+        )
+    return {"flattened_tensor": bucket.flat, "metadata": metadata}
+
+
+def serialize_payload(data: dict[str, Any], serializer: Callable[[Any], str] | None = None) -> str:
+    """One TP rank's string: ``MultiprocessingSerializer.serialize(data, output_str=True)`` where SGLang
+    imports, ``flat_wire.serialize`` (the same bytes) otherwise; ``serializer`` replaces both (tests)."""
+    if serializer is not None:
+        return serializer(data)
+    try:
+        from sglang.srt.utils import MultiprocessingSerializer
+    except ImportError:
+        return flat_wire.serialize(data)
+    return MultiprocessingSerializer.serialize(data, output_str=True)
 
 
 # SGLang's ``GPU_MEMORY_ALL_TYPES`` (``sglang/srt/constants.py``; the same list in 0.5.15.post1 and 0.5.23),

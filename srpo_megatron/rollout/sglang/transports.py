@@ -3,10 +3,15 @@
 in the trainer). Only picklable host objects cross the pipe: weight buckets arrive already serialized
 (``protocol.serialize_bucket_per_tp_rank``), never as tensors, because CUDA tensors received from another
 process cannot be re-shared by it.
+
+A round's generation goes out as one request per sample (``call_each``): threads over the HTTP client, or
+one pipe message the offline child runs concurrently in the engine's event loop, answering each request
+as it finishes; either way the timeout bounds one request, not the round.
 """
 
 from __future__ import annotations
 
+import asyncio
 import importlib
 import inspect
 import json
@@ -14,10 +19,14 @@ import os
 import threading
 import urllib.error
 import urllib.request
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor, as_completed
 from typing import Any
 
 from srpo_megatron.rollout.base import EngineError
+
+EACH = "__call_each__"  # the pipe message of ``ChildEngineTransport.call_each``
+_PIPE_SLACK_S = 30.0  # beyond a request's own timeout: the child's answer crossing the pipe
 
 
 class HttpTransport:
@@ -28,6 +37,7 @@ class HttpTransport:
     inside ``/generate`` (separate placement, partial rollouts)."""
 
     supports_pause = True  # SGLang's HTTP server has /pause_generation and /continue_generation
+    thread_safe = True  # ``call_each`` runs its calls from a pool of threads
 
     def __init__(self, url: str, timeout_s: float) -> None:
         self.url = url.rstrip("/")
@@ -67,6 +77,68 @@ class HttpTransport:
 
     def close(self) -> None:
         pass
+
+
+def call_each(
+    transport: Any, method: str, bodies: Sequence[dict[str, Any]], limit: int
+) -> Iterator[tuple[int, Any]]:
+    """``(index, answer)`` of one call per body, as each finishes: the transport's own ``call_each`` (the
+    offline engine's child), else ``limit`` threads over ``call`` where the transport is ``thread_safe``
+    (HTTP: each request on its own connection with its own timeout), else one call after another. The
+    first failure cancels what was not sent yet and raises; requests already sent finish inside SGLang
+    or meet their own timeout."""
+    each = getattr(transport, "call_each", None)
+    if each is not None:
+        yield from each(method, bodies, limit)
+        return
+    if not getattr(transport, "thread_safe", False):
+        for i, body in enumerate(bodies):
+            yield i, transport.call(method, body)
+        return
+    pool = ThreadPoolExecutor(max_workers=max(1, min(limit, len(bodies))), thread_name_prefix="sglang")
+    try:
+        futures = {pool.submit(transport.call, method, body): i for i, body in enumerate(bodies)}
+        for done in as_completed(futures):
+            yield futures[done], done.result()
+    finally:
+        pool.shutdown(wait=True, cancel_futures=True)
+
+
+def _run_each(
+    engine: Any, conn, method: str, bodies: list[dict[str, Any]], limit: int, timeout: float
+) -> None:
+    """Child: the calls of ``call_each`` on the offline engine, at most ``limit`` at once in its event
+    loop (``Engine.async_generate``: SGLang batches them like an HTTP server's requests), each bounded by
+    ``timeout``; every answer goes to the parent as it finishes. An engine without ``async_<method>``
+    (CPU stand-ins) answers them one after another."""
+    coro = getattr(engine, f"async_{method}", None)
+    if coro is None:
+        for i, body in enumerate(bodies):
+            conn.send(("item", (i, getattr(engine, method)(**body))))
+        return
+
+    async def run() -> None:
+        gate = asyncio.Semaphore(limit)
+
+        async def one(i: int, body: dict[str, Any]) -> None:
+            async with gate:
+                try:
+                    answer = await asyncio.wait_for(coro(**body), timeout)
+                except TimeoutError:
+                    raise EngineError(f"request {i} did not finish within {timeout:.0f}s") from None
+            conn.send(("item", (i, answer)))
+
+        tasks = [asyncio.ensure_future(one(i, b)) for i, b in enumerate(bodies)]
+        try:
+            await asyncio.gather(*tasks)
+        except BaseException:
+            for t in tasks:  # none may answer into the pipe after the error
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            raise
+
+    loop = getattr(engine, "loop", None) or asyncio.new_event_loop()
+    loop.run_until_complete(run())
 
 
 def _offline_update_from_tensor(engine: Any, body: dict[str, Any]) -> Any:
@@ -144,6 +216,9 @@ def _engine_child(
         try:
             if method == "health":
                 result = True
+            elif method == EACH:
+                _run_each(engine, conn, **kwargs)
+                result = None
             elif method == "update_weights_from_tensor":
                 result = _offline_update_from_tensor(engine, kwargs)
             else:
@@ -210,6 +285,32 @@ class ChildEngineTransport:
         if status == "error":
             raise EngineError(f"SGLang {result}")
         return result
+
+    def call_each(
+        self, method: str, bodies: Sequence[dict[str, Any]], limit: int
+    ) -> Iterator[tuple[int, Any]]:
+        """All bodies in one message; the child runs them concurrently (``_run_each``) and sends each
+        answer as it finishes, so ``timeout_s`` bounds the wait for the next answer, not the round: a
+        request that runs longer fails in the child. The pipe stays taken until the last answer."""
+        with self._lock:
+            if not self._proc.is_alive():
+                raise EngineError(f"SGLang engine process is dead (exit code {self._proc.exitcode})")
+            spec = {"method": method, "bodies": list(bodies), "limit": int(limit), "timeout": self.timeout_s}
+            self._conn.send((EACH, spec))
+            status = "item"
+            try:
+                while status == "item":
+                    status, result = self._recv(self.timeout_s + _PIPE_SLACK_S, method)
+                    if status == "item":
+                        yield result
+                    elif status == "error":
+                        raise EngineError(f"SGLang {result}")
+            except EngineError:
+                status = "error" if status == "error" else "lost"  # a pipe that timed out is not read again
+                raise
+            finally:
+                while status == "item":  # a caller that stopped early: the pipe must be in step again
+                    status, _ = self._recv(self.timeout_s + _PIPE_SLACK_S, method)
 
     def health(self) -> bool:
         try:
