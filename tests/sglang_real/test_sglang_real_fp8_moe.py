@@ -57,7 +57,7 @@ from sglang.srt.models.qwen3_moe import Qwen3MoeForCausalLM  # noqa: E402
 from sglang.srt.runtime_context import get_context, get_parallel  # noqa: E402
 from sglang.srt.server_args import ServerArgs  # noqa: E402
 
-from tests.sglang_real.test_sglang_real_fp8 import (  # noqa: E402
+from tests.helpers.sglang_fp8 import (  # noqa: E402
     blockwise_amax,
     checkpoint_folder,
     fp8_config,
