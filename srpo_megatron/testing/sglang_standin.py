@@ -177,6 +177,14 @@ def _per_request(value: Any, body: dict) -> list[int]:
     return [int(value or 0)] * n
 
 
+class _Server(ThreadingHTTPServer):
+    """socketserver's listen backlog is 5: one ``/generate`` per sample, a round's requests at once, then
+    overflow it and the client sees connection resets. SGLang's HTTP server (uvicorn) listens with a
+    backlog of 2048."""
+
+    request_queue_size = 2048
+
+
 class SGLangStandInServer:
     """Stand-in for an SGLang HTTP server (see module docstring), backed by a CPU HFEngine.
 
@@ -246,7 +254,7 @@ class SGLangStandInServer:
                     stand_in.dead = repr(e)
                     self._reply({"error": repr(e)}, 500)
 
-        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.httpd = _Server(("127.0.0.1", 0), Handler)
         self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
         self.thread = threading.Thread(target=self.httpd.serve_forever, daemon=True)
         self.thread.start()

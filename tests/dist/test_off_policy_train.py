@@ -247,27 +247,31 @@ def test_dynamic_sampling_trains_only_mixed_groups_and_reports_rounds(tiny, tmp_
 
 
 def test_partial_rollouts_are_aborted_at_the_sync_and_continued_with_the_new_weights(tiny, tmp_path):
-    """``rollout.partial`` at N = 1: the stand-in holds every round dispatched ahead at its 3rd decode step
-    until the sync's pause aborts it (the rounds the trainer waits for, and the continuations, run
-    free), so a round's sample held mid-way holds tokens of the version the round was dispatched with
-    and of the next: per-token versions recorded, ``async/partial_share`` counts it, staleness is by the
-    dispatch version."""
+    """``rollout.partial`` at N = 1: the stand-in holds the first sample of every round dispatched ahead
+    at its 3rd decode step until the sync's pause aborts it (the rounds the trainer waits for, the
+    round's other samples and the continuations run free), so that sample holds tokens of the version
+    the round was dispatched with and of the next: per-token versions recorded, ``async/partial_share``
+    counts it, staleness is by the dispatch version. One ``/generate`` per sample, one in flight
+    (``rollout.sglang.concurrent_requests=1``) so the order of requests, and so the held one, is fixed."""
     from transformers import AutoModelForCausalLM
 
     from srpo_megatron.testing.sglang_standin import SGLangStandInServer
 
     server = SGLangStandInServer(AutoModelForCausalLM.from_pretrained(tiny[1]))
+    per_round = 16  # samples per round: one /generate each
+
     def hold_rounds_dispatched_ahead(step, aborted):  # after each decode step, numbered from 1
-        # /generate requests in order: 1 the first round (the trainer waits for it), then each round
-        # dispatched ahead (even: held until the sync aborts it) and its continuation (odd: free)
-        requests = sum(path == "/generate" for path, _ in list(server.bodies))
-        if step == 3 and requests % 2 == 0:
+        # /generate requests in order, one in flight: 1..16 the first round (the trainer waits for it),
+        # then per round dispatched ahead its 16 samples (the first held until the sync aborts it; the
+        # others wait at the pause and run with the new weights) and the held sample's continuation
+        n = sum(path == "/generate" for path, _ in list(server.bodies))
+        if step == 3 and n > per_round and (n - per_round - 1) % (per_round + 1) == 0:
             aborted.wait(timeout=300)
 
     server.engine.step_hook = hold_rounds_dispatched_ahead
     run_dir = tmp_path / "run"
     try:
-        overrides = _overrides(tiny, 1, "rollout.partial=true")
+        overrides = _overrides(tiny, 1, "rollout.partial=true", "rollout.sglang.concurrent_requests=1")
         run_distributed(_train, 1, tiny, str(run_dir), server.url, overrides, timeout=900)
     finally:
         server.close()
@@ -276,11 +280,13 @@ def test_partial_rollouts_are_aborted_at_the_sync_and_continued_with_the_new_wei
     assert rows[0]["token_versions"] == [[1]] * 16 and metrics[0]["async/partial_share"] == 0.0
     for r, m in zip(rows[1:], metrics[1:], strict=True):
         v = r["trainer_version"]
-        # the stand-in decodes a request's samples one after another: the first was held mid-way (tokens
-        # of both versions); the others had not started and came back empty, so all their tokens are v's
+        # the first sample was held mid-way (tokens of both versions); the others were sent after it
+        # came back aborted, waited at the pause and ran with the new weights: all their tokens are v's
         assert r["token_versions"] == [[v - 1, v]] + [[v]] * 15, r
         assert set(r["versions"]) == {v - 1} and m["async/staleness_max"] == 1.0, "stamped at dispatch"
         assert m["async/partial_share"] == 1 / 16
         assert m["rollout/aborted"] > 0, "the generations the sync aborted are counted"
     assert metrics[0]["rollout/aborted"] == 0.0
+    generate = [b for p, b in server.bodies if p == "/generate"]
+    assert all(len(b["input_ids"]) == 1 for b in generate), "one /generate per sample"
     assert "/pause_generation" in [p for p, _ in server.bodies]

@@ -215,6 +215,12 @@ def test_recipe_change_table():
     applied, refused = recipe_changes(saved, now)
     assert applied == ["eval.every_n_steps: 5 -> 2", "train.steps: 10 -> 20"]
     assert refused == ["optim.lr: 0.001 -> 0.5"]
+    # requests in flight per engine: throughput only, the same samples
+    sglang = recipe_changes(
+        {"rollout": {"sglang": {"concurrent_requests": 512}}},
+        {"rollout": {"sglang": {"concurrent_requests": 8}}},
+    )
+    assert sglang == (["rollout.sglang.concurrent_requests: 512 -> 8"], [])
     for key in ("model.hf_dir", "loss.mode", "optim.adam_beta1", "data.train_files", "run.seed"):
         assert not any(key == pattern for pattern in MAY_CHANGE_ON_RESUME), key
 

@@ -42,6 +42,7 @@ MAY_CHANGE_ON_RESUME: dict[str, str] = {
     "rollout.max_batch_size": "CPU engine batching: same samples, other grouping",
     "rollout.sglang.request_timeout_s": "engine failure detection",
     "rollout.sglang.startup_timeout_s": "engine failure detection",
+    "rollout.sglang.concurrent_requests": "throughput only: the same samples, fewer or more in flight",
     "parallel.tp": "dist_checkpointing reshards the model, and a fully_reshardable optimizer, on load",
     "parallel.pp": "dist_checkpointing reshards the model, and a fully_reshardable optimizer, on load",
     "parallel.sequence_parallel": "activation layout only",
