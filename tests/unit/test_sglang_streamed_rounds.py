@@ -153,7 +153,10 @@ class _ChainServer:
                 self.wfile.write(payload)
                 self.wfile.flush()
 
-        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        # uvicorn's backlog, as SGLang's server has: socketserver's 5 can reset a round's requests at once
+        self.httpd = type("Server", (ThreadingHTTPServer,), {"request_queue_size": 2048})(
+            ("127.0.0.1", 0), Handler
+        )
         self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
         threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
 
