@@ -243,7 +243,7 @@ def _forward_stats(
                 v, i = _local_topk(z[rows], kl, flags[: rows.numel()])
                 cand_v[a + rows], cand_i[a + rows] = v, i + offset
     # Drop the last chunk's views before the collectives: a fused source frees its GEMM block with them.
-    z = d = e = None
+    z = d = e = None  # type: ignore[assignment]
     if world > 1:
         m_glob = m_loc.clone()
         dist.all_reduce(m_glob, op=dist.ReduceOp.MAX, group=group)
