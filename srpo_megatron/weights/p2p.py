@@ -86,12 +86,8 @@ def read_bucket(ch, meta: dict, device: torch.device | str) -> Iterator[tuple[st
         yield name, t
 
 
-def receive_stream(
-    ch, version: int | None = None, device: torch.device | str = "cpu"
-) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield ``(hf_name, tensor)`` from a sender until its done marker; checks every bucket's version.
-
-    Metadata arrives in host tensors; the weight tensors are received into buffers on ``device``."""
+def _bucket_metas(ch, version: int | None) -> Iterator[dict]:
+    """Each bucket's metadata from a sender until its done marker, its version checked."""
     while True:
         header = torch.zeros(2, dtype=torch.int64)
         ch.recv_meta(header)
@@ -102,6 +98,16 @@ def receive_stream(
         meta = json.loads(bytes(blob.tolist()).decode())
         if version is not None and meta["version"] != version:
             raise WeightSyncError(f"bucket of version {meta['version']} arrived during the sync of {version}")
+        yield meta
+
+
+def receive_stream(
+    ch, version: int | None = None, device: torch.device | str = "cpu"
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield ``(hf_name, tensor)`` from a sender until its done marker; checks every bucket's version.
+
+    Metadata arrives in host tensors; the weight tensors are received into buffers on ``device``."""
+    for meta in _bucket_metas(ch, version):
         yield from read_bucket(ch, meta, device)
 
 
@@ -110,16 +116,7 @@ def receive_buckets(
 ) -> Iterator[FlatBucket]:
     """Like ``receive_stream``, for a sender of flat buckets: each bucket whole, received into one buffer
     (a consumer that sends buffers on, the SGLang engine, takes them as they are)."""
-    while True:
-        header = torch.zeros(2, dtype=torch.int64)
-        ch.recv_meta(header)
-        if int(header[1]) == 1:
-            return
-        blob = torch.empty(int(header[0]), dtype=torch.uint8)
-        ch.recv_meta(blob)
-        meta = json.loads(bytes(blob.tolist()).decode())
-        if version is not None and meta["version"] != version:
-            raise WeightSyncError(f"bucket of version {meta['version']} arrived during the sync of {version}")
+    for meta in _bucket_metas(ch, version):
         if "offsets" not in meta:
             raise WeightSyncError("receive_buckets needs a sender of flat buckets (buckets.flat_buckets)")
         bucket = FlatBucket.from_meta(meta, device)
