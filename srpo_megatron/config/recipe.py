@@ -16,6 +16,7 @@ from pathlib import Path
 from srpo_megatron.config.data import DataConfig
 from srpo_megatron.config.evaluation import EvalConfig
 from srpo_megatron.config.loading import ConfigError, load_config, warn_config
+from srpo_megatron.config.lora import LoraConfig
 from srpo_megatron.config.loss import LossConfig
 from srpo_megatron.config.model import ModelConfig
 from srpo_megatron.config.moe import MoEConfig
@@ -44,6 +45,7 @@ class TrainConfig:
     eval: EvalConfig = field(default_factory=EvalConfig)
     performance: PerformanceConfig = field(default_factory=PerformanceConfig)  # GPU kernels, recompute
     moe: MoEConfig = field(default_factory=MoEConfig)  # router/expert controls (MoE policies only)
+    lora: LoraConfig = field(default_factory=LoraConfig)  # low-rank adapters; rank 0 = full fine-tuning
 
     def __post_init__(self) -> None:
         # One sampling temperature (method §2): the loss divides logits by the one the rollouts used.

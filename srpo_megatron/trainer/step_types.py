@@ -74,6 +74,9 @@ class Sample:
     needs_teacher: bool = False  # the teacher forward runs on this sample
     teacher_prompt_ids: list[int] | None = None  # teacher context (sibling's solution), method §1.4
     finish_reason: str = "stop"
+    # multi-turn: 1 where response_ids[t] is the model's own (assistant) token, 0 for the tool/user
+    # turns' tokens appended between turns (scored as context, never trained on); None = all the model's
+    response_mask: list[int] | None = None
     # MoE: the engine's experts per forwarded position, [P + R - 1, layers, top_k] (or flat), small int
     # dtype; None when the engine reported none. Replayed by the policy (trainer/microbatches/moe_replay.py).
     routed_experts: torch.Tensor | None = None

@@ -40,6 +40,12 @@ ADDED_SINCE = {
     "performance.fused_output": "auto",
     "run.checkpoint_fully_reshardable": False,
     "parallel.cp_comm_type": "p2p",
+    "lora.rank": 0,
+    "lora.alpha": 32.0,
+    "lora.dropout": 0.0,
+    "lora.target_modules": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
+    "lora.experts": False,
+    "lora.sync": "adapter",
     "rollout.sglang.concurrent_requests": 512,  # only where the recipe has a rollout.sglang section
 }
 # Keys a recipe set since the snapshot (recipe -> key -> value): the GRPO and SDPO baselines average per
