@@ -20,8 +20,8 @@ memory tags                         ``constants.GPU_MEMORY_ALL_TYPES``          
 request bodies (400 when refused)   ``io_struct`` request classes               not checked
 release/resume bookkeeping          own code, modelled on SGLang's scheduler    (same)
                                     (``offload_tags``) and torch_memory_saver
-generation, weight loading          own code (``HFEngine``, HF names; per-      (same)
-                                    expert file names accepted, not loaded)
+generation, weight loading          own code (``HFEngine``, HF names and        (same)
+                                    per-expert checkpoint names)
 distributed update group            own code (gloo, SGLang's store prefixes)    (same)
 per-token weight versions           ``utils.weight_versions`` (0.5.23: spans    none (as 0.5.15.post1)
 (``meta_info["weight_versions"]``)  computed and added to meta_info)
@@ -29,6 +29,10 @@ pause / continue / abort            own code, modelled on SGLang's tokenizer    
                                     manager (below)
 top logprobs (``top_logprobs_num``) own code: ``HFEngine``'s top-K as SGLang's  (same)
                                     ``meta_info["output_top_logprobs"]``
+routed experts                      the detokenizer's base64 (``Detokenizer-    base64 of the int32 bytes
+(``return_routed_experts``)         Manager._b64_encode_per_request``) of
+                                    ``HFEngine``'s int32 ``[P + R - 1, layers,
+                                    top_k]`` (below)
 ==================================  ==========================================  ============================
 
 Release/resume, as SGLang's scheduler does it: ``tags`` null or empty means every type of
@@ -47,10 +51,22 @@ generate is in flight; a ``/generate`` that arrives while paused waits until ``/
 with a 400 (the project does not use them: ``rollout/partial.py``). A test hook, ``hold_after_steps(k)``,
 holds the next generation after its k-th decode step until an abort reaches it, so a pause lands
 mid-generation deterministically.
+
+Routed experts, as SGLang reports them (``--enable-return-routed-experts`` and ``return_routed_experts``
+per request; 0.5.15.post1 and 0.5.23 alike): the scheduler collects, for a request that finished or was
+aborted while running, the experts of positions ``[0, seqlen - 1)`` with seqlen = prompt + output tokens
+(``batch_result_processor._maybe_collect_routed_experts``: an int32 ``[P + R - 1, layers, top_k]`` from
+the capturer's host buffer), the detokenizer base64-encodes its bytes (``_b64_encode_per_request``) and
+the tokenizer manager puts the string in ``meta_info["routed_experts"]``; a request aborted before it ran
+(``TokenizerManager._handle_abort_req``) has no ``routed_experts``. The stand-in reports the ``HFEngine``'s
+own record in that layout (None, so no key, for a row aborted before its prefill), so a continued
+request reports its prefill's rows again (``routed_experts_start_len`` 0), which the client drops
+(``rollout/partial.py``). ``outputs_log`` keeps every ``/generate`` request and its outputs, for tests.
 """
 
 from __future__ import annotations
 
+import base64
 import datetime
 import json
 import threading
@@ -65,6 +81,7 @@ from torch.distributed.distributed_c10d import PrefixStore, rendezvous
 from srpo_megatron.ops.fp8_blocks import dequantize
 from srpo_megatron.rollout.base import SamplingParams
 from srpo_megatron.rollout.hf_engine import HFEngine
+from srpo_megatron.rollout.hf_moe_layout import file_format_params
 from srpo_megatron.rollout.sglang import flat_wire
 from srpo_megatron.testing import sglang_import
 
@@ -146,7 +163,22 @@ def standin_deserialize(payload: str) -> list[tuple[str, torch.Tensor]]:
     return bucket.reconstruct_tensors()
 
 
-def sglang_output(ids, lps, finish, version=None, spans=None, top=None) -> dict:
+def encode_routed_experts(ids: torch.Tensor) -> str:
+    """One request's routed experts as SGLang's ``meta_info["routed_experts"]``: base64 of the int32
+    ``[P + R - 1, layers, top_k]`` tensor's bytes, by SGLang's own detokenizer when it imports."""
+    ids = ids.to(torch.int32).contiguous()
+    real = sglang_import.load()
+    if real is not None:
+        try:
+            from sglang.srt.managers.detokenizer_manager import DetokenizerManager
+        except ImportError:
+            pass
+        else:
+            return DetokenizerManager._b64_encode_per_request([ids])[0]
+    return base64.b64encode(ids.numpy().tobytes()).decode("utf-8")
+
+
+def sglang_output(ids, lps, finish, version=None, spans=None, top=None, routed=None) -> dict:
     """One /generate output as SGLang documents it (meta_info.output_token_logprobs = [lp, id, text];
     ``spans``: 0.5.23's ``weight_versions``; ``top``: (ids [R, K], log-probs [R, K]) as
     ``output_top_logprobs``, per token K ``[lp, id, text]``, what ``top_logprobs_num`` = K returns)."""
@@ -166,6 +198,8 @@ def sglang_output(ids, lps, finish, version=None, spans=None, top=None) -> dict:
         meta["weight_version"] = version
     if spans is not None:
         meta["weight_versions"] = spans
+    if routed is not None:  # SGLang's tokenizer manager: only when the scheduler collected them
+        meta["routed_experts"] = encode_routed_experts(routed)
     return {"text": "", "output_ids": ids, "meta_info": meta}
 
 
@@ -204,6 +238,7 @@ class SGLangStandInServer:
         self.dead = ""  # SGLang kills its process tree on some errors: every later call fails
         self.calls: list[str] = []
         self.bodies: list[tuple[str, dict]] = []
+        self.outputs_log: list[tuple[dict, list[dict]]] = []  # every /generate: (body, outputs)
         self.weight_groups: dict[str, list] = {}  # group name -> one gloo group per scheduler TP rank
         self.generation_paused = False  # SGLang's tokenizer-manager is_pause
         self._pause_cond = threading.Condition()  # guards generation_paused and _in_flight
@@ -282,6 +317,7 @@ class SGLangStandInServer:
                 stop_token_ids=tuple(sp["stop_token_ids"]),
                 seed=sp.get("sampling_seed"),
                 top_logprobs=k,
+                return_routed_experts=bool(body.get("return_routed_experts")),
             )
             for sp, k in zip(
                 body["sampling_params"], _per_request(body.get("top_logprobs_num"), body), strict=True
@@ -295,7 +331,9 @@ class SGLangStandInServer:
                 finish.update(message="Aborted", status_code=None, err_type=None)
             spans = weight_version_spans(self.version, len(c.token_ids))
             top = None if c.top_ids is None else (c.top_ids, c.top_logprobs)
-            outs.append(sglang_output(c.token_ids, c.logprobs, finish, self.version, spans, top))
+            routed = c.routed_experts
+            outs.append(sglang_output(c.token_ids, c.logprobs, finish, self.version, spans, top, routed))
+        self.outputs_log.append((body, outs))
         return outs
 
     def route_pause_generation(self, body):
@@ -354,17 +392,19 @@ class SGLangStandInServer:
         ]
         self.tensor_updates.append(per_rank)
         # every rank would load its shard; one copy suffices on CPU
-        return self._install(per_rank[0], body, "Succeeded to update parameter online.", expert_files=True)
+        return self._install(per_rank[0], body, "Succeeded to update parameter online.")
 
-    def _install(self, named, body, success: str, expert_files: bool = False):
+    def _install(self, named, body, success: str):
         """Copy ``named`` tensors into the model, stopping at the first name or shape it lacks (no
         atomicity, as in SGLang), then serve ``body``'s ``weight_version``. Stricter than SGLang, whose
-        ``load_weights`` skips a name its model lacks, silently. ``expert_files``: per-expert checkpoint
-        names are accepted without loading them (see ``_is_expert_file_name``). An FP8 sync's
+        ``load_weights`` skips a name its model lacks, silently. Per-expert checkpoint names go into the
+        HF model's fused experts (``rollout.hf_moe_layout.file_format_params``). An FP8 sync's
         ``<name>_scale_inv`` + e4m3 ``<name>`` (``weights.fp8_sync``, scale first) is installed as the block
         dequantization an FP8 engine computes with (``ops.fp8_blocks.dequantize``); an FP8 weight without
         its scale is a bad tensor."""
         params = dict(self.model.named_parameters())
+        # per-expert checkpoint names (what SGLang's load_weights consumes) as views of the fused experts
+        params.update(file_format_params(params))
         # GLM-4.5 / DeepSeek-V3: the routers' e_score_correction_bias is a buffer in HF, a parameter in SGLang
         params.update({n: b for n, b in self.model.named_buffers() if n.endswith("e_score_correction_bias")})
         scales: dict[str, torch.Tensor] = {}
@@ -377,34 +417,12 @@ class SGLangStandInServer:
                     if name not in scales or name not in params:
                         return {"success": False, "message": f"bad tensor {name} (FP8 without its scale)"}
                     t = dequantize(t, scales.pop(name), dtype=params[name].dtype)
-                if expert_files and name not in params and self._is_expert_file_name(name):
-                    continue  # SGLang loads it into its FusedMoE; the HF model holds experts fused
                 if name not in params or params[name].shape != t.shape:
                     return {"success": False, "message": f"bad tensor {name}"}
                 params[name].copy_(t)
         if body.get("weight_version") is not None:
             self.version = body["weight_version"]
         return {"success": True, "message": success}
-
-    def _is_expert_file_name(self, name: str) -> bool:
-        """A per-expert checkpoint name (``model.layers.L.mlp.experts.E.{gate,up,down}_proj.weight``) of an
-        HF model that holds its experts fused (transformers >= 5): SGLang consumes these names; the
-        stand-in accepts them without loading them into its HF model (a named gap: its generations then
-        keep the experts it started with)."""
-        parts = name.split(".")
-        fused = f"model.layers.{parts[2]}.mlp.experts.gate_up_proj" if len(parts) == 8 else ""
-        config = self.model.config
-        n_experts = getattr(config, "num_experts", 0) or getattr(config, "n_routed_experts", 0)
-        return (
-            len(parts) == 8
-            and parts[:2] == ["model", "layers"]
-            and parts[3:5] == ["mlp", "experts"]
-            and parts[5].isdigit()
-            and int(parts[5]) < n_experts
-            and parts[6] in ("gate_proj", "up_proj", "down_proj")
-            and parts[7] == "weight"
-            and fused in dict(self.model.named_parameters())
-        )
 
     def route_flush_cache(self, body):
         return {}

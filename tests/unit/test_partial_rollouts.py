@@ -500,8 +500,9 @@ def test_partial_sglang_engine_reads_eos_like_sglang(served, model_dir):
 
 
 def test_partial_continued_moe_sample_keeps_each_positions_experts():
-    """HFEngine directly (the stand-in does not report experts): abort at step 3, new weights, continue;
-    the merged experts are the old model's for the first segment's positions, the new one's after."""
+    """HFEngine directly (the same through the stand-in server and the HTTP client:
+    tests/sglang_real/test_sglang_standin_routed_experts.py): abort at step 3, new weights, continue; the
+    merged experts are the old model's for the first segment's positions, the new one's after."""
     from srpo_megatron.rollout.hf_engine import HFEngine
     from srpo_megatron.rollout.hf_moe_layout import file_format_params
     from srpo_megatron.rollout.routed_experts import hf_routed_experts
