@@ -44,6 +44,12 @@ def _write_gpt_oss(out: Path) -> Path:
         pad_token_id=tok.convert_tokens_to_ids("<|endoftext|>"),
         bos_token_id=None,
     )
+    # Embeddings at std 1, not the config's 0.02: with every bias nonzero, the attention's constant o_proj
+    # bias (std 0.2) would swamp 0.02-sized embeddings in the residual stream, so that every token reached
+    # the routers with nearly the same normed input and went to one expert pair (trainer and engine alike,
+    # perturbed or not), and the replay-off control could not fail.
+    with torch.no_grad():
+        model.model.embed_tokens.weight.normal_(0.0, 1.0)
     out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out)
     tok.save_pretrained(out)
@@ -118,12 +124,6 @@ def test_three_steps_at_ep2_with_full_recompute_replay_the_engines_experts(tiny)
 
 def test_the_perturbed_engine_routes_differently_without_replay(tiny):
     """What lets the replay test fail: without replay the trainer's experts differ from the report."""
-    if tiny[0] == "gpt_oss":
-        pytest.xfail(
-            "the tiny gpt-oss trainer sends every token to one expert pair (load max/mean 2.0 of 4 experts, "
-            "top-2) and shows no mismatch without replay, also with its engine's router bias perturbed "
-            "(std 1.0); cause not found, so its replay case shows the recompute's exactness only"
-        )
     off = {
         "parallel.ep": 2,
         "train.steps": 1,
