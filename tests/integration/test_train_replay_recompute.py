@@ -45,9 +45,9 @@ def _write_gpt_oss(out: Path) -> Path:
         bos_token_id=None,
     )
     # Embeddings at std 1, not the config's 0.02: with every bias nonzero, the attention's constant o_proj
-    # bias (std 0.2) would swamp 0.02-sized embeddings in the residual stream, so that every token reached
-    # the routers with nearly the same normed input and went to one expert pair (trainer and engine alike,
-    # perturbed or not), and the replay-off control could not fail.
+    # bias (std 0.2) swamps 0.02-sized embeddings in the residual stream, every token reaches the routers
+    # with nearly the same normed input and the trainer sends all to one expert pair (load max/mean 2.0);
+    # the replay-off control then measured only the perturbed engine's choice of another constant pair.
     with torch.no_grad():
         model.model.embed_tokens.weight.normal_(0.0, 1.0)
     out.mkdir(parents=True, exist_ok=True)
@@ -132,6 +132,8 @@ def test_the_perturbed_engine_routes_differently_without_replay(tiny):
     }
     (row,) = _run(tiny, "ep2_full_off", 2, **off)
     assert row["moe/topk_mismatch_share"] > 0.0
+    if tiny[0] == "gpt_oss":  # 4 experts, top-2: 2.0 is every token on one pair
+        assert row["moe/expert_load_max_over_mean"] < 2.0, "the trainer spreads tokens over the experts"
 
 
 @pytest.fixture(scope="module")
