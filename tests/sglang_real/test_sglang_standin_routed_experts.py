@@ -118,3 +118,17 @@ def test_standin_aborted_then_continued_sample_stitches_each_versions_experts(se
     assert torch.equal(got[kept:], want_new[kept:]), "after them: the new weights' experts"
     assert not torch.equal(want_old, want_new[:kept]), "the two versions route differently here"
     assert not server.dead
+
+
+def test_standin_fallback_encoding_equals_sglangs_detokenizer(monkeypatch):
+    """Without an sglang wheel (the plain venv's dist runs) the stand-in encodes as SGLang's detokenizer."""
+    from sglang.srt.managers.detokenizer_manager import DetokenizerManager
+
+    from srpo_megatron.testing import sglang_standin
+
+    ids = torch.randint(0, 4, (9, 2, TOP_K), generator=torch.Generator().manual_seed(0), dtype=torch.int32)
+    theirs = DetokenizerManager._b64_encode_per_request([ids])[0]
+    assert sglang_standin.encode_routed_experts(ids) == theirs
+    monkeypatch.setattr(sglang_standin.sglang_import, "load", lambda: None)
+    assert sglang_standin.encode_routed_experts(ids) == theirs
+    assert sglang_standin.encode_routed_experts(ids.long()) == theirs, "int32 on the wire, whatever it held"
