@@ -33,7 +33,8 @@ def tiny_moe(tmp_path_factory):
 
 
 def _samples(n: int = 8):
-    """Routed samples: odd members succeed (GRPO), even members take SDPO with a teacher context."""
+    """Routed samples: odd members succeed (GRPO), even members take SDPO with a teacher context; the
+    second half are two-turn (their middle token a tool turn's, ``response_mask`` 0)."""
     from srpo_megatron.trainer.step_types import Sample
 
     out = []
@@ -52,6 +53,7 @@ def _samples(n: int = 8):
                 sdpo=sdpo,
                 needs_teacher=sdpo,
                 teacher_prompt_ids=teacher,
+                response_mask=[1, 0, 1] if m >= n // 2 else None,
             )
         )
     return out

@@ -35,6 +35,8 @@ from srpo_megatron.trainer.step_types import RolloutBatch, Sample, benchmark_met
 # SDPO's rule (verl ray_trainer ``_remove_thinking_trace``): each think block and the whitespace after it
 # go; nothing else is stripped, so leading and trailing whitespace of the response stays.
 _THINK = re.compile(r"<think>.*?</think>\s*", re.DOTALL)
+# the chat template's control tokens (ChatML ``<|im_start|>``, ``<|im_end|>``, ``<|endoftext|>``, ...)
+_CONTROL = re.compile(r"<\|[^|<>\s]+\|>")
 
 
 def clean_solution(text: str) -> str:
@@ -43,12 +45,59 @@ def clean_solution(text: str) -> str:
     return _THINK.sub("", text)
 
 
-def teacher_prompt_ids(tokenizer: Any, prompt: Prompt, sibling_text: str, cfg: TeacherConfig) -> list[int]:
-    """method §1.4: system kept, the user turn shows the correct sibling's solution; the chat template
-    gets ``teacher.enable_thinking``; right-truncated to ``teacher.max_prompt_tokens``."""
-    user = cfg.solution_template.format(
-        user_prompt=prompt.row.prompt, sibling_response=clean_solution(sibling_text)
-    )
+def trajectory_messages(
+    tokenizer: Any, token_ids: list[int], response_mask: list[int]
+) -> list[dict[str, str]]:
+    """A multi-turn response as chat messages: ``token_ids`` split into runs of equal ``response_mask``
+    (1 = an assistant turn's engine tokens, 0 = the tool/user turn the chat template rendered between two
+    assistant turns), each run decoded and cleaned by SDPO's rule (``clean_solution``: each assistant
+    turn's think blocks go, and the template's empty ones between turns), then the chat template's
+    control tokens (``<|…|>``, e.g. ``<|im_start|>``, ``<|im_end|>``) removed. Decoded with the special
+    tokens kept first: a tokenizer that marks ``<think>`` / ``<tool_call>`` special (the packaged Qwen3
+    one) would otherwise drop the think tags and leave the reasoning in. Roles ``assistant`` and ``tool``;
+    the contents concatenate to the text the teacher is shown.
+    """
+    if len(token_ids) != len(response_mask):
+        raise ValueError(
+            f"a response of {len(token_ids)} tokens has a response_mask of {len(response_mask)} entries; "
+            "the rollout must give one entry per response token"
+        )
+    messages: list[dict[str, str]] = []
+    start = 0
+    for t in range(1, len(token_ids) + 1):
+        if t == len(token_ids) or response_mask[t] != response_mask[start]:
+            text = clean_solution(tokenizer.decode(token_ids[start:t], skip_special_tokens=False))
+            role = "assistant" if response_mask[start] == 1 else "tool"
+            messages.append({"role": role, "content": _CONTROL.sub("", text)})
+            start = t
+    return messages
+
+
+def solution_text(tokenizer: Any, completion: Completion, decoded: str) -> str:
+    """The correct sibling's response as the teacher sees it (``{sibling_response}``): single-turn
+    (``response_mask`` None), its decoded text cleaned, as SDPO; multi-turn, its whole trajectory (assistant
+    turns and tool results, ``trajectory_messages``), every turn cleaned on its own."""
+    mask = completion_mask(completion)
+    if mask is None:
+        return clean_solution(decoded)
+    return "".join(m["content"] for m in trajectory_messages(tokenizer, completion.token_ids, mask))
+
+
+def completion_mask(completion: Completion) -> list[int] | None:
+    """The rollout's per-token assistant mask of a completion (``Completion.response_mask``, set by the
+    multi-turn rollout; absent or None = single-turn)."""
+    mask = getattr(completion, "response_mask", None)
+    return None if mask is None else list(mask)
+
+
+def teacher_prompt_ids(
+    tokenizer: Any, prompt: Prompt, sibling_text: str, cfg: TeacherConfig, *, clean: bool = True
+) -> list[int]:
+    """method §1.4: system kept, the user turn shows the correct sibling's solution (``sibling_text``,
+    cleaned here by ``clean_solution`` unless ``clean`` is False: ``solution_text`` cleaned it per turn);
+    the chat template gets ``teacher.enable_thinking``; right-truncated to ``teacher.max_prompt_tokens``."""
+    shown = clean_solution(sibling_text) if clean else sibling_text
+    user = cfg.solution_template.format(user_prompt=prompt.row.prompt, sibling_response=shown)
     text = template_text(tokenizer, user, prompt.row.system, enable_thinking=cfg.enable_thinking)
     return encode_text(tokenizer, text)[: cfg.max_prompt_tokens]
 
@@ -145,7 +194,8 @@ def route_groups(
             context = None
             if needs_teacher[i, j]:
                 sib = int(routing.sibling[i, j])
-                context = teacher_prompt_ids(tokenizer, prompt, texts[i][sib], teacher)
+                shown = solution_text(tokenizer, group[sib], texts[i][sib])
+                context = teacher_prompt_ids(tokenizer, prompt, shown, teacher, clean=False)
             samples.append(
                 Sample(
                     i,
@@ -160,6 +210,7 @@ def route_groups(
                     needs_teacher=bool(needs_teacher[i, j]),
                     teacher_prompt_ids=context,
                     finish_reason=c.finish_reason,
+                    response_mask=completion_mask(c),
                     routed_experts=None if c.routed_experts is None else compact_ids(c.routed_experts),
                     uid="" if uids is None else uids[i][j],
                     weight_version=c.weight_version,

@@ -197,6 +197,28 @@ def token_versions(sample: Sample) -> list[int]:
     return sample.token_versions
 
 
+def assistant_rows(sample: Sample) -> list[bool]:
+    """Which response rows are the model's own tokens: every row for a single-turn sample
+    (``response_mask`` None), else ``response_mask[t] == 1`` (multi-turn: the tool/user turns' tokens
+    between assistant turns are 0, scored as context and never trained on).
+
+    The one place the multi-turn mask enters the trainer: ``sample_tokens`` folds it into
+    ``TokenBatch.mask`` (so every loss, count, denominator and statistic that reads the mask leaves tool
+    tokens out) and ``passes/parity.engine_top_k`` into the parity KL's rows, both on the host.
+    """
+    n = len(sample.response_ids)
+    if sample.response_mask is None:
+        return [True] * n
+    mask = sample.response_mask
+    who = sample.uid or f"{sample.group}/{sample.member}"
+    if len(mask) != n or any(m not in (0, 1) for m in mask):
+        raise ValueError(
+            f"sample {who} has a response_mask of {len(mask)} entries (values {sorted(set(mask))}) for {n} "
+            "response tokens; the rollout must give one 0/1 entry per response token (1 = the engine's own)"
+        )
+    return [m == 1 for m in mask]
+
+
 def sample_tokens(
     samples: list[Sample],
     top_k: int,
@@ -208,6 +230,8 @@ def sample_tokens(
     """The rollout side of a ``TokenBatch`` over ``samples`` (flat rows, no padding), on ``device``.
 
     The scoring pass fills ``old_logp``, ``topk_ids`` and the teacher fields in place; they start at 0.
+    ``mask`` holds the assistant rows (``assistant_rows``): a multi-turn sample's tool/user tokens are
+    context only, in no loss, count or statistic.
     ``trainer_version`` (None = unknown: ``stale`` stays None): a token is stale when
     ``trainer_version − its version > max_staleness`` (``rollout.off_policy_steps``).
     """
@@ -218,7 +242,7 @@ def sample_tokens(
     )
     host = TokenBatch(
         response_ids=torch.tensor([i for s in samples for i in s.response_ids], dtype=torch.long),
-        mask=torch.ones(t, dtype=torch.bool),
+        mask=torch.tensor([m for s in samples for m in assistant_rows(s)], dtype=torch.bool),
         advantages=per_row([s.advantage for s in samples], torch.float32),
         grpo=per_row([s.grpo for s in samples], torch.bool),
         sdpo=per_row([s.sdpo for s in samples], torch.bool),

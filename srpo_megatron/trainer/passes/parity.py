@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
+from srpo_megatron.trainer.microbatches.batches import assistant_rows
 from srpo_megatron.trainer.step_types import Sample, StepStats
 
 
@@ -48,7 +49,8 @@ def engine_top_k(samples: list[Sample], k: int, device: torch.device) -> EngineT
                 )
             ids[start : start + rows] = s.engine_top_ids
             logp[start : start + rows] = s.engine_top_logp
-            have[start : start + rows] = True
+            # the engine's own tokens only: a multi-turn sample's tool/user tokens were never sampled
+            have[start : start + rows] = torch.tensor(assistant_rows(s), dtype=torch.bool)
         start += rows
     kl = torch.zeros(t, dtype=torch.float64)
     return EngineTopK(ids.to(device), logp.to(device), have.to(device), kl.to(device))
