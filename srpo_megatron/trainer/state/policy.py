@@ -19,9 +19,10 @@ from srpo_megatron.config import TrainConfig
 from srpo_megatron.conversion.checkpoint import load_policy_checkpoint
 from srpo_megatron.conversion.safetensors_io import HFCheckpointReader
 from srpo_megatron.conversion.table import ConversionTable
-from srpo_megatron.conversion.weights import load_hf_weights
+from srpo_megatron.conversion.weights import load_hf_weights, stage_expert_offset, stage_layer_offset
 from srpo_megatron.models import performance as perf_choice
 from srpo_megatron.models.architecture import Architecture, padded_vocab_size
+from srpo_megatron.models.lora import attach_lora, init_lora
 from srpo_megatron.models.performance import Accelerators
 from srpo_megatron.models.policy import build_policy
 from srpo_megatron.parallel import ParallelGroups
@@ -68,6 +69,7 @@ class Policy:
         torch.manual_seed(cfg.run.seed)
         self.model = build()
         self._load_initial(self.model)
+        self._attach_lora(self.model, init=True)
         self.model.to(self.device)
         self.tconfig = self.model.config
         # The one place precision and overlap settings enter the DDP wrapper and the optimizer.
@@ -85,6 +87,7 @@ class Policy:
         self.teacher: EmaTeacher | ShardedEmaTeacher | None = None
         if cfg.loss.mode != "grpo":
             module = build()
+            self._attach_lora(module, init=False)
             module.load_state_dict(self.model.state_dict())
             module.to(self.device)
             self.teacher = _build_teacher(module, cfg, self.optimizer, self.model)
@@ -136,6 +139,15 @@ class Policy:
                     load_hf_weights(model, self.table, reader.get)
                 finally:
                     reader.close()
+
+    def _attach_lora(self, model: torch.nn.Module, *, init: bool) -> None:
+        """With ``lora.rank > 0``: freeze the base and add the adapters (models/lora.py); ``init`` draws them
+        as PEFT does (A kaiming-uniform, B zero), so the first step starts from the base model."""
+        if not self.cfg.lora.enabled:
+            return
+        attach_lora(model, self.cfg.lora)
+        if init:
+            init_lora(model, self.cfg.run.seed, stage_layer_offset(model), stage_expert_offset(self.table))
 
     @property
     def lr(self) -> float:

@@ -1,0 +1,213 @@
+"""LoRA adapters on the megatron policy equal ``peft``'s on the HF model: logits and every adapter gradient
+(fp32, <= 1e-5) at TP1, TP2 (with and without sequence parallelism), PP2 and, for Qwen3-MoE, TP2 x EP2;
+the base weights get no gradient and the distributed optimizer holds state for the adapters only.
+
+The reference is independent: transformers' Qwen3 / Qwen3-MoE with ``peft.get_peft_model`` (one adapter per
+HF projection, ``lora_dropout=0``), B drawn non-zero from a fixed seed, and the same A/B tensors loaded into
+the megatron adapters (``models/lora.load_lora``) by name. Megatron runs its real schedules (1F1B under PP)
+on gloo ranks with megatron DDP + ``finalize_model_grads``; the adapter gradients are gathered over TP on
+each parameter's TP axis. The test ``test_planted_bugs_fail`` shows that a shared A across q/k/v, a missing
+TP reduction of A's gradient under SP, and a wrong fused-QKV placement each break the comparison.
+"""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+
+from srpo_megatron.testing.distributed import run_distributed
+from srpo_megatron.testing.tiny import TINY_VOCAB, tiny_hf_model, tiny_moe_model
+from tests.helpers.megatron import hf_reference, merge_rank_results
+from tests.helpers.moe import batches_for
+
+RANK, ALPHA = 4, 8.0
+DENSE_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+MOE_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj"]  # transformers' fused experts are no nn.Linear
+_LINEAR = {
+    "q_proj": "self_attention.linear_qkv",
+    "k_proj": "self_attention.linear_qkv",
+    "v_proj": "self_attention.linear_qkv",
+    "o_proj": "self_attention.linear_proj",
+    "gate_proj": "mlp.linear_fc1",
+    "up_proj": "mlp.linear_fc1",
+    "down_proj": "mlp.linear_fc2",
+}
+_PEFT = re.compile(
+    r"base_model\.model\.model\.layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)\.(lora_[AB])\.default\.weight"
+)
+
+
+def megatron_name(peft_name: str) -> str:
+    """``base_model.model.model.layers.3.self_attn.k_proj.lora_A.default.weight`` ->
+    ``decoder.layers.3.self_attention.linear_qkv.lora.k_proj.lora_A``."""
+    m = _PEFT.fullmatch(peft_name)
+    assert m, peft_name
+    layer, proj, ab = m.groups()
+    return f"decoder.layers.{layer}.{_LINEAR[proj]}.lora.{proj}.{ab}"
+
+
+def peft_reference(hf, targets: list[str], seed: int, batches):
+    """HF + peft with non-zero B: (logits, adapter grads by megatron name, adapter tensors by megatron name)."""
+    from peft import LoraConfig, get_peft_model
+
+    model = get_peft_model(hf, LoraConfig(r=RANK, lora_alpha=ALPHA, target_modules=targets, lora_dropout=0.0))
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.copy_(torch.randn(p.shape, generator=gen) * 0.2)
+    adapters = {megatron_name(n): p.detach().clone() for n, p in model.named_parameters() if "lora_" in n}
+    logits, grads = hf_reference(model, batches)
+    assert all("lora_" in n for n in grads), "peft trained a base weight"
+    return logits, {megatron_name(n): g for n, g in grads.items()}, adapters
+
+
+def lora_worker(rank, world, layout, sp, hf_config, hf_state, targets, adapters, batches, plant=None):
+    """On this rank: the policy with adapters loaded; logits, full adapter grads (global names), the base
+    parameters that got a gradient, and the optimizer's holdings after one distributed-optimizer step."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.distributed import DistributedDataParallelConfig
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+    from srpo_megatron.config import MoEConfig
+    from srpo_megatron.config.lora import LoraConfig
+    from srpo_megatron.conversion.table import ConversionTable
+    from srpo_megatron.conversion.weights import load_hf_weights, stage_expert_offset, stage_layer_offset
+    from srpo_megatron.models.architecture import Architecture
+    from srpo_megatron.models.lora import attach_lora, global_lora_name, load_lora, lora_parameters
+    from srpo_megatron.models.policy import build_policy
+    from srpo_megatron.parallel import initialize_model_parallel
+    from tests.helpers.megatron import run_schedule
+
+    tp, pp, ep = layout
+    initialize_model_parallel(tp, pp, ep=ep)
+    arch = Architecture.from_hf(hf_config)
+    table = ConversionTable(arch)
+    extra = {"moe": MoEConfig()} if arch.is_moe else {"sequence_parallel": sp}
+    model = build_policy(arch, parallel_output=False, **extra)
+    load_hf_weights(model, table, hf_state.__getitem__)
+    offset, eoff = stage_layer_offset(model), stage_expert_offset(table)
+    attach_lora(model, LoraConfig(rank=RANK, alpha=ALPHA, target_modules=targets))
+    if plant is not None:
+        plant(model)
+    load_lora(model, adapters.__getitem__, offset, eoff)
+    ddp_config = DistributedDataParallelConfig(use_distributed_optimizer=True)
+    ddp, logits = run_schedule(model, batches, arch.vocab_size, ddp_config=ddp_config)
+    grads = {
+        global_lora_name(n, offset, eoff): _full(ddp.module, n, p.main_grad)
+        for n, p in lora_parameters(ddp.module).items()
+    }
+    base_with_grad = [
+        n
+        for n, p in ddp.module.named_parameters()
+        if ".lora." not in n
+        and (p.requires_grad or p.grad is not None or getattr(p, "main_grad", None) is not None)
+    ]
+    opt = get_megatron_optimizer(
+        OptimizerConfig(
+            optimizer="adam", lr=1e-3, use_distributed_optimizer=True, params_dtype=torch.float32
+        ),
+        [ddp],
+    )
+    opt.step()
+    held, state = _optimizer_holdings(opt, lora_parameters(ddp.module))
+    shows = ps.is_pipeline_last_stage() and ps.get_tensor_model_parallel_rank() == 0
+    return (logits if shows else None), {"grads": grads, "base": base_with_grad, "held": held, "state": state}
+
+
+def _full(module, name: str, grad: torch.Tensor) -> torch.Tensor:
+    """The full adapter gradient: TP shards gathered on the parameter's TP axis."""
+    import torch.distributed as dist
+
+    p = module.get_parameter(name)
+    plan = module.get_submodule(name.rsplit(".lora.", 1)[0])._lora_plan
+    if p.lora_tp_axis is None:
+        return grad.clone()
+    shards = [torch.empty_like(grad) for _ in range(plan.tp)]
+    dist.all_gather(shards, grad.contiguous(), group=plan.tp_group)
+    return torch.cat(shards, dim=p.lora_tp_axis)
+
+
+def _optimizer_holdings(opt, adapters: dict) -> tuple[bool, tuple[int, int]]:
+    """(the optimizer's buffers hold exactly the adapters, (Adam state elements, 2 x this rank's share of
+    the adapter elements)), the pair summed over all ranks."""
+    import torch.distributed as dist
+
+    chained = list(getattr(opt, "chained_optimizers", [opt]))
+    params = {id(p): p for o in chained for b in o.buffers for p in b.param_index_map}
+    held = set(params) == {id(p) for p in adapters.values()}
+    state = sum(
+        t.numel()
+        for o in chained
+        for st in o.optimizer.state.values()
+        for t in st.values()
+        if torch.is_tensor(t) and t.dim() > 0
+    )
+    share = sum(
+        2 * p.numel() / dist.get_world_size(b.data_parallel_group)
+        for o in chained
+        for b in o.buffers
+        for p in b.param_index_map
+    )
+    both = torch.tensor([float(state), share])
+    dist.all_reduce(both)
+    return held, (int(both[0]), int(round(both[1].item())))
+
+
+def run_layout(layout, sp, case, plant=None):
+    tp, pp, ep = layout
+    results = run_distributed(lora_worker, max(tp, ep) * pp, layout, sp, *case, plant=plant, timeout=600)
+    ((logits, out),) = merge_rank_results([[(r[0], r[1]["grads"])] for r in results])
+    return logits, out, [r[1] for r in results]
+
+
+def dense_case(seed: int = 0):
+    hf = tiny_hf_model("qwen3", seed=seed)
+    state = {k: v.detach().clone() for k, v in hf.state_dict().items()}
+    batches = batches_for(20 + seed)
+    ref = peft_reference(hf, DENSE_TARGETS, seed, batches)
+    return (hf.config.to_dict(), state, DENSE_TARGETS, ref[2], batches), ref
+
+
+def compare(tag, logits, grads, ref, ranks):
+    ref_logits, ref_grads, _ = ref
+    for got, want in zip(logits, ref_logits, strict=True):
+        diff = (got[..., :TINY_VOCAB] - want).abs().max().item()
+        assert diff <= 1e-5, f"{tag}: logits differ by {diff}"
+    assert sorted(grads) == sorted(ref_grads), f"{tag}: adapter names {set(grads) ^ set(ref_grads)}"
+    for name, want in ref_grads.items():
+        diff = (grads[name] - want).abs().max().item()
+        assert diff <= 1e-5, f"{tag}: grad {name} differs by {diff} (max {want.abs().max().item():.3g})"
+    for r in ranks:
+        assert r["base"] == [], f"{tag}: base parameters with a gradient: {r['base'][:4]}"
+        assert r["held"], f"{tag}: the optimizer holds parameters other than the adapters"
+        assert r["state"][0] == r["state"][1], (
+            f"{tag}: Adam state {r['state'][0]} != 2 x adapters {r['state'][1]}"
+        )
+
+
+# (tp, pp, ep), sequence parallel
+DENSE_LAYOUTS = [((1, 1, 1), False), ((2, 1, 1), True), ((2, 1, 1), False), ((1, 2, 1), False)]
+
+
+@pytest.mark.parametrize("layout,sp", DENSE_LAYOUTS, ids=["tp1", "tp2-sp", "tp2", "pp2"])
+def test_dense_lora_matches_peft(layout, sp):
+    case, ref = dense_case()
+    logits, grads, ranks = run_layout(layout, sp, case)
+    compare(f"qwen3 {layout} sp={sp}", logits, grads, ref, ranks)
+
+
+@pytest.mark.moe
+def test_moe_lora_matches_peft_tp2_ep2():
+    hf = tiny_moe_model(seed=3)
+    from tests.helpers.moe import hf_file_state
+
+    state = hf_file_state(hf)
+    batches = batches_for(33)
+    ref = peft_reference(hf, MOE_TARGETS, 3, batches)
+    logits, grads, ranks = run_layout(
+        (2, 1, 2), True, (hf.config.to_dict(), state, MOE_TARGETS, ref[2], batches)
+    )
+    compare("qwen3-moe TP2xEP2 (SP)", logits, grads, ref, ranks)
