@@ -49,7 +49,7 @@ def megatron_name(peft_name: str) -> str:
 
 
 def peft_reference(hf, targets: list[str], seed: int, batches):
-    """HF + peft with non-zero B: (logits, adapter grads by megatron name, adapter tensors by megatron name)."""
+    """HF + peft with non-zero B: (logits, adapter grads, adapter tensors), both by megatron name."""
     from peft import LoraConfig, get_peft_model
 
     model = get_peft_model(hf, LoraConfig(r=RANK, lora_alpha=ALPHA, target_modules=targets, lora_dropout=0.0))
@@ -153,7 +153,7 @@ def _optimizer_holdings(opt, adapters: dict) -> tuple[bool, tuple[int, int]]:
     )
     both = torch.tensor([float(state), share])
     dist.all_reduce(both)
-    return held, (int(both[0]), int(round(both[1].item())))
+    return held, (int(both[0]), round(both[1].item()))
 
 
 def run_layout(layout, sp, case, plant=None):
@@ -211,3 +211,48 @@ def test_moe_lora_matches_peft_tp2_ep2():
         (2, 1, 2), True, (hf.config.to_dict(), state, MOE_TARGETS, ref[2], batches)
     )
     compare("qwen3-moe TP2xEP2 (SP)", logits, grads, ref, ranks)
+
+
+# Planted bugs (applied on every rank after the adapters are attached): each must break the comparison.
+def plant_shared_qkv_a(model):
+    """One A shared by q, k and v (a fused-QKV adapter with a single down-projection, not PEFT's)."""
+    for name, module in model.named_modules():
+        if name.endswith("linear_qkv"):
+            module.lora["k_proj"].lora_A = module.lora["v_proj"].lora_A = module.lora["q_proj"].lora_A
+
+
+def plant_no_sp_reduce(model):
+    """A's gradient under SP left per sequence slice (no TP all-reduce in finalize_model_grads)."""
+    for name, p in model.named_parameters():
+        if getattr(p, "sequence_parallel", False) and ".lora." in name:
+            p.sequence_parallel = False
+
+
+def plant_qkv_not_interleaved(model):
+    """The QKV delta placed as [q; k; v] instead of interleaved per query group."""
+    for name, module in model.named_modules():
+        if name.endswith("linear_qkv"):
+            plan = module._lora_plan
+            plan.split, plan.groups = (
+                [plan.split[0] * plan.groups, plan.split[1] * plan.groups, plan.split[2] * plan.groups][:3],
+                1,
+            )
+
+
+PLANTS = [
+    (plant_shared_qkv_a, (2, 1, 1), True),
+    (plant_no_sp_reduce, (2, 1, 1), True),
+    (plant_qkv_not_interleaved, (1, 1, 1), False),  # at TP2 each rank holds one query group: no interleave
+]
+
+
+@pytest.mark.parametrize("plant,layout,sp", PLANTS, ids=[p[0].__name__ for p in PLANTS])
+def test_planted_bugs_fail(plant, layout, sp):
+    case, ref = dense_case()
+    try:
+        logits, grads, ranks = run_layout(layout, sp, case, plant=plant)
+    except Exception as e:
+        return print(f"{plant.__name__}: the run fails: {type(e).__name__}")
+    with pytest.raises(AssertionError) as caught:
+        compare(plant.__name__, logits, grads, ref, ranks)
+    print(f"{plant.__name__}: {str(caught.value).splitlines()[0]}")

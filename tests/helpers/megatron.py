@@ -32,8 +32,9 @@ def hf_reference(model, batches: list[torch.Tensor]) -> tuple[list[torch.Tensor]
 
 def run_schedule(model, batches: list[torch.Tensor], vocab: int, *, backward: bool = True, ddp_config=None):
     """Wrap this rank's policy ``model`` in megatron DDP (``ddp_config``, default megatron's) and run
-    megatron's schedule over ``batches`` (ids ``[b, s]`` per micro-batch) with :func:`lm_loss`. Returns (the DDP model, whose ``module`` holds the
-    ``main_grad``s, and the logits per micro-batch this stage produced: empty except on the last stage)."""
+    megatron's schedule over ``batches`` (ids ``[b, s]`` per micro-batch) with :func:`lm_loss`. Returns (the
+    DDP model, whose ``module`` holds the ``main_grad``s, and the logits per micro-batch this stage produced:
+    empty except on the last stage)."""
     from megatron.core.distributed import (
         DistributedDataParallel,
         DistributedDataParallelConfig,
