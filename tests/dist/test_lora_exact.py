@@ -113,8 +113,16 @@ def lora_worker(rank, world, layout, sp, hf_config, hf_state, targets, adapters,
     )
     opt.step()
     held, state = _optimizer_holdings(opt, lora_parameters(ddp.module))
+    sharded = ddp.module.sharded_state_dict(prefix="model.")
+    ckpt = {t.key: tuple(t.global_shape) for t in sharded.values() if ".lora." in getattr(t, "key", "")}
     shows = ps.is_pipeline_last_stage() and ps.get_tensor_model_parallel_rank() == 0
-    return (logits if shows else None), {"grads": grads, "base": base_with_grad, "held": held, "state": state}
+    return (logits if shows else None), {
+        "grads": grads,
+        "base": base_with_grad,
+        "held": held,
+        "state": state,
+        "ckpt": ckpt,
+    }
 
 
 def _full(module, name: str, grad: torch.Tensor) -> torch.Tensor:
@@ -180,6 +188,12 @@ def compare(tag, logits, grads, ref, ranks):
     for name, want in ref_grads.items():
         diff = (grads[name] - want).abs().max().item()
         assert diff <= 1e-5, f"{tag}: grad {name} differs by {diff} (max {want.abs().max().item():.3g})"
+    layers = 1 + max(int(n.split(".")[2]) for n in ref_grads)
+    want_ckpt = {
+        "model.decoder.layers." + n.split(".", 3)[3]: (layers, *g.shape) for n, g in ref_grads.items()
+    }
+    got_ckpt = {k: v for r in ranks for k, v in r["ckpt"].items()}
+    assert got_ckpt == want_ckpt, f"{tag}: dist-checkpoint adapter keys/shapes {got_ckpt} != {want_ckpt}"
     for r in ranks:
         assert r["base"] == [], f"{tag}: base parameters with a gradient: {r['base'][:4]}"
         assert r["held"], f"{tag}: the optimizer holds parameters other than the adapters"
