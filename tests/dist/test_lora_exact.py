@@ -12,56 +12,17 @@ TP reduction of A's gradient under SP, and a wrong fused-QKV placement each brea
 
 from __future__ import annotations
 
-import re
-
 import pytest
 import torch
 
 from srpo_megatron.testing.distributed import run_distributed
 from srpo_megatron.testing.tiny import TINY_VOCAB, tiny_hf_model, tiny_moe_model
-from tests.helpers.megatron import hf_reference, merge_rank_results
+from tests.helpers.lora import ALPHA, RANK, peft_reference
+from tests.helpers.megatron import merge_rank_results
 from tests.helpers.moe import batches_for
 
-RANK, ALPHA = 4, 8.0
 DENSE_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 MOE_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj"]  # transformers' fused experts are no nn.Linear
-_LINEAR = {
-    "q_proj": "self_attention.linear_qkv",
-    "k_proj": "self_attention.linear_qkv",
-    "v_proj": "self_attention.linear_qkv",
-    "o_proj": "self_attention.linear_proj",
-    "gate_proj": "mlp.linear_fc1",
-    "up_proj": "mlp.linear_fc1",
-    "down_proj": "mlp.linear_fc2",
-}
-_PEFT = re.compile(
-    r"base_model\.model\.model\.layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)\.(lora_[AB])\.default\.weight"
-)
-
-
-def megatron_name(peft_name: str) -> str:
-    """``base_model.model.model.layers.3.self_attn.k_proj.lora_A.default.weight`` ->
-    ``decoder.layers.3.self_attention.linear_qkv.lora.k_proj.lora_A``."""
-    m = _PEFT.fullmatch(peft_name)
-    assert m, peft_name
-    layer, proj, ab = m.groups()
-    return f"decoder.layers.{layer}.{_LINEAR[proj]}.lora.{proj}.{ab}"
-
-
-def peft_reference(hf, targets: list[str], seed: int, batches):
-    """HF + peft with non-zero B: (logits, adapter grads, adapter tensors), both by megatron name."""
-    from peft import LoraConfig, get_peft_model
-
-    model = get_peft_model(hf, LoraConfig(r=RANK, lora_alpha=ALPHA, target_modules=targets, lora_dropout=0.0))
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "lora_B" in name:
-                p.copy_(torch.randn(p.shape, generator=gen) * 0.2)
-    adapters = {megatron_name(n): p.detach().clone() for n, p in model.named_parameters() if "lora_" in n}
-    logits, grads = hf_reference(model, batches)
-    assert all("lora_" in n for n in grads), "peft trained a base weight"
-    return logits, {megatron_name(n): g for n, g in grads.items()}, adapters
 
 
 def lora_worker(rank, world, layout, sp, hf_config, hf_state, targets, adapters, batches, plant=None):

@@ -27,6 +27,7 @@ from srpo_megatron.models.performance import Accelerators
 from srpo_megatron.models.policy import build_policy
 from srpo_megatron.parallel import ParallelGroups
 from srpo_megatron.trainer.microbatches.output_rows import OutputHead
+from srpo_megatron.trainer.state.adapter_teacher import AdapterEmaTeacher
 from srpo_megatron.trainer.state.ema_shard import ShardedEmaTeacher
 from srpo_megatron.trainer.state.offload import Offloader
 from srpo_megatron.trainer.state.teacher import EmaTeacher, fp32_main_params
@@ -84,10 +85,11 @@ class Policy:
             perf_choice.optimizer_config(cfg.optim, dtype=dtype, ddp=ddp_config), [self.ddp]
         )
         self.scheduler = self._build_scheduler()
-        self.teacher: EmaTeacher | ShardedEmaTeacher | None = None
-        if cfg.loss.mode != "grpo":
+        self.teacher: EmaTeacher | ShardedEmaTeacher | AdapterEmaTeacher | None = None
+        if cfg.loss.mode != "grpo" and cfg.lora.enabled:  # the base + an EMA of the adapters, no 2nd model
+            self.teacher = AdapterEmaTeacher(self.model, cfg.teacher.kind, cfg.teacher.ema_alpha)
+        elif cfg.loss.mode != "grpo":
             module = build()
-            self._attach_lora(module, init=False)
             module.load_state_dict(self.model.state_dict())
             module.to(self.device)
             self.teacher = _build_teacher(module, cfg, self.optimizer, self.model)
@@ -174,7 +176,11 @@ class Policy:
         if self.teacher is None or self.teacher.kind != "ema":
             return
         with self.offload.teacher_on_device():
-            if isinstance(self.teacher, ShardedEmaTeacher):
+            if isinstance(self.teacher, AdapterEmaTeacher):
+                self.teacher.update(
+                    fp32_main_params(self.optimizer, self.model, self.device, self.teacher.params)
+                )
+            elif isinstance(self.teacher, ShardedEmaTeacher):
                 self.teacher.update()  # reads its shards of the main params (trainer/state/ema_shard.py)
             else:
                 self.teacher.update(fp32_main_params(self.optimizer, self.model, self.device))

@@ -101,8 +101,11 @@ def shard_layout(optimizer) -> tuple[dict, list[tuple[torch.nn.Parameter, torch.
 
 
 @torch.no_grad()
-def fp32_main_params(optimizer, model: torch.nn.Module, device: torch.device) -> list[torch.Tensor]:
-    """The optimizer's fp32 main copy of every parameter of ``model`` (module order, full shape).
+def fp32_main_params(
+    optimizer, model: torch.nn.Module, device: torch.device, params: list | None = None
+) -> list[torch.Tensor]:
+    """The optimizer's fp32 main copy of every parameter of ``model`` (module order, full shape), or of
+    ``params`` only (a LoRA teacher's adapters: trainer/state/adapter_teacher.py).
 
     Collective over each group the distributed optimizer shards over (dense DP, expert DP), if any.
     Parameters no optimizer holds (not trained: a LoRA policy's frozen base) are their own, full, copy.
@@ -113,7 +116,7 @@ def fp32_main_params(optimizer, model: torch.nn.Module, device: torch.device) ->
             for mg, fg in zip(opt.float16_groups, opt.fp32_from_float16_groups, strict=True):
                 for p, main in zip(mg, fg, strict=True):
                     full[p] = main
-    params = list(model.parameters())
+    params = list(model.parameters()) if params is None else list(params)
     group_of, shards = shard_layout(optimizer)
     gathered = assemble_shards(params, group_of, shards, device)
     missing = [p for p, g in zip(params, gathered, strict=True) if g is None and p.dtype != torch.float32]
