@@ -12,12 +12,15 @@ TP reduction of A's gradient under SP, and a wrong fused-QKV placement each brea
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 
 from srpo_megatron.testing.distributed import run_distributed
+from srpo_megatron.testing.tiny import TINY_MOE_EXPERTS as MOE_EXPERTS
 from srpo_megatron.testing.tiny import TINY_VOCAB, tiny_hf_model, tiny_moe_model
-from tests.helpers.lora import ALPHA, RANK, peft_reference
+from tests.helpers.lora import ALPHA, RANK, peft_moe_reference, peft_reference
 from tests.helpers.megatron import merge_rank_results
 from tests.helpers.moe import batches_for
 
@@ -25,7 +28,9 @@ DENSE_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
 MOE_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj"]  # transformers' fused experts are no nn.Linear
 
 
-def lora_worker(rank, world, layout, sp, hf_config, hf_state, targets, adapters, batches, plant=None):
+def lora_worker(
+    rank, world, layout, sp, hf_config, hf_state, targets, adapters, batches, plant=None, experts=False
+):
     """On this rank: the policy with adapters loaded; logits, full adapter grads (global names), the base
     parameters that got a gradient, and the optimizer's holdings after one distributed-optimizer step."""
     from megatron.core import parallel_state as ps
@@ -50,7 +55,7 @@ def lora_worker(rank, world, layout, sp, hf_config, hf_state, targets, adapters,
     model = build_policy(arch, parallel_output=False, **extra)
     load_hf_weights(model, table, hf_state.__getitem__)
     offset, eoff = stage_layer_offset(model), stage_expert_offset(table)
-    attach_lora(model, LoraConfig(rank=RANK, alpha=ALPHA, target_modules=targets))
+    attach_lora(model, LoraConfig(rank=RANK, alpha=ALPHA, target_modules=targets, experts=experts))
     if plant is not None:
         plant(model)
     load_lora(model, adapters.__getitem__, offset, eoff)
@@ -125,9 +130,12 @@ def _optimizer_holdings(opt, adapters: dict) -> tuple[bool, tuple[int, int]]:
     return held, (int(both[0]), round(both[1].item()))
 
 
-def run_layout(layout, sp, case, plant=None):
+def run_layout(layout, sp, case, plant=None, experts=False):
     tp, pp, ep = layout
-    results = run_distributed(lora_worker, max(tp, ep) * pp, layout, sp, *case, plant=plant, timeout=600)
+    world = max(tp, ep) * pp
+    results = run_distributed(
+        lora_worker, world, layout, sp, *case, plant=plant, experts=experts, timeout=600
+    )
     ((logits, out),) = merge_rank_results([[(r[0], r[1]["grads"])] for r in results])
     return logits, out, [r[1] for r in results]
 
@@ -140,6 +148,18 @@ def dense_case(seed: int = 0):
     return (hf.config.to_dict(), state, DENSE_TARGETS, ref[2], batches), ref
 
 
+def _ckpt_key(name: str) -> str:
+    """The dist-checkpoint key of a global adapter name: layers (and experts) become tensor axes."""
+    rest = name.split(".", 3)[3]
+    return "model.decoder.layers." + re.sub(
+        r"mlp\.experts\.local_experts\.\d+\.", "mlp.experts.experts.", rest
+    )
+
+
+def _ckpt_shape(name: str, g: torch.Tensor, layers: int) -> tuple[int, ...]:
+    return (layers, MOE_EXPERTS, *g.shape) if ".local_experts." in name else (layers, *g.shape)
+
+
 def compare(tag, logits, grads, ref, ranks):
     ref_logits, ref_grads, _ = ref
     for got, want in zip(logits, ref_logits, strict=True):
@@ -150,9 +170,7 @@ def compare(tag, logits, grads, ref, ranks):
         diff = (grads[name] - want).abs().max().item()
         assert diff <= 1e-5, f"{tag}: grad {name} differs by {diff} (max {want.abs().max().item():.3g})"
     layers = 1 + max(int(n.split(".")[2]) for n in ref_grads)
-    want_ckpt = {
-        "model.decoder.layers." + n.split(".", 3)[3]: (layers, *g.shape) for n, g in ref_grads.items()
-    }
+    want_ckpt = {_ckpt_key(n): _ckpt_shape(n, g, layers) for n, g in ref_grads.items()}
     got_ckpt = {k: v for r in ranks for k, v in r["ckpt"].items()}
     assert got_ckpt == want_ckpt, f"{tag}: dist-checkpoint adapter keys/shapes {got_ckpt} != {want_ckpt}"
     for r in ranks:
@@ -231,3 +249,19 @@ def test_planted_bugs_fail(plant, layout, sp):
     with pytest.raises(AssertionError) as caught:
         compare(plant.__name__, logits, grads, ref, ranks)
     print(f"{plant.__name__}: {str(caught.value).splitlines()[0]}")
+
+
+@pytest.mark.moe
+def test_moe_expert_lora_matches_peft_tp2_ep2():
+    """Per-expert gate/up/down adapters (``lora.experts: true``) on Qwen3-MoE at TP2 x EP2 (SP) equal peft's
+    ``target_parameters`` adapters of transformers' fused experts (tests/helpers/lora.py maps them)."""
+    from tests.helpers.moe import hf_file_state
+
+    hf = tiny_moe_model(seed=4)
+    state = hf_file_state(hf)
+    batches = batches_for(44)
+    ref = peft_moe_reference(hf, MOE_TARGETS, 4, batches)
+    targets = [*MOE_TARGETS, "gate_proj", "up_proj", "down_proj"]
+    case = (hf.config.to_dict(), state, targets, ref[2], batches)
+    logits, grads, ranks = run_layout((2, 1, 2), True, case, experts=True)
+    compare("qwen3-moe experts TP2xEP2 (SP)", logits, grads, ref, ranks)
