@@ -1,13 +1,16 @@
 """LoRA adapters on the megatron policy equal ``peft``'s on the HF model: logits and every adapter gradient
-(fp32, <= 1e-5) at TP1, TP2 (with and without sequence parallelism), PP2 and, for Qwen3-MoE, TP2 x EP2;
-the base weights get no gradient and the distributed optimizer holds state for the adapters only.
+(fp32, <= 1e-5) at TP1, TP2 (with and without sequence parallelism), PP2 and, for Qwen3-MoE, TP2 x EP2
+(attention adapters, and per-expert adapters against peft's ``target_parameters`` on transformers' fused
+experts); the base weights get no gradient, the distributed optimizer holds state for the adapters only and
+the adapters' dist-checkpoint entries have the full HF shapes.
 
 The reference is independent: transformers' Qwen3 / Qwen3-MoE with ``peft.get_peft_model`` (one adapter per
 HF projection, ``lora_dropout=0``), B drawn non-zero from a fixed seed, and the same A/B tensors loaded into
 the megatron adapters (``models/lora.load_lora``) by name. Megatron runs its real schedules (1F1B under PP)
 on gloo ranks with megatron DDP + ``finalize_model_grads``; the adapter gradients are gathered over TP on
 each parameter's TP axis. The test ``test_planted_bugs_fail`` shows that a shared A across q/k/v, a missing
-TP reduction of A's gradient under SP, and a wrong fused-QKV placement each break the comparison.
+TP reduction of A's gradient under SP, and a wrong fused-QKV placement each break the comparison (a
+swapped expert gate/up placement was planted by hand and failed the expert case by 0.25 in the logits).
 """
 
 from __future__ import annotations
