@@ -150,6 +150,10 @@ def _lora_class(base: type) -> type:
 
 
 def _dropout(x: torch.Tensor, plan: LoraPlan, training: bool) -> torch.Tensor:
+    """PEFT's ``lora_dropout`` on the adapter input (training only). It draws from the default generator,
+    which megatron seeds alike on the ranks of a TP group, so a replicated input (column-parallel without
+    SP) gets the same mask on every rank, as the replicated ``h`` requires; the sharded inputs (row-parallel,
+    SP slices) reuse that pattern on their own slices. Not compared with peft (its masks are its own)."""
     return F.dropout(x, plan.dropout, training) if plan.dropout and training else x
 
 
@@ -340,7 +344,7 @@ def init_lora(model: torch.nn.Module, seed: int, layer_offset: int, expert_offse
     seeded by ``seed`` and the global name, then sharded, so every TP/PP/EP layout starts from the same A."""
 
     def full(name: str) -> torch.Tensor:
-        p = lora_parameters(model)[local[name]]
+        p = params[local[name]]
         tp, _ = _tp_of(model, local[name])
         shape = list(p.shape)
         if p.lora_tp_axis is not None:
@@ -351,5 +355,6 @@ def init_lora(model: torch.nn.Module, seed: int, layer_offset: int, expert_offse
         bound = 1.0 / math.sqrt(shape[1])
         return torch.empty(shape).uniform_(-bound, bound, generator=gen)
 
-    local = {global_lora_name(n, layer_offset, expert_offset): n for n in lora_parameters(model)}
+    params = lora_parameters(model)
+    local = {global_lora_name(n, layer_offset, expert_offset): n for n in params}
     load_lora(model, full, layer_offset, expert_offset)
