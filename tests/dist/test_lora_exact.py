@@ -268,3 +268,56 @@ def test_moe_expert_lora_matches_peft_tp2_ep2():
     case = (hf.config.to_dict(), state, targets, ref[2], batches)
     logits, grads, ranks = run_layout((2, 1, 2), True, case, experts=True)
     compare("qwen3-moe experts TP2xEP2 (SP)", logits, grads, ref, ranks)
+
+
+def init_worker(rank, world, tp, hf_config, hf_state):
+    """PEFT-style init at TP ``tp``: the full adapters by global name, and the refusals' messages."""
+    from srpo_megatron.config.lora import LoraConfig
+    from srpo_megatron.conversion.table import ConversionTable
+    from srpo_megatron.conversion.weights import load_hf_weights, stage_layer_offset
+    from srpo_megatron.models.architecture import Architecture
+    from srpo_megatron.models.lora import LoraError, attach_lora, global_lora_name, init_lora, lora_parameters
+    from srpo_megatron.models.policy import build_policy
+    from srpo_megatron.parallel import initialize_model_parallel
+
+    initialize_model_parallel(tp, 1)
+    arch = Architecture.from_hf(hf_config)
+    errors = []
+    for bad in (["q_a_proj"], ["o_proj"]):
+        model = build_policy(arch, parallel_output=False)
+        if bad == ["o_proj"]:  # attention off: a model with nothing to adapt
+            model.decoder.layers = model.decoder.layers[:0]
+        try:
+            attach_lora(model, LoraConfig(rank=RANK, target_modules=bad))
+        except LoraError as e:
+            errors.append(str(e))
+    model = build_policy(arch, parallel_output=False)
+    load_hf_weights(model, ConversionTable(arch), hf_state.__getitem__)
+    attach_lora(model, LoraConfig(rank=RANK, alpha=ALPHA))
+    init_lora(model, seed=7, layer_offset=stage_layer_offset(model))
+    full = {global_lora_name(n, 0): _full(model, n, p.detach()) for n, p in lora_parameters(model).items()}
+    frozen = [n for n, p in model.named_parameters() if p.requires_grad != (".lora." in n)]
+    return {"full": full, "errors": errors, "frozen_wrong": frozen}
+
+
+def test_init_is_pefts_and_layout_independent_and_bad_targets_are_refused():
+    """A ~ U(±1/√in) (PEFT's kaiming-uniform with a=√5), B = 0, the same full adapters at TP1 and TP2 (drawn
+    full-size per global name, then sharded), only the adapters train, and a target no linear answers to is
+    refused in one line."""
+    hf = tiny_hf_model("qwen3", seed=1)
+    state = {k: v.detach().clone() for k, v in hf.state_dict().items()}
+    (one,) = run_distributed(init_worker, 1, 1, hf.config.to_dict(), state, timeout=600)
+    two = run_distributed(init_worker, 2, 2, hf.config.to_dict(), state, timeout=600)
+    assert sorted(one["full"]) == sorted(two[0]["full"])
+    for name, t in one["full"].items():
+        assert torch.equal(t, two[0]["full"][name]), f"{name} differs between TP1 and TP2"
+        if name.endswith("lora_B"):
+            assert not t.any(), f"{name} must start at zero"
+        else:
+            bound = 1.0 / t.shape[1] ** 0.5
+            assert t.abs().max() <= bound and t.abs().max() > 0.9 * bound, f"{name}: not U(±1/√in)"
+    assert len({t.sum().item() for n, t in one["full"].items() if n.endswith("lora_A")}) > 1
+    assert one["frozen_wrong"] == [] and two[0]["frozen_wrong"] == []
+    mla, nothing = one["errors"]
+    assert "MLA" in mla and "q_a_proj" in mla, mla
+    assert "matched no linear" in nothing, nothing
