@@ -268,16 +268,18 @@ def _adapters(module: torch.nn.Module, plan: LoraPlan, targets: set[str], r: int
 def _lora_sites(model: torch.nn.Module, cfg: LoraConfig) -> Iterator[tuple[str, torch.nn.Module, str, bool]]:
     for name, module in model.named_modules():
         attr = name.rpartition(".")[2]
-        if attr not in _LINEARS or getattr(module, "weight", None) is None:
+        if attr not in _LINEARS:
             continue
         expert = ".mlp.experts." in f".{name}"
         if expert and not cfg.experts:
             continue
-        if expert and _EXPERT.search(f".{name}.") is None:
+        if expert and _EXPERT.search(f".{name}.") is None:  # TE's grouped experts: weight0, weight1, ...
             raise LoraError(
                 f"{name}: LoRA on experts needs megatron's SequentialMLP experts (local spec, "
                 "moe.grouped_gemm: false); set lora.experts: false or moe.grouped_gemm: false"
             )
+        if getattr(module, "weight", None) is None:
+            raise LoraError(f"{name} ({type(module).__name__}) has no weight for an adapter to follow")
         yield name, module, attr, expert
 
 
