@@ -41,6 +41,9 @@ TESTS = (
     "dist/test_packing.py::test_packed_equals_separate_sequences_and_never_crosses_a_boundary",
     "dist/test_packing.py::test_context_parallel_equals_reference[1-2-2]",
     "dist/test_moe.py::test_moe_logits_and_grads_match_hf[tp2pp1ep2etp1]",
+    "dist/test_lora_exact.py::test_dense_lora_matches_peft[tp2-sp]",  # adapters on the parallel linears
+    "dist/test_lora_exact.py::test_moe_expert_lora_matches_peft_tp2_ep2",  # per-expert adapters, EP
+    "dist/test_lora_teacher.py::test_lora_checkpoint_resumes_exactly",  # adapter sharded_state_dict
     "dist/test_moe.py::test_moe_logits_and_grads_match_hf[tp2pp1ep1etp2]",
     "dist/test_moe_router.py::test_router_dtype_freeze_and_aux_losses",
     "dist/test_moe_conversion.py::test_checkpoint_saved_at_ep2_loads_at_ep1_with_identical_logits",

@@ -30,10 +30,11 @@ def hf_reference(model, batches: list[torch.Tensor]) -> tuple[list[torch.Tensor]
     return logits, grads
 
 
-def run_schedule(model, batches: list[torch.Tensor], vocab: int, *, backward: bool = True):
-    """Wrap this rank's policy ``model`` in megatron DDP and run megatron's schedule over ``batches`` (ids
-    ``[b, s]`` per micro-batch) with :func:`lm_loss`. Returns (the DDP model, whose ``module`` holds the
-    ``main_grad``s, and the logits per micro-batch this stage produced: empty except on the last stage)."""
+def run_schedule(model, batches: list[torch.Tensor], vocab: int, *, backward: bool = True, ddp_config=None):
+    """Wrap this rank's policy ``model`` in megatron DDP (``ddp_config``, default megatron's) and run
+    megatron's schedule over ``batches`` (ids ``[b, s]`` per micro-batch) with :func:`lm_loss`. Returns (the
+    DDP model, whose ``module`` holds the ``main_grad``s, and the logits per micro-batch this stage produced:
+    empty except on the last stage)."""
     from megatron.core.distributed import (
         DistributedDataParallel,
         DistributedDataParallelConfig,
@@ -44,7 +45,7 @@ def run_schedule(model, batches: list[torch.Tensor], vocab: int, *, backward: bo
     # Megatron DDP + finalize_model_grads, as in training: they sum the QK-norm gradients over TP
     # (each TP rank only sees its heads) and the tied embedding gradients over the first/last stage.
     model.config.finalize_model_grads_func = finalize_model_grads
-    model = DistributedDataParallel(model.config, DistributedDataParallelConfig(), model)
+    model = DistributedDataParallel(model.config, ddp_config or DistributedDataParallelConfig(), model)
     model.config.no_sync_func = model.no_sync
     seq = batches[0].shape[1]
     positions = torch.arange(seq).expand_as(batches[0])

@@ -186,9 +186,20 @@ def _teacher_pass(policy: Policy, scored: ScoredBatch, build) -> int:
         tokens.teacher_token_logp[rows] = ts.token_logp.float()
         tokens.teacher[every] = True
 
-    with policy.offload.teacher_on_device():  # parallel.teacher_offload: on host otherwise
+    with policy.offload.teacher_on_device(), _teacher_weights(policy.teacher):
         assert policy.teacher_head is not None  # built with the teacher
         run_schedule(policy.teacher.module, t_micro, on_teacher, policy.teacher_head, forward_only=True)
     if g.is_last_stage:
         cpar.gather_rows(tokens, cpar.TEACHER_FIELDS, g.cp)
     return teacher_runs
+
+
+def _teacher_weights(teacher) -> contextlib.AbstractContextManager:
+    """A LoRA policy's teacher runs the student's module with its EMA adapters swapped in (no autograd
+    graph on the student's adapters); other teachers have their own module."""
+    if getattr(teacher, "shares_module", False):
+        stack = contextlib.ExitStack()
+        stack.enter_context(torch.no_grad())
+        stack.enter_context(teacher.swapped_in())
+        return stack
+    return contextlib.nullcontext()

@@ -112,7 +112,8 @@ def _load_tensors(policy: Policy, path: Path) -> None:
     strip = lambda sd, p: {k[len(p) :] if k.startswith(p) else k: v for k, v in sd.items()}  # noqa: E731
     policy.model.load_state_dict(strip(loaded["model"], POLICY_PREFIX), strict=False)
     if policy.teacher is not None:
-        policy.teacher.module.load_state_dict(strip(loaded["teacher"], TEACHER_PREFIX), strict=False)
+        if "teacher" in loaded:  # a LoRA teacher shares the student's module: only its adapter EMA is saved
+            policy.teacher.module.load_state_dict(strip(loaded["teacher"], TEACHER_PREFIX), strict=False)
         policy.teacher.reset_master()
         if "teacher_fp32" in loaded:  # the exact EMA; without it one bf16 rounding (older checkpoints)
             load_teacher_fp32(policy.teacher, loaded["teacher_fp32"])
@@ -190,7 +191,8 @@ def _sharded_state(policy: Policy, loading: bool, sharding: str) -> dict[str, An
     model_sd = policy.model.sharded_state_dict(prefix=POLICY_PREFIX)
     state: dict[str, Any] = {"model": model_sd}
     if policy.teacher is not None:
-        state["teacher"] = policy.teacher.module.sharded_state_dict(prefix=TEACHER_PREFIX)
+        if not getattr(policy.teacher, "shares_module", False):  # LoRA: the adapter EMA below is all
+            state["teacher"] = policy.teacher.module.sharded_state_dict(prefix=TEACHER_PREFIX)
         fp32 = teacher_fp32_state(policy.teacher, policy.model, model_sd, loading)  # ema_shard.py
         if fp32:
             state["teacher_fp32"] = fp32

@@ -195,11 +195,12 @@ def teacher_fp32_state(teacher: Any, policy: torch.nn.Module, model_sd: dict, lo
     from megatron.core.dist_checkpointing.mapping import ShardedTensorFactory
     from megatron.core.dist_checkpointing.utils import extract_sharded_tensors_and_factories
 
-    if teacher is None or teacher.kind != "ema" or not ema_bytes(teacher):
+    shares = getattr(teacher, "shares_module", False)  # LoRA: the adapters' EMA is the whole teacher
+    if teacher is None or (teacher.kind != "ema" and not shares) or not ema_bytes(teacher):
         return {}  # no teacher, not an EMA, or fp32: the saved teacher module is the fp32 copy
     tensors, _ = extract_sharded_tensors_and_factories(model_sd)
     meta = {sh.data: sh for sh in nested_values(tensors)}
-    params = list(policy.parameters())
+    params = list(teacher.params) if shares else list(policy.parameters())
     sharded = isinstance(teacher, ShardedEmaTeacher)
     full = teacher.full_masters(empty=loading) if sharded else teacher.master
     out: dict[str, Any] = {}

@@ -118,6 +118,8 @@ class Offloader:
         teacher = p.teacher
         if teacher is None:
             return []
+        if getattr(teacher, "shares_module", False):  # LoRA: the student's module, an fp32 adapter EMA
+            return [] if category == TEACHER else list(teacher.master)
         module = [x.detach() for x in teacher.module.parameters()]
         if category == TEACHER:
             return module

@@ -19,13 +19,15 @@ from srpo_megatron.config import TrainConfig
 from srpo_megatron.conversion.checkpoint import load_policy_checkpoint
 from srpo_megatron.conversion.safetensors_io import HFCheckpointReader
 from srpo_megatron.conversion.table import ConversionTable
-from srpo_megatron.conversion.weights import load_hf_weights
+from srpo_megatron.conversion.weights import load_hf_weights, stage_expert_offset, stage_layer_offset
 from srpo_megatron.models import performance as perf_choice
 from srpo_megatron.models.architecture import Architecture, padded_vocab_size
+from srpo_megatron.models.lora import attach_lora, init_lora
 from srpo_megatron.models.performance import Accelerators
 from srpo_megatron.models.policy import build_policy
 from srpo_megatron.parallel import ParallelGroups
 from srpo_megatron.trainer.microbatches.output_rows import OutputHead
+from srpo_megatron.trainer.state.adapter_teacher import AdapterEmaTeacher
 from srpo_megatron.trainer.state.ema_shard import ShardedEmaTeacher
 from srpo_megatron.trainer.state.offload import Offloader
 from srpo_megatron.trainer.state.teacher import EmaTeacher, fp32_main_params
@@ -68,6 +70,7 @@ class Policy:
         torch.manual_seed(cfg.run.seed)
         self.model = build()
         self._load_initial(self.model)
+        self._attach_lora(self.model, init=True)
         self.model.to(self.device)
         self.tconfig = self.model.config
         # The one place precision and overlap settings enter the DDP wrapper and the optimizer.
@@ -82,8 +85,10 @@ class Policy:
             perf_choice.optimizer_config(cfg.optim, dtype=dtype, ddp=ddp_config), [self.ddp]
         )
         self.scheduler = self._build_scheduler()
-        self.teacher: EmaTeacher | ShardedEmaTeacher | None = None
-        if cfg.loss.mode != "grpo":
+        self.teacher: EmaTeacher | ShardedEmaTeacher | AdapterEmaTeacher | None = None
+        if cfg.loss.mode != "grpo" and cfg.lora.enabled:  # the base + an EMA of the adapters, no 2nd model
+            self.teacher = AdapterEmaTeacher(self.model, cfg.teacher.kind, cfg.teacher.ema_alpha)
+        elif cfg.loss.mode != "grpo":
             module = build()
             module.load_state_dict(self.model.state_dict())
             module.to(self.device)
@@ -137,6 +142,15 @@ class Policy:
                 finally:
                     reader.close()
 
+    def _attach_lora(self, model: torch.nn.Module, *, init: bool) -> None:
+        """With ``lora.rank > 0``: freeze the base and add the adapters (models/lora.py); ``init`` draws them
+        as PEFT does (A kaiming-uniform, B zero), so the first step starts from the base model."""
+        if not self.cfg.lora.enabled:
+            return
+        attach_lora(model, self.cfg.lora)
+        if init:
+            init_lora(model, self.cfg.run.seed, stage_layer_offset(model), stage_expert_offset(self.table))
+
     @property
     def lr(self) -> float:
         return float(self.optimizer.param_groups[0]["lr"])
@@ -162,7 +176,11 @@ class Policy:
         if self.teacher is None or self.teacher.kind != "ema":
             return
         with self.offload.teacher_on_device():
-            if isinstance(self.teacher, ShardedEmaTeacher):
+            if isinstance(self.teacher, AdapterEmaTeacher):
+                self.teacher.update(
+                    fp32_main_params(self.optimizer, self.model, self.device, self.teacher.params)
+                )
+            elif isinstance(self.teacher, ShardedEmaTeacher):
                 self.teacher.update()  # reads its shards of the main params (trainer/state/ema_shard.py)
             else:
                 self.teacher.update(fp32_main_params(self.optimizer, self.model, self.device))

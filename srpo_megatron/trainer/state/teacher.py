@@ -101,11 +101,14 @@ def shard_layout(optimizer) -> tuple[dict, list[tuple[torch.nn.Parameter, torch.
 
 
 @torch.no_grad()
-def fp32_main_params(optimizer, model: torch.nn.Module, device: torch.device) -> list[torch.Tensor]:
-    """The optimizer's fp32 main copy of every parameter of ``model`` (module order, full shape).
+def fp32_main_params(
+    optimizer, model: torch.nn.Module, device: torch.device, params: list | None = None
+) -> list[torch.Tensor]:
+    """The optimizer's fp32 main copy of every parameter of ``model`` (module order, full shape), or of
+    ``params`` only (a LoRA teacher's adapters: trainer/state/adapter_teacher.py).
 
     Collective over each group the distributed optimizer shards over (dense DP, expert DP), if any.
-    Parameters no optimizer holds (not trained) are their own, full, copy.
+    Parameters no optimizer holds (not trained: a LoRA policy's frozen base) are their own, full, copy.
     """
     full: dict[torch.nn.Parameter, torch.Tensor] = {}
     for opt in _chained(optimizer):
@@ -113,11 +116,11 @@ def fp32_main_params(optimizer, model: torch.nn.Module, device: torch.device) ->
             for mg, fg in zip(opt.float16_groups, opt.fp32_from_float16_groups, strict=True):
                 for p, main in zip(mg, fg, strict=True):
                     full[p] = main
-    params = list(model.parameters())
+    params = list(model.parameters()) if params is None else list(params)
     group_of, shards = shard_layout(optimizer)
     gathered = assemble_shards(params, group_of, shards, device)
     missing = [p for p, g in zip(params, gathered, strict=True) if g is None and p.dtype != torch.float32]
-    missing = [p for p in missing if p not in full]
+    missing = [p for p in missing if p not in full and p.requires_grad]  # frozen (LoRA base): itself
     if missing:
         p = missing[0]
         raise RuntimeError(f"no fp32 main parameter found for a {p.dtype} parameter of shape {list(p.shape)}")
