@@ -44,6 +44,7 @@ from srpo_megatron.conversion.table import (
     ConversionError,
     ConversionTable,
     canonical_name,
+    slice_name,
 )
 from srpo_megatron.models.architecture import Architecture
 
@@ -110,7 +111,8 @@ class LoraTable:
         row = self.base.row(name)
         expert = ".mlp.experts." in name
         for h in row.hf:
-            module = h.removesuffix(".weight")
+            sliced = slice_name(h)  # gpt-oss: expert e's slice of a fused tensor, x[e]
+            module = (sliced[0] if sliced else h).removesuffix(".weight")
             target = module.rsplit(".", 1)[-1]
             if target not in self.lora.target_modules or (expert and not self.lora.experts):
                 continue
