@@ -163,16 +163,21 @@ def merge_lora(
     return out
 
 
-def merged_weight(w: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scaling: float) -> torch.Tensor:
-    """``W + scaling * B @ A`` in fp32 (fp64 for fp64 W), cast to W's dtype."""
+def merged_weight(
+    w: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scaling: float, cast: bool = True
+) -> torch.Tensor:
+    """``W + scaling * B @ A`` in fp32 (fp64 for fp64 W), cast to W's dtype (``cast``; else left in fp32
+    for a writer that casts to the export's dtype)."""
     acc = torch.promote_types(w.dtype, torch.float32)
-    return (w.to(acc) + scaling * (b.to(acc) @ a.to(acc))).to(w.dtype)
+    out = w.to(acc) + scaling * (b.to(acc) @ a.to(acc))
+    return out.to(w.dtype) if cast else out
 
 
 def merge_hook(
     table: LoraTable, adapters: Mapping[str, torch.Tensor]
 ) -> Callable[[str, torch.Tensor], torch.Tensor]:
-    """``hook(hf_name, W)``: W merged with its adapter when ``hf_name`` is an adapted module's weight."""
+    """``hook(hf_name, W)``: W merged with its adapter (in fp32; the writer casts it to the export's dtype)
+    when ``hf_name`` is an adapted module's weight, else W."""
     _check_names(table, {table.row(n).megatron for n in adapters}, "merge_hook")
     peft = dict(table.to_peft(n, t) for n, t in adapters.items())
     modules = set(table.hf_modules())
@@ -183,7 +188,7 @@ def merge_hook(
             return w
         a = peft[f"base_model.model.{module}.lora_A.weight"]
         b = peft[f"base_model.model.{module}.lora_B.weight"]
-        return merged_weight(w, a, b, table.lora.scaling)
+        return merged_weight(w, a, b, table.lora.scaling, cast=False)
 
     return hook
 
