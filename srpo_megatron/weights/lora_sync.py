@@ -43,8 +43,9 @@ FLATTENED_BUCKET = "flattened_bucket"
 LOAD_FROM_TENSORS = "/load_lora_adapter_from_tensors"
 LOAD_FROM_DISK = "/load_lora_adapter"
 UNLOAD = "/unload_lora_adapter"
-# The first release whose LoadLoRAAdapterFromTensorsReqInput takes one payload per TP rank
-# (serialized_named_tensors); before it, one string for all ranks (serialized_tensors, 0.5.15.post1).
+# 0.5.23's LoadLoRAAdapterFromTensorsReqInput takes one payload per TP rank (serialized_named_tensors),
+# 0.5.15.post1's one string for all ranks (serialized_tensors). The releases between were not read: they are
+# taken as 0.5.15.post1's; a wrong guess fails SGLang's request parsing, loudly.
 PER_RANK_PAYLOADS_SINCE = (0, 5, 23)
 
 
