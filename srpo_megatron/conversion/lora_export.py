@@ -18,8 +18,12 @@ to one HF tensor at a time, as the streaming export writes them.
 Routed experts: transformers 5 holds a Qwen3-MoE layer's experts as two fused 3-D parameters
 (``mlp.experts.gate_up_proj`` ``[E, 2F, H]``, ``down_proj`` ``[E, H, F]``), not per-expert ``nn.Linear``, so
 PEFT's ``target_modules`` cannot name an expert's ``gate_proj`` and a per-expert adapter folder would load as
-nothing. A PEFT folder of expert adapters is refused (:func:`check_peft_exportable`); the merged export
-covers them (the checkpoint files name experts one by one, ``mlp.experts.{e}.gate_proj.weight``).
+nothing. peft 0.21 reaches such parameters only through ``target_parameters`` (``lora.ParamWrapper``: one
+adapter per 3-D parameter, ``lora_A`` ``[r*E, in]``, ``lora_B`` ``[out, r*E]`` with the experts interleaved,
+and ONE A shared by gate and up), which would carry the trainer's separate gate/up adapters only as rank-2r
+block-diagonal factors; that folder layout is not built, so a PEFT folder of expert adapters is refused
+(:func:`check_peft_exportable`). The merged export covers them (the checkpoint files name experts one by
+one, ``mlp.experts.{e}.gate_proj.weight``).
 
 Checkpoints: :func:`read_checkpoint_lora` reads the ``lora`` section of a trainer checkpoint's ``recipe.yaml``
 and the adapters stored under ``model.<adapter name>`` at full shape.
@@ -70,8 +74,9 @@ def check_peft_exportable(table: LoraTable) -> None:
     if experts:
         raise LoraTableError(
             f"cannot write a PEFT folder with routed-expert adapters ({len(experts)}, e.g. {experts[0]}): "
-            "transformers 5 fuses the experts into 3-D parameters that PEFT's target_modules cannot name; "
-            "export merged weights instead (--out-dir), or train with lora.experts: false"
+            "transformers 5 fuses the experts into 3-D parameters that PEFT's target_modules cannot name "
+            "(and its target_parameters share one A between gate and up); export merged weights instead "
+            "(--out-dir), or train with lora.experts: false"
         )
 
 
