@@ -15,15 +15,17 @@ Merge: :func:`merge_lora` is the pure math on HF-named tensors, ``W' = W + (alph
 module, accumulated in fp32 (fp64 for fp64 weights) and cast back to W's dtype; :func:`merge_hook` applies it
 to one HF tensor at a time, as the streaming export writes them.
 
-Routed experts: transformers 5 holds a Qwen3-MoE layer's experts as two fused 3-D parameters
+Routed experts (Qwen3-MoE): transformers 5 holds a layer's experts as two fused 3-D parameters
 (``mlp.experts.gate_up_proj`` ``[E, 2F, H]``, ``down_proj`` ``[E, H, F]``), not per-expert ``nn.Linear``, so
-PEFT's ``target_modules`` cannot name an expert's ``gate_proj`` and a per-expert adapter folder would load as
-nothing. peft 0.21 reaches such parameters only through ``target_parameters`` (``lora.ParamWrapper``: one
-adapter per 3-D parameter, ``lora_A`` ``[r*E, in]``, ``lora_B`` ``[out, r*E]`` with the experts interleaved,
-and ONE A shared by gate and up), which would carry the trainer's separate gate/up adapters only as rank-2r
-block-diagonal factors; that folder layout is not built, so a PEFT folder of expert adapters is refused
-(:func:`check_peft_exportable`). The merged export covers them (the checkpoint files name experts one by
-one, ``mlp.experts.{e}.gate_proj.weight``).
+PEFT's ``target_modules`` cannot name an expert's ``gate_proj``. peft 0.21 reaches them through
+``target_parameters`` (``lora.ParamWrapper``: one adapter per 3-D parameter, ``lora_A`` ``[E*r, in]``
+expert-major, ``lora_B`` ``[out, r*E]`` expert-minor, delta ``B[:, :, e] @ A[e]``). The trainer's separate
+gate and up adapters fit it exactly as a rank-2r adapter per expert, A = ``[A_gate; A_up]``, B =
+``blockdiag(B_gate, B_up)``, with ``rank_pattern``/``alpha_pattern`` 2r/2alpha so the scaling stays
+alpha/r (:func:`pack_experts`, :func:`expert_target_parameters`); ParamWrapper takes no dropout, so such a
+folder says ``lora_dropout: 0`` (dropout is off at inference). Other families' expert adapters are refused
+(:func:`check_peft_exportable`). The merged export covers experts per expert (the checkpoint files name
+them one by one, ``mlp.experts.{e}.gate_proj.weight``).
 
 Checkpoints: :func:`read_checkpoint_lora` reads the ``lora`` section of a trainer checkpoint's ``recipe.yaml``
 and the adapters stored under ``model.<adapter name>`` at full shape.
@@ -71,13 +73,77 @@ def peft_adapter_config(lora: LoraConfig, targets: list[str], base_model: str | 
 def check_peft_exportable(table: LoraTable) -> None:
     """Refuse expert adapters in a PEFT folder (see the module docstring), in one line."""
     experts = [r.megatron for r in table._rows.values() if r.expert]
-    if experts:
+    if experts and table.arch.model_type != "qwen3_moe":
         raise LoraTableError(
-            f"cannot write a PEFT folder with routed-expert adapters ({len(experts)}, e.g. {experts[0]}): "
+            f"cannot write a PEFT folder with {table.arch.model_type}'s routed-expert adapters "
+            f"({len(experts)}, e.g. {experts[0]}): "
             "transformers 5 fuses the experts into 3-D parameters that PEFT's target_modules cannot name "
             "(and its target_parameters share one A between gate and up); export merged weights instead "
             "(--out-dir), or train with lora.experts: false"
         )
+
+
+# Qwen3-MoE experts through peft's target_parameters (one ParamWrapper per fused 3-D parameter, nested in
+# this order: gate_up_proj is the inner one, its tensors named ``experts.base_layer.lora_*``).
+_GATE_UP, _DOWN = "mlp.experts.gate_up_proj", "mlp.experts.down_proj"
+
+
+def expert_target_parameters(lora: LoraConfig) -> dict:
+    """The adapter_config.json keys for Qwen3-MoE expert adapters: gate_up_proj at rank 2r (gate's and up's
+    A stacked, B block-diagonal) with alpha 2*alpha, so its scaling stays alpha/r; ParamWrapper takes no
+    dropout (it is inactive at inference anyway)."""
+    return {
+        "target_parameters": [_GATE_UP, _DOWN],
+        "rank_pattern": {"gate_up_proj": 2 * lora.rank},
+        "alpha_pattern": {"gate_up_proj": 2 * lora.alpha},
+        "lora_dropout": 0.0,
+    }
+
+
+def pack_experts(table: LoraTable, adapters: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Per-expert megatron adapters -> peft ParamWrapper tensors per MoE layer: ``lora_A`` ``[E*r', in]``
+    (expert-major), ``lora_B`` ``[out, r'*E]`` (expert-minor: ``reshape(out, r', E)[:, :, e]`` is expert e's),
+    as ``ParamWrapper.get_delta_weight`` reads them (peft 0.21, tuners/lora/layer.py)."""
+    r, out = table.lora.rank, {}
+    experts = range(table.arch.num_experts)
+    for i in sorted({int(n.split(".")[2]) for n in adapters if table.row(n).expert}):
+
+        def get(e: int, proj: str, f: str, i: int = i) -> torch.Tensor:
+            lin = "linear_fc2" if proj == "down_proj" else "linear_fc1"
+            return adapters[f"decoder.layers.{i}.mlp.experts.local_experts.{e}.{lin}.lora.{proj}.lora_{f}"]
+
+        a_gu = torch.cat([torch.cat([get(e, "gate_proj", "A"), get(e, "up_proj", "A")]) for e in experts])
+        blocks = [torch.block_diag(get(e, "gate_proj", "B"), get(e, "up_proj", "B")) for e in experts]
+        b_gu = torch.stack(blocks, dim=-1).reshape(blocks[0].shape[0], 2 * r * len(blocks))  # [2F, 2r*E]
+        b_d = torch.stack([get(e, "down_proj", "B") for e in experts], dim=-1)
+        h = f"base_model.model.model.layers.{i}.mlp.experts."
+        out[h + "base_layer.lora_A.weight"], out[h + "base_layer.lora_B.weight"] = a_gu, b_gu
+        out[h + "lora_A.weight"] = torch.cat([get(e, "down_proj", "A") for e in experts])
+        out[h + "lora_B.weight"] = b_d.reshape(b_d.shape[0], -1)
+    return out
+
+
+def unpack_experts(table: LoraTable, tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Inverse of :func:`pack_experts`: ``{megatron name: tensor}`` of the expert adapters in ``tensors``."""
+    r, n_exp, out = table.lora.rank, table.arch.num_experts, {}
+    for name, a_gu in tensors.items():
+        if not name.endswith(".mlp.experts.base_layer.lora_A.weight"):
+            continue
+        h = name.removesuffix("base_layer.lora_A.weight")
+        i = int(h.split(".layers.")[1].split(".")[0])
+        b_gu = tensors[h + "base_layer.lora_B.weight"].reshape(-1, 2 * r, n_exp)
+        a_d, b_d = tensors[h + "lora_A.weight"], tensors[h + "lora_B.weight"].reshape(-1, r, n_exp)
+        f = b_gu.shape[0] // 2
+        for e in range(n_exp):
+            stem = f"decoder.layers.{i}.mlp.experts.local_experts.{e}."
+            a = a_gu[e * 2 * r : (e + 1) * 2 * r]
+            out[stem + "linear_fc1.lora.gate_proj.lora_A"] = a[:r].contiguous()
+            out[stem + "linear_fc1.lora.up_proj.lora_A"] = a[r:].contiguous()
+            out[stem + "linear_fc1.lora.gate_proj.lora_B"] = b_gu[:f, :r, e].contiguous()
+            out[stem + "linear_fc1.lora.up_proj.lora_B"] = b_gu[f:, r:, e].contiguous()
+            out[stem + "linear_fc2.lora.down_proj.lora_A"] = a_d[e * r : (e + 1) * r].contiguous()
+            out[stem + "linear_fc2.lora.down_proj.lora_B"] = b_d[:, :, e].contiguous()
+    return out
 
 
 def _check_names(table: LoraTable, names: set[str], where: str) -> None:
@@ -105,12 +171,17 @@ def write_peft_folder(
     _check_names(table, {table.row(n).megatron for n in adapters}, "write_peft_folder")
     tensors = {}
     for name, full in adapters.items():
-        peft_name, t = table.to_peft(name, full)
-        tensors[peft_name] = t.to(dtype or t.dtype).contiguous()
+        if not table.row(name).expert:
+            peft_name, t = table.to_peft(name, full)
+            tensors[peft_name] = t
+    tensors.update(pack_experts(table, adapters))
+    tensors = {n: t.to(dtype or t.dtype).contiguous() for n, t in tensors.items()}
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    targets = sorted({table.row(n).target for n in adapters})
+    targets = sorted({table.row(n).target for n in adapters if not table.row(n).expert})
     config = peft_adapter_config(table.lora, targets, base_model)
+    if any(table.row(n).expert for n in adapters):
+        config.update(expert_target_parameters(table.lora))
     (out / ADAPTER_CONFIG).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
     save_file(tensors, str(out / ADAPTER_WEIGHTS), metadata={"format": "pt"})
     return out
@@ -127,15 +198,32 @@ def read_peft_config(folder: str | Path) -> LoraConfig:
             f"{path}: peft_type={cfg.get('peft_type')!r}, use_rslora={cfg.get('use_rslora')}, "
             f"use_dora={cfg.get('use_dora')}; only plain LoRA (peft_type LORA, no rsLoRA/DoRA) is read"
         )
-    if cfg.get("rank_pattern") or cfg.get("alpha_pattern"):
+    experts = bool(cfg.get("target_parameters"))
+    if experts and {k: cfg.get(k) for k in ("target_parameters", "rank_pattern", "alpha_pattern")} != {
+        k: v for k, v in expert_target_parameters_for(cfg).items() if k != "lora_dropout"
+    }:
+        raise ConversionInputError(
+            f"{path}: target_parameters/rank_pattern/alpha_pattern are not the expert layout this project "
+            "writes (lora_export.expert_target_parameters); only such folders are read"
+        )
+    if not experts and (cfg.get("rank_pattern") or cfg.get("alpha_pattern")):
         raise ConversionInputError(f"{path}: rank_pattern/alpha_pattern are not supported; one r and alpha")
     targets = cfg["target_modules"]
+    targets = sorted(targets) if isinstance(targets, list) else [targets]
+    if experts:
+        targets = sorted(set(targets) | {"gate_proj", "up_proj", "down_proj"})
     return LoraConfig(
         rank=cfg["r"],
         alpha=float(cfg["lora_alpha"]),
         dropout=float(cfg.get("lora_dropout", 0.0)),
-        target_modules=sorted(targets) if isinstance(targets, list) else [targets],
+        target_modules=targets,
+        experts=experts,
     )
+
+
+def expert_target_parameters_for(cfg: dict) -> dict:
+    """:func:`expert_target_parameters` of a folder's own r and lora_alpha."""
+    return expert_target_parameters(LoraConfig(rank=cfg["r"], alpha=float(cfg["lora_alpha"])))
 
 
 def read_peft_folder(folder: str | Path, table: LoraTable) -> dict[str, torch.Tensor]:
@@ -145,7 +233,9 @@ def read_peft_folder(folder: str | Path, table: LoraTable) -> dict[str, torch.Te
     path = Path(folder) / ADAPTER_WEIGHTS
     if not path.is_file():
         raise ConversionInputError(f"{path} does not exist: point at a PEFT adapter folder")
-    out = dict(table.to_megatron(n, t) for n, t in load_file(str(path)).items())
+    tensors = load_file(str(path))
+    out = unpack_experts(table, tensors)
+    out.update(table.to_megatron(n, t) for n, t in tensors.items() if ".mlp.experts." not in n)
     _check_names(table, set(out), str(path))
     return out
 
