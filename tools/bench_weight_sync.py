@@ -27,8 +27,13 @@ updates).
 (``weights.fp8_sync``: each FP8-layout weight quantized per 128x128 block on the sender, sent as e4m3 +
 ``weight_scale_inv``) into engines holding those dtypes, alternating pairs; ratio = bf16 time / FP8 time.
 
-Usage: ``python tools/bench_weight_sync.py [--layers 10 --hidden 1536 --bucket-mb 512 --repeats 3] [--fp8]``;
-the last line is one JSON object.
+``--lora-rank R``: the LoRA row, counted (no transfer runs): the bytes an adapter sync moves
+(``weights/lora_sync.py``: the PEFT-named A/B of every adapted projection, bf16) against the full-weight
+sync of the same model (every HF tensor, bf16), for the benchmark's model, a tiny Qwen3 with the real
+151k vocabulary and Qwen3-8B; ratio = full bytes / adapter bytes.
+
+Usage: ``python tools/bench_weight_sync.py [--layers 10 --hidden 1536 --bucket-mb 512 --repeats 3] [--fp8]
+[--lora-rank 16]``; the last line is one JSON object.
 """
 
 from __future__ import annotations
@@ -414,6 +419,38 @@ def main_fp8(args, config, bucket_bytes) -> None:
     print(json.dumps(result))
 
 
+LORA_MODELS = {  # besides the benchmark's own model (hub config.json fields the tables read)
+    "tiny_qwen3": dict(
+        model_type="qwen3", hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, vocab_size=151669, tie_word_embeddings=False,
+    ),
+    "qwen3_8b": dict(
+        model_type="qwen3", hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
+        num_attention_heads=32, num_key_value_heads=8, head_dim=128, vocab_size=151936,
+        tie_word_embeddings=False,
+    ),
+}  # fmt: skip
+
+
+def main_lora(args, config) -> None:
+    """Adapter-sync bytes against full-weight-sync bytes (bf16 both), counted from the conversion tables."""
+    from srpo_megatron.config.lora import LoraConfig
+    from srpo_megatron.models.architecture import Architecture
+    from srpo_megatron.weights.lora_sync import sync_bytes
+
+    result = {"lora_rank": args.lora_rank, "models": {}}
+    for name, cfg in {"bench": config, **LORA_MODELS}.items():
+        b = sync_bytes(Architecture.from_hf(cfg), LoraConfig(rank=args.lora_rank))
+        print(f"{name:12s} adapter sync {b.adapter / 1e6:9.2f} MB  full sync {b.full / 1e6:10.2f} MB  "
+              f"ratio full/adapter {1 / b.ratio:7.1f}")  # fmt: skip
+        result["models"][name] = {
+            "adapter_bytes": b.adapter,
+            "full_bytes": b.full,
+            "ratio": round(1 / b.ratio, 1),
+        }
+    print(json.dumps(result))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--layers", type=int, default=10)
@@ -425,7 +462,10 @@ def main() -> None:
     ap.add_argument("--placement", choices=["colocated", "separate"], default="colocated")
     ap.add_argument("--gpus-per-engine", type=int, default=2, help="colocated: trainer ranks per engine")
     ap.add_argument("--fp8", action="store_true", help="colocated: the FP8 row (bf16 sync vs FP8 sync)")
+    ap.add_argument("--lora-rank", type=int, default=0, help="the LoRA row: adapter vs full sync bytes")
     args = ap.parse_args()
+    if args.lora_rank:
+        return main_lora(args, hf_config(args))
     if args.fp8:
         return main_fp8(args, hf_config(args), args.bucket_mb * 1024**2)
     if args.placement == "colocated":

@@ -5,6 +5,12 @@ checkpoint's from the model.hf_dir it records).
 
     tools/convert_megatron_to_hf.py --megatron-dir DIR --out-dir DIR [--dtype bf16|fp32]
                                     [--max-shard-size 5GB] [--force] [--mtp-from HF_DIR] [--fp8]
+                                    [--lora-adapter-out DIR]
+
+LoRA runs (a checkpoint whose recipe.yaml has lora.rank > 0): --out-dir writes the merged model (every
+adapted weight W + (alpha/r) * B @ A, a plain HF folder), --lora-adapter-out DIR the adapters alone as a PEFT
+folder (adapter_config.json + adapter_model.safetensors) that peft.PeftModel.from_pretrained loads onto the
+base model; give either or both. Details: srpo_megatron/conversion/lora_export.py.
 
 GLM-4.5 / DeepSeek-V3 MTP layers are re-emitted unchanged from --mtp-from, or by default from the HF folder
 the checkpoint was converted or trained from (``hf_source.json``), when that folder has them.
@@ -31,7 +37,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from srpo_megatron.conversion.checkpoint import DTYPES, megatron_to_hf
+from srpo_megatron.conversion.checkpoint import DTYPES, megatron_lora_to_peft, megatron_to_hf
 from srpo_megatron.conversion.safetensors_io import parse_size
 
 
@@ -52,14 +58,21 @@ def main(argv: list[str] | None = None) -> int:
         required=True,
         help="checkpoint with hf_config.json, or a run directory (its newest complete checkpoint)",
     )
-    p.add_argument("--out-dir", required=True, help="output HF model folder")
+    p.add_argument("--out-dir", help="output HF model folder (a LoRA run: the merged model)")
     p.add_argument("--dtype", choices=sorted(DTYPES), help="output dtype (default: the checkpoint's)")
     p.add_argument("--max-shard-size", default="5GB", help="largest safetensors shard (e.g. 5GB, 500MB)")
     p.add_argument("--force", action="store_true", help="replace a previous conversion in --out-dir")
     p.add_argument("--mtp-from", help="HF folder whose MTP layers to copy (default: the recorded source)")
     p.add_argument("--fp8", action="store_true", help="write blockwise FP8 (weight + weight_scale_inv)")
+    p.add_argument("--lora-adapter-out", help="a LoRA run: write its adapters as a PEFT folder here")
     args = p.parse_args(argv)
+    if args.out_dir is None and args.lora_adapter_out is None:
+        p.error("give --out-dir (the model) and/or --lora-adapter-out (a LoRA run's PEFT adapter folder)")
     try:
+        if args.lora_adapter_out is not None:
+            megatron_lora_to_peft(args.megatron_dir, args.lora_adapter_out, force=args.force)
+        if args.out_dir is None:
+            return 0
         megatron_to_hf(
             args.megatron_dir,
             args.out_dir,

@@ -47,6 +47,15 @@ import torch
 from srpo_megatron.conversion.checkpoint_files import checkpoint_to_read, is_trainer_checkpoint
 from srpo_megatron.conversion.dist_reader import TorchDistReader
 from srpo_megatron.conversion.fp8_folder import Fp8Export, check_fp8_folder, layout_of, mtp_tensors
+from srpo_megatron.conversion.lora_export import (
+    RECIPE_FILE,
+    check_peft_exportable,
+    checkpoint_lora_config,
+    merge_hook,
+    read_checkpoint_lora,
+    write_peft_folder,
+)
+from srpo_megatron.conversion.lora_table import LoraTable
 from srpo_megatron.conversion.mtp import mtp_names, record_source, recorded_source
 from srpo_megatron.conversion.mtp import notice as mtp_notice
 from srpo_megatron.conversion.output_guard import (
@@ -435,9 +444,11 @@ def _write_export(
     out_dtype: torch.dtype,
     fp8_out: Fp8Export | None,
     progress: Callable[[str], None],
+    merge: Callable[[str, torch.Tensor], torch.Tensor] | None = None,
 ) -> None:
     """Read each policy parameter from the checkpoint, convert it through the table and write its HF
-    tensors (FP8 layout weights quantized from the stored values when ``fp8_out``)."""
+    tensors (FP8 layout weights quantized from the stored values when ``fp8_out``; LoRA adapters folded
+    in by ``merge(hf_name, tensor)`` first, ``lora_export.merge_hook``)."""
     for i, name in enumerate(table.megatron_names()):
         if name not in by_name:
             raise ConversionError(f"policy has no parameter {name} (table and model disagree)")
@@ -446,6 +457,7 @@ def _write_export(
             ckpt_dir, name, lambda param=param, group=group: _read_param(reader, param, group)
         )
         for hf_name, tensor in table.to_hf(name, full):
+            tensor = merge(hf_name, tensor) if merge is not None else tensor
             base, e = slice_name(hf_name) or (hf_name, None)  # x[e]: slice e of fused x
             quantized = fp8_out.tensors(base, tensor) if fp8_out is not None and e is None else []
             for q_name, q in quantized:
@@ -608,7 +620,10 @@ def megatron_to_hf(
         writer = PlannedSafetensorsWriter(tmp, plan, out_dtype, max_shard_bytes, dtypes=keep)
         with plain_torch_ops():
             try:
-                _write_export(table, ckpt_dir, reader, by_name, writer, keep, out_dtype, fp8_out, progress)
+                merge = _lora_merge(ckpt_dir, arch, table, reader, progress)
+                _write_export(
+                    table, ckpt_dir, reader, by_name, writer, keep, out_dtype, fp8_out, progress, merge
+                )
                 for h, _, _, read in mtp_plan:
                     writer.write(h, read())
             finally:
@@ -631,6 +646,72 @@ def megatron_to_hf(
     return Path(out_dir)
 
 
+def _lora_adapters(
+    ckpt_dir: Path, arch: Architecture, table: ConversionTable, reader: TorchDistReader
+) -> tuple[LoraTable, dict[str, torch.Tensor]] | None:
+    """The checkpoint's LoRA table and adapters (``model.<adapter name>``, full shapes), None without LoRA."""
+    lora = checkpoint_lora_config(ckpt_dir)
+    if lora is None:
+        return None
+    lora_table = LoraTable(arch, lora, table)
+
+    def read(key: str) -> torch.Tensor:
+        try:
+            md = reader.tensor_metadata(key)
+        except KeyError:
+            raise ConversionInputError(
+                f"{ckpt_dir}: its recipe.yaml has lora.rank={lora.rank} but the checkpoint has no adapter "
+                f"tensor {key}; export a checkpoint the LoRA run saved (or remove the lora section)"
+            ) from None
+        return reader.read(key, (0,) * len(md.size), tuple(md.size))
+
+    return lora_table, read_checkpoint_lora(read, lora_table, POLICY_PREFIX)
+
+
+def _lora_merge(
+    ckpt_dir: Path, arch: Architecture, table: ConversionTable, reader: TorchDistReader, progress
+) -> Callable[[str, torch.Tensor], torch.Tensor] | None:
+    got = _lora_adapters(ckpt_dir, arch, table, reader)
+    if got is None:
+        return None
+    lora_table, adapters = got
+    progress(
+        f"merging {len(lora_table.hf_modules())} LoRA adapters (rank {lora_table.lora.rank}, scaling "
+        f"{lora_table.lora.scaling:g}) into the exported weights: W + scaling * B @ A"
+    )
+    return merge_hook(lora_table, adapters)
+
+
+def megatron_lora_to_peft(
+    ckpt_dir: str | Path, out_dir: str | Path, *, force: bool = False, progress: Callable[[str], None] = log
+) -> Path:
+    """Write the LoRA adapters of a trainer checkpoint (or run directory) as a PEFT adapter folder
+    (``lora_export.write_peft_folder``; ``base_model_name_or_path``: the run's ``model.hf_dir``)."""
+    given = Path(ckpt_dir)
+    ckpt_dir = checkpoint_to_read(given, progress)
+    source = recorded_source(ckpt_dir)
+    check_output_dir(out_dir, (given, ckpt_dir, source), force)
+    config = read_json(ckpt_dir / HF_CONFIG_NAME, "export a checkpoint written by the trainer")
+    arch = Architecture.from_hf(config, where=str(ckpt_dir / HF_CONFIG_NAME))
+    reader = _unreadable_as_input_error(ckpt_dir, "its metadata", lambda: TorchDistReader(ckpt_dir))
+    try:
+        got = _lora_adapters(ckpt_dir, arch, ConversionTable(arch), reader)
+        if got is None:
+            raise ConversionInputError(
+                f"{ckpt_dir} was not trained with LoRA (its {RECIPE_FILE} has no lora section with "
+                "rank > 0): export the full model with --out-dir instead of --lora-adapter-out"
+            )
+        lora_table, adapters = got
+        check_peft_exportable(lora_table)
+        about = {"direction": "megatron_lora_to_peft", "source": str(ckpt_dir.resolve())}
+        with atomic_output_dir(out_dir, force, inputs=(given, ckpt_dir, source), about=about) as tmp:
+            write_peft_folder(tmp, lora_table, adapters, str(source) if source else None)
+    finally:
+        reader.close()
+    progress(f"done: PEFT adapter folder {out_dir} ({len(adapters)} tensors, rank {lora_table.lora.rank})")
+    return Path(out_dir)
+
+
 __all__ = [
     "DTYPES",
     "HF_CONFIG_NAME",
@@ -639,5 +720,6 @@ __all__ = [
     "canonical_name",
     "hf_to_megatron",
     "load_policy_checkpoint",
+    "megatron_lora_to_peft",
     "megatron_to_hf",
 ]

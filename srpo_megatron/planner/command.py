@@ -20,6 +20,7 @@ gpt-oss-20b/120b; the hub's config.json files), the packaged config is used and 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 from dataclasses import replace
@@ -44,6 +45,7 @@ from srpo_megatron.planner.model import (
     active_params,
     mtp_params,
     router_buffer_elements,
+    stage_param_counts,
 )
 
 HF_CONFIG_DIR = Path(__file__).with_name("hf_configs")
@@ -164,6 +166,35 @@ def model_notes(shape: ModelShape | None) -> list[str]:
     return notes
 
 
+def lora_figures(cfg: TrainConfig, plan: Plan) -> dict[str, int] | None:
+    """``lora.rank > 0``: the adapters' values and bytes on one GPU of the plan's worst stage
+    (``planner/lora.py``). Shown beside the plan; the per-component table above still plans full
+    fine-tuning (an upper bound for a LoRA run)."""
+    if not cfg.lora.enabled or plan.shape is None:
+        return None
+    from srpo_megatron.models.architecture import Architecture
+    from srpo_megatron.planner.lora import lora_plan
+
+    hf_config, _ = resolve_hf_config(cfg.model.hf_dir)
+    lay = plan.layout
+    stage_params = sum(stage_param_counts(plan.shape, lay, plan.stage.stage))
+    lp = lora_plan(
+        Architecture.from_hf(hf_config), cfg.lora, lay.tp, lay.pp, lay.ep, lay.etp, lay.dp,
+        plan.settings.distributed_optimizer, plan.settings.teacher_fp32 != "none", stage_params,
+    )  # fmt: skip
+    return {**dataclasses.asdict(lp), "teacher_saving_bytes": lp.teacher_saving}
+
+
+def format_lora(fig: dict[str, int]) -> str:
+    per_gpu = fig["adapter_params_per_gpu"] / 1e6
+    return (
+        f"LoRA: {fig['adapter_params'] / 1e6:.2f} M adapter params ({per_gpu:.2f} M per GPU): grads "
+        f"{fig['grad_bytes'] / GiB:.3f} GiB + optimizer {fig['optimizer_bytes'] / GiB:.3f} GiB; "
+        f"EMA teacher {fig['teacher_bytes'] / GiB:.3f} GiB (fp32 adapters) instead of "
+        f"{fig['teacher_full_bytes'] / GiB:.2f} GiB; base weights frozen (no grads, no optimizer state)"
+    )
+
+
 def format_plan(plan: Plan, ranked: list[Plan], source: str) -> str:
     """The human-readable table."""
     m = plan.stage
@@ -255,8 +286,11 @@ def plan_main(args: argparse.Namespace) -> int:
     except (ConfigError, PlanError) as e:
         print(f"srpo plan: error: {e}", file=sys.stderr)
         return 2
+    lora = lora_figures(load_recipe(args.recipe, list(args.override)), plan)
     if args.json:
         out = plan.to_json()
+        if lora is not None:
+            out["lora"] = lora
         out["config_source"] = source
         out["active_params"] = active_params(plan.shape)
         out["router_buffer_elements"] = router_buffer_elements(plan.shape)
@@ -265,6 +299,8 @@ def plan_main(args: argparse.Namespace) -> int:
         print(json.dumps(out, indent=2))
     else:
         print(format_plan(plan, ranked, source))
+        if lora is not None:
+            print(format_lora(lora))
     return 0 if plan.fits else EXIT_DOES_NOT_FIT
 
 

@@ -110,6 +110,8 @@ def _flag(key: str, value: Any) -> list[str]:
         return [flag]
     if value is False or value is None:
         return []
+    if isinstance(value, list | tuple):  # nargs="+" flags (e.g. --lora-target-modules q_proj v_proj)
+        return [flag, *(str(v) for v in value)]
     return [flag, str(value)]
 
 
