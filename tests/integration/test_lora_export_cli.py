@@ -19,7 +19,7 @@ import yaml
 
 from srpo_megatron.config.lora import LoraConfig
 from srpo_megatron.testing.tiny import tiny_hf_model
-from tests.helpers.lora import random_adapters, reference_logits
+from tests.helpers.lora_adapters import random_adapters, reference_logits
 
 REPO = Path(__file__).resolve().parents[2]
 peft = pytest.importorskip("peft")

@@ -22,7 +22,7 @@ from srpo_megatron.conversion.lora_export import (
 )
 from srpo_megatron.conversion.lora_table import LoraTable, LoraTableError
 from srpo_megatron.models.architecture import Architecture
-from tests.helpers.lora import random_adapters, random_expert_adapters, reference_logits
+from tests.helpers.lora_adapters import random_adapters, random_expert_adapters, reference_logits
 
 peft = pytest.importorskip("peft")
 
