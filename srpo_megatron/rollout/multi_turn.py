@@ -58,7 +58,8 @@ class TurnLimits:
 
 @dataclass
 class Trajectory:
-    """One multi-turn sample's bookkeeping (``Completion.meta["multi_turn"]``)."""
+    """One multi-turn sample's bookkeeping (``Completion.meta["multi_turn"]`` holds it as a dict:
+    ``to_meta``; ``Trajectory.of(completion)`` reads it back)."""
 
     response_mask: list[int] = field(default_factory=list)
     turn_spans: list[tuple[int, int]] = field(default_factory=list)  # each assistant turn's [start, end)
@@ -76,6 +77,21 @@ class Trajectory:
     @property
     def turns(self) -> int:
         return len(self.turn_spans)
+
+    def to_meta(self) -> dict[str, Any]:
+        """Plain python (``Completion.meta["multi_turn"]``): the rollout pool's checkpoint loads it without
+        unpickling (``torch.load(weights_only=True)``)."""
+        out = dataclasses.asdict(self)
+        out["turn_spans"] = [list(span) for span in self.turn_spans]
+        return out
+
+    @classmethod
+    def of(cls, c: Completion) -> Trajectory | None:
+        """The bookkeeping of a multi-turn ``Completion``; None for a single-turn one."""
+        meta = c.meta.get("multi_turn")
+        if meta is None:
+            return None
+        return cls(**{**meta, "turn_spans": [tuple(span) for span in meta["turn_spans"]]})
 
 
 class TurnRenderer:
@@ -294,7 +310,7 @@ class MultiTurnRollout:
             logprobs=list(s.logprobs),
             finish_reason=s.finish,  # type: ignore[arg-type]
             weight_version=s.weight_version,
-            meta={"sample_index": s.member, "multi_turn": s.traj},
+            meta={"sample_index": s.member, "multi_turn": s.traj.to_meta()},
         )
 
 
@@ -311,7 +327,7 @@ def multi_turn_metrics(completions: Sequence[Completion]) -> dict[str, float]:
     """The step's ``multiturn/*`` metrics over its multi-turn trajectories ({} when there are none):
     turns, tool calls and errors, faults (raised, timed out), clipped tool outputs, truncations, the
     trajectories a fault failed, the environment's reward parts and the tool tokens' share."""
-    trajs = [c.meta["multi_turn"] for c in completions if "multi_turn" in c.meta]
+    trajs = [t for t in map(Trajectory.of, completions) if t is not None]
     if not trajs:
         return {}
     n = len(trajs)

@@ -25,7 +25,13 @@ from srpo_megatron.rollout.base import Completion, SamplingParams
 from srpo_megatron.rollout.environments import EnvStep, NotAnEnvironment, resolve_environment
 from srpo_megatron.rollout.environments.calculator import CalculatorEnv, evaluate
 from srpo_megatron.rollout.environments.tool_replay import RECORDED_OK, ToolReplayEnv
-from srpo_megatron.rollout.multi_turn import MultiTurnRollout, TurnLimits, TurnRenderer, multi_turn_metrics
+from srpo_megatron.rollout.multi_turn import (
+    MultiTurnRollout,
+    Trajectory,
+    TurnLimits,
+    TurnRenderer,
+    multi_turn_metrics,
+)
 from srpo_megatron.trainer.collect.sample_routing import reward_groups, route_groups
 
 CALC = '<tool_call>\n{"name": "calculator", "arguments": {"expression": "%s"}}\n</tool_call>'
@@ -108,7 +114,7 @@ def test_a_calculator_trajectory_becomes_one_masked_sample():
     scripts = [[CALC % "3 * 4", "The answer is 12."], ["I think it is 13."]]
     tok, row, prompt, out = drive(CalculatorEnv, scripts)
     good, direct = out[0]
-    t = good.meta["multi_turn"]
+    t = Trajectory.of(good)
     assert (t.turns, t.tool_calls, t.tool_errors, good.finish_reason) == (2, 1, 0, "stop")
     tool = [i for i, m in zip(good.token_ids, t.response_mask, strict=True) if m == 0]
     assert tok.decode(tool) == (
@@ -181,7 +187,7 @@ def test_a_fault_is_counted_and_scored_as_the_recipe_says(env, metric, line, on_
     scripts = [[CALC % "3 * 4", "The answer is 12."], ["12"]]
     limits = TurnLimits(tool_timeout_s=0.5, on_tool_fault=on_fault)
     tok, row, prompt, out = drive(env, scripts, limits)
-    t = out[0][0].meta["multi_turn"]
+    t = Trajectory.of(out[0][0])
     assert len(t.faults) == 1 and line in t.faults[0]
     b = batch(tok, row, prompt, out)
     assert b.metrics[metric] == 1
@@ -198,7 +204,7 @@ def test_a_fault_is_counted_and_scored_as_the_recipe_says(env, metric, line, on_
 
 def test_a_huge_tool_output_is_clipped_and_counted():
     _, _, _, out = drive(Huge, [[CALC % "1", "12"]], TurnLimits(max_tool_output_tokens=64))
-    t = out[0][0].meta["multi_turn"]
+    t = Trajectory.of(out[0][0])
     assert t.tool_clipped == 1 and t.turns == 2
     assert len(t.response_mask) - sum(t.response_mask) < 64 + 40  # the clip plus the template's markup
     assert multi_turn_metrics(out[0])["multiturn/tool_clipped"] == 1
@@ -208,16 +214,14 @@ def test_the_token_budget_and_max_turns_truncate():
     loop = [[CALC % "1 + 1"] * 10]
     _, _, _, out = drive(CalculatorEnv, loop, TurnLimits(max_turns=3))
     c = out[0][0]
-    assert (c.finish_reason, c.meta["multi_turn"].truncated, c.meta["multi_turn"].turns) == (
+    assert (c.finish_reason, Trajectory.of(c).truncated, Trajectory.of(c).turns) == (
         "length",
         "turns",
         3,
     )
     _, _, _, out = drive(CalculatorEnv, loop, TurnLimits(max_turns=10), max_new_tokens=120)
     c = out[0][0]
-    assert (c.finish_reason, c.meta["multi_turn"].truncated) == ("length", "tokens") and len(
-        c.token_ids
-    ) < 120
+    assert (c.finish_reason, Trajectory.of(c).truncated) == ("length", "tokens") and len(c.token_ids) < 120
     assert multi_turn_metrics([c])["multiturn/truncated_tokens"] == 1
 
 
@@ -229,7 +233,17 @@ def test_environment_targets_are_checked_before_use():
         resolve_environment("os:system")
     with pytest.raises(ConfigError, match=r"rollout\.environment='calculator' must look like"):
         RolloutConfig(environment="calculator")
-    with pytest.raises(
-        ConfigError, match=r"routing_replay is not supported with rollout"
-    ):
+    with pytest.raises(ConfigError, match=r"routing_replay is not supported with rollout"):
         RolloutConfig(environment="m:f", routing_replay=True)
+
+
+def test_the_bookkeeping_survives_the_pools_checkpoint_without_unpickling(tmp_path):
+    import dataclasses
+
+    import torch
+
+    _, _, _, out = drive(CalculatorEnv, [[CALC % "3 * 4", "12"]])
+    c = out[0][0]
+    torch.save({"completion": {f.name: getattr(c, f.name) for f in dataclasses.fields(c)}}, tmp_path / "b.pt")
+    back = Completion(**torch.load(tmp_path / "b.pt", weights_only=True)["completion"])
+    assert Trajectory.of(back) == Trajectory.of(c) and Trajectory.of(c).turns == 2

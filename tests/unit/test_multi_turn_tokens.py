@@ -23,7 +23,13 @@ from srpo_megatron.data.templating import encode_text, template_text
 from srpo_megatron.rollout.base import SamplingParams
 from srpo_megatron.rollout.environments.base import EnvStep
 from srpo_megatron.rollout.hf_engine import HFEngine
-from srpo_megatron.rollout.multi_turn import MultiTurnRollout, TemplateDrift, TurnLimits, TurnRenderer
+from srpo_megatron.rollout.multi_turn import (
+    MultiTurnRollout,
+    TemplateDrift,
+    Trajectory,
+    TurnLimits,
+    TurnRenderer,
+)
 from srpo_megatron.testing.tiny import write_tiny_qwen3
 
 EOS_TEXT = "<|im_end|>"
@@ -166,7 +172,7 @@ def check(tok, data, prompts, rec, out, thinking):
         for j, c in enumerate(group):
             want, engine_turns = expected_response(tok, data[i], prompts[i], rec, i, j, thinking)
             assert c.token_ids == want, f"trajectory {i}/{j}: scored ids differ from engine + template ids"
-            traj = c.meta["multi_turn"]
+            traj = Trajectory.of(c)
             assert c.finish_reason == "stop" and not traj.truncated
             spans = traj.turn_spans
             assert [c.token_ids[a:b] for a, b in spans] == engine_turns

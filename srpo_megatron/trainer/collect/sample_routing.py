@@ -29,7 +29,7 @@ from srpo_megatron.data.templating import encode_text, template_text
 from srpo_megatron.losses import group_advantages, route, routing_masks
 from srpo_megatron.rewards.pool import RewardPool, RewardResult
 from srpo_megatron.rollout.base import Completion, SamplingParams
-from srpo_megatron.rollout.multi_turn import multi_turn_metrics
+from srpo_megatron.rollout.multi_turn import Trajectory, multi_turn_metrics
 from srpo_megatron.rollout.routed_experts import compact_ids
 from srpo_megatron.trainer.step_types import RolloutBatch, Sample, benchmark_metric, merge_metrics
 
@@ -117,7 +117,7 @@ def reward_groups(
 def _response_text(tokenizer: Any, c: Completion) -> str:
     """What the verifier reads: the response decoded, or a multi-turn trajectory's assistant turns (the
     tool/user turns between them are the environment's words, not the model's)."""
-    traj = c.meta.get("multi_turn")
+    traj = Trajectory.of(c)
     if traj is not None:
         return traj.assistant_text
     return tokenizer.decode(c.token_ids, skip_special_tokens=True)
@@ -126,7 +126,7 @@ def _response_text(tokenizer: Any, c: Completion) -> str:
 def trajectory_reward(verifier: float, c: Completion) -> float:
     """A multi-turn trajectory's reward: the verifier's plus the environment's per-turn parts, or 0 when a
     fault ended it under ``rollout.on_tool_fault: fail``; a single-turn sample's is the verifier's."""
-    traj = c.meta.get("multi_turn")
+    traj = Trajectory.of(c)
     if traj is None:
         return verifier
     return 0.0 if traj.failed else verifier + float(sum(traj.turn_rewards))
@@ -162,7 +162,7 @@ def route_groups(
     samples: list[Sample] = []
     for i, (prompt, group) in enumerate(zip(prompts, completions, strict=True)):
         for j, c in enumerate(group):
-            traj = c.meta.get("multi_turn")
+            traj = Trajectory.of(c)
             context = None
             if needs_teacher[i, j]:
                 sib = int(routing.sibling[i, j])
