@@ -67,6 +67,7 @@ def test_sglang_real_multi_turn_bodies_pass_generatereqinput_and_carry_the_score
     out = driver.generate(engine, prompts, rows, params)
     assert server.rejected == [], server.rejected  # SGLang's GenerateReqInput took every body
     bodies = [b for route, b in server.bodies if route == "/generate"]
+    assert all("text" not in b for b in bodies)  # ids in, never the conversation's text
     sent = [ids for b in bodies for ids in b["input_ids"]]
     multi = 0
     for i, group in enumerate(out):
@@ -79,11 +80,13 @@ def test_sglang_real_multi_turn_bodies_pass_generatereqinput_and_carry_the_score
     assert len(sent) >= 4 + 2 * multi
 
 
-def test_sglang_real_planted_text_body_for_a_later_turn_is_refused():
-    """Sending a later turn as re-rendered text AND ids is what SGLang's class refuses (both inputs set)."""
+def test_sglang_real_a_body_with_text_is_tokenized_by_the_server_whatever_its_ids():
+    """Why the bodies must carry ``input_ids`` only: SGLang's class takes ``text`` over ``input_ids`` when
+    both are set (io_struct ``_determine_batch_size`` reads text first), so a later turn sent with the
+    conversation's text would be re-tokenized by the server, the drift token-in-token-out prevents."""
     cls = request_class("/generate")
     if cls is None:
         pytest.skip("SGLang's io_struct does not import here")
-    req = cls(text="<|im_start|>user\nhi", input_ids=[1, 2], sampling_params={"max_new_tokens": 1})
-    with pytest.raises(ValueError):
-        req.normalize_batch_and_arguments()
+    req = cls(text=["<|im_start|>user\nhi"], input_ids=[[1, 2]], sampling_params=[{"max_new_tokens": 1}])
+    req.normalize_batch_and_arguments()
+    assert req.text == ["<|im_start|>user\nhi"] and req.batch_size == 1

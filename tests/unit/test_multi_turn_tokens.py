@@ -184,11 +184,15 @@ def check(tok, data, prompts, rec, out, thinking):
     return turns
 
 
-@pytest.mark.parametrize("thinking", [False, True])
-def test_scored_ids_are_the_engines_plus_the_templates_tool_turns(engine, thinking):
-    tok, data, prompts, rec, out = run(engine, thinking)
+@pytest.mark.parametrize(("thinking", "n_prompts"), [(False, 25), (True, 5)])
+def test_scored_ids_are_the_engines_plus_the_templates_tool_turns(engine, thinking, n_prompts):
+    """50 trajectories with thinking off (the paper's setting: every generation prompt opens with the
+    empty think block), 10 with it on."""
+    tok, data, prompts, rec, out = run(engine, thinking, n_prompts)
     turns = check(tok, data, prompts, rec, out, thinking)
-    assert len(turns) == 50 and set(turns) == {1, 2, 3, 4}, turns
+    assert len(turns) == 2 * n_prompts
+    if n_prompts == 25:
+        assert set(turns) == {1, 2, 3, 4}, turns
 
 
 def test_a_planted_retokenization_of_the_conversation_fails_the_check(engine, monkeypatch):
