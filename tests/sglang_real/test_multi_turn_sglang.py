@@ -21,9 +21,17 @@ from srpo_megatron.rollout.environments.base import EnvStep
 from srpo_megatron.rollout.multi_turn import MultiTurnRollout, Trajectory, TurnLimits, TurnRenderer
 from srpo_megatron.rollout.sglang.engine import SGLangEngine
 from srpo_megatron.testing import sglang_import
-from srpo_megatron.testing.sglang_standin import SGLangStandInServer, request_class
 
 pytestmark = pytest.mark.sglang_real
+
+# SGLang's modules load before anything here imports transformers (as tests/sglang_real/test_sglang_real.py)
+REAL = sglang_import.load()
+
+
+def request_class(route: str):
+    from srpo_megatron.testing.sglang_standin import request_class
+
+    return request_class(route)
 
 
 class ThreeTurns:
@@ -44,10 +52,11 @@ class ThreeTurns:
 def served(tmp_path_factory):
     from transformers import AutoModelForCausalLM
 
+    from srpo_megatron.testing.sglang_standin import SGLangStandInServer
     from srpo_megatron.testing.tiny import write_tiny_qwen3
 
     if request_class("/generate") is None:
-        pytest.skip(f"SGLang's io_struct does not import here: {sglang_import.load()}")
+        pytest.skip(f"SGLang's io_struct does not import here: {REAL.errors}")
     folder = write_tiny_qwen3(tmp_path_factory.mktemp("tiny_qwen3"))
     server = SGLangStandInServer(AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32))
     cfg = SGLangEngineConfig(mode="http", url=server.url, model_path=str(folder))
