@@ -247,3 +247,12 @@ def test_the_bookkeeping_survives_the_pools_checkpoint_without_unpickling(tmp_pa
     torch.save({"completion": {f.name: getattr(c, f.name) for f in dataclasses.fields(c)}}, tmp_path / "b.pt")
     back = Completion(**torch.load(tmp_path / "b.pt", weights_only=True)["completion"])
     assert Trajectory.of(back) == Trajectory.of(c) and Trajectory.of(c).turns == 2
+
+
+def test_planted_unguarded_step_lets_a_raising_tool_crash_the_rollout(monkeypatch):
+    """The guard is what keeps the step alive: calling the environment directly (planted) raises out."""
+    from srpo_megatron.rollout import multi_turn
+
+    monkeypatch.setattr(multi_turn, "guarded_step", lambda env, text, timeout_s: (env.step(text), "", ""))
+    with pytest.raises(RuntimeError, match="backend is down"):
+        drive(Raising, [[CALC % "3 * 4", "12"]])
