@@ -120,6 +120,16 @@ class RolloutConfig:
     # engine emulating it with dequantize(quantize(W)) (README "Low precision"). Pair fp8 with an IS
     # correction (loss.is_correction: icepop or mis) for the precision gap it opens.
     precision: Literal["bf16", "fp8"] = "bf16"
+    # Multi-turn, tool-calling rollouts (rollout/multi_turn.py): the environment that answers each
+    # assistant turn, "package.module:Factory" (code that runs: the trust rule of reward_fns); "" =
+    # single-turn. max_new_tokens then bounds the whole trajectory (assistant and tool tokens).
+    environment: str = ""
+    max_turns: int = 4  # assistant turns per trajectory; more without the environment done = truncated
+    tool_timeout_s: float = 10.0  # one environment step; past it the step is a fault (counted)
+    max_tool_output_tokens: int = 512  # a tool message's content is clipped to this many tokens (counted)
+    # an environment step that raised or timed out: continue (the error is the tool's answer, the
+    # trajectory goes on and is scored as usual) or fail (the trajectory ends and its reward is 0)
+    on_tool_fault: Literal["continue", "fail"] = "continue"
 
     def __post_init__(self) -> None:
         self._check_sampling()
@@ -128,6 +138,7 @@ class RolloutConfig:
         self._check_engine_resources()
         self._check_off_policy()
         self._check_dynamic_sampling()
+        self._check_environment()
 
     def _check_sampling(self) -> None:
         """Sampling parameters and group shape."""
@@ -272,6 +283,40 @@ class RolloutConfig:
                 warn_config(
                     f"{', '.join(unused)} does nothing while rollout.dynamic_sampling is false (every group "
                     "is trained); set rollout.dynamic_sampling=true or drop the key"
+                )
+
+    def _check_environment(self) -> None:
+        """Multi-turn keys; what multi-turn rollouts do not support yet is refused by name."""
+        if self.max_turns < 1 or self.tool_timeout_s <= 0 or self.max_tool_output_tokens < 1:
+            raise ConfigError(
+                f"rollout.max_turns={self.max_turns} must be >= 1, rollout.tool_timeout_s="
+                f"{self.tool_timeout_s} > 0 (seconds) and rollout.max_tool_output_tokens="
+                f"{self.max_tool_output_tokens} >= 1"
+            )
+        if self.on_tool_fault not in ("continue", "fail"):
+            raise ConfigError(
+                f"rollout.on_tool_fault={self.on_tool_fault!r} is not a choice; use continue (the error is "
+                "the tool's answer) or fail (the trajectory ends with reward 0)"
+            )
+        if not self.environment:
+            return
+        module, sep, name = self.environment.partition(":")
+        if not (sep and module and name):
+            raise ConfigError(
+                f"rollout.environment={self.environment!r} must look like 'package.module:Factory' (e.g. "
+                "'srpo_megatron.rollout.environments.calculator:CalculatorEnv'), or be empty (single-turn)"
+            )
+        unsupported = [
+            (self.partial, "rollout.partial"),
+            (self.routing_replay, "rollout.routing_replay"),
+            (self.parity_top_k > 0, "rollout.parity_top_k"),
+        ]
+        for on, key in unsupported:
+            if on:
+                raise ConfigError(
+                    f"{key} is not supported with rollout.environment={self.environment!r} yet (multi-turn "
+                    f"rollouts neither continue aborted turns nor report experts or top-k per turn); turn "
+                    f"{key} off or set rollout.environment to ''"
                 )
 
     def engine_size(self) -> int:

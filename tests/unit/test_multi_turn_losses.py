@@ -13,7 +13,7 @@ and laid out by the real ``sample_tokens`` (where ``Sample.response_mask`` is fo
   sibling's trajectory (each turn cleaned by SDPO's think rule);
 - planted: single-turn masks (``assistant_rows`` ignoring ``response_mask``) are caught by both.
 
-``MTCompletion`` is a stand-in for the rollout side's ``Completion`` with its ``response_mask``.
+``mt_completion`` builds a completion the way the multi-turn rollout does (its ``Trajectory`` in ``meta``).
 The loss part maps the real token ids into a 48-id vocabulary (the reference materialises [T, V]).
 """
 
@@ -37,6 +37,7 @@ from srpo_megatron.losses import (
     sequence_weights,
 )
 from srpo_megatron.rollout.base import Completion
+from srpo_megatron.rollout.multi_turn import Trajectory
 from srpo_megatron.trainer.collect.sample_routing import route_groups, trajectory_messages
 from srpo_megatron.trainer.microbatches import batches
 from srpo_megatron.trainer.microbatches.batches import row_offsets, sample_tokens
@@ -48,11 +49,10 @@ REWARDS = [[1.0, 0.0, 0.0], [0.0, 1.0, 1.0]]
 ROW = Row("What is the sum? Use the calculator.", "You are a careful solver.", "5", "math", "t", "t:1")
 
 
-@dataclasses.dataclass
-class MTCompletion(Completion):
-    """Stand-in: the multi-turn rollout's completion (1 = the engine's token, 0 = a tool turn's)."""
-
-    response_mask: list[int] | None = None
+def mt_completion(i: int, ids: list[int], logp: list[float], mask: list[int]) -> Completion:
+    """A multi-turn completion as the rollout driver leaves it: its ``Trajectory`` bookkeeping (1 = the
+    engine's token, 0 = a tool turn's) in ``Completion.meta``."""
+    return Completion(i, ids, logp, "stop", meta={"multi_turn": Trajectory(response_mask=mask).to_meta()})
 
 
 def _turns(i: int, j: int) -> list[tuple[str, int]]:
@@ -105,7 +105,7 @@ def routed(tok):
                 ids += seg
                 mask += [m] * len(seg)
             logp = [(-3 * float(torch.rand((), generator=gen))) if m else 0.0 for m in mask]
-            group.append(MTCompletion(i, ids, logp, "stop", response_mask=mask))
+            group.append(mt_completion(i, ids, logp, mask))
         groups.append(group)
         texts.append([tok.decode(c.token_ids, skip_special_tokens=True) for c in group])
     return {

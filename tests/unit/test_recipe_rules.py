@@ -46,6 +46,11 @@ ADDED_SINCE = {
     "lora.target_modules": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
     "lora.experts": False,
     "lora.sync": "adapter",
+    "rollout.environment": "",
+    "rollout.max_turns": 4,
+    "rollout.tool_timeout_s": 10.0,
+    "rollout.max_tool_output_tokens": 512,
+    "rollout.on_tool_fault": "continue",
     "rollout.sglang.concurrent_requests": 512,  # only where the recipe has a rollout.sglang section
 }
 # Keys a recipe set since the snapshot (recipe -> key -> value): the GRPO and SDPO baselines average per

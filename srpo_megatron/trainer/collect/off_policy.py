@@ -49,6 +49,7 @@ class Job:
     dispatch: int  # run-unique round number (also the sampling seed's step part)
     prompts: list[list[int]]
     params: SamplingParams
+    rows: list[Any] | None = None  # the prompts' data rows (multi-turn: each trajectory's environment)
 
 
 @dataclass
@@ -79,6 +80,9 @@ class GenerationWorker:
     engine: Callable[[], Any]
     threaded: bool
     continue_partial: Callable[..., list[list[Completion]]] | None = None
+    # multi-turn rollouts (rollout.environment): ``multi_turn.generate(engine, prompts, rows, params)``
+    # drives each trajectory's turns instead of one ``engine.generate`` (rollout/multi_turn.py)
+    multi_turn: Any | None = None
     _queue: deque[Job] = field(default_factory=deque)
     _results: dict[int, JobResult] = field(default_factory=dict)
     _busy: list[_Interval] = field(default_factory=list)
@@ -205,7 +209,12 @@ class GenerationWorker:
         t0 = time.monotonic()
         engine, version = self._start()
         try:
-            out = engine.generate(job.prompts, job.params) if job.prompts else []
+            if not job.prompts:
+                out = []
+            elif self.multi_turn is not None:
+                out = self.multi_turn.generate(engine, job.prompts, job.rows, job.params)
+            else:
+                out = engine.generate(job.prompts, job.params)
             for group in out:
                 for c in group:
                     c.weight_version = version  # stamped at dispatch (the engine may say otherwise)

@@ -27,6 +27,7 @@ import torch.distributed as dist
 from srpo_megatron.data.dataset import Prompt
 from srpo_megatron.rewards.pool import RewardPool
 from srpo_megatron.rollout.base import Completion, EngineError
+from srpo_megatron.rollout.multi_turn import multi_turn_rollout
 from srpo_megatron.rollout.partial import continue_partial
 from srpo_megatron.rollout.placement import EngineLayout, engine_urls, separate_layout, split_prompts
 from srpo_megatron.trainer.collect.batch_shipping import broadcast_from_rank0, gather_to_rank0, ship_shares
@@ -130,6 +131,7 @@ class RolloutService:
             engine=lambda: self.engine,
             threaded=self.cfg.rollout.off_policy_steps > 0,
             continue_partial=continue_partial if self.cfg.rollout.partial else None,
+            multi_turn=multi_turn_rollout(self.cfg, self.tokenizer) if self.cfg.rollout.environment else None,
         )
 
     def _release_for_training(self) -> None:
@@ -237,6 +239,7 @@ class RolloutService:
             d.id,
             [list(d.prompts[i].ids) for i in share],
             sampling_params(self.cfg.rollout, seed, prompt_offset=share.start),
+            rows=[d.prompts[i].row for i in share],
         )
 
     def _dispatch(self, prompts: list[Prompt], round_id: int | None = None) -> None:

@@ -29,6 +29,7 @@ from srpo_megatron.data.templating import encode_text, template_text
 from srpo_megatron.losses import group_advantages, route, routing_masks
 from srpo_megatron.rewards.pool import RewardPool, RewardResult
 from srpo_megatron.rollout.base import Completion, SamplingParams
+from srpo_megatron.rollout.multi_turn import Trajectory, multi_turn_metrics
 from srpo_megatron.rollout.routed_experts import compact_ids
 from srpo_megatron.trainer.step_types import RolloutBatch, Sample, benchmark_metric, merge_metrics
 
@@ -84,10 +85,10 @@ def solution_text(tokenizer: Any, completion: Completion, decoded: str) -> str:
 
 
 def completion_mask(completion: Completion) -> list[int] | None:
-    """The rollout's per-token assistant mask of a completion (``Completion.response_mask``, set by the
-    multi-turn rollout; absent or None = single-turn)."""
-    mask = getattr(completion, "response_mask", None)
-    return None if mask is None else list(mask)
+    """The rollout's per-token assistant mask of a completion (the multi-turn rollout's ``Trajectory`` in
+    ``Completion.meta``; None = single-turn)."""
+    traj = Trajectory.of(completion)
+    return None if traj is None else list(traj.response_mask)
 
 
 def teacher_prompt_ids(
@@ -145,20 +146,39 @@ def reward_groups(
 ) -> Scores:
     """Rank 0: decode and reward ``completions[group][member]`` against ``prompts[group]`` (one pool call)."""
     rows = [(i, c) for i, (_, group) in enumerate(zip(prompts, completions, strict=True)) for c in group]
-    texts = [tokenizer.decode(c.token_ids, skip_special_tokens=True) for _, c in rows]
+    texts = [_response_text(tokenizer, c) for _, c in rows]
     t1 = time.monotonic()
     scored = rewards.score(
         [prompts[i].row.kind for i, _ in rows], texts, [prompts[i].row.answer for i, _ in rows]
     )
     seconds = time.monotonic() - t1
+    values = [trajectory_reward(float(v), c) for v, (_, c) in zip(scored.rewards, rows, strict=True)]
     text_groups: list[list[str]] = []
     member_rewards: list[list[float]] = []
     k = 0
     for group in completions:
         text_groups.append(texts[k : k + len(group)])
-        member_rewards.append([float(v) for v in scored.rewards[k : k + len(group)]])
+        member_rewards.append(values[k : k + len(group)])
         k += len(group)
     return Scores(text_groups, member_rewards, scored, seconds)
+
+
+def _response_text(tokenizer: Any, c: Completion) -> str:
+    """What the verifier reads: the response decoded, or a multi-turn trajectory's assistant turns (the
+    tool/user turns between them are the environment's words, not the model's)."""
+    traj = Trajectory.of(c)
+    if traj is not None:
+        return traj.assistant_text
+    return tokenizer.decode(c.token_ids, skip_special_tokens=True)
+
+
+def trajectory_reward(verifier: float, c: Completion) -> float:
+    """A multi-turn trajectory's reward: the verifier's plus the environment's per-turn parts, or 0 when a
+    fault ended it under ``rollout.on_tool_fault: fail``; a single-turn sample's is the verifier's."""
+    traj = Trajectory.of(c)
+    if traj is None:
+        return verifier
+    return 0.0 if traj.failed else verifier + float(sum(traj.turn_rewards))
 
 
 def route_groups(
@@ -237,7 +257,8 @@ def route_groups(
         "response/truncated_frac": sum(s.finish_reason == "length" for s in samples) / n,
     }
     benchmarks = [p.row.benchmark for p in prompts]
-    return RolloutBatch(samples, merge_metrics(metrics, per_benchmark(benchmarks, r, routing.correct)))
+    turns = multi_turn_metrics([c for g in completions for c in g])
+    return RolloutBatch(samples, merge_metrics(metrics, per_benchmark(benchmarks, r, routing.correct), turns))
 
 
 def per_benchmark(benchmarks: list[str], rewards: torch.Tensor, correct: torch.Tensor) -> dict[str, float]:
