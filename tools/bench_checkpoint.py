@@ -38,6 +38,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 RECIPE = REPO / "examples" / "tiny_cpu_test.yaml"
 FORMATS = {"fast": "false", "reshardable": "true"}
+PARTS = ("dist_checkpointing_s", "extras_s", "digest_s", "finalize_s")  # save_checkpoint's timings
 
 
 def write_tiny_moe(root: Path) -> tuple[Path, Path, Path]:
@@ -154,7 +155,8 @@ def main() -> None:
     args = ap.parse_args()
     from srpo_megatron.local_ranks import run_distributed
 
-    print(f"load average before: {os.getloadavg()[0]:.2f}", flush=True)
+    load_before = os.getloadavg()[0]
+    print(f"load average before: {load_before:.2f}", flush=True)
     with tempfile.TemporaryDirectory(prefix="bench_ckpt_") as tmp:
         tiny = write_tiny_moe(Path(tmp))
         ranks = run_distributed(_rank_main, 2, tiny, tmp, args.repeats, timeout=3600)
@@ -165,12 +167,17 @@ def main() -> None:
     med = {
         (f, k): statistics.median(slowest(f, i, k) for i in range(args.repeats))
         for f in FORMATS
-        for k in ("total", "dist_checkpointing_s")
+        for k in ("total", *PARTS)
     }
+    spread = {}
     for f in FORMATS:
         totals = [round(slowest(f, i, "total"), 3) for i in range(args.repeats)]
-        print(f"{f}: save s per repeat {totals}, {size[f] / 1e6:.1f} MB on disk", flush=True)
-    print(f"load average after: {os.getloadavg()[0]:.2f}", flush=True)
+        spread[f] = [min(totals), max(totals)]
+        parts = ", ".join(f"{k} {med[f, k]:.3f}" for k in PARTS)
+        print(f"{f}: save s per repeat {totals}, median parts: {parts}; {size[f] / 1e6:.1f} MB", flush=True)
+    ratios = [slowest("reshardable", i, "total") / slowest("fast", i, "total") for i in range(args.repeats)]
+    load_after = os.getloadavg()[0]
+    print(f"load average after: {load_after:.2f}", flush=True)
     result = {
         "save_s_fast": round(med["fast", "total"], 3),
         "save_s_reshardable": round(med["reshardable", "total"], 3),
@@ -184,6 +191,12 @@ def main() -> None:
         "load_s_reshardable": round(max(r["loads"]["reshardable"] for r in ranks), 3),
         "mb_fast": round(size["fast"] / 1e6, 1),
         "mb_reshardable": round(size["reshardable"] / 1e6, 1),
+        "ratio_per_repeat": [round(r, 2) for r in ratios],
+        "save_s_fast_min_max": spread["fast"],
+        "save_s_reshardable_min_max": spread["reshardable"],
+        "parts_fast": {k: round(med["fast", k], 3) for k in PARTS},
+        "parts_reshardable": {k: round(med["reshardable", k], 3) for k in PARTS},
+        "load_avg_before_after": [round(load_before, 2), round(load_after, 2)],
         "repeats": args.repeats,
     }
     print(json.dumps(result, sort_keys=True))

@@ -14,7 +14,8 @@ Layout of ``<run>/checkpoints/``::
         recipe.yaml              the recipe in force when it was saved (resume checks changes against it)
         rollout_buffer.pt        completed rollouts not yet trained (off-policy, dynamic sampling), rank 0
         rng/rank_XXXXX.pt        RNG states of every rank, as plain tensors
-        manifest.json            every other file with size and SHA-256, written last
+        manifest.json            every other file with size and SHA-256, written last (the data files'
+                                 digests taken as they are written: hashed_save.py)
     latest                       text file naming the newest complete checkpoint (a hint)
 
 A checkpoint is written to ``step_N.tmp``, fsynced, and renamed when complete; ``latest`` is replaced
@@ -220,6 +221,7 @@ def save_checkpoint(
     from megatron.core import dist_checkpointing
 
     from srpo_megatron.config import to_dict
+    from srpo_megatron.trainer.run.hashed_save import HashingTorchDistSave
 
     clock = _PartClock(timings)
     root = Path(run_dir) / "checkpoints"
@@ -235,7 +237,8 @@ def save_checkpoint(
     with policy.offload.all_on_device():  # host-resident teacher (trainer/state/offload.py)
         content = optimizer_format.content_metadata(policy.cfg.run, policy.groups)
         sharded = _sharded_state(policy, False, content[optimizer_format.SHARDING_KEY])
-        dist_checkpointing.save(sharded, str(tmp), content_metadata=content)
+        strategy = HashingTorchDistSave()  # megatron's default, hashing each data file as it is written
+        dist_checkpointing.save(sharded, str(tmp), sharded_strategy=strategy, content_metadata=content)
     clock.mark("dist_checkpointing_s")
     (tmp / "rng").mkdir(exist_ok=True)  # every rank (shared or per-node filesystem alike)
     torch.save(rng_state(), tmp / "rng" / f"rank_{_rank():05d}.pt")
@@ -252,7 +255,8 @@ def save_checkpoint(
             torch.save(rollout_buffer, tmp / BUFFER_FILE)
     _barrier()
     clock.mark("extras_s")
-    digests = digest_files(tmp)  # every rank fsyncs and hashes its share
+    # each rank fsyncs its data files (hashed while written); the small rest is read back, split by size
+    digests = digest_files(tmp, known=strategy.written(tmp))
     clock.mark("digest_s")
     if _rank() == 0:
         write_manifest(tmp, digests)
