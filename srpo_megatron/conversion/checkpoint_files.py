@@ -21,6 +21,7 @@ import hashlib
 import json
 import re
 import shutil
+import threading
 import time
 from collections.abc import Callable, Iterable
 from pathlib import Path
@@ -158,6 +159,33 @@ def step_dirs(root: Path) -> list[Path]:
     """``step_N`` directories under ``root`` (temporaries excluded), newest first."""
     found = [p for p in root.glob("step_*") if p.is_dir() and _STEP_DIR.fullmatch(p.name)]
     return sorted(found, key=lambda p: int(p.name[5:]), reverse=True)
+
+
+_pruning: list[threading.Thread] = []
+
+
+def prune_in_background(old: list[Path]) -> None:
+    """Delete ``old`` (checkpoints past ``keep_last``, once the new one is published) in a thread, so a
+    save returns without waiting for the unlinks (rank 0). Every later save, the disk-space check before
+    it and the end of ``train`` wait for it first; a non-daemon thread, so the interpreter waits at exit.
+    A crash midway leaves a partial ``step_N`` that never verifies (readers take the newest that does);
+    the next prune removes it."""
+    wait_for_pruning()
+    if old:
+        thread = threading.Thread(target=_remove, args=(old,), name="srpo-checkpoint-prune")
+        thread.start()
+        _pruning.append(thread)
+
+
+def _remove(old: list[Path]) -> None:
+    for path in old:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+def wait_for_pruning() -> None:
+    """Block until the checkpoints a save started deleting are gone (no-op when none is)."""
+    while _pruning:
+        _pruning.pop().join()
 
 
 def clean_temporaries(root: Path, log: Callable[[str], None] = print) -> None:

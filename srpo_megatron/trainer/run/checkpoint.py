@@ -20,7 +20,8 @@ Layout of ``<run>/checkpoints/``::
 
 A checkpoint is written to ``step_N.tmp``, fsynced, and renamed when complete; ``latest`` is replaced
 atomically afterwards, so a crash at any point leaves the previous checkpoint valid. The oldest
-checkpoints beyond ``keep_last`` are deleted only after the new one is complete. Which checkpoint a run
+checkpoints beyond ``keep_last`` are deleted only after the new one is complete (in a background thread
+that the next save waits for: ``checkpoint_files.prune_in_background``). Which checkpoint a run
 resumes from is decided by :func:`~srpo_megatron.conversion.checkpoint_files.find_resume_checkpoint`.
 
 Trust: the project's own files load without unpickling (RNG states with ``torch.load(weights_only=True)``,
@@ -49,12 +50,14 @@ from srpo_megatron.conversion.checkpoint_files import (
     LATEST,
     CheckpointError,
     digest_files,
+    prune_in_background,
     step_dirs,
+    wait_for_pruning,
     write_manifest,
 )
 from srpo_megatron.conversion.mtp import record_source
 from srpo_megatron.conversion.spec_compat import drop_absent_extra_state, stored_sharded_keys
-from srpo_megatron.durable_io import fsync_dir, fsync_tree, write_text_durably
+from srpo_megatron.durable_io import fsync_dir, fsync_dirs, write_text_durably
 from srpo_megatron.models.architecture import load_hf_config_dict
 from srpo_megatron.trainer.run import optimizer_format
 from srpo_megatron.trainer.run.rng_state import load_rng_file, rng_state, set_rng_state
@@ -228,6 +231,7 @@ def save_checkpoint(
     final = root / f"step_{step:06d}"
     tmp = root / f"step_{step:06d}.tmp"
     if _rank() == 0:
+        wait_for_pruning()  # the previous save's deletions
         shutil.rmtree(tmp, ignore_errors=True)
         # empty: dist_checkpointing.save takes a non-empty folder for an interrupted earlier save and
         # logs "Overwriting old incomplete / corrupted checkpoint"; our own files go in after it
@@ -259,15 +263,14 @@ def save_checkpoint(
     digests = digest_files(tmp, known=strategy.written(tmp))
     clock.mark("digest_s")
     if _rank() == 0:
-        write_manifest(tmp, digests)
-        fsync_tree(tmp)
+        write_manifest(tmp, digests)  # durably
+        fsync_dirs(tmp)  # every file was fsynced by the rank that wrote or hashed it (digest_files)
         if final.exists():
             shutil.rmtree(final)
         os.replace(tmp, final)
         fsync_dir(root)
         write_text_durably(root / LATEST, final.name + "\n")
-        for old in step_dirs(root)[keep_last:]:
-            shutil.rmtree(old, ignore_errors=True)
+        prune_in_background(step_dirs(root)[keep_last:])  # only once the new one is published
     _barrier()
     clock.mark("finalize_s")
     return final
