@@ -221,10 +221,10 @@ def save_checkpoint(
     ``rollout_buffer`` (rank 0: the rollout pool's state, plain values and tensors) is saved with it.
     ``timings``, when given, receives this rank's seconds per part (``dist_checkpointing_s``, ``extras_s``,
     ``digest_s``, ``finalize_s``; ``tools/bench_demo_step.py``)."""
-    from megatron.core import dist_checkpointing
+    from megatron.core import dist_checkpointing, parallel_state
 
     from srpo_megatron.config import to_dict
-    from srpo_megatron.trainer.run.hashed_save import HashingTorchDistSave
+    from srpo_megatron.trainer.run.hashed_save import parallel_hashing_save
 
     clock = _PartClock(timings)
     root = Path(run_dir) / "checkpoints"
@@ -241,7 +241,8 @@ def save_checkpoint(
     with policy.offload.all_on_device():  # host-resident teacher (trainer/state/offload.py)
         content = optimizer_format.content_metadata(policy.cfg.run, policy.groups)
         sharded = _sharded_state(policy, False, content[optimizer_format.SHARDING_KEY])
-        strategy = HashingTorchDistSave()  # megatron's default, hashing each data file as it is written
+        # megatron's training-loop save (replicated shards' writes spread over DP), hashing what it writes
+        strategy = parallel_hashing_save(parallel_state.get_data_parallel_group(with_context_parallel=True))
         dist_checkpointing.save(sharded, str(tmp), sharded_strategy=strategy, content_metadata=content)
     clock.mark("dist_checkpointing_s")
     (tmp / "rng").mkdir(exist_ok=True)  # every rank (shared or per-node filesystem alike)
@@ -260,7 +261,7 @@ def save_checkpoint(
     _barrier()
     clock.mark("extras_s")
     # each rank fsyncs its data files (hashed while written); the small rest is read back, split by size
-    digests = digest_files(tmp, known=strategy.written(tmp))
+    digests = digest_files(tmp, known=strategy.base_strategy.written(tmp))
     clock.mark("digest_s")
     if _rank() == 0:
         write_manifest(tmp, digests)  # durably

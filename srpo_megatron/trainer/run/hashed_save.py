@@ -30,6 +30,7 @@ import os
 from multiprocessing.sharedctypes import RawArray
 from pathlib import Path
 
+from megatron.core.dist_checkpointing.strategies.fully_parallel import FullyParallelSaveStrategyWrapper
 from megatron.core.dist_checkpointing.strategies.torch import TorchDistSaveShardedStrategy
 from torch.distributed.checkpoint.filesystem import _StorageWriterTransforms
 
@@ -82,6 +83,13 @@ class HashingTransforms(_StorageWriterTransforms):
             if size:
                 out[path] = (size, raw[i * _SLOT + 8 : (i + 1) * _SLOT].hex())
         return out
+
+
+def parallel_hashing_save(group) -> FullyParallelSaveStrategyWrapper:
+    """megatron's save as its training loop sets it up by default (``--ckpt-fully-parallel-save``): the
+    writes of shards replicated over ``group`` (the data-parallel group) spread over its ranks instead of
+    all on DP rank 0, around :class:`HashingTorchDistSave` (``.base_strategy.written(ckpt)`` after it)."""
+    return FullyParallelSaveStrategyWrapper(HashingTorchDistSave(), group)
 
 
 class HashingTorchDistSave(TorchDistSaveShardedStrategy):
