@@ -12,8 +12,8 @@ writer processes that write every item through torch DCP's ``_write_item``, whic
 ``distributed/checkpoint/filesystem.py``). :class:`HashingTransforms` puts one SHA-256 per file under
 that stream, before torch's own wrappers and any extension, so it sees exactly the bytes that reach the
 file; after each item the digest and byte count go to a shared-memory slot the forked writer inherits. It
-adds no transform descriptor, so the checkpoint's ``.metadata`` is byte for byte what megatron writes
-without it.
+adds no transform descriptor, so the checkpoint's ``.metadata`` records no extension and any torch_dist
+reader loads it (``tests/dist/test_hashed_save.py`` loads it back with megatron's own load).
 
 Trust: a write-time digest is used only when its byte count equals the file's size on disk after the save
 (megatron's writer fsyncs each file before it reports); every other file (a writer that bypassed the
