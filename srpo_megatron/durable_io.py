@@ -41,6 +41,12 @@ def fsync_tree(root: Path) -> None:
         fsync_dir(Path(dirpath))
 
 
+def fsync_dirs(root: Path) -> None:
+    """fsync ``root`` and every directory under it (their entries; the files were fsynced already)."""
+    for dirpath, _, _ in os.walk(root):
+        fsync_dir(Path(dirpath))
+
+
 def write_text_durably(path: Path, text: str) -> None:
     """Write ``path`` through a temp file: fsync, rename, fsync the directory."""
     tmp = path.with_name(path.name + ".tmp")

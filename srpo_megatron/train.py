@@ -30,7 +30,12 @@ from srpo_megatron.trainer.observe.step_metrics import gather_stats, step_metric
 from srpo_megatron.trainer.observe.teacher_watch import TeacherWatch
 from srpo_megatron.trainer.passes.learning import learn
 from srpo_megatron.trainer.passes.scoring import scoring_pass
-from srpo_megatron.trainer.run.checkpoint import load_checkpoint, load_rollout_buffer, save_checkpoint
+from srpo_megatron.trainer.run.checkpoint import (
+    load_checkpoint,
+    load_rollout_buffer,
+    save_checkpoint,
+    wait_for_pruning,
+)
 from srpo_megatron.trainer.run.preflight import (
     check_before_model,
     check_rewards,
@@ -131,6 +136,7 @@ def train(cfg: TrainConfig) -> dict:
                 save_checkpoint(policy, run_dir, step, state, cfg.run.keep_last, buffered)
     if cfg.train.eval_at_ends:
         evaluate()
+    wait_for_pruning()  # the last save's deletions, before another trainer may take the run dir
     if rank0:
         logger.close()
         release_run_dir(cfg.run.dir)

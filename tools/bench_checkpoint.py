@@ -6,21 +6,25 @@ hidden 64, 4 experts top-2, the real Qwen vocabulary; bf16 params with fp32 main
 EMA teacher) at DP 2 (two processes, gloo), after one real trainer step. After one uncounted save per format
 (first-save set-up), each repeat saves the same state once in each format, back to back, order alternating,
 with ``save_checkpoint`` (the trainer's own: dist_checkpointing, RNG and trainer files, the manifest's
-SHA-256 of every file, the atomic rename). A save's time is the slower rank's; the figure is the median over
-repeats, and ``ratio`` = fully_reshardable / default (``ratio_dist_checkpointing``: the dist_checkpointing
-part alone; hashing and fsync cost both formats the same). Each checkpoint is then loaded into a fresh
-policy, timed the same way (a resume reads the saved format).
+SHA-256 of every file, fsyncs, the atomic rename, pruning to ``keep_last=1``), so both formats carry the
+same guarantees. A save's time is the slower rank's; the figures are medians over repeats with their
+min/max, and ``ratio`` = fully_reshardable / default for the whole save (``ratio_dist_checkpointing``: the
+dist_checkpointing part alone). ``parts_*`` are save_checkpoint's own timings: ``dist_checkpointing_s``
+(now including the SHA-256 of the data files, taken while megatron's writers write them:
+``trainer/run/hashed_save.py``), ``extras_s`` (RNG and trainer files), ``digest_s`` (fsync and hash of the
+files not hashed at write time, the manifest's gather), ``finalize_s`` (manifest, directory fsyncs, rename,
+``latest``; the pruning runs in a background thread that the next save waits for, inside its time). Each
+checkpoint is then loaded into a fresh policy, timed the same way (a resume reads the saved format). The load
+average before and after is in the JSON line: on a shared machine the ratio moves with it.
 
-Measured (2 cores shared with other jobs, load average ~30; 5 repeats): save 3.06 s default vs 8.45 s
-fully_reshardable, ratio 2.77; the dist_checkpointing part 2.03 s vs 7.37 s, 3.63x (390 MB each). With
-two ranks on one machine only half the optimizer bytes move off rank 0; the gap grows with DP.
+Measured: see tools/MEASURED.md (the checkpoint entries).
 
 Why the default is faster: ``fully_reshardable`` gathers every optimizer shard onto DP rank 0 and stores it
 model-shaped (one rank writes it all); ``dp_reshardable`` has every rank write its own bucket shards, with
 no gather (megatron-core ``DistributedOptimizer.sharded_state_dict``).
 
 Usage: ``python tools/bench_checkpoint.py [--repeats 5]``; the last line is one JSON object (``save_s_fast``,
-``save_s_reshardable``, ``ratio``, the dist_checkpointing parts, load times, bytes on disk).
+``save_s_reshardable``, ``ratio`` and per repeat, min/max, the parts, load times, bytes, load average).
 """
 
 from __future__ import annotations
@@ -38,6 +42,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 RECIPE = REPO / "examples" / "tiny_cpu_test.yaml"
 FORMATS = {"fast": "false", "reshardable": "true"}
+PARTS = ("dist_checkpointing_s", "extras_s", "digest_s", "finalize_s")  # save_checkpoint's timings
 
 
 def write_tiny_moe(root: Path) -> tuple[Path, Path, Path]:
@@ -154,7 +159,8 @@ def main() -> None:
     args = ap.parse_args()
     from srpo_megatron.local_ranks import run_distributed
 
-    print(f"load average before: {os.getloadavg()[0]:.2f}", flush=True)
+    load_before = os.getloadavg()[0]
+    print(f"load average before: {load_before:.2f}", flush=True)
     with tempfile.TemporaryDirectory(prefix="bench_ckpt_") as tmp:
         tiny = write_tiny_moe(Path(tmp))
         ranks = run_distributed(_rank_main, 2, tiny, tmp, args.repeats, timeout=3600)
@@ -165,12 +171,17 @@ def main() -> None:
     med = {
         (f, k): statistics.median(slowest(f, i, k) for i in range(args.repeats))
         for f in FORMATS
-        for k in ("total", "dist_checkpointing_s")
+        for k in ("total", *PARTS)
     }
+    spread = {}
     for f in FORMATS:
         totals = [round(slowest(f, i, "total"), 3) for i in range(args.repeats)]
-        print(f"{f}: save s per repeat {totals}, {size[f] / 1e6:.1f} MB on disk", flush=True)
-    print(f"load average after: {os.getloadavg()[0]:.2f}", flush=True)
+        spread[f] = [min(totals), max(totals)]
+        parts = ", ".join(f"{k} {med[f, k]:.3f}" for k in PARTS)
+        print(f"{f}: save s per repeat {totals}, median parts: {parts}; {size[f] / 1e6:.1f} MB", flush=True)
+    ratios = [slowest("reshardable", i, "total") / slowest("fast", i, "total") for i in range(args.repeats)]
+    load_after = os.getloadavg()[0]
+    print(f"load average after: {load_after:.2f}", flush=True)
     result = {
         "save_s_fast": round(med["fast", "total"], 3),
         "save_s_reshardable": round(med["reshardable", "total"], 3),
@@ -184,6 +195,12 @@ def main() -> None:
         "load_s_reshardable": round(max(r["loads"]["reshardable"] for r in ranks), 3),
         "mb_fast": round(size["fast"] / 1e6, 1),
         "mb_reshardable": round(size["reshardable"] / 1e6, 1),
+        "ratio_per_repeat": [round(r, 2) for r in ratios],
+        "save_s_fast_min_max": spread["fast"],
+        "save_s_reshardable_min_max": spread["reshardable"],
+        "parts_fast": {k: round(med["fast", k], 3) for k in PARTS},
+        "parts_reshardable": {k: round(med["reshardable", k], 3) for k in PARTS},
+        "load_avg_before_after": [round(load_before, 2), round(load_after, 2)],
         "repeats": args.repeats,
     }
     print(json.dumps(result, sort_keys=True))

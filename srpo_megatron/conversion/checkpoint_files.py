@@ -10,8 +10,9 @@ functions (``checkpoint_to_read``), so no reader loads what ``srpo train`` would
 
 Everything here is independent of what the trainer state holds: only files, sizes and digests.
 
-Hashing and verifying are spread over the ranks (each takes every world-th file), so on 32 GPUs a
-checkpoint is read once in total, not once per rank; the per-rank results travel as Python objects.
+Hashing and verifying are spread over the ranks, so on 32 GPUs a checkpoint is read once in total, not once
+per rank; the per-rank results travel as Python objects. A save reads back only its small files: each
+rank's dist_checkpointing data files are hashed while that rank writes them (``trainer/run/hashed_save.py``).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import hashlib
 import json
 import re
 import shutil
+import threading
 import time
 from collections.abc import Callable, Iterable
 from pathlib import Path
@@ -60,23 +62,49 @@ def list_files(ckpt: Path) -> list[str]:
     return sorted(str(p.relative_to(ckpt)) for p in ckpt.rglob("*") if p.is_file() and p.name != MANIFEST)
 
 
-def file_digest(path: Path, chunk: int = 1 << 22) -> dict:
-    """``{"size": bytes, "sha256": hex}`` of one file."""
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while block := f.read(chunk):
-            h.update(block)
+def file_digest(path: Path, chunk: int = 1 << 20) -> dict:
+    """``{"size": bytes, "sha256": hex}`` of one file (read into one reused buffer)."""
+    h, buf = hashlib.sha256(), bytearray(chunk)
+    view = memoryview(buf)
+    with open(path, "rb", buffering=0) as f:
+        while n := f.readinto(buf):
+            h.update(view[:n])
     return {"size": path.stat().st_size, "sha256": h.hexdigest()}
 
 
-def digest_files(ckpt: Path, names: Iterable[str] | None = None) -> dict[str, dict]:
-    """Collective: fsync and hash ``names`` (default: rank 0's listing of ``ckpt``), each rank every
-    world-th file. Rank 0 lists once for all, so ranks whose filesystem view lags still split alike."""
+def _split_by_size(sizes: dict[str, int], world: int) -> list[list[str]]:
+    """Names per rank, largest first to the least-loaded rank (the same split on every rank)."""
+    load, parts = [0] * world, [[] for _ in range(world)]
+    for name in sorted(sizes, key=lambda n: (-sizes[n], n)):
+        r = load.index(min(load))
+        parts[r].append(name)
+        load[r] += sizes[name]
+    return parts
+
+
+def digest_files(
+    ckpt: Path, names: Iterable[str] | None = None, known: dict[str, dict] | None = None
+) -> dict[str, dict]:
+    """Collective: ``{name: {"size", "sha256"}}`` of ``names`` (default: rank 0's listing of ``ckpt``).
+
+    ``known``: this rank's files already hashed while it wrote them (``trainer/run/hashed_save.py``);
+    each rank fsyncs those. Every other file is fsynced and hashed by one rank, the files split by size.
+    Rank 0 lists (with sizes) once for all, so ranks whose filesystem view lags still split alike."""
     rank, world = _rank_world()
-    if names is None:
-        names = _gather(list_files(ckpt) if rank == 0 else None)[0]
-    mine = {}
-    for name in sorted(names)[rank::world]:
+    known = known or {}
+    for name in known:
+        fsync_file(ckpt / name)
+    if names is None and rank == 0:
+        names = list_files(ckpt)
+    listing = None
+    if rank == 0:
+        listing = {n: (ckpt / n).stat().st_size if (ckpt / n).is_file() else 0 for n in names}
+    shared = _gather((listing, sorted(known)))
+    sizes = dict(shared[0][0])
+    done = {n for _, theirs in shared for n in theirs}
+    todo = {n: s for n, s in sizes.items() if n not in done}
+    mine = dict(known)
+    for name in _split_by_size(todo, world)[rank]:
         fsync_file(ckpt / name)
         mine[name] = file_digest(ckpt / name)
     merged: dict[str, dict] = {}
@@ -131,6 +159,33 @@ def step_dirs(root: Path) -> list[Path]:
     """``step_N`` directories under ``root`` (temporaries excluded), newest first."""
     found = [p for p in root.glob("step_*") if p.is_dir() and _STEP_DIR.fullmatch(p.name)]
     return sorted(found, key=lambda p: int(p.name[5:]), reverse=True)
+
+
+_pruning: list[threading.Thread] = []
+
+
+def prune_in_background(old: list[Path]) -> None:
+    """Delete ``old`` (checkpoints past ``keep_last``, once the new one is published) in a thread, so a
+    save returns without waiting for the unlinks (rank 0). Every later save, the disk-space check before
+    it and the end of ``train`` wait for it first; a non-daemon thread, so the interpreter waits at exit.
+    A crash midway leaves a partial ``step_N`` that never verifies (readers take the newest that does);
+    the next prune removes it."""
+    wait_for_pruning()
+    if old:
+        thread = threading.Thread(target=_remove, args=(old,), name="srpo-checkpoint-prune")
+        thread.start()
+        _pruning.append(thread)
+
+
+def _remove(old: list[Path]) -> None:
+    for path in old:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+def wait_for_pruning() -> None:
+    """Block until the checkpoints a save started deleting are gone (no-op when none is)."""
+    while _pruning:
+        _pruning.pop().join()
 
 
 def clean_temporaries(root: Path, log: Callable[[str], None] = print) -> None:

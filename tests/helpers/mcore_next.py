@@ -34,6 +34,8 @@ FILES = (
 TESTS = (
     "dist/test_checkpoint_files_dist.py::test_two_ranks_hash_and_verify_alike",
     "dist/test_checkpoint_format.py::test_both_optimizer_formats_resume_bit_exactly",
+    # hashes inside megatron's forked torch_dist writers (torch DCP's stream transforms)
+    "dist/test_hashed_save.py::test_write_time_digests_match_a_read_back_and_the_manifest_still_refuses_damage",
     "dist/test_conversion.py::test_converted_tiny_qwen3_matches_hf_at_every_layout",
     "dist/test_conversion.py::test_trainer_checkpoint_saved_at_tp2_pp2_exports_bit_exact",
     "dist/test_conversion_stream.py::test_streamed_checkpoint_equals_megatrons_own_save",

@@ -27,7 +27,9 @@ from srpo_megatron.conversion.checkpoint_files import (
     digest_files,
     find_resume_checkpoint,
     list_files,
+    prune_in_background,
     verify_checkpoint,
+    wait_for_pruning,
     write_manifest,
 )
 from srpo_megatron.conversion.spec_compat import drop_absent_extra_state
@@ -102,6 +104,25 @@ def test_incomplete_checkpoints_are_not_used(tmp_path, damage):
         (newest / "rng" / "rank_00000.pt").unlink()
     assert verify_checkpoint(newest) is not None
     assert _find(tmp_path)[0] == older
+
+
+def test_pruning_runs_after_the_save_returns_and_is_waited_for(tmp_path, monkeypatch):
+    """A save hands the deletion of checkpoints past keep_last to a thread; wait_for_pruning (called by
+    the next save, the disk-space check and the end of train) returns only once they are gone."""
+    import threading
+
+    from srpo_megatron.conversion import checkpoint_files
+
+    old = [_save(tmp_path, 1), _save(tmp_path, 2)]
+    newest = _save(tmp_path, 3)
+    gate, remove = threading.Event(), checkpoint_files._remove
+    monkeypatch.setattr(checkpoint_files, "_remove", lambda dirs: (gate.wait(10), remove(dirs)))
+    prune_in_background(old)
+    assert all(d.is_dir() for d in old)  # the caller is not held up by the deletion
+    gate.set()
+    wait_for_pruning()
+    assert not any(d.exists() for d in old) and verify_checkpoint(newest) is None
+    assert _find(tmp_path)[0] == newest
 
 
 def test_nothing_complete_refuses_with_paths_unless_restart(tmp_path):

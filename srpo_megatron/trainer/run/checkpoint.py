@@ -14,12 +14,14 @@ Layout of ``<run>/checkpoints/``::
         recipe.yaml              the recipe in force when it was saved (resume checks changes against it)
         rollout_buffer.pt        completed rollouts not yet trained (off-policy, dynamic sampling), rank 0
         rng/rank_XXXXX.pt        RNG states of every rank, as plain tensors
-        manifest.json            every other file with size and SHA-256, written last
+        manifest.json            every other file with size and SHA-256, written last (the data files'
+                                 digests taken as they are written: hashed_save.py)
     latest                       text file naming the newest complete checkpoint (a hint)
 
 A checkpoint is written to ``step_N.tmp``, fsynced, and renamed when complete; ``latest`` is replaced
 atomically afterwards, so a crash at any point leaves the previous checkpoint valid. The oldest
-checkpoints beyond ``keep_last`` are deleted only after the new one is complete. Which checkpoint a run
+checkpoints beyond ``keep_last`` are deleted only after the new one is complete (in a background thread
+that the next save waits for: ``checkpoint_files.prune_in_background``). Which checkpoint a run
 resumes from is decided by :func:`~srpo_megatron.conversion.checkpoint_files.find_resume_checkpoint`.
 
 Trust: the project's own files load without unpickling (RNG states with ``torch.load(weights_only=True)``,
@@ -48,12 +50,14 @@ from srpo_megatron.conversion.checkpoint_files import (
     LATEST,
     CheckpointError,
     digest_files,
+    prune_in_background,
     step_dirs,
+    wait_for_pruning,
     write_manifest,
 )
 from srpo_megatron.conversion.mtp import record_source
 from srpo_megatron.conversion.spec_compat import drop_absent_extra_state, stored_sharded_keys
-from srpo_megatron.durable_io import fsync_dir, fsync_tree, write_text_durably
+from srpo_megatron.durable_io import fsync_dir, fsync_dirs, write_text_durably
 from srpo_megatron.models.architecture import load_hf_config_dict
 from srpo_megatron.trainer.run import optimizer_format
 from srpo_megatron.trainer.run.rng_state import load_rng_file, rng_state, set_rng_state
@@ -219,15 +223,17 @@ def save_checkpoint(
     ``rollout_buffer`` (rank 0: the rollout pool's state, plain values and tensors) is saved with it.
     ``timings``, when given, receives this rank's seconds per part (``dist_checkpointing_s``, ``extras_s``,
     ``digest_s``, ``finalize_s``; ``tools/bench_demo_step.py``)."""
-    from megatron.core import dist_checkpointing
+    from megatron.core import dist_checkpointing, parallel_state
 
     from srpo_megatron.config import to_dict
+    from srpo_megatron.trainer.run.hashed_save import parallel_hashing_save
 
     clock = _PartClock(timings)
     root = Path(run_dir) / "checkpoints"
     final = root / f"step_{step:06d}"
     tmp = root / f"step_{step:06d}.tmp"
     if _rank() == 0:
+        wait_for_pruning()  # the previous save's deletions
         shutil.rmtree(tmp, ignore_errors=True)
         # empty: dist_checkpointing.save takes a non-empty folder for an interrupted earlier save and
         # logs "Overwriting old incomplete / corrupted checkpoint"; our own files go in after it
@@ -237,7 +243,9 @@ def save_checkpoint(
     with policy.offload.all_on_device():  # host-resident teacher (trainer/state/offload.py)
         content = optimizer_format.content_metadata(policy.cfg.run, policy.groups)
         sharded = _sharded_state(policy, False, content[optimizer_format.SHARDING_KEY])
-        dist_checkpointing.save(sharded, str(tmp), content_metadata=content)
+        # megatron's training-loop save (replicated shards' writes spread over DP), hashing what it writes
+        strategy = parallel_hashing_save(parallel_state.get_data_parallel_group(with_context_parallel=True))
+        dist_checkpointing.save(sharded, str(tmp), sharded_strategy=strategy, content_metadata=content)
     clock.mark("dist_checkpointing_s")
     (tmp / "rng").mkdir(exist_ok=True)  # every rank (shared or per-node filesystem alike)
     torch.save(rng_state(), tmp / "rng" / f"rank_{_rank():05d}.pt")
@@ -254,18 +262,18 @@ def save_checkpoint(
             torch.save(rollout_buffer, tmp / BUFFER_FILE)
     _barrier()
     clock.mark("extras_s")
-    digests = digest_files(tmp)  # every rank fsyncs and hashes its share
+    # each rank fsyncs its data files (hashed while written); the small rest is read back, split by size
+    digests = digest_files(tmp, known=strategy.base_strategy.written(tmp))
     clock.mark("digest_s")
     if _rank() == 0:
-        write_manifest(tmp, digests)
-        fsync_tree(tmp)
+        write_manifest(tmp, digests)  # durably
+        fsync_dirs(tmp)  # every file was fsynced by the rank that wrote or hashed it (digest_files)
         if final.exists():
             shutil.rmtree(final)
         os.replace(tmp, final)
         fsync_dir(root)
         write_text_durably(root / LATEST, final.name + "\n")
-        for old in step_dirs(root)[keep_last:]:
-            shutil.rmtree(old, ignore_errors=True)
+        prune_in_background(step_dirs(root)[keep_last:])  # only once the new one is published
     _barrier()
     clock.mark("finalize_s")
     return final

@@ -27,7 +27,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-from srpo_megatron.conversion.checkpoint_files import MANIFEST, CheckpointError, step_dirs
+from srpo_megatron.conversion.checkpoint_files import MANIFEST, CheckpointError, step_dirs, wait_for_pruning
 
 FAILURE_FILE = ".save_failure.json"
 STOP_AFTER = 2  # failures of the same save in a row (not for want of space) that refuse a new start
@@ -146,6 +146,7 @@ def guarded_save(
     run_dir = Path(run_dir)
     root = run_dir / "checkpoints"
     rank0 = not dist.is_initialized() or dist.get_rank() == 0
+    wait_for_pruning()  # the free space counts the checkpoints the previous save deleted
     verdict = space_problem(root, step, keep_last) if rank0 else None
     if dist.is_initialized() and dist.get_world_size() > 1:
         box = [verdict]
