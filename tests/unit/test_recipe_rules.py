@@ -100,6 +100,8 @@ ADDED_RECIPES = {
     "glm45_air_srpo.yaml",
     "gpt_oss_20b_srpo.yaml",
     "kimi_k2_srpo.yaml",
+    "qwen3_32b_lora_srpo.yaml",
+    "qwen3_235b_a22b_lora_srpo.yaml",
 }
 
 
