@@ -130,7 +130,7 @@ def settings_from_recipe(
 
 def _lora_spec(cfg: TrainConfig, hf_config: dict) -> tuple | None:
     """``PlanSettings.lora``: the architecture and the ``lora`` section, with ``lora.rank > 0``."""
-    if not cfg.lora.enabled:
+    if cfg.lora.rank <= 0:  # a recipe key (``enabled`` is its property)
         return None
     from srpo_megatron.models.architecture import Architecture
 
