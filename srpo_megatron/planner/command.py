@@ -123,8 +123,18 @@ def settings_from_recipe(
         ),
         fused_output=fused_output(perf),
         routing_replay=roll.routing_replay,
+        lora=_lora_spec(cfg, hf_config),
     )
     return shape, settings, source
+
+
+def _lora_spec(cfg: TrainConfig, hf_config: dict) -> tuple | None:
+    """``PlanSettings.lora``: the architecture and the ``lora`` section, with ``lora.rank > 0``."""
+    if cfg.lora.rank <= 0:  # a recipe key (``enabled`` is its property)
+        return None
+    from srpo_megatron.models.architecture import Architecture
+
+    return Architecture.from_hf(hf_config), cfg.lora
 
 
 def plan_recipe(
@@ -168,8 +178,8 @@ def model_notes(shape: ModelShape | None) -> list[str]:
 
 def lora_figures(cfg: TrainConfig, plan: Plan) -> dict[str, int] | None:
     """``lora.rank > 0``: the adapters' values and bytes on one GPU of the plan's worst stage
-    (``planner/lora.py``). Shown beside the plan; the per-component table above still plans full
-    fine-tuning (an upper bound for a LoRA run)."""
+    (``planner/lora.py``), beside the plan, whose per-component table plans the frozen base
+    (``memory._lora_rows``); ``teacher_full_bytes``: what a full-model EMA teacher would hold instead."""
     if not cfg.lora.enabled or plan.shape is None:
         return None
     from srpo_megatron.models.architecture import Architecture

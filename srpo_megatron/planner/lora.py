@@ -70,14 +70,7 @@ def lora_plan(
     parameters one GPU of that stage holds (for the full-model teacher it replaces). Expert values are
     spread over EP as whole experts (E/EP per rank), so ``ep`` divides their count."""
     table = LoraTable(arch, lora)
-    stages = pipeline_stage_layers(arch.num_layers, pp)
-    first = [sum(stages[:s]) for s in range(pp)]
-    per_stage = [0] * pp
-    for name in table.megatron_names():
-        layer = int(_LAYER.match(name).group(1))
-        stage = max(s for s in range(pp) if first[s] <= layer)
-        per_stage[stage] += _per_rank(table, name, tp, ep, etp)
-    n = max(per_stage)
+    n = max(stage_adapter_values(arch, lora, tp, pp, ep, etp, table))
     shard = dp if distributed_optimizer else 1
     return LoraPlan(
         adapter_params=table.numel(),
@@ -89,4 +82,19 @@ def lora_plan(
     )
 
 
-__all__ = ["ADAM_BYTES", "EMA_BYTES", "GRAD_BYTES", "LoraPlan", "lora_plan"]
+def stage_adapter_values(
+    arch: Architecture, lora: LoraConfig, tp: int, pp: int, ep: int = 1, etp: int = 1, table=None
+) -> list[int]:
+    """Adapter values one GPU of each pipeline stage holds (its TP/ETP shards, E/EP experts)."""
+    table = LoraTable(arch, lora) if table is None else table
+    stages = pipeline_stage_layers(arch.num_layers, pp)
+    first = [sum(stages[:s]) for s in range(pp)]
+    per_stage = [0] * pp
+    for name in table.megatron_names():
+        layer = int(_LAYER.match(name).group(1))
+        stage = max(s for s in range(pp) if first[s] <= layer)
+        per_stage[stage] += _per_rank(table, name, tp, ep, etp)
+    return per_stage
+
+
+__all__ = ["ADAM_BYTES", "EMA_BYTES", "GRAD_BYTES", "LoraPlan", "lora_plan", "stage_adapter_values"]

@@ -118,6 +118,8 @@ class PlanSettings:
     fused_output: bool = False
     # rollout.routing_replay: the engine's expert ids are replayed (MoE; the int64 ids kept per micro-batch)
     routing_replay: bool = False
+    # lora.rank > 0: (Architecture, LoraConfig) of the adapters; the base is frozen (``_lora_rows``)
+    lora: tuple | None = None
 
 
 @dataclass
@@ -424,6 +426,8 @@ def _stage_memory(
     t["optimizer (fp32 main + Adam)"] = opt_per_param * opt_elems
     t["teacher bf16 copy"] = s.params_bytes * numel if s.teacher else 0
     t["teacher fp32 copy"] = fp32_copy
+    if s.lora is not None:
+        t.update(_lora_rows(shape, s, stage, cache))
     in_flight = min(layout.pp - stage, micro_batches)
     t["activations"] = activation_bytes(shape, layout, stage, tokens, s, in_flight)
     if s.routing_replay and shape.is_moe:
@@ -445,6 +449,8 @@ def _stage_memory(
     r = m.rollout
     for name in keep:
         r[name] = 0 if name in offloaded else t[name]
+    if s.lora is not None:
+        r["teacher bf16 copy"] = 0  # LoRA: the adapters saved during the teacher's forward only
     m.resident = [n for n in keep if r[n] > 0]
     r["CUDA contexts"] = t["CUDA contexts"]
     if s.engine == "colocated":
@@ -456,6 +462,42 @@ def _stage_memory(
         r["engine workspace"] = ENGINE_WORKSPACE_BYTES
         m.kv_tokens = kv // kv_bytes_per_token(shape, s.engine_tp, s.engine_swa_ratio)
     return m
+
+
+def _lora_rows(shape: ModelShape, s: PlanSettings, stage: int, cache: dict) -> dict[str, int]:
+    """The policy and teacher rows of a LoRA run (``lora.rank > 0``), as trainer/state/policy.py builds it.
+
+    ``models/lora.attach_lora`` freezes the base before megatron's DDP wraps the model, so the base weights
+    stay in the params dtype outside DDP's buffers: no gradient, no fp32 main copy, no Adam state
+    (``teacher.fp32_main_params`` reads a frozen parameter as itself). The ``n`` adapter values of the stage
+    (``planner/lora.stage_adapter_values``) are the only trained parameters: params dtype in the buffer,
+    fp32 gradients, fp32 main + moments over the DP×CP group with the distributed optimizer (an upper
+    bound for expert adapters, which shard over the smaller of it and expert DP). The teacher
+    (``trainer/state/adapter_teacher.py``) keeps an fp32 copy of the adapters (EMA, or frozen) and, only
+    while its forward runs, the student's adapters it swapped out ("teacher bf16 copy"). Buffer padding is
+    left out (at most one bucket's DP multiple).
+    """
+    from srpo_megatron.planner.lora import stage_adapter_values
+
+    layout = s.layout
+    key = ("lora", layout.tp, layout.pp, layout.ep, layout.etp)
+    if key not in cache:
+        arch, lora = s.lora
+        cache[key] = stage_adapter_values(arch, lora, layout.tp, layout.pp, layout.ep, layout.etp)
+    n = cache[key][stage]
+    shard = 1
+    if s.distributed_optimizer:
+        shard = layout.dense_shard_group
+        if shape.is_moe and s.lora[1].experts:
+            shard = min(shard, max(1, layout.expert_dp))
+    opt_per_param = 12 if s.params_bytes == 2 else 8
+    return {
+        "policy params": s.params_bytes * (sum(stage_param_counts(shape, layout, stage)) + n),
+        "gradient buffers": 4 * n,
+        "optimizer (fp32 main + Adam)": opt_per_param * math.ceil(n / shard),
+        "teacher bf16 copy": s.params_bytes * n if s.teacher else 0,
+        "teacher fp32 copy": 4 * n if s.teacher else 0,
+    }
 
 
 def engine_weight_bytes(shape: ModelShape, engine_tp: int) -> int:

@@ -19,6 +19,7 @@ REPO = Path(__file__).resolve().parents[2]
 RECIPES = [
     ("examples/qwen3_30b_a3b_srpo.yaml", 2, 48, 128, 4, 768),
     ("examples/qwen3_235b_a22b_srpo.yaml", 32, 94, 128, 4, 1536),
+    ("examples/qwen3_235b_a22b_lora_srpo.yaml", 1, 94, 128, 4, 1536),  # LoRA: the base frozen
     ("examples/glm45_air_srpo.yaml", 8, 46, 128, 8, 1408),
     ("examples/gpt_oss_20b_srpo.yaml", 2, 24, 32, 8, 2880),
 ]  # DeepSeek-V3 (61 layers on PP4, an engine across nodes): tests/unit/test_planner_families.py

@@ -409,7 +409,9 @@ def test_launch_refuses_what_does_not_fit_unless_forced(tmp_path, capsys, stdin_
     assert "#SBATCH" in captured.out and "--force: launching" in captured.err
 
 
-@pytest.mark.parametrize("name", ["qwen3_14b_srpo", "qwen3_32b_srpo"])
+@pytest.mark.parametrize(
+    "name", ["qwen3_14b_srpo", "qwen3_32b_srpo", "qwen3_32b_lora_srpo", "qwen3_235b_a22b_lora_srpo"]
+)
 def test_big_recipes_fit_pass_dryrun_and_state_the_planned_peak(name, tmp_path, capsys, stdin_devnull):
     from srpo_megatron.launch import commands
 

@@ -5,6 +5,8 @@ and ``srpo plan`` prints them for a LoRA recipe."""
 
 from __future__ import annotations
 
+import dataclasses
+
 from srpo_megatron.config.lora import LoraConfig
 from srpo_megatron.planner.lora import lora_plan
 from tests.helpers.conversion import arch
@@ -49,3 +51,39 @@ def test_srpo_plan_prints_the_lora_figures(capsys):
     assert "LoRA: 43.65 M adapter params" in capsys.readouterr().out
     plan_main(parser.parse_args([*base[:-2], "--json"]))
     assert "lora" not in json.loads(capsys.readouterr().out)  # rank 0: no LoRA figures
+
+
+def test_the_memory_plan_freezes_the_base_with_lora():
+    """``plan_layout`` with ``PlanSettings.lora``: the base is bf16 only (no grads, main copy or Adam state);
+    the adapters train (fp32 grads, 12 B/value of optimizer state over DP 2) and the teacher is one fp32
+    adapter (plus the student's bf16 adapters it swaps out during its forward, train phase only)."""
+    from srpo_megatron.planner.memory import PlanSettings, plan_layout
+    from srpo_megatron.planner.model import Layout, ModelShape
+    from tests.helpers.conversion import BASE
+
+    shape = ModelShape.from_hf({**BASE, "model_type": "qwen3", "head_dim": 4})
+    s = PlanSettings(layout=Layout(tp=2, pp=2, dp=2), gpu_bytes=2**40, engine="none", lora=(A, LORA))
+    plan = plan_layout(shape, s)
+    # base per layer at TP2: QKV (16+8+8)·8/2 + q/k norms 2·4 + proj 8·16/2 + 2 norms 2·8 + fc1 2·6·8/2 +
+    # fc2 8·6/2 = 288; stage 1 adds the final norm 8 and the output layer's 256/2 padded rows · 8 = 1024
+    base, n = 288 + 8 + 1024, 267  # adapters: test_tiny_qwen3_lora_figures_are_exact
+    t, r = plan.stage.train, plan.stage.rollout
+    assert plan.stage.stage == 1
+    assert t["policy params"] == 2 * (base + n)
+    assert t["gradient buffers"] == 4 * n
+    assert t["optimizer (fp32 main + Adam)"] == 12 * 134  # ceil(267 / DP 2) values of fp32 main + moments
+    assert t["teacher bf16 copy"] == 2 * n and r["teacher bf16 copy"] == 0
+    assert t["teacher fp32 copy"] == 4 * n == r["teacher fp32 copy"]
+    full = plan_layout(shape, dataclasses.replace(s, lora=None)).stage.train
+    assert full["gradient buffers"] >= 4 * base and full["teacher bf16 copy"] >= 2 * base
+
+
+def test_lora_recipes_fit_where_full_fine_tuning_does_not():
+    """The LoRA recipes fit on one node; the same recipes with ``lora.rank=0`` do not (full fine-tuning)."""
+    from srpo_megatron.planner.command import plan_recipe
+    from srpo_megatron.planner.memory import GiB
+
+    h100 = int(79.6 * GiB)
+    for name in ("qwen3_32b_lora_srpo", "qwen3_235b_a22b_lora_srpo"):
+        assert plan_recipe(f"examples/{name}.yaml", [], 8, 8, h100)[0].fits
+        assert not plan_recipe(f"examples/{name}.yaml", ["lora.rank=0"], 8, 8, h100)[0].fits

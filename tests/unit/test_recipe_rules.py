@@ -105,6 +105,8 @@ ADDED_RECIPES = {
     "glm45_air_srpo.yaml",
     "gpt_oss_20b_srpo.yaml",
     "kimi_k2_srpo.yaml",
+    "qwen3_32b_lora_srpo.yaml",
+    "qwen3_235b_a22b_lora_srpo.yaml",
 }
 
 
@@ -139,7 +141,9 @@ def test_the_qwen3_variants_inherit_the_8b_recipe_and_state_only_their_differenc
         if path.name == "qwen3_8b_srpo.yaml":
             assert "base:" not in text
             continue
-        assert "\nbase: qwen3_8b_srpo.yaml" in text, path.name
+        # a LoRA variant inherits its full fine-tuning recipe (which inherits the 8B one)
+        parent = path.name.replace("_lora", "") if "_lora_" in path.name else "qwen3_8b_srpo.yaml"
+        assert (EXAMPLES / parent).is_file() and f"\nbase: {parent}" in text, path.name
         assert len(text.splitlines()) < 40, f"{path.name} restates its base"
 
 
