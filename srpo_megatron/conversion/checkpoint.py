@@ -248,7 +248,6 @@ def hf_to_megatron(
 
     Must run in a process with an ``if __name__ == "__main__":`` guard (dist_checkpointing spawns).
     """
-    from srpo_megatron.conversion.prefetch import Prefetched
     from srpo_megatron.conversion.stream_writer import write_streamed_checkpoint
     from srpo_megatron.conversion.weights import EXPERT_BIAS_SUFFIX, rank_param_name
 
@@ -316,9 +315,8 @@ def hf_to_megatron(
             return [_chunk_pieces(pieces, sh.data, param) for sh in group]
 
         progress(f"saving dist_checkpointing checkpoint ({arch.model_type}, {dtype}) to {out_dir}")
-        order = list(groups.values())
-        with plain_torch_ops(), one_torch_thread(), Prefetched(data_of, order) as prefetched:
-            write_streamed_checkpoint(tmp, sharded, common, prefetched, order)
+        with plain_torch_ops(), one_torch_thread():
+            write_streamed_checkpoint(tmp, sharded, common, data_of, list(groups.values()))
         reader.close()
         if arch.mxfp4_experts:  # the checkpoint holds the dequantized experts: no quantization_config
             config = {k: v for k, v in config.items() if k != "quantization_config"}
