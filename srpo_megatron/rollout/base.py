@@ -73,6 +73,10 @@ class Completion:
     # positional construction (tests, the rollout buffer) keeps working.
     top_ids: torch.Tensor | None = None
     top_logprobs: torch.Tensor | None = None
+    # The CPU engine's precision audit (``rollout/precision_audit.py``): per response token
+    # |log π_served − log π_sent|, the served precision's own gap in the engine's arithmetic. None when
+    # the engine does not audit (SGLang; the CPU engine without ``rollout.parity_top_k``).
+    precision_gap: list[float] | None = None
 
 
 @dataclass(frozen=True)

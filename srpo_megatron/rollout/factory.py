@@ -48,6 +48,8 @@ def build_engine(
                 model_path=model_path,
                 max_batch_size=rollout.max_batch_size,
                 precision=rollout.precision,
+                # the parity audits' switch: the served precision's own gap, next to the trainer's
+                precision_audit=rollout.parity_top_k > 0,
             )
         )
     from srpo_megatron.rollout.sglang.engine import SGLangEngine

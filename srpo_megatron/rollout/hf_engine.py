@@ -60,6 +60,7 @@ from srpo_megatron.ops.fp8_blocks import fake_quantize
 from srpo_megatron.rollout.base import Completion, EngineError, EngineHealth, SamplingParams, sample_seed
 from srpo_megatron.rollout.gate import check_version, missing_names, tensor_problem
 from srpo_megatron.rollout.hf_moe_layout import file_format_params, gpt_oss_slice_params
+from srpo_megatron.rollout.precision_audit import PrecisionAudit
 from srpo_megatron.rollout.routed_experts import router_choice, router_layers
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -76,6 +77,7 @@ class HFEngineConfig:
     eos_token_ids: tuple[int, ...] = ()  # stop ids always in force; empty = take them from the model
     initial_version: int = 0  # weight version reported for the weights loaded at construction
     precision: Literal["bf16", "fp8"] = "bf16"  # fp8: emulate an FP8 engine, dequantize(quantize(W))
+    precision_audit: bool = False  # report Completion.precision_gap (rollout/precision_audit.py)
 
     def __post_init__(self) -> None:
         if self.max_batch_size < 1:
@@ -130,11 +132,14 @@ class HFEngine:
         eos_token_ids: Sequence[int] | None = None,
         initial_version: int = 0,
         precision: str = "bf16",
+        precision_audit: bool = False,
     ) -> None:
         """Serve ``model`` (a ``*ForCausalLM``; put in eval mode, gradients off) as ``initial_version``.
         ``precision="fp8"`` emulates SGLang's blockwise-FP8 engine: every weight ``Fp8Layout`` keeps in FP8
         is replaced by ``dequantize(quantize(W))`` (128x128 blocks, ``ops.fp8_blocks``) at load and at
-        every update, so rollouts see exactly the weights an FP8 engine computes with."""
+        every update, so rollouts see exactly the weights an FP8 engine computes with. ``precision_audit``
+        keeps the as-sent layout weights and reports each completion's ``precision_gap`` (served vs sent
+        weights, same arithmetic: ``rollout/precision_audit.py``)."""
         self._model = model.eval()
         for p in self._model.parameters():
             p.requires_grad_(False)
@@ -166,6 +171,7 @@ class HFEngine:
         self._required = set(views({name: state[name] for name in required}))
         self._manifest = {name: tuple(t.shape) for name, t in self._params.items()}
         self._fp8 = Fp8Layout() if precision == "fp8" else None
+        self._audit = PrecisionAudit(self._params) if precision_audit else None  # before the emulation
         self._emulate_fp8(self._params)
 
     @classmethod
@@ -189,6 +195,7 @@ class HFEngine:
             eos_token_ids=cfg.eos_token_ids or None,
             initial_version=cfg.initial_version,
             precision=cfg.precision,
+            precision_audit=cfg.precision_audit,
         )
 
     # ------------------------------------------------------------------ state
@@ -289,6 +296,8 @@ class HFEngine:
                 with torch.no_grad():
                     for name, tensor in staged.items():
                         self._params[name].copy_(tensor.to(self._device, non_blocking=False))
+                    if self._audit is not None:
+                        self._audit.record(staged)
                     self._emulate_fp8(staged)
             except Exception as e:  # a half-copied model must never serve
                 self._inconsistent = (
@@ -471,6 +480,9 @@ class HFEngine:
             step_pos = step_pos[:, -1:] + 1
             mask = torch.cat([mask, mask.new_ones(bsz, 1)], dim=-1)
         experts = _routed_experts(routed, tokens, lengths, width) if top_k else [None] * bsz
+        gaps = [None] * bsz
+        if self._audit is not None:
+            gaps = self._audit.gaps(self._model, [list(prompts[i]) for i, _ in rows], tokens, temperature)
         return [
             Completion(
                 prompt_index=i,
@@ -482,6 +494,7 @@ class HFEngine:
                 top_ids=_stack_rows([ids for ids, _ in tops[r]], k_top, torch.long) if k_top else None,
                 top_logprobs=_stack_rows([lp for _, lp in tops[r]], k_top, torch.float32) if k_top else None,
                 meta={"sample_index": j},
+                precision_gap=gaps[r],
             )
             for r, (i, j) in enumerate(rows)
         ]

@@ -390,6 +390,9 @@ METRICS: dict[str, Metric] = _declare(
     _M("logprob/gap_max", MAX, "max |log π_old − log π_rollout|", method=True),
     _M("logprob/topk_kl_mean", MEAN, "KL(engine‖trainer) over the engine's top-K ids + tail, per token"),
     _M("logprob/topk_kl_max", MAX, "max per-token KL(engine‖trainer) over the engine's top-K ids + tail"),
+    # the CPU engine's precision audit (rollout/precision_audit.py): served vs sent weights, same arithmetic
+    _M("logprob/precision_gap_mean", MEAN, "mean |log π_served − log π_sent| per token, in the engine"),
+    _M("logprob/precision_gap_max", MAX, "max |log π_served − log π_sent|: 0 exactly when served = sent"),
     _M("loss/is_masked_frac", MEAN, "share of response tokens the IS correction gave no loss (mis, icepop)"),
     _M("loss/stale_masked_frac", MEAN, "share of response tokens dropped as stale (loss.mask_stale_tokens)"),
     _M("time/score_s", MAX, "scoring pass (student), the slowest rank's seconds", method=True),

@@ -77,6 +77,25 @@ def test_streamed_dequantization_is_the_reference_bit_for_bit(shape, dtype):
         assert torch.equal(got, fp8_blocks.dequantize(q, s, block, dtype)), block
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_table_dequantization_has_the_references_bits_for_every_code(dtype):
+    """Every float8 code (NaNs, -0 and subnormals included) in blocks of different scales, over more rows
+    than one lookup chunk (the chunk loop and its last, partial chunk), compared as bits: the table of
+    each block's 256 products is the reference's widen-and-multiply, not merely close to it."""
+    gen = torch.Generator().manual_seed(2)
+    rows, cols = 2 * 1100 + 77, 300  # > 2**18 elements: several chunks, partial row and column blocks
+    codes = torch.randint(0, 256, (rows, cols), generator=gen, dtype=torch.int32)
+    codes[:1, :256] = torch.arange(256, dtype=torch.int32)
+    q = codes.to(torch.uint8).view(torch.float8_e4m3fn)
+    s = (
+        torch.rand(-(-rows // 128), -(-cols // 128), generator=gen)
+        * 10.0 ** torch.randint(-6, 3, (1,)).item()
+    )
+    bits = torch.int16 if dtype == torch.bfloat16 else torch.int32
+    want = reference_dequantize(q, s, (128, 128), dtype)
+    assert torch.equal(dequantize_weight("w", q, s, (128, 128), dtype).view(bits), want.view(bits))
+
+
 def test_requantizing_an_fp8_import_gives_the_bytes_back_where_that_is_defined():
     """quantize(dequantize(q, s)) == (q, s) for blocks the quantizer made from bf16 weights (the hub's case)
     through a bf16 or fp32 import, and from fp32 weights through an fp32 import; blocks under the 1e-4 amax

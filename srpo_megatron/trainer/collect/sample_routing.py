@@ -256,9 +256,22 @@ def route_groups(
         "response/length_max": lengths.max().item(),
         "response/truncated_frac": sum(s.finish_reason == "length" for s in samples) / n,
     }
+    metrics.update(precision_gap_metrics([c for group in completions for c in group]))
     benchmarks = [p.row.benchmark for p in prompts]
     turns = multi_turn_metrics([c for g in completions for c in g])
     return RolloutBatch(samples, merge_metrics(metrics, per_benchmark(benchmarks, r, routing.correct), turns))
+
+
+def precision_gap_metrics(completions: list) -> dict[str, float]:
+    """``logprob/precision_gap_mean`` / ``_max`` over the response tokens of the completions the engine
+    audited (``Completion.precision_gap``, ``rollout/precision_audit.py``); {} when none was."""
+    gaps = [g for c in completions if c.precision_gap is not None for g in c.precision_gap]
+    if not any(c.precision_gap is not None for c in completions):
+        return {}
+    gap = torch.tensor(gaps, dtype=torch.float64)
+    if not gap.numel():
+        return {"logprob/precision_gap_mean": 0.0, "logprob/precision_gap_max": 0.0}
+    return {"logprob/precision_gap_mean": gap.mean().item(), "logprob/precision_gap_max": gap.max().item()}
 
 
 def per_benchmark(benchmarks: list[str], rewards: torch.Tensor, correct: torch.Tensor) -> dict[str, float]:
