@@ -100,6 +100,7 @@ ADDED_RECIPES = {
     "glm45_air_srpo.yaml",
     "gpt_oss_20b_srpo.yaml",
     "kimi_k2_srpo.yaml",
+    "smollm2_arith_lora_cpu.yaml",
 }
 
 
