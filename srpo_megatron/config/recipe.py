@@ -67,6 +67,12 @@ class TrainConfig:
                 "loss.mask_stale_tokens=true does nothing at rollout.off_policy_steps=0: on-policy, no token "
                 "is ever staler than the bound; set rollout.off_policy_steps >= 1 or drop the key"
             )
+        if self.lora.enabled and self.lora.sync == "adapter" and self.rollout.engine != "hf":
+            raise ConfigError(
+                f"lora.sync=adapter with rollout.engine={self.rollout.engine}: adapter sync is wired for the "
+                "CPU engine (rollout.engine=hf) only; set lora.sync: merged (the engines get "
+                "W + (alpha/r) B A as full weights)"
+            )
         cp, budget = self.parallel.cp, self.train.max_tokens_per_micro_batch
         if cp > 1 and (budget <= 0 or budget % (2 * cp)):
             raise ConfigError(

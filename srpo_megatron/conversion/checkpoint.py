@@ -35,6 +35,7 @@ import gc
 import json
 import os
 import pickle
+import re
 import shutil
 import sys
 import time
@@ -646,6 +647,9 @@ def megatron_to_hf(
     return Path(out_dir)
 
 
+_PER_LAYER = re.compile(r"^(.*\.decoder\.layers\.)(\d+)\.(.*)$")
+
+
 def _lora_adapters(
     ckpt_dir: Path, arch: Architecture, table: ConversionTable, reader: TorchDistReader
 ) -> tuple[LoraTable, dict[str, torch.Tensor]] | None:
@@ -656,14 +660,21 @@ def _lora_adapters(
     lora_table = LoraTable(arch, lora, table)
 
     def read(key: str) -> torch.Tensor:
-        try:
-            md = reader.tensor_metadata(key)
-        except KeyError:
-            raise ConversionInputError(
-                f"{ckpt_dir}: its recipe.yaml has lora.rank={lora.rank} but the checkpoint has no adapter "
-                f"tensor {key}; export a checkpoint the LoRA run saved (or remove the lora section)"
-            ) from None
-        return reader.read(key, (0,) * len(md.size), tuple(md.size))
+        # The trainer's checkpoints stack a layer's tensors over the layers (megatron's layer-wise
+        # sharded_state_dict: key ``...decoder.layers.<rest>``, leading axis = global layer number).
+        m = _PER_LAYER.match(key)
+        stacked = f"{m.group(1)}{m.group(3)}" if m else None
+        for k, at in ((key, None), (stacked, int(m.group(2)) if m else None)):
+            if k is None or k not in reader.metadata.state_dict_metadata:
+                continue
+            size = tuple(reader.tensor_metadata(k).size)
+            if at is None:
+                return reader.read(k, (0,) * len(size), size)
+            return reader.read(k, (at,) + (0,) * (len(size) - 1), (1, *size[1:]))[0]
+        raise ConversionInputError(
+            f"{ckpt_dir}: its recipe.yaml has lora.rank={lora.rank} but the checkpoint has no adapter "
+            f"tensor {key}; export a checkpoint the LoRA run saved (or remove the lora section)"
+        )
 
     return lora_table, read_checkpoint_lora(read, lora_table, POLICY_PREFIX)
 

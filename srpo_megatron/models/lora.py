@@ -360,3 +360,31 @@ def init_lora(model: torch.nn.Module, seed: int, layer_offset: int, expert_offse
     params = lora_parameters(model)
     local = {global_lora_name(n, layer_offset, expert_offset): n for n in params}
     load_lora(model, full, layer_offset, expert_offset)
+
+
+@torch.no_grad()
+def lora_weight_delta(module: torch.nn.Module) -> torch.Tensor:
+    """``scaling · B A`` of a LoRA linear's adapters in its local base weight's (fused, TP-sharded) layout,
+    the mirror of :func:`lora_delta` on weights: this rank's rows (column-parallel: B's row shard times the
+    replicated A, interleaved per query group like ``linear_qkv``; gate/up stacked like ``linear_fc1``) or
+    columns (row-parallel: the replicated B times A's column shard). So ``weight + delta`` is exactly this
+    rank's shard of the merged HF weight and the base weight's gather carries it (no adapter gather)."""
+    plan, adapters, w = module._lora_plan, module.lora, module.weight
+    acc = torch.promote_types(w.dtype, torch.float32)
+    if plan.kind == "row":
+        pair = adapters[plan.projections[0]]
+        return plan.scaling * (pair.lora_B.to(acc) @ pair.lora_A.to(acc))
+    pieces = []
+    for proj, rows in zip(plan.projections, plan.split, strict=True):
+        if proj in adapters:
+            d = adapters[proj].lora_B.to(acc) @ adapters[proj].lora_A.to(acc)
+        else:
+            d = torch.zeros(rows, w.shape[1], dtype=acc, device=w.device)
+        pieces.append(d.unflatten(0, (plan.groups, -1)))
+    return plan.scaling * torch.cat(pieces, dim=1).flatten(0, 1)
+
+
+def merged_shard(module: torch.nn.Module) -> torch.Tensor:
+    """This rank's base weight with its adapters folded in (``W + scaling · B A`` in fp32, W's dtype)."""
+    w = module.weight.detach()
+    return (w.to(torch.promote_types(w.dtype, torch.float32)) + lora_weight_delta(module)).to(w.dtype)

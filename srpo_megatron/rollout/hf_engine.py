@@ -59,6 +59,7 @@ from srpo_megatron.conversion.fp8_layout import Fp8Layout
 from srpo_megatron.ops.fp8_blocks import fake_quantize
 from srpo_megatron.rollout.base import Completion, EngineError, EngineHealth, SamplingParams, sample_seed
 from srpo_megatron.rollout.gate import check_version, missing_names, tensor_problem
+from srpo_megatron.rollout.hf_lora import inject_lora
 from srpo_megatron.rollout.hf_moe_layout import file_format_params, gpt_oss_slice_params
 from srpo_megatron.rollout.precision_audit import PrecisionAudit
 from srpo_megatron.rollout.routed_experts import router_choice, router_layers
@@ -172,6 +173,7 @@ class HFEngine:
         self._manifest = {name: tuple(t.shape) for name, t in self._params.items()}
         self._fp8 = Fp8Layout() if precision == "fp8" else None
         self._audit = PrecisionAudit(self._params) if precision_audit else None  # before the emulation
+        self._lora: dict[str, torch.Tensor] | None = None  # PEFT adapters after the first update_lora
         self._emulate_fp8(self._params)
 
     @classmethod
@@ -307,6 +309,37 @@ class HFEngine:
                 raise EngineError(self._inconsistent) from e
             self._inconsistent = ""
             self._released = False  # a complete update makes the weights resident (as SGLang's does)
+            self._version = int(version)
+
+    def update_lora(
+        self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int, config: dict
+    ) -> None:
+        """Install the policy's LoRA adapters (PEFT-named, full shapes; ``rollout.hf_lora``) as ``version``,
+        all or nothing; the base weights stay as loaded. The model is wrapped with ``peft`` on the first
+        call (``config``: the adapter_config dict); every adapter must come, with its PEFT shape."""
+        with self._lock:
+            self._check_alive()
+            check_version(version, self._version, self._inconsistent, released=self._released)
+            if self._lora is None:
+                self._lora = inject_lora(self._model, config)
+            received = dict(named_tensors)
+            missing = sorted(set(self._lora) - set(received))
+            unexpected = sorted(set(received) - set(self._lora))
+            misshaped = [
+                f"{n}: got {tuple(t.shape)}, engine has {tuple(self._lora[n].shape)}"
+                for n, t in received.items()
+                if n in self._lora and t.shape != self._lora[n].shape
+            ]
+            if missing or unexpected or misshaped:
+                raise EngineError(
+                    f"adapter update to version {version} rejected, still serving version {self._version}; "
+                    f"missing {_head(missing)}, unexpected {_head(unexpected)}, mis-shaped {_head(misshaped)}"
+                    ": the trainer's lora.rank/target_modules must match the engine's adapters"
+                )
+            with torch.no_grad():
+                for name, tensor in received.items():
+                    self._lora[name].copy_(tensor.to(self._device))
+            self._released = False
             self._version = int(version)
 
     def _emulate_fp8(self, names: Iterable[str]) -> None:

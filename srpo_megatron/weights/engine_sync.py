@@ -29,6 +29,7 @@ import torch.distributed as dist
 
 from srpo_megatron.buckets import flat_buckets, streamed_views
 from srpo_megatron.conversion.fp8_layout import Fp8Layout
+from srpo_megatron.conversion.lora_table import LoraTable
 from srpo_megatron.conversion.table import ConversionTable
 from srpo_megatron.parallel import ParallelGroups
 from srpo_megatron.rollout.base import EngineError, RolloutEngine
@@ -36,6 +37,7 @@ from srpo_megatron.rollout.placement import EngineLayout
 from srpo_megatron.weights.export import iter_stage_params
 from srpo_megatron.weights.fp8_sync import quantize_pending
 from srpo_megatron.weights.fused_experts import fuse_expert_slices
+from srpo_megatron.weights.lora_stream import iter_stage_adapters
 from srpo_megatron.weights.p2p import (
     DEFAULT_BUCKET_BYTES,
     P2PChannel,
@@ -96,6 +98,7 @@ def sync_engines(
     fuse_experts: bool = False,
     fp8: Fp8Layout | None = None,
     tp_payloads: bool = False,
+    adapters: LoraTable | None = None,
 ) -> int:
     """Collective: install the policy as ``version`` into each target engine (``engine`` is this rank's
     engine on hosts, None elsewhere). Returns the bytes this rank sent to other ranks. An engine that
@@ -114,7 +117,10 @@ def sync_engines(
     my_dp, _my_pp, my_tp = coords[me]
     # Hosts this replica feeds (this rank's stage goes to each of them), in engine order.
     receivers = [layout.hosts[k] for k in targets if coords[layout.hosts[k]][0] == my_dp]
-    pending = iter_stage_params(model, table, groups, dtype, all_replicas=True)
+    if adapters is not None:
+        pending = iter_stage_adapters(model, adapters, groups, dtype, all_replicas=True)
+    else:
+        pending = iter_stage_params(model, table, groups, dtype, all_replicas=True)
     my_engine = layout.engine_of(me) if me in layout.hosts else None
     peers = None
     if tp_payloads and layout.size > 1:
@@ -248,23 +254,25 @@ class ColocatedSync:
     def push(self, engine: RolloutEngine | None, version: int, targets: list[int] | None) -> dict[int, str]:
         error = ""
         try:
-            receiver = self.receiver(engine) if engine is not None else None
-            p = self.policy
-            sync_engines(
-                p.model,
-                p.table,
-                self.groups,
-                receiver,
-                version,
-                self.layout,
-                targets=targets,
-                fuse_experts=self.fuse_experts,
-                fp8=self.fp8,
-                tp_payloads=self.tp_payloads,
-            )
+            self._sync(self.receiver(engine) if engine is not None else None, version, targets)
         except EngineError as e:  # on its host only; the others completed the collective
             error = str(e)
         return agree_failures(self.layout, self.groups.host, self.layout.engine_of(dist.get_rank()), error)
+
+    def _sync(self, receiver: Any, version: int, targets: list[int] | None) -> None:
+        p = self.policy
+        sync_engines(
+            p.model,
+            p.table,
+            self.groups,
+            receiver,
+            version,
+            self.layout,
+            targets=targets,
+            fuse_experts=self.fuse_experts,
+            fp8=self.fp8,
+            tp_payloads=self.tp_payloads,
+        )
 
     def engines_restarted(self, engines: list[int]) -> None:
         """Nothing to forget: a rebuilt engine takes the next push like any other."""

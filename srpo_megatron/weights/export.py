@@ -48,6 +48,7 @@ from srpo_megatron.conversion.weights import (
     stage_expert_offset,
     stage_layer_offset,
 )
+from srpo_megatron.models.lora import merged_shard
 from srpo_megatron.parallel import ParallelGroups
 
 
@@ -70,6 +71,8 @@ def stage_param_names(model: torch.nn.Module, table: ConversionTable) -> list[tu
     for local_name, _ in policy_named_tensors(model):
         if local_name == "output_layer.weight" and table.arch.tie_embeddings:
             continue
+        if ".lora." in f".{local_name}":  # LoRA adapters: merged into their base weight, or synced apart
+            continue
         out.append((local_name, rank_param_name(table, local_name, offset, expert_offset)))
     return out
 
@@ -81,6 +84,7 @@ def iter_stage_params(
     dtype: torch.dtype | None = None,
     *,
     all_replicas: bool = False,
+    merge_lora: bool = True,
 ) -> Iterator[PendingParam]:
     """This stage's parameters as ``PendingParam``s, in model order. Every TP rank of the stage must call
     each ``fetch()`` (it joins the TP gather); only the stage sender gets tensors, the others ``[]``.
@@ -89,6 +93,10 @@ def iter_stage_params(
     ``dtype``: cast each exported tensor (e.g. fp32 master -> bf16 engine), ``None`` keeps the param's.
     ``all_replicas``: every data-parallel replica exports (onto its own TP rank 0), so each rollout
     engine can be fed by the replica it is colocated with; default: replica 0 only.
+    ``merge_lora``: a LoRA policy's adapted weights go as ``W + (alpha/r) B A`` (``models.lora.merged_shard``,
+    folded into each rank's shard before the usual gather, so TP/EP need nothing more); False sends the
+    frozen base (``lora.sync: adapter`` moves the adapters apart, ``weights.lora_engine_sync``). The adapter
+    tensors themselves are never in this stream.
     """
     model = _unwrap(model)
     params = dict(policy_named_tensors(model))
@@ -100,6 +108,8 @@ def iter_stage_params(
         if (not all_replicas and dp_like != 0) or (not expert and groups.cp_rank != 0):
             continue
         param = params[local_name].detach()
+        if merge_lora:
+            param = _lazy_merged(model, local_name, param)
         # The expert bias travels in fp32 whatever the engine dtype: HF and SGLang keep it in fp32, and a
         # bf16 round trip would move near-tied experts' scores and with them the engine's choices.
         dtype_here = None if name.endswith(EXPERT_BIAS_SUFFIX) else dtype
@@ -113,6 +123,30 @@ def iter_stage_params(
             continue
         fetch = functools.partial(_fetch, table, groups, name, param, dtype_here)
         yield PendingParam(name, nbytes, fetch, specs, functools.partial(_fetch_into, fetch))
+
+
+class _Merged:
+    """Stands for a LoRA linear's weight in the stream: shape/dtype of the base shard, and the merged shard
+    made only when ``fetch`` runs (one parameter at a time, like the gather itself)."""
+
+    def __init__(self, module: torch.nn.Module) -> None:
+        self.module, self.shape, self.dtype = module, module.weight.shape, module.weight.dtype
+
+    def materialize(self) -> torch.Tensor:
+        return merged_shard(self.module)
+
+
+def _lazy_merged(model: torch.nn.Module, local_name: str, param: torch.Tensor):
+    """``param``, or a :class:`_Merged` when it is the weight of a linear carrying LoRA adapters."""
+    owner, _, leaf = local_name.rpartition(".")
+    module = model.get_submodule(owner) if owner else model
+    if leaf != "weight" or getattr(module, "_lora_plan", None) is None:
+        return param
+    return _Merged(module)
+
+
+def _real(param) -> torch.Tensor:
+    return param.materialize() if isinstance(param, _Merged) else param
 
 
 def _specs(
@@ -164,6 +198,7 @@ def _fetch(
     pieces laid out like the bucket's slots (embedding, gate/up, row-parallel weights) the shards are
     received straight into the bucket; otherwise (the per-group QKV split, a cast, vocab padding) into
     one temporary full tensor that is then converted into the slots."""
+    param = _real(param)
     part = table.partition(name)
     dst_is_me = groups.tp_rank == 0
     tp = groups.tp_size if part.dim is not None else 1
@@ -324,7 +359,7 @@ def _fetch_expert(
     a replica's sender is not always EP rank 0: gather on every rank (all-gather), and every replica's TP
     rank 0 returns all experts. Same per-rank bound (``ep`` experts' tensors), more traffic."""
     part = table.partition(name)
-    full = param
+    full = param = _real(param)
     if groups.etp_size > 1:
         shards = _collect(param, groups.etp, groups.etp_rank, groups.etp_size, all_replicas)
         if shards is None:

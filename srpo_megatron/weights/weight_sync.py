@@ -16,6 +16,10 @@ separate       distributed                ``BroadcastSync``   each PP stage's se
                                                               server (NCCL group, one per stage)
 =============  =========================  ==================  ==========================================
 
+A LoRA policy (``lora.rank > 0``): ``lora.sync: merged`` takes the strategy above, the stream carrying
+``W + (alpha/r) B A`` (``weights.export``); ``lora.sync: adapter`` is ``LoraAdapterSync`` (only the adapters,
+``weights.lora_engine_sync``), wired for the colocated CPU engine; the recipe refuses it elsewhere.
+
 ``separate`` + ``tensor`` (CUDA IPC needs the engine on the trainer's GPUs) and ``colocated`` +
 ``distributed`` (the servers' group needs engines outside the trainer's world) have no strategy: the
 recipe refuses them when it loads, and ``strategy_name`` refuses them again here.
@@ -32,6 +36,7 @@ from srpo_megatron.rollout.served_precision import served_folder, served_fp8_lay
 from srpo_megatron.weights.broadcast_sync import BroadcastSync
 from srpo_megatron.weights.disk_sync import DiskSync
 from srpo_megatron.weights.engine_sync import ColocatedSync
+from srpo_megatron.weights.lora_engine_sync import LoraAdapterSync
 
 # (placement, rollout.sglang.weight_sync) -> strategy; the CPU engine (engine=hf) is colocated, no key.
 STRATEGIES = {
@@ -75,6 +80,13 @@ def strategy_name(rollout: RolloutConfig) -> str:
     return name
 
 
+def lora_adapter_refusal(engine: str) -> str:
+    return (
+        f"lora.sync=adapter with rollout.engine={engine}: adapter sync is wired for the CPU engine "
+        "(rollout.engine=hf) only; set lora.sync: merged (the engines get W + (alpha/r) B A as full weights)"
+    )
+
+
 def build_weight_sync(
     cfg: Any, policy: Any, groups: Any, layout: EngineLayout, urls: list[str]
 ) -> WeightSync:
@@ -82,6 +94,11 @@ def build_weight_sync(
     ``urls``: the separate servers, in engine order). Cheap: groups and folders are made at the first
     ``push``."""
     name = strategy_name(cfg.rollout)
+    lora = getattr(cfg, "lora", None)
+    if lora is not None and lora.enabled and lora.sync == "adapter":
+        if name != "colocated" or cfg.rollout.engine != "hf":
+            raise ConfigError(lora_adapter_refusal(cfg.rollout.engine))
+        return LoraAdapterSync(policy, groups, layout, lora, cfg.model.hf_dir)
     if name == "broadcast":
         return BroadcastSync(cfg, policy, groups, layout, urls)
     if name == "disk":

@@ -3,7 +3,8 @@
 - 3 SRPO steps at TP2 (gloo): every method §6 metric is logged each step, the weights change, and the
   teacher forward ran on exactly the SDPO-routed samples (its own count vs the routing's).
 - TP1 and TP2 give the same first-step loss.
-- A run SIGKILLed after step 2 and resumed reproduces the uninterrupted run's metrics and weights at step 4.
+- A run SIGKILLed after step 2 and resumed reproduces the uninterrupted run's metrics and weights at step 4;
+  with LoRA too, where the stored adapters, their EMA teacher and optimizer state must be bit-identical.
 
 The tiny model cannot solve a real task, so the recipe uses ``coin_reward`` (reward from a hash of the
 response text) to produce mixed groups; everything else is the production path.
@@ -19,6 +20,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 from safetensors.torch import load_file
 
 from srpo_megatron.testing.distributed import run_distributed
@@ -88,8 +90,30 @@ def _srpo_train(overrides: list[str]) -> subprocess.Popen:
     )
 
 
-def test_sigkill_after_step_2_then_resume_matches_uninterrupted_run(tiny, tmp_path):
-    steps = {"train.steps": 4}
+def _lora_tensors(ckpt: Path) -> dict[str, torch.Tensor]:
+    """Every stored tensor of a checkpoint whose key names an adapter: the policy's adapters, the EMA
+    teacher's fp32 adapters and their optimizer state (full tensors, as stored)."""
+    from srpo_megatron.conversion.dist_reader import TorchDistReader
+
+    reader = TorchDistReader(ckpt)
+    try:
+        keys = [k for k in reader.metadata.state_dict_metadata if ".lora." in k]
+        out = {}
+        for k in keys:
+            md = reader.tensor_metadata(k)
+            out[k] = reader.read(k, (0,) * len(md.size), tuple(md.size))
+        return out
+    finally:
+        reader.close()
+
+
+# LoRA: adapter-only training (base frozen), the EMA teacher an fp32 EMA of the adapters.
+LORA_RESUME = {"lora.rank": 4, "lora.alpha": 8.0, "optim.lr": 1e-2}
+
+
+@pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
+def test_sigkill_after_step_2_then_resume_matches_uninterrupted_run(tiny, tmp_path, lora):
+    steps = {"train.steps": 4, **(LORA_RESUME if lora else {})}
     full_dir, killed_dir = tmp_path / "full", tmp_path / "killed"
     full = _srpo_train(train_overrides(tiny, full_dir, **steps))
     out, _ = full.communicate(timeout=600)
@@ -118,6 +142,13 @@ def test_sigkill_after_step_2_then_resume_matches_uninterrupted_run(tiny, tmp_pa
     b = export_hf(killed_dir / "checkpoints" / "step_000004", tmp_path / "hf_resumed")
     for k in a:
         assert (a[k] - b[k]).abs().max().item() <= 1e-6, k
+    if lora:  # the adapter-only checkpoint and the adapter EMA resume exactly
+        ref_lora = _lora_tensors(full_dir / "checkpoints" / "step_000004")
+        got_lora = _lora_tensors(killed_dir / "checkpoints" / "step_000004")
+        assert any("teacher" in k for k in ref_lora) and len(ref_lora) > 2, sorted(ref_lora)[:8]
+        assert sorted(ref_lora) == sorted(got_lora)
+        for k in ref_lora:
+            assert torch.equal(ref_lora[k], got_lora[k]), k
 
 
 def test_tp2_checkpoint_resumes_at_tp1(tiny, tp2_run, tmp_path):

@@ -82,3 +82,17 @@ def test_version_rule_and_refusals_are_one_line():
     assert lora_sync.sync_requests({"lora_name": "x"}, None) == [
         ("/load_lora_adapter_from_tensors", {"lora_name": "x"})
     ]
+
+
+def test_adapter_sync_with_sglang_is_refused_before_any_engine_starts():
+    """``lora.sync: adapter`` is wired for the CPU engine only: an SGLang recipe refuses it when it loads,
+    in one line that points to ``merged``; ``merged`` loads."""
+    from srpo_megatron.config import ConfigError
+    from srpo_megatron.config.recipe import load_recipe
+
+    recipe = "examples/qwen3_8b_srpo.yaml"
+    with pytest.raises(
+        ConfigError, match=r"lora\.sync=adapter with rollout\.engine=sglang.*lora\.sync: merged"
+    ):
+        load_recipe(recipe, ["lora.rank=16"])
+    assert load_recipe(recipe, ["lora.rank=16", "lora.sync=merged"]).lora.sync == "merged"

@@ -107,6 +107,7 @@ ADDED_RECIPES = {
     "kimi_k2_srpo.yaml",
     "qwen3_32b_lora_srpo.yaml",
     "qwen3_235b_a22b_lora_srpo.yaml",
+    "smollm2_arith_lora_cpu.yaml",
 }
 
 
