@@ -32,7 +32,7 @@ from srpo_megatron.rewards import RewardPool
 from srpo_megatron.rewards.failures import check_reward_failures
 from srpo_megatron.rewards.pool import RewardResult
 from srpo_megatron.rollout.base import RolloutEngine, SamplingParams
-from srpo_megatron.rollout.multi_turn import Trajectory, multi_turn_metrics
+from srpo_megatron.rollout.multi_turn import Trajectory, multi_turn_metrics, multi_turn_rollout
 
 SAMPLES_FILE = "samples.jsonl"
 SUMMARY_FILE = "summary.json"
@@ -278,5 +278,8 @@ def greedy_accuracy(
     (``allow_reward_errors``: default the recipe's ``rollout.allow_reward_errors``)."""
     greedy_cfg = dataclasses.replace(cfg.eval, k=1, temperature=0.0, top_p=1.0)
     allow = cfg.rollout.allow_reward_errors if allow_reward_errors is None else allow_reward_errors
-    summary = run_eval(engine, tokenizer, cfg.data, greedy_cfg, out_dir, step=step, allow_reward_errors=allow)
+    mt = multi_turn_rollout(cfg, tokenizer) if cfg.rollout.environment else None  # trajectories, as in avg@k
+    summary = run_eval(
+        engine, tokenizer, cfg.data, greedy_cfg, out_dir, step=step, allow_reward_errors=allow, multi_turn=mt
+    )
     return summary["mean_avg_at_k"]
