@@ -7,6 +7,11 @@ exactly k samples, so this is also the mean over all samples), and the unweighte
 (the paper's "average" column). It writes ``samples.jsonl`` (one line per sample: benchmark, prompt,
 response, reward, ...) and ``summary.json`` into ``out_dir``.
 
+With ``multi_turn`` (a ``rollout/multi_turn.MultiTurnRollout``, built from ``rollout.environment``) each
+sample is a trajectory driven by the same code as training's rollouts: the verifier reads its assistant
+turns, its reward adds the environment's per-turn parts (0 after a fault under ``on_tool_fault: fail``),
+and the summary carries the ``multiturn/*`` metrics over all samples.
+
 ``run_eval`` is the entry point the CLI (``srpo eval``) and the trainer call: it builds the held-out
 prompts from the recipe's ``data`` section and evaluates them; ``greedy_accuracy`` is its k = 1,
 temperature 0 form.
@@ -27,6 +32,7 @@ from srpo_megatron.rewards import RewardPool
 from srpo_megatron.rewards.failures import check_reward_failures
 from srpo_megatron.rewards.pool import RewardResult
 from srpo_megatron.rollout.base import RolloutEngine, SamplingParams
+from srpo_megatron.rollout.multi_turn import Trajectory, multi_turn_metrics, multi_turn_rollout
 
 SAMPLES_FILE = "samples.jsonl"
 SUMMARY_FILE = "summary.json"
@@ -47,6 +53,7 @@ def evaluate(
     reward_pool: RewardPool | None = None,
     step: int | None = None,
     allow_reward_errors: bool = False,
+    multi_turn: Any | None = None,
 ) -> dict[str, Any]:
     """avg@k per benchmark and their mean; writes ``samples.jsonl`` and ``summary.json`` to ``out_dir``.
 
@@ -67,10 +74,13 @@ def evaluate(
         max_new_tokens=max_new_tokens,
         stop_token_ids=tuple(i for i in (getattr(tokenizer, "eos_token_id", None),) if i is not None),
     )
-    completions = _generate(engine, [p for _, _, p in items], params, prompts_per_call, seed)
+    completions = _generate(engine, [p for _, _, p in items], params, prompts_per_call, seed, multi_turn)
     gen_s = time.monotonic() - t0
     records = _records(items, completions, tokenizer)
     scored = _score(records, reward_pool)
+    for r in records:
+        if "turns" in r:  # a trajectory: the environment's reward parts, or 0 after a fault under fail
+            r["reward"] = 0.0 if r["tool_failed"] else r["reward"] + r["env_reward"]
     with (out / SAMPLES_FILE).open("w", encoding="utf-8") as f:
         for r in records:
             f.write(json.dumps(r, ensure_ascii=False) + "\n")
@@ -88,6 +98,7 @@ def evaluate(
         "step": step,
         "weight_version": engine.weight_version,
         **_scores(benchmarks, records, k),
+        **({"multi_turn": multi_turn_metrics([c for g in completions for c in g])} if multi_turn else {}),
         "reward_timeouts": scored.num_timeouts,
         "reward_errors": scored.num_errors,
         "generate_s": gen_s,
@@ -98,15 +109,25 @@ def evaluate(
 
 
 def _generate(
-    engine: RolloutEngine, prompts: list[Prompt], params: SamplingParams, prompts_per_call: int, seed: int
+    engine: RolloutEngine,
+    prompts: list[Prompt],
+    params: SamplingParams,
+    prompts_per_call: int,
+    seed: int,
+    multi_turn: Any | None = None,
 ) -> list[list[Any]]:
-    """``params.n`` completions per prompt, ``prompts_per_call`` prompts per engine call."""
+    """``params.n`` completions per prompt, ``prompts_per_call`` prompts per engine call (or per
+    ``multi_turn.generate`` call: trajectories, their rows' environments answering the turns)."""
     completions = []
     for start in range(0, len(prompts), prompts_per_call):
         chunk = prompts[start : start + prompts_per_call]
         # Distinct per chunk, so prompts in different calls do not share sample seeds.
         chunk_params = dataclasses.replace(params, seed=seed * 1_000_003 + start)
-        result = engine.generate([list(p.ids) for p in chunk], chunk_params)
+        ids = [list(p.ids) for p in chunk]
+        if multi_turn is None:
+            result = engine.generate(ids, chunk_params)
+        else:
+            result = multi_turn.generate(engine, ids, [p.row for p in chunk], chunk_params)
         if len(result) != len(chunk) or any(len(c) != params.n for c in result):
             raise RuntimeError(
                 f"engine returned {[len(c) for c in result]} samples per prompt, expected {params.n}"
@@ -122,6 +143,7 @@ def _records(
     records = []
     for (name, i, p), samples in zip(items, completions, strict=True):
         for j, c in enumerate(samples):
+            traj = Trajectory.of(c)
             records.append(
                 {
                     "benchmark": name,
@@ -136,9 +158,22 @@ def _records(
                     "num_tokens": len(c.token_ids),
                     "finish_reason": c.finish_reason,
                     "weight_version": c.weight_version,
+                    **({} if traj is None else _trajectory_fields(traj)),
                 }
             )
     return records
+
+
+def _trajectory_fields(traj: Trajectory) -> dict[str, Any]:
+    """A trajectory's record fields: its assistant turns as ``response`` (what the verifier reads), its
+    turns, tool calls, the environment's reward parts and whether a fault failed it."""
+    return {
+        "response": traj.assistant_text,
+        "turns": traj.turns,
+        "tool_calls": traj.tool_calls,
+        "env_reward": float(sum(traj.turn_rewards)),
+        "tool_failed": traj.failed,
+    }
 
 
 def _score(records: list[dict[str, Any]], reward_pool: RewardPool | None) -> RewardResult:
@@ -202,9 +237,10 @@ def run_eval(
     step: int | None = None,
     reward_pool: RewardPool | None = None,
     allow_reward_errors: bool = False,
+    multi_turn: Any | None = None,
 ) -> dict[str, Any]:
     """Evaluate ``engine`` on the recipe's held-out benchmarks; what ``srpo eval`` and the trainer call
-    (``allow_reward_errors``: see ``evaluate``)."""
+    (``allow_reward_errors``, ``multi_turn``: see ``evaluate``)."""
     benches = build_eval_benchmarks(data, tokenizer, cfg.max_prompts_per_benchmark)
     own_pool = reward_pool is None
     pool = reward_pool or RewardPool(num_workers=cfg.reward_workers, timeout_s=cfg.reward_timeout_s)
@@ -223,6 +259,7 @@ def run_eval(
             reward_pool=pool,
             step=step,
             allow_reward_errors=allow_reward_errors,
+            multi_turn=multi_turn,
         )
     finally:
         if own_pool:
@@ -241,5 +278,8 @@ def greedy_accuracy(
     (``allow_reward_errors``: default the recipe's ``rollout.allow_reward_errors``)."""
     greedy_cfg = dataclasses.replace(cfg.eval, k=1, temperature=0.0, top_p=1.0)
     allow = cfg.rollout.allow_reward_errors if allow_reward_errors is None else allow_reward_errors
-    summary = run_eval(engine, tokenizer, cfg.data, greedy_cfg, out_dir, step=step, allow_reward_errors=allow)
+    mt = multi_turn_rollout(cfg, tokenizer) if cfg.rollout.environment else None  # trajectories, as in avg@k
+    summary = run_eval(
+        engine, tokenizer, cfg.data, greedy_cfg, out_dir, step=step, allow_reward_errors=allow, multi_turn=mt
+    )
     return summary["mean_avg_at_k"]

@@ -22,6 +22,7 @@ from srpo_megatron.conversion.checkpoint_files import checkpoint_to_read
 from srpo_megatron.evaluation.avg_at_k import build_eval_benchmarks, greedy_accuracy, run_eval
 from srpo_megatron.rewards import RewardPool, register_reward, reward_target
 from srpo_megatron.rollout.factory import build_engine, load_tokenizer
+from srpo_megatron.rollout.multi_turn import multi_turn_rollout
 
 
 def _log(msg: str) -> None:
@@ -75,7 +76,16 @@ def eval_main(args: argparse.Namespace) -> int:
         engine = build_engine(cfg.rollout, str(hf_dir))
         try:
             allow = cfg.rollout.allow_reward_errors  # training's rule: all rewards failed is refused
-            avg = run_eval(engine, tokenizer, cfg.data, cfg.eval, out / "avg_at_k", allow_reward_errors=allow)
+            mt = multi_turn_rollout(cfg, tokenizer) if cfg.rollout.environment else None
+            avg = run_eval(
+                engine,
+                tokenizer,
+                cfg.data,
+                cfg.eval,
+                out / "avg_at_k",
+                allow_reward_errors=allow,
+                multi_turn=mt,
+            )
             result = {
                 "checkpoint": str(ckpt),
                 f"avg@{cfg.eval.k}": avg["mean_avg_at_k"],

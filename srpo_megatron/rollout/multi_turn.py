@@ -8,13 +8,14 @@ token; ``logprobs`` is the engine's log-prob on mask-1 tokens and 0.0 on mask-0 
 (``trainer/step_types.Sample``). Turn k+1 is generated from ``prompt + e_1 t_1 ... e_k t_k``, so the
 engine saw exactly the ids the trainer scores.
 
-``t_k`` is the template's INCREMENTAL rendering (``TurnRenderer.tool_turn_ids``): the conversation is
-rendered without and with the new messages (the latter with the generation prompt), the second must
-start with the first (else the template re-renders earlier turns and the tokens the engine saw would
-not be the conversation's: ``TemplateDrift``, one line naming the turn and the first differing text),
-and ``t_k`` is the encoded difference, preceded by whatever the template closes an assistant turn with
-that the engine did not generate (for Qwen3 the ``\\n`` after ``<|im_end|>``; all of ``<|im_end|>\\n``
-when the turn stopped on another stop token).
+``t_k`` is the template's rendering of the new messages ON THEIR OWN (``TurnRenderer.tool_turn_ids``):
+after a fixed prefix conversation (``PREFIXES``), with the generation prompt, the prefix's own rendering
+cut off, as verl does; earlier turns are never re-rendered (Qwen3's official template renders a
+non-last assistant turn differently from a last one). The suffix must be the same after two different
+prefixes, else ``TemplateDrift`` (one line naming the turn and the first differing text). ``t_k`` is
+the encoded suffix, preceded by whatever the template closes an assistant turn with that the engine did
+not generate (for Qwen3 the ``\\n`` after ``<|im_end|>``; all of ``<|im_end|>\\n`` when the turn stopped on
+another stop token).
 
 Bounds: ``rollout.max_new_tokens`` bounds the whole response (assistant and tool tokens: the trainer's
 buffers are sized by it), each turn gets what is left; a turn cut by it, a tool turn that does not fit,
@@ -40,10 +41,25 @@ from srpo_megatron.rollout.environments.base import EnvironmentFactory, EnvStep,
 ToolFault = Literal["continue", "fail"]
 CLIPPED = " …[tool output clipped]"
 _SENTINEL = "\x00srpo-assistant-turn\x00"
+# The fixed conversations a tool turn is rendered after (its ids = the rendering's suffix past the prefix's
+# own rendering), as verl renders tool responses after its BASE_CHAT_HISTORY (volcengine/verl
+# verl/workers/rollout/schemas.py @ a7661d0; its agent loop cuts the template's default system prompt the
+# same way, verl/experimental/agent_loop/tool_agent_loop.py @ 1fc8e36). Never the trajectory's own
+# earlier turns: a template may render those differently once they are no longer last (Qwen3's official
+# one drops a non-last assistant turn's empty think block). Two prefixes: a suffix that depends on them
+# is refused.
+PREFIXES: tuple[list[dict[str, str]], ...] = (
+    [
+        {"role": "system", "content": "You are a helpful assistant."},
+        {"role": "user", "content": "I am a user."},
+    ],
+    [{"role": "user", "content": "What is 2 + 2?"}],
+)
 
 
 class TemplateDrift(ValueError):
-    """The chat template renders earlier turns differently once a message is added (not incremental)."""
+    """The chat template's rendering of a tool turn is not well defined: it re-renders the messages before
+    it, or it depends on them."""
 
 
 @dataclass(frozen=True)
@@ -116,27 +132,36 @@ class TurnRenderer:
     def decode(self, ids: Sequence[int]) -> str:
         return self.tokenizer.decode(list(ids), skip_special_tokens=False)
 
-    def tool_turn_ids(
-        self, messages: list[dict[str, str]], new: list[dict[str, str]], engine_ids: Sequence[int], turn: int
-    ) -> list[int]:
-        """Ids of ``new`` (tool/user messages) after ``messages`` (ending with the assistant turn whose
-        engine ids are ``engine_ids``), up to and including the next assistant turn's opening."""
-        before = self.render(messages)
-        after = self.render(messages + new, generation_prompt=True)
-        if not after.startswith(before):
-            at = next(i for i, (a, b) in enumerate(zip(before, after, strict=False)) if a != b)
-            raise TemplateDrift(
-                f"the chat template re-renders earlier turns once turn {turn}'s "
-                f"{'/'.join(m['role'] for m in new)} message is added (at character {at}: "
-                f"{before[at : at + 40]!r} becomes {after[at : at + 40]!r}), so the ids the engine saw would "
-                "not be the conversation's; use a template that renders each turn on its own (e.g. one that "
-                "keeps earlier turns' think blocks) or send the environment's messages as role 'tool'"
-            )
+    def tool_turn_ids(self, new: list[dict[str, str]], engine_ids: Sequence[int], turn: int) -> list[int]:
+        """Ids of ``new`` (the tool/user messages answering the assistant turn whose engine ids are
+        ``engine_ids``), up to and including the next assistant turn's opening: ``new`` rendered after each
+        fixed prefix of ``PREFIXES`` (with the generation prompt), the prefix's own rendering cut off. The
+        two suffixes must agree, else the template renders these messages depending on what precedes
+        them (``TemplateDrift``). Earlier turns are never re-rendered."""
+        suffixes = []
+        for prefix in PREFIXES:
+            before = self.render(prefix)
+            after = self.render(prefix + new, generation_prompt=True)
+            if not after.startswith(before):
+                raise self._drift(turn, new, before, after, "re-renders the messages before them")
+            suffixes.append(after[len(before) :])
+        if len(set(suffixes)) > 1:
+            raise self._drift(turn, new, *suffixes, "renders them differently after different conversations")
         rest = self.closer
         last = self.decode(engine_ids[-1:]) if engine_ids else ""
         if last and rest.startswith(last):
             rest = rest[len(last) :]  # the engine generated the template's end-of-turn token itself
-        return self.encode(rest + after[len(before) :])
+        return self.encode(rest + suffixes[0])
+
+    @staticmethod
+    def _drift(turn: int, new: list[dict[str, str]], a: str, b: str, what: str) -> TemplateDrift:
+        at = next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
+        roles = "/".join(m["role"] for m in new)
+        return TemplateDrift(
+            f"the chat template {what} once turn {turn}'s {roles} message is added (at character {at}: "
+            f"{a[at : at + 40]!r} vs {b[at : at + 40]!r}), so the turn's ids are not well defined; use a "
+            "template that renders a tool turn on its own, or send the environment's messages as role 'tool'"
+        )
 
     def assistant_text(self, engine_ids: Sequence[int], stopped: bool) -> str:
         """The turn's text as the conversation shows it (the end-of-turn token the template adds again
@@ -264,7 +289,7 @@ class MultiTurnRollout:
             s.finish, t.truncated = "length", "turns"
             return
         new = [self._clipped(s, m) for m in step.messages]
-        tool_ids = self.renderer.tool_turn_ids(s.messages, new, c.token_ids, t.turns)
+        tool_ids = self.renderer.tool_turn_ids(new, c.token_ids, t.turns)
         if len(s.ids) + len(tool_ids) >= budget:  # no room for the tool turn and one more token
             s.finish, t.truncated = "length", "tokens"
             return

@@ -1,5 +1,7 @@
 """Token identity of multi-turn rollouts (``rollout/multi_turn.py``) on the tiny Qwen3 with the packaged
-Qwen3 tokenizer and chat template (its tool turns rendered as Qwen3's ``<tool_response>`` user turn).
+Qwen3 tokenizer, under two chat templates: the project's Qwen3-style one (``data/assets.py``) and Qwen3's
+official one (``tests/data/qwen3_official_chat_template.jinja``; its source is in ``tests/data/README.md``),
+which renders a non-last assistant turn without the empty think block a last one gets.
 
 For 50 seeded trajectories of 1–4 turns the ids the trainer would score (``Completion.token_ids``, the
 ``Sample.response_ids``) must equal the ids the engine generated, turn by turn, with the template's
@@ -7,12 +9,14 @@ rendering of the tool turns between them, and the engine must have been asked fo
 ``prompt + those ids``. The reference here is built independently of the driver: the engine's calls are
 recorded by a proxy, and the tool turns' text is cut out of ONE rendering of the whole final conversation
 (assistant turns as placeholders). A planted re-tokenization of the whole conversation (decode, encode)
-fails the check, and so does a template that re-renders earlier turns (``TemplateDrift``).
+fails the check, and so does a template whose rendering of a tool turn depends on what precedes it
+(``TemplateDrift``).
 """
 
 from __future__ import annotations
 
 import hashlib
+from pathlib import Path
 
 import pytest
 import torch
@@ -33,6 +37,16 @@ from srpo_megatron.rollout.multi_turn import (
 from srpo_megatron.testing.tiny import write_tiny_qwen3
 
 EOS_TEXT = "<|im_end|>"
+OFFICIAL = Path(__file__).resolve().parents[1] / "data" / "qwen3_official_chat_template.jinja"
+EMPTY_THINK = "<think>\n\n</think>\n\n"
+
+
+def tokenizer(template):
+    """The packaged Qwen3 tokenizer with the project's template or Qwen3's official one."""
+    tok = qwen3_tokenizer()
+    if template == "official":
+        tok.chat_template = OFFICIAL.read_text()
+    return tok
 
 
 class ScriptedEnv:
@@ -102,8 +116,8 @@ def stop_ids(vocab, share=8):
     return tuple(int(t) for t in torch.randperm(vocab, generator=g)[: vocab // share])
 
 
-def run(engine, thinking, n_prompts=25, n=2):
-    tok = qwen3_tokenizer()
+def run(engine, thinking, n_prompts=25, n=2, template="project"):
+    tok = tokenizer(template)
     data = rows(n_prompts)
     prompts = [encode_text(tok, template_text(tok, r.prompt, r.system, thinking)) for r in data]
     params = SamplingParams(n=n, max_new_tokens=400, seed=1234, stop_token_ids=stop_ids(len(tok)))
@@ -143,16 +157,18 @@ def full_conversation(row, n_assistant, tool_texts):
 
 def split_pieces(tok, conv, n_assistant, thinking):
     """The text between consecutive assistant placeholders (each tool turn as the template renders it in
-    the whole conversation), each ending with the next turn's opening (+ the empty think block)."""
+    the whole conversation), each ending with the next turn's opening (+ the empty think block of the
+    generation prompt). The last placeholder is the last message: a template may open it with an empty
+    think block that a generation prompt with thinking on does not have, so that block is cut first."""
     text = tok.apply_chat_template(
         conv, tokenize=False, add_generation_prompt=False, enable_thinking=thinking
     )
     pieces = []
     for k in range(n_assistant - 1):
         a, b = f"@@A{k}@@", f"@@A{k + 1}@@"
-        piece = text[text.index(a) + len(a) : text.index(b)]
+        piece = text[text.index(a) + len(a) : text.index(b)].removesuffix(EMPTY_THINK)
         assert piece.endswith("<|im_start|>assistant\n")
-        pieces.append(piece + ("" if thinking else "<think>\n\n</think>\n\n"))
+        pieces.append(piece + ("" if thinking else EMPTY_THINK))
     return pieces
 
 
@@ -184,18 +200,20 @@ def check(tok, data, prompts, rec, out, thinking):
     return turns
 
 
+@pytest.mark.parametrize("template", ["project", "official"])
 @pytest.mark.parametrize(("thinking", "n_prompts"), [(False, 25), (True, 5)])
-def test_scored_ids_are_the_engines_plus_the_templates_tool_turns(engine, thinking, n_prompts):
+def test_scored_ids_are_the_engines_plus_the_templates_tool_turns(engine, thinking, n_prompts, template):
     """50 trajectories with thinking off (the paper's setting: every generation prompt opens with the
-    empty think block), 10 with it on."""
-    tok, data, prompts, rec, out = run(engine, thinking, n_prompts)
+    empty think block), 10 with it on, under each template."""
+    tok, data, prompts, rec, out = run(engine, thinking, n_prompts, template=template)
     turns = check(tok, data, prompts, rec, out, thinking)
     assert len(turns) == 2 * n_prompts
     if n_prompts == 25:
         assert set(turns) == {1, 2, 3, 4}, turns
 
 
-def test_a_planted_retokenization_of_the_conversation_fails_the_check(engine, monkeypatch):
+@pytest.mark.parametrize("template", ["project", "official"])
+def test_a_planted_retokenization_of_the_conversation_fails_the_check(engine, monkeypatch, template):
     real = MultiTurnRollout.completion
 
     def retokenized(self, s):  # the classic drift: decode the whole conversation and encode it again
@@ -204,33 +222,52 @@ def test_a_planted_retokenization_of_the_conversation_fails_the_check(engine, mo
         return c
 
     monkeypatch.setattr(MultiTurnRollout, "completion", retokenized)
-    tok, data, prompts, rec, out = run(engine, thinking=False, n_prompts=6)
+    tok, data, prompts, rec, out = run(engine, thinking=False, n_prompts=6, template=template)
     with pytest.raises(AssertionError, match="scored ids differ"):
         check(tok, data, prompts, rec, out, thinking=False)
 
 
-def test_a_template_that_rerenders_earlier_turns_is_refused():
-    tok = qwen3_tokenizer()
-    renderer = TurnRenderer(tok)
-    # Qwen3's official template drops an earlier assistant turn's empty think block once it is no longer
-    # the last message; a template doing so is not incremental
-    renderer.tokenizer = type("Drifting", (), {})()
-    renderer.tokenizer.apply_chat_template = lambda m, **kw: "".join(
-        f"<{x['role']}>{x['content'] if x is m[-1] or x['role'] != 'assistant' else '(earlier)'}" for x in m
+def test_the_official_template_rerenders_an_earlier_turn():
+    """Why tool turns are rendered after a fixed prefix: with Qwen3's official template the conversation
+    with the tool message added does not start with the conversation before it."""
+    tok = tokenizer("official")
+    conv = [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]
+    before = tok.apply_chat_template(conv, tokenize=False, enable_thinking=False)
+    after = tok.apply_chat_template(
+        [*conv, {"role": "tool", "content": "4"}],
+        tokenize=False,
+        add_generation_prompt=True,
+        enable_thinking=False,
     )
-    messages = [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]
-    with pytest.raises(TemplateDrift, match="re-renders earlier turns once turn 1's tool message"):
-        renderer.tool_turn_ids(messages, [{"role": "tool", "content": "4"}], [1, 2], 1)
+    assert EMPTY_THINK + "a" in before and EMPTY_THINK + "a" not in after and not after.startswith(before)
 
 
-def test_the_end_of_turn_token_the_engine_generated_is_not_appended_twice():
-    tok = qwen3_tokenizer()
+def _fake(render):
+    renderer = TurnRenderer(qwen3_tokenizer())
+    renderer.tokenizer = type("Fake", (), {})()
+    renderer.tokenizer.apply_chat_template = lambda m, **kw: render(m)
+    return renderer
+
+
+def test_a_template_whose_tool_turn_depends_on_the_conversation_is_refused():
+    # the tool message shows its position in the conversation: the two fixed prefixes give two renderings
+    renderer = _fake(lambda m: "".join(f"<{x['role']} #{i}>{x['content']}" for i, x in enumerate(m)))
+    with pytest.raises(TemplateDrift, match="renders them differently after different conversations"):
+        renderer.tool_turn_ids([{"role": "tool", "content": "4"}], [1, 2], 1)
+    # the last message rendered apart from the others: adding one re-renders the one before
+    renderer = _fake(lambda m: "".join(f"<{x['role']}{'*' if x is m[-1] else ''}>{x['content']}" for x in m))
+    with pytest.raises(TemplateDrift, match="re-renders the messages before them once turn 1's tool message"):
+        renderer.tool_turn_ids([{"role": "tool", "content": "4"}], [1, 2], 1)
+
+
+@pytest.mark.parametrize("template", ["project", "official"])
+def test_the_end_of_turn_token_the_engine_generated_is_not_appended_twice(template):
+    tok = tokenizer(template)
     renderer = TurnRenderer(tok)
     eos = tok.convert_tokens_to_ids(EOS_TEXT)
-    messages = [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]
     new = [{"role": "tool", "content": "4"}]
-    with_eos = renderer.tool_turn_ids(messages, new, [64, eos], 1)
-    without = renderer.tool_turn_ids(messages, new, [64, 65], 1)
+    with_eos = renderer.tool_turn_ids(new, [64, eos], 1)
+    without = renderer.tool_turn_ids(new, [64, 65], 1)
     assert (
         tok.decode(with_eos) == "\n<|im_start|>user\n<tool_response>\n4\n</tool_response><|im_end|>\n"
         "<|im_start|>assistant\n<think>\n\n</think>\n\n"

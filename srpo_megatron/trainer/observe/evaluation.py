@@ -14,6 +14,7 @@ from typing import Any
 
 from srpo_megatron.evaluation.avg_at_k import greedy_accuracy, run_eval
 from srpo_megatron.evaluation.budget_report import append_eval_log
+from srpo_megatron.rollout.multi_turn import multi_turn_rollout
 
 
 class BudgetClock:
@@ -35,8 +36,16 @@ def evaluate_policy(
     out = run_dir / "eval" / f"step_{step:06d}"
     # Only rank 0 evaluates: a refusal here would leave the other ranks waiting, so an evaluation whose
     # rewards all failed is the warning line (the steps themselves refuse it, rewards/failures.py).
+    mt = multi_turn_rollout(cfg, tokenizer) if cfg.rollout.environment else None  # as training's rollouts
     avg = run_eval(
-        engine, tokenizer, cfg.data, cfg.eval, out / "avg_at_k", step=step, allow_reward_errors=True
+        engine,
+        tokenizer,
+        cfg.data,
+        cfg.eval,
+        out / "avg_at_k",
+        step=step,
+        allow_reward_errors=True,
+        multi_turn=mt,
     )
     append_eval_log(run_dir, avg, step, clock.elapsed())
     result = {"step": step, f"avg@{cfg.eval.k}": avg["mean_avg_at_k"]}
