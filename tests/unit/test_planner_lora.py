@@ -41,7 +41,15 @@ def test_srpo_plan_prints_the_lora_figures(capsys):
 
     parser = argparse.ArgumentParser()
     add_plan_args(parser)
-    base = ["examples/qwen3_8b_srpo.yaml", "--cluster", "h100", "-o", "lora.rank=16", "-o", "lora.sync=merged"]
+    base = [
+        "examples/qwen3_8b_srpo.yaml",
+        "--cluster",
+        "h100",
+        "-o",
+        "lora.rank=16",
+        "-o",
+        "lora.sync=merged",
+    ]
     plan_main(parser.parse_args([*base, "--json"]))
     lora = json.loads(capsys.readouterr().out)["lora"]
     # Qwen3-8B, all seven projections at r=16: 36 x 16 x (7H + 2 n_q d + 2 n_kv d + 3F) (weights/lora_sync.py)
