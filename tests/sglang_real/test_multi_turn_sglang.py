@@ -26,6 +26,10 @@ pytestmark = pytest.mark.sglang_real
 
 # SGLang's modules load before anything here imports transformers (as tests/sglang_real/test_sglang_real.py)
 REAL = sglang_import.load()
+if REAL is None:
+    pytest.skip(
+        "no sglang wheel on the path (tools/dev runs this file in its SGLang tiers)", allow_module_level=True
+    )
 
 
 def request_class(route: str):
