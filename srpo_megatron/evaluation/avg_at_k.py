@@ -278,7 +278,7 @@ def greedy_accuracy(
     (``allow_reward_errors``: default the recipe's ``rollout.allow_reward_errors``)."""
     greedy_cfg = dataclasses.replace(cfg.eval, k=1, temperature=0.0, top_p=1.0)
     allow = cfg.rollout.allow_reward_errors if allow_reward_errors is None else allow_reward_errors
-    mt = multi_turn_rollout(cfg, tokenizer) if cfg.rollout.environment else None  # trajectories, as in avg@k
+    mt = multi_turn_rollout(cfg, tokenizer)  # trajectories, as in avg@k
     summary = run_eval(
         engine, tokenizer, cfg.data, greedy_cfg, out_dir, step=step, allow_reward_errors=allow, multi_turn=mt
     )

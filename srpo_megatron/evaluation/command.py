@@ -76,7 +76,7 @@ def eval_main(args: argparse.Namespace) -> int:
         engine = build_engine(cfg.rollout, str(hf_dir))
         try:
             allow = cfg.rollout.allow_reward_errors  # training's rule: all rewards failed is refused
-            mt = multi_turn_rollout(cfg, tokenizer) if cfg.rollout.environment else None
+            mt = multi_turn_rollout(cfg, tokenizer)
             avg = run_eval(
                 engine,
                 tokenizer,

@@ -339,10 +339,13 @@ class MultiTurnRollout:
         )
 
 
-def multi_turn_rollout(cfg: Any, tokenizer: Any) -> MultiTurnRollout:
+def multi_turn_rollout(cfg: Any, tokenizer: Any) -> MultiTurnRollout | None:
     """The recipe's driver: ``rollout.environment`` resolved and checked (it builds an environment),
-    ``rollout.*`` bounds, the chat template with ``data.enable_thinking`` (as the prompts were built)."""
+    ``rollout.*`` bounds, the chat template with ``data.enable_thinking`` (as the prompts were built);
+    None for a single-turn recipe (no ``rollout.environment``)."""
     r = cfg.rollout
+    if not r.environment:
+        return None
     limits = TurnLimits(r.max_turns, r.tool_timeout_s, r.max_tool_output_tokens, r.on_tool_fault)
     renderer = TurnRenderer(tokenizer, enable_thinking=cfg.data.enable_thinking)
     return MultiTurnRollout(renderer, resolve_environment(r.environment), limits)

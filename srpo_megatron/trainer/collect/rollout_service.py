@@ -131,7 +131,7 @@ class RolloutService:
             engine=lambda: self.engine,
             threaded=self.cfg.rollout.off_policy_steps > 0,
             continue_partial=continue_partial if self.cfg.rollout.partial else None,
-            multi_turn=multi_turn_rollout(self.cfg, self.tokenizer) if self.cfg.rollout.environment else None,
+            multi_turn=multi_turn_rollout(self.cfg, self.tokenizer),
         )
 
     def _release_for_training(self) -> None:

@@ -36,7 +36,7 @@ def evaluate_policy(
     out = run_dir / "eval" / f"step_{step:06d}"
     # Only rank 0 evaluates: a refusal here would leave the other ranks waiting, so an evaluation whose
     # rewards all failed is the warning line (the steps themselves refuse it, rewards/failures.py).
-    mt = multi_turn_rollout(cfg, tokenizer) if cfg.rollout.environment else None  # as training's rollouts
+    mt = multi_turn_rollout(cfg, tokenizer)  # as training's rollouts
     avg = run_eval(
         engine,
         tokenizer,
