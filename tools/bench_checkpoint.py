@@ -4,10 +4,12 @@
 The tiny Qwen3-MoE of the tests (the sizes of ``srpo_megatron.testing.tiny.write_tiny_qwen3_moe``: 2 layers,
 hidden 64, 4 experts top-2, the real Qwen vocabulary; bf16 params with fp32 main params and Adam moments, an
 EMA teacher) at DP 2 (two processes, gloo), after one real trainer step. After one uncounted save per format
-(first-save set-up), each repeat saves the same state once in each format, back to back, order alternating,
-with ``save_checkpoint`` (the trainer's own: dist_checkpointing, RNG and trainer files, the manifest's
-SHA-256 of every file, fsyncs, the atomic rename, pruning to ``keep_last=1``), so both formats carry the
-same guarantees. A save's time is the slower rank's; the figures are medians over repeats with their
+(first-save set-up: it validates the sharding and sets up the save strategy the trainer then keeps per
+format, megatron's cached distribution and save plan), each repeat saves the same state once in each
+format, back to back, order alternating, with ``save_checkpoint`` (the trainer's own: dist_checkpointing
+without torch.save's zip CRC32s, RNG and trainer files, the manifest's SHA-256 of every file, fsyncs, the
+atomic rename, pruning to ``keep_last=1``), so both formats carry the same guarantees. A save's time is
+the slower rank's; the figures are medians over repeats with their
 min/max, and ``ratio`` = fully_reshardable / default for the whole save (``ratio_dist_checkpointing``: the
 dist_checkpointing part alone). ``parts_*`` are save_checkpoint's own timings: ``dist_checkpointing_s``
 (now including the SHA-256 of the data files, taken while megatron's writers write them:

@@ -48,7 +48,7 @@ from torch.distributed.checkpoint.metadata import (
 )
 
 from srpo_megatron.compat.mcore import save_writes_common_pt
-from srpo_megatron.conversion.torch_save_format import TorchSaveEnvelopes, tensor_bytes
+from srpo_megatron.conversion.torch_save_format import TorchSaveEnvelopes, crc32_off, tensor_bytes
 from srpo_megatron.conversion.write_behind import WriteBehind
 
 DATA_FILE = "__0_0.distcp"
@@ -102,18 +102,13 @@ def write_streamed_checkpoint(
     # torch DCP's reader (torch.load) does not check the zip CRC32s, and computing them costs more than
     # the write itself (~100 MB/s measured): switch them off for this write only. With them off, a
     # tensor's torch.save bytes are a (dtype, shape) envelope around its raw bytes (torch_save_format).
-    crc32 = torch.serialization.get_crc32_options()
-    torch.serialization.set_crc32_options(False)
-    try:
-        with _DataFile(out / DATA_FILE) as f:
-            for obj in objects:
-                state_md[obj.unique_key] = BytesStorageMetadata()
-                storage[MetadataIndex(obj.unique_key)] = f.put_object(obj.data)
+    with crc32_off(), _DataFile(out / DATA_FILE) as f:
+        for obj in objects:
+            state_md[obj.unique_key] = BytesStorageMetadata()
+            storage[MetadataIndex(obj.unique_key)] = f.put_object(obj.data)
 
-            for group in groups:
-                _put_group(f, group, data_of(group), state_md, storage)
-    finally:
-        torch.serialization.set_crc32_options(crc32)
+        for group in groups:
+            _put_group(f, group, data_of(group), state_md, storage)
     metadata = Metadata(state_md, None, storage, StorageMeta(), CURRENT_DCP_VERSION)
     # Same serialisation as torch.distributed.checkpoint.FileSystemWriter.finish.
     with open(out / DCP_METADATA_FILE, "wb") as f:

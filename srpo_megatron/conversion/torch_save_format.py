@@ -21,8 +21,25 @@ payload as one write (``envelope`` then answers None and callers fall back to pl
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+
 import numpy as np
 import torch
+
+
+@contextlib.contextmanager
+def crc32_off() -> Iterator[None]:
+    """``torch.save`` without its per-record zip CRC32s inside the block (the caller's setting after it).
+    torch.load and torch DCP's reader do not check them (torch's ``set_crc32_options`` docs), and every
+    file we write is covered by the manifest's SHA-256 or the converter's own check, so they are a second
+    checksum that costs CPU on every byte; forked writers started inside the block inherit the setting."""
+    crc32 = torch.serialization.get_crc32_options()
+    torch.serialization.set_crc32_options(False)
+    try:
+        yield
+    finally:
+        torch.serialization.set_crc32_options(crc32)
 
 
 class _Sink:
@@ -71,12 +88,8 @@ class TorchSaveEnvelopes:
         """The envelope of torch.save with CRC32s off (whatever the caller's setting is)."""
         key = (dtype, tuple(shape))
         if key not in self._cache:
-            crc32 = torch.serialization.get_crc32_options()
-            torch.serialization.set_crc32_options(False)
-            try:
+            with crc32_off():
                 self._cache[key] = envelope(dtype, key[1])
-            finally:
-                torch.serialization.set_crc32_options(crc32)
         return self._cache[key]
 
 

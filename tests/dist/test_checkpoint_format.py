@@ -4,7 +4,9 @@ after two real trainer steps in megatron's fast ``dp_reshardable`` format (the d
 ``fully_reshardable``, loaded into a fresh policy: what was saved is what is loaded (main params, Adam
 moments and step, params) and the third step equals the uninterrupted run's bit for bit. The checkpoint
 records its format and layout in dist_checkpointing's content metadata. Planted: loading the fast
-checkpoint as ``fully_reshardable`` (ignoring the recorded format) fails."""
+checkpoint as ``fully_reshardable`` (ignoring the recorded format) fails. Repeated saves run on the
+save strategy the trainer keeps per format (megatron's cached distribution and plan) and load exactly;
+planted: one kept strategy for both formats fails."""
 
 from __future__ import annotations
 
@@ -164,3 +166,51 @@ def test_a_fast_checkpoint_saved_at_dp2_loads_at_dp1(tiny, tmp_path):
         one = torch.cat([t.flatten().float() for t in loaded[key]]).sort().values
         assert torch.equal(both, one), f"{key}: the DP 1 load differs from the DP 2 shards"
     assert {float(s) for s in loaded["step"]} == {1.0}
+
+
+def _repeated(rank, world, tiny, root, plant=False):
+    """Three saves per format on one policy, formats alternating, a step before each: the second and third
+    of each run on the kept strategy (megatron's cached distribution and save plan); the last of each is
+    loaded into a fresh policy."""
+    from srpo_megatron.trainer.run import checkpoint as ckpt
+
+    if plant:  # one kept strategy for both formats: the fast plan would write the reshardable state
+        keyed = ckpt._save_strategy
+        ckpt._save_strategy = lambda policy, sharding: keyed(policy, "one")
+    policy = _policy(tiny, f"{root}/train", "false")
+    saved = {}
+    for step in range(1, 7):
+        _step(policy, rank, step)
+        f = list(FORMATS)[step % 2]
+        policy.cfg.run.checkpoint_fully_reshardable = FORMATS[f] == "true"
+        ckpt.save_checkpoint(policy, f"{root}/{f}", step, {"weight_version": step}, keep_last=1)
+        saved[f] = (step, _state(policy))
+    kept = {k: s.base_strategy.validated_cache_reuse for k, s in ckpt._SAVE_STRATEGIES[policy].items()}
+    out = {}
+    for f, (step, _) in saved.items():
+        fresh = _policy(tiny, f"{root}/{f}", "false")
+        ckpt.load_checkpoint(fresh, Path(root) / f / "checkpoints" / f"step_{step:06d}", log=lambda _: None)
+        out[f] = _state(fresh)
+    return kept, {f: s for f, (_, s) in saved.items()}, out
+
+
+def test_repeated_saves_on_the_kept_strategy_load_exactly(tiny, tmp_path):
+    """The trainer keeps megatron's save strategy across saves, per optimizer format (its training loop's
+    ``--ckpt-assume-constant-structure``): megatron's plan cache is in use by the third save of each format,
+    and what each last save wrote is what loads."""
+    for rank, (kept, saved, loaded) in enumerate(
+        run_distributed(_repeated, 2, tiny, str(tmp_path), timeout=900)
+    ):
+        assert kept == {"dp_reshardable": True, "fully_reshardable": True}, (rank, kept)
+        for f in FORMATS:
+            bad = [k for k in saved[f] if not _equal(saved[f][k], loaded[f][k])]
+            assert not bad, f"rank {rank} {f}: differs after load: {bad}"
+
+
+def test_one_kept_strategy_for_both_formats_is_caught(tiny, tmp_path):
+    """Planted: one strategy kept across formats (the cache keyed without the format) fails the next save:
+    its kept plan names the other format's optimizer tensors (megatron: "Could not find FQN")."""
+    from srpo_megatron.testing.distributed import RankFailed
+
+    with pytest.raises(RankFailed, match="Could not find FQN"):
+        run_distributed(_repeated, 2, tiny, str(tmp_path), True, timeout=900)

@@ -36,6 +36,7 @@ import json
 import os
 import shutil
 import time
+import weakref
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -57,6 +58,7 @@ from srpo_megatron.conversion.checkpoint_files import (
 )
 from srpo_megatron.conversion.mtp import record_source
 from srpo_megatron.conversion.spec_compat import drop_absent_extra_state, stored_sharded_keys
+from srpo_megatron.conversion.torch_save_format import crc32_off
 from srpo_megatron.durable_io import fsync_dir, fsync_dirs, write_text_durably
 from srpo_megatron.models.architecture import load_hf_config_dict
 from srpo_megatron.trainer.run import optimizer_format
@@ -223,10 +225,9 @@ def save_checkpoint(
     ``rollout_buffer`` (rank 0: the rollout pool's state, plain values and tensors) is saved with it.
     ``timings``, when given, receives this rank's seconds per part (``dist_checkpointing_s``, ``extras_s``,
     ``digest_s``, ``finalize_s``; ``tools/bench_demo_step.py``)."""
-    from megatron.core import dist_checkpointing, parallel_state
+    from megatron.core import dist_checkpointing
 
     from srpo_megatron.config import to_dict
-    from srpo_megatron.trainer.run.hashed_save import parallel_hashing_save
 
     clock = _PartClock(timings)
     root = Path(run_dir) / "checkpoints"
@@ -243,9 +244,15 @@ def save_checkpoint(
     with policy.offload.all_on_device():  # host-resident teacher (trainer/state/offload.py)
         content = optimizer_format.content_metadata(policy.cfg.run, policy.groups)
         sharded = _sharded_state(policy, False, content[optimizer_format.SHARDING_KEY])
-        # megatron's training-loop save (replicated shards' writes spread over DP), hashing what it writes
-        strategy = parallel_hashing_save(parallel_state.get_data_parallel_group(with_context_parallel=True))
-        dist_checkpointing.save(sharded, str(tmp), sharded_strategy=strategy, content_metadata=content)
+        strategy, first = _save_strategy(policy, content[optimizer_format.SHARDING_KEY])
+        with crc32_off():  # the manifest's SHA-256 covers every byte (torch_save_format.crc32_off)
+            dist_checkpointing.save(
+                sharded,
+                str(tmp),
+                sharded_strategy=strategy,
+                validate_access_integrity=first,  # megatron: once per strategy under a constant structure
+                content_metadata=content,
+            )
     clock.mark("dist_checkpointing_s")
     (tmp / "rng").mkdir(exist_ok=True)  # every rank (shared or per-node filesystem alike)
     torch.save(rng_state(), tmp / "rng" / f"rank_{_rank():05d}.pt")
@@ -277,6 +284,30 @@ def save_checkpoint(
     _barrier()
     clock.mark("finalize_s")
     return final
+
+
+_SAVE_STRATEGIES: weakref.WeakKeyDictionary[Policy, dict[str, Any]] = weakref.WeakKeyDictionary()
+
+
+def _save_strategy(policy: Policy, sharding: str) -> tuple[Any, bool]:
+    """(megatron's save strategy for ``policy`` in optimizer format ``sharding``, whether this is its first
+    save). A run saves one state dict structure again and again (same model, teacher, optimizer), so the
+    strategy is kept across saves, as megatron's training loop keeps its own in ``checkpointing_context``
+    under ``--ckpt-assume-constant-structure``: the sharding is validated and the replicated shards'
+    writers chosen at the first save only, and the save plan is reused once two saves planned alike
+    (``hashed_save.parallel_hashing_save``; ``tools/bench_checkpoint.py``). Keyed by format: the two
+    formats' optimizer state dicts differ (``tests/dist/test_checkpoint_format.py`` alternates them)."""
+    from megatron.core import parallel_state
+
+    from srpo_megatron.trainer.run.hashed_save import parallel_hashing_save
+
+    kept = _SAVE_STRATEGIES.setdefault(policy, {})
+    first = sharding not in kept
+    if first:  # megatron's training-loop save: replicated shards' writes spread over DP, hashed as written
+        kept[sharding] = parallel_hashing_save(
+            parallel_state.get_data_parallel_group(with_context_parallel=True)
+        )
+    return kept[sharding], first
 
 
 class _PartClock:

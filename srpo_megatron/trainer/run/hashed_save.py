@@ -86,17 +86,20 @@ class HashingTransforms(_StorageWriterTransforms):
 
 
 def parallel_hashing_save(group) -> FullyParallelSaveStrategyWrapper:
-    """megatron's save as its training loop sets it up by default (``--ckpt-fully-parallel-save``): the
-    writes of shards replicated over ``group`` (the data-parallel group) spread over its ranks instead of
-    all on DP rank 0, around :class:`HashingTorchDistSave` (``.base_strategy.written(ckpt)`` after it)."""
-    return FullyParallelSaveStrategyWrapper(HashingTorchDistSave(), group)
+    """megatron's save as its training loop sets it up with ``--ckpt-fully-parallel-save`` and
+    ``--ckpt-assume-constant-structure``: the writes of shards replicated over ``group`` (the data-parallel
+    group) spread over its ranks instead of all on DP rank 0, around :class:`HashingTorchDistSave`
+    (``.base_strategy.written(ckpt)`` after it). Keep it for the next saves of the same state dict
+    structure (the trainer keeps one per policy and optimizer format): megatron then reuses the save
+    distribution and, once two saves planned alike, the save plan, with no planning collectives."""
+    return FullyParallelSaveStrategyWrapper(HashingTorchDistSave(), group, do_cache_distribution=True)
 
 
 class HashingTorchDistSave(TorchDistSaveShardedStrategy):
     """megatron's default torch_dist save strategy (its own defaults), its writer hashing what it writes."""
 
     def __init__(self) -> None:
-        super().__init__("torch_dist", 1)
+        super().__init__("torch_dist", 1, cached_metadata=True)  # megatron's constant-structure cache
         self.hashing: HashingTransforms | None = None
 
     def _get_save_and_finalize_callbacks(self, writer, *args, **kwargs):
