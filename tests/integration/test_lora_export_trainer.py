@@ -4,18 +4,19 @@ the merged export (``--out-dir``, same call) loads with transformers alone and g
 
 ``srpo train`` runs 2 SRPO steps of the tiny LoRA recipe (lr high enough that every B moves off zero, so the
 adapters change the logits) and saves its checkpoint; the trainer's own policy (``trainer/state/policy.py``)
-is then rebuilt in a fresh megatron process group and loaded from that checkpoint the way a resume loads it
+is then rebuilt (new megatron groups, same layout) and loaded from that checkpoint the way a resume loads it
 (``trainer/run/checkpoint.load_checkpoint``), and its forward on fixed token ids is the reference. The tool
 runs as a subprocess, as users run it. Two models: a tiny dense Qwen3 (every attention and MLP projection),
-and a tiny Qwen3-MoE with ``lora.experts: true`` (attention plus every routed expert's gate/up/down, which
-the trainer's checkpoint stores stacked per layer and expert and the PEFT folder holds as peft's
-``target_parameters`` on transformers' fused experts). The base model alone must be > 1e-3 away from the
-trainer's logits, so the comparison measures the adapters.
+and a tiny Qwen3-MoE with ``lora.experts: true`` at EP1 and at EP2 (world 2; attention plus every routed
+expert's gate/up/down, which the trainer's checkpoint stores stacked per layer and expert and the PEFT folder
+holds as peft's ``target_parameters`` on transformers' fused experts). The base model alone must be > 1e-3
+away from the trainer's logits, so the comparison measures the adapters.
 
 ``test_planted_export_bugs_break_the_logits`` runs the same tool in process with one exporter bug planted at
-a time (alpha/r scaling dropped, A/B of the dense adapters exchanged where shapes allow it (a square
-adapter's transpose), an expert's gate and up adapters swapped, the experts' order reversed) and shows each
-moves peft's logits off the trainer's by far more than the bound.
+a time (alpha/r scaling dropped, the fused QKV's k and v adapters exchanged, an expert's gate and up adapters
+exchanged, the experts' B laid out expert-major instead of peft's expert-minor) and shows each moves peft's
+logits off the trainer's by far more than the bound. Without reading the trainer's stacked expert keys the
+MoE export failed ("no adapter tensor ...local_experts.0...").
 """
 
 from __future__ import annotations
@@ -41,9 +42,12 @@ pytestmark = [pytest.mark.timeout(1800)]
 
 RANK, ALPHA, STEPS = 4, 8.0, 2
 LORA = {"lora.rank": RANK, "lora.alpha": ALPHA, "train.steps": STEPS, "optim.lr": 1e-2, "run.save_every": 0}
+MOE = {"lora.experts": "true", "lora.sync": "merged", "moe.grouped_gemm": "false"}
+# (tiny model, world size, recipe overrides): the MoE run at EP2 saves each rank's experts as its shards
 MODELS = {
-    "dense": {},
-    "moe": {"lora.experts": "true", "lora.sync": "merged", "moe.grouped_gemm": "false"},
+    "dense": ("dense", 1, {}),
+    "moe": ("moe", 1, MOE),
+    "moe_ep2": ("moe", 2, {**MOE, "parallel.ep": 2}),
 }
 
 
@@ -71,19 +75,22 @@ def _train_then_score(rank, world, overrides, ids):
     return {"logits": logits[..., : policy.arch.vocab_size].detach().clone(), "ckpt": str(ckpt)}
 
 
-@pytest.fixture(scope="module", params=sorted(MODELS))
+@pytest.fixture(
+    scope="module", params=["dense", *(pytest.param(k, marks=pytest.mark.moe) for k in ("moe", "moe_ep2"))]
+)
 def trained(request, tmp_path_factory):
     """(kind, root, hf_dir, checkpoint, ids, the trainer's logits on ids) of a 2-step LoRA run."""
     from srpo_megatron.testing.tiny import write_tiny_run
 
     kind = request.param
-    tiny = write_tiny_run(tmp_path_factory.mktemp(f"lora_export_{kind}"), num_prompts=8, moe=kind == "moe")
+    model, world, extra = MODELS[kind]
+    tiny = write_tiny_run(tmp_path_factory.mktemp(f"lora_export_{kind}"), num_prompts=8, moe=model == "moe")
     root, hf, _ = tiny
     vocab = json.loads((hf / "config.json").read_text())["vocab_size"]
     ids = torch.randint(0, vocab, (2, 11), generator=torch.Generator().manual_seed(3))
     run_dir = root / "run"
-    overrides = train_overrides(tiny, run_dir, **LORA, **MODELS[kind])
-    (out,) = run_distributed(_train_then_score, 1, overrides, ids, timeout=1500)
+    overrides = train_overrides(tiny, run_dir, **LORA, **extra)
+    out = run_distributed(_train_then_score, world, overrides, ids, timeout=1500)[0]
     assert len(read_metrics(run_dir)) == STEPS
     assert_healthy_runs(run_dir)
     return kind, root, hf, Path(out["ckpt"]), ids, out["logits"]
@@ -113,7 +120,7 @@ def test_tool_export_loads_in_peft_with_the_trainers_logits(trained, tmp_path):
     tensors = load_file(str(tmp_path / "a" / "adapter_model.safetensors"))
     b = {n: t for n, t in tensors.items() if "lora_B" in n}
     assert b and all(t.abs().max() > 0 for t in b.values()), "every B must have moved off zero"
-    if kind == "moe":  # the experts' adapters are in the folder (peft's target_parameters wrappers)
+    if kind != "dense":  # the experts' adapters are in the folder (peft's target_parameters wrappers)
         config = json.loads((tmp_path / "a" / "adapter_config.json").read_text())
         assert config["target_parameters"] == ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
         assert any(".mlp.experts.base_layer.lora_B" in n for n in b) and any(
@@ -184,6 +191,8 @@ def test_planted_export_bugs_break_the_logits(trained, tmp_path, monkeypatch, bu
     kind, _, hf, ckpt, ids, want = trained
     if kind == "dense" and bug in ("gate_up_swapped", "b_expert_major"):
         pytest.skip("an expert bug: the dense model has no experts")
+    if kind == "moe_ep2":
+        pytest.skip("the exporter's bugs are shown on the EP1 checkpoint; EP2 changes only how it is stored")
     _plant(monkeypatch, bug)
     assert _tool_main()(["--megatron-dir", str(ckpt), "--lora-adapter-out", str(tmp_path / "a")]) == 0
     got = _peft_logits(hf, tmp_path / "a", ids)
