@@ -6,11 +6,11 @@ the merged export (``--out-dir``, same call) loads with transformers alone and g
 adapters change the logits) and saves its checkpoint; the trainer's own policy (``trainer/state/policy.py``)
 is then rebuilt (new megatron groups, same layout) and loaded from that checkpoint the way a resume loads it
 (``trainer/run/checkpoint.load_checkpoint``), and its forward on fixed token ids is the reference. The tool
-runs as a subprocess, as users run it. Two models: a tiny dense Qwen3 (every attention and MLP projection),
-and a tiny Qwen3-MoE with ``lora.experts: true`` at EP1 and at EP2 (world 2; attention plus every routed
-expert's gate/up/down, which the trainer's checkpoint stores stacked per layer and expert and the PEFT folder
-holds as peft's ``target_parameters`` on transformers' fused experts). The base model alone must be > 1e-3
-away from the trainer's logits, so the comparison measures the adapters.
+runs as a subprocess, as users run it. Two models: a tiny dense Qwen3 (every attention and MLP projection; at
+TP1 and at TP2, world 2), and a tiny Qwen3-MoE with ``lora.experts: true`` at EP1 and at EP2 (world 2;
+attention plus every routed expert's gate/up/down, which the trainer's checkpoint stores stacked per layer and
+expert and the PEFT folder holds as peft's ``target_parameters`` on transformers' fused experts). The base
+model alone must be > 1e-3 away from the trainer's logits, so the comparison measures the adapters.
 
 ``test_planted_export_bugs_break_the_logits`` runs the same tool in process with one exporter bug planted at
 a time (alpha/r scaling dropped, the fused QKV's k and v adapters exchanged, an expert's gate and up adapters
@@ -46,6 +46,7 @@ MOE = {"lora.experts": "true", "lora.sync": "merged", "moe.grouped_gemm": "false
 # (tiny model, world size, recipe overrides): the MoE run at EP2 saves each rank's experts as its shards
 MODELS = {
     "dense": ("dense", 1, {}),
+    "dense_tp2": ("dense", 2, {"parallel.tp": 2}),
     "moe": ("moe", 1, MOE),
     "moe_ep2": ("moe", 2, {**MOE, "parallel.ep": 2}),
 }
@@ -54,6 +55,8 @@ MODELS = {
 def _train_then_score(rank, world, overrides, ids):
     """``srpo train`` for the run, then the trainer's policy rebuilt and loaded from the saved checkpoint:
     its logits on ``ids`` (the vocabulary's real rows) and the checkpoint it read."""
+    from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
+
     from srpo_megatron.config import TrainConfig, load_config
     from srpo_megatron.parallel import destroy_model_parallel, initialize_model_parallel
     from srpo_megatron.train import train
@@ -71,12 +74,15 @@ def _train_then_score(rank, world, overrides, ids):
     model = policy.model.eval()
     with torch.no_grad():
         logits = model(ids, torch.arange(ids.shape[1]).expand_as(ids), None)
+        if groups.tp_size > 1:  # the vocabulary-parallel logits, gathered
+            logits = gather_from_tensor_model_parallel_region(logits)
     destroy_model_parallel()
     return {"logits": logits[..., : policy.arch.vocab_size].detach().clone(), "ckpt": str(ckpt)}
 
 
 @pytest.fixture(
-    scope="module", params=["dense", *(pytest.param(k, marks=pytest.mark.moe) for k in ("moe", "moe_ep2"))]
+    scope="module",
+    params=["dense", "dense_tp2", *(pytest.param(k, marks=pytest.mark.moe) for k in ("moe", "moe_ep2"))],
 )
 def trained(request, tmp_path_factory):
     """(kind, root, hf_dir, checkpoint, ids, the trainer's logits on ids) of a 2-step LoRA run."""
@@ -87,7 +93,7 @@ def trained(request, tmp_path_factory):
     tiny = write_tiny_run(tmp_path_factory.mktemp(f"lora_export_{kind}"), num_prompts=8, moe=model == "moe")
     root, hf, _ = tiny
     vocab = json.loads((hf / "config.json").read_text())["vocab_size"]
-    ids = torch.randint(0, vocab, (2, 11), generator=torch.Generator().manual_seed(3))
+    ids = torch.randint(0, vocab, (2, 12), generator=torch.Generator().manual_seed(3))
     run_dir = root / "run"
     overrides = train_overrides(tiny, run_dir, **LORA, **extra)
     out = run_distributed(_train_then_score, world, overrides, ids, timeout=1500)[0]
@@ -120,7 +126,7 @@ def test_tool_export_loads_in_peft_with_the_trainers_logits(trained, tmp_path):
     tensors = load_file(str(tmp_path / "a" / "adapter_model.safetensors"))
     b = {n: t for n, t in tensors.items() if "lora_B" in n}
     assert b and all(t.abs().max() > 0 for t in b.values()), "every B must have moved off zero"
-    if kind != "dense":  # the experts' adapters are in the folder (peft's target_parameters wrappers)
+    if kind.startswith("moe"):  # the experts' adapters are in the folder (peft's target_parameters wrappers)
         config = json.loads((tmp_path / "a" / "adapter_config.json").read_text())
         assert config["target_parameters"] == ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
         assert any(".mlp.experts.base_layer.lora_B" in n for n in b) and any(
@@ -189,10 +195,12 @@ def _plant(monkeypatch, bug: str) -> None:
 @pytest.mark.parametrize("bug", ["no_scaling", "k_v_swapped", "gate_up_swapped", "b_expert_major"])
 def test_planted_export_bugs_break_the_logits(trained, tmp_path, monkeypatch, bug):
     kind, _, hf, ckpt, ids, want = trained
-    if kind == "dense" and bug in ("gate_up_swapped", "b_expert_major"):
+    if kind.startswith("dense") and bug in ("gate_up_swapped", "b_expert_major"):
         pytest.skip("an expert bug: the dense model has no experts")
-    if kind == "moe_ep2":
-        pytest.skip("the exporter's bugs are shown on the EP1 checkpoint; EP2 changes only how it is stored")
+    if kind in ("dense_tp2", "moe_ep2"):
+        pytest.skip(
+            "the exporter's bugs are shown on the TP1/EP1 checkpoints; the layout changes only storage"
+        )
     _plant(monkeypatch, bug)
     assert _tool_main()(["--megatron-dir", str(ckpt), "--lora-adapter-out", str(tmp_path / "a")]) == 0
     got = _peft_logits(hf, tmp_path / "a", ids)
