@@ -748,4 +748,5 @@ __all__ = [
     "load_policy_checkpoint",
     "megatron_lora_to_peft",
     "megatron_to_hf",
+    "stored_adapter_keys",
 ]
