@@ -10,7 +10,9 @@ checkpoint's from the model.hf_dir it records).
 LoRA runs (a checkpoint whose recipe.yaml has lora.rank > 0): --out-dir writes the merged model (every
 adapted weight W + (alpha/r) * B @ A, a plain HF folder), --lora-adapter-out DIR the adapters alone as a PEFT
 folder (adapter_config.json + adapter_model.safetensors) that peft.PeftModel.from_pretrained loads onto the
-base model; give either or both. Details: srpo_megatron/conversion/lora_export.py.
+base model; give either or both. A Qwen3-MoE run with lora.experts: true exports its per-expert adapters
+through peft's target_parameters (transformers 5 fuses the experts); other families' expert adapters are
+refused (use --out-dir). Details: srpo_megatron/conversion/lora_export.py.
 
 GLM-4.5 / DeepSeek-V3 MTP layers are re-emitted unchanged from --mtp-from, or by default from the HF folder
 the checkpoint was converted or trained from (``hf_source.json``), when that folder has them.

@@ -648,6 +648,24 @@ def megatron_to_hf(
 
 
 _PER_LAYER = re.compile(r"^(.*\.decoder\.layers\.)(\d+)\.(.*)$")
+_ROUTED_EXPERT = re.compile(r"^mlp\.experts\.local_experts\.(\d+)\.(.*)$")
+
+
+def stored_adapter_keys(key: str) -> list[tuple[str, tuple[int, ...]]]:
+    """Where a checkpoint may hold adapter ``key`` (``model.decoder.layers.{i}...``): ``(stored key, index
+    into its leading axes)``. As named (a hand-made or converted checkpoint); stacked over the layers (the
+    trainer's: megatron's layer-wise ``sharded_state_dict``, key ``...decoder.layers.<rest>``, leading axis
+    the global layer); a routed expert's stacked over layers and experts (megatron-core 0.16.1 ``SequentialMLP
+    .sharded_state_dict``: ``local_experts.{e}.`` becomes ``experts.``, second axis the global expert)."""
+    out = [(key, ())]
+    m = _PER_LAYER.match(key)
+    if m:
+        head, layer, rest = m.group(1), int(m.group(2)), m.group(3)
+        if e := _ROUTED_EXPERT.match(rest):
+            out.append((f"{head}mlp.experts.experts.{e.group(2)}", (layer, int(e.group(1)))))
+        else:
+            out.append((f"{head}{rest}", (layer,)))
+    return out
 
 
 def _lora_adapters(
@@ -658,22 +676,19 @@ def _lora_adapters(
     if lora is None:
         return None
     lora_table = LoraTable(arch, lora, table)
+    stored = reader.metadata.state_dict_metadata
 
     def read(key: str) -> torch.Tensor:
-        # The trainer's checkpoints stack a layer's tensors over the layers (megatron's layer-wise
-        # sharded_state_dict: key ``...decoder.layers.<rest>``, leading axis = global layer number).
-        m = _PER_LAYER.match(key)
-        stacked = f"{m.group(1)}{m.group(3)}" if m else None
-        for k, at in ((key, None), (stacked, int(m.group(2)) if m else None)):
-            if k is None or k not in reader.metadata.state_dict_metadata:
-                continue
-            size = tuple(reader.tensor_metadata(k).size)
-            if at is None:
-                return reader.read(k, (0,) * len(size), size)
-            return reader.read(k, (at,) + (0,) * (len(size) - 1), (1, *size[1:]))[0]
+        candidates = stored_adapter_keys(key)
+        for k, at in candidates:
+            if k in stored:
+                size = tuple(reader.tensor_metadata(k).size)
+                rest = size[len(at) :]
+                return reader.read(k, at + (0,) * len(rest), (1,) * len(at) + rest).reshape(rest)
         raise ConversionInputError(
-            f"{ckpt_dir}: its recipe.yaml has lora.rank={lora.rank} but the checkpoint has no adapter "
-            f"tensor {key}; export a checkpoint the LoRA run saved (or remove the lora section)"
+            f"{ckpt_dir}: its recipe.yaml has lora.rank={lora.rank} (experts={lora.experts}) but the "
+            f"checkpoint has no adapter tensor {' or '.join(k for k, _ in candidates)}; export a checkpoint "
+            "the LoRA run saved (or fix the recipe's lora section)"
         )
 
     return lora_table, read_checkpoint_lora(read, lora_table, POLICY_PREFIX)
@@ -733,4 +748,5 @@ __all__ = [
     "load_policy_checkpoint",
     "megatron_lora_to_peft",
     "megatron_to_hf",
+    "stored_adapter_keys",
 ]

@@ -27,8 +27,9 @@ folder says ``lora_dropout: 0`` (dropout is off at inference). Other families' e
 (:func:`check_peft_exportable`). The merged export covers experts per expert (the checkpoint files name
 them one by one, ``mlp.experts.{e}.gate_proj.weight``).
 
-Checkpoints: :func:`read_checkpoint_lora` reads the ``lora`` section of a trainer checkpoint's ``recipe.yaml``
-and the adapters stored under ``model.<adapter name>`` at full shape.
+Checkpoints: :func:`checkpoint_lora_config` reads the ``lora`` section of a trainer checkpoint's
+``recipe.yaml``, :func:`read_checkpoint_lora` the adapters at full shape through a reader that finds each
+one as named or stacked over layers / layers and experts (``conversion/checkpoint.stored_adapter_keys``).
 """
 
 from __future__ import annotations

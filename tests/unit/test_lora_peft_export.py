@@ -186,3 +186,23 @@ def test_glm_expert_adapters_are_refused_in_one_line(tmp_path):
     with pytest.raises(LoraTableError, match="glm4_moe's routed-expert adapters") as e:
         write_peft_folder(tmp_path / "x", table, {})
     assert "\n" not in str(e.value)
+
+
+def test_stored_adapter_keys_of_the_trainers_stacked_checkpoint():
+    """Where the exporter looks for an adapter: as named, stacked over layers, and (routed experts) stacked
+    over layers and global experts, as megatron's SequentialMLP saves them."""
+    from srpo_megatron.conversion.checkpoint import stored_adapter_keys
+
+    attn = "model.decoder.layers.1.self_attention.linear_qkv.lora.k_proj.lora_B"
+    assert stored_adapter_keys(attn) == [
+        (attn, ()),
+        ("model.decoder.layers.self_attention.linear_qkv.lora.k_proj.lora_B", (1,)),
+    ]
+    expert = "model.decoder.layers.3.mlp.experts.local_experts.5.linear_fc2.lora.down_proj.lora_A"
+    assert stored_adapter_keys(expert) == [
+        (expert, ()),
+        ("model.decoder.layers.mlp.experts.experts.linear_fc2.lora.down_proj.lora_A", (3, 5)),
+    ]
+    assert stored_adapter_keys("model.embedding.word_embeddings.weight") == [
+        ("model.embedding.word_embeddings.weight", ())
+    ]
