@@ -198,6 +198,13 @@ def test_sglang_real_lora_launcher_argv_parses_to_the_lora_fields():
         ns.enable_lora and ns.max_lora_rank == 16 and sorted(ns.lora_target_modules) == sorted(LORA_TARGETS)
     )
     assert (ns.max_loras_per_batch, ns.max_loaded_loras, ns.tp_size) == (1, 2, 4)
+    try:  # 0.5.23 runs its LoRA checks here; 0.5.15.post1 stops at "no accelerator" after __init__
+        args = REAL.server_args.ServerArgs.from_cli_args(ns)
+    except (RuntimeError, NotImplementedError):
+        return
+    assert (
+        args.enable_lora and args.max_lora_rank == 16 and set(args.lora_target_modules) == set(LORA_TARGETS)
+    )
 
 
 def test_sglang_real_lora_engine_syncs_pass_the_request_classes():
