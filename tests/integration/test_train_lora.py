@@ -159,6 +159,8 @@ def test_lora_adapter_sync_into_sglang_standin_engine_logp_equal_trainer(tiny):
         elif route == "/generate":
             assert body.get("lora_path") == loaded[-1], "every generate names the adapter loaded last"
     assert len(loaded) >= 3 and len(set(loaded)) == len(loaded) and set(server.loras) == {loaded[-1]}
+    releases = [tags for kind, tags in server.memory_log if kind == "release"]
+    assert releases and all("weights" not in tags for tags in releases), "no sync sends the base again"
     b = [t for n, t in server.loras[loaded[-1]].items() if "lora_B" in n]
     assert sum(t.double().norm() ** 2 for t in b) ** 0.5 > 1e-3, "B must move for the test to bite"
 
