@@ -292,6 +292,10 @@ class SGLangStandInServer:
                 if self.path == "/get_server_info":
                     info = {"tp_size": stand_in.tp_size, "weight_version": stand_in.version}
                     return self._reply({**info, "version": standin_version()})
+                if self.path == "/v1/models":  # the base model, then each loaded adapter (parent: the base)
+                    cards = [{"id": "base", "root": "base"}]
+                    cards += [{"id": n, "root": None, "parent": "base"} for n in stand_in.loras]
+                    return self._reply({"object": "list", "data": cards})
                 self._reply({}) if self.path == "/health" else self._reply({"error": "no route"}, 404)
 
             def do_POST(self):

@@ -59,17 +59,18 @@ def run_versions(server: SGLangStandInServer, base: torch.nn.Module, versions=(1
     cfg = SGLangEngineConfig(mode="http", url=server.url, model_path="unused")
     engine = SGLangEngine(cfg, manifest={})
     shapes = {n: p.shape for n, p in inject_lora(copy.deepcopy(base), CONFIG).items()}
-    gaps = []
+    gaps, names = [], []
     for v in versions:
         adapters = _adapters(shapes, seed=v)
         n_calls = len(server.bodies)
         engine.update_lora(adapters.items(), v, CONFIG)
         sync = [route for route, _ in server.bodies[n_calls:]]
         name = lora_requests.adapter_name(v)
+        assert name not in names, f"v{v} reuses the adapter name {name}: no adapter while it reloads"
+        names.append(name)
         assert set(server.loras) == {name}, f"after the v{v} sync the server holds {sorted(server.loras)}"
-        assert sync.index(LOAD_FROM_TENSORS) < sync.index("/update_weight_version") and server.version == str(
-            v
-        )
+        assert sync.index(LOAD_FROM_TENSORS) < sync.index("/update_weight_version")
+        assert server.version == str(v)
         n_calls = len(server.bodies)
         completions = engine.generate(PROMPTS, PARAMS)
         gaps.append(_gap(_reference(base, adapters), PROMPTS, completions))

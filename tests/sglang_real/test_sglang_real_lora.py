@@ -153,7 +153,7 @@ def test_sglang_real_lora_request_classes_read_every_body(tmp_path):
     assert lora_sync.per_rank_payloads(REAL.version) == hasattr(req, "serialized_named_tensors")
     if hasattr(req, "serialized_named_tensors"):
         assert len(req.serialized_named_tensors) == TP
-    steps = lora_sync.sync_requests(load, previous_version=2)
+    steps = lora_sync.sync_requests(load, ["srpo-policy-v2"])
     assert [route for route, _ in steps] == ["/load_lora_adapter_from_tensors", "/unload_lora_adapter"]
     assert _parse("UnloadLoRAAdapterReqInput", steps[1][1]).lora_name == "srpo-policy-v2"
     disk = lora_sync.build_load_from_disk_request("srpo-policy-v3", str(tmp_path))

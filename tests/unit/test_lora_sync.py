@@ -79,9 +79,11 @@ def test_version_rule_and_refusals_are_one_line():
         with pytest.raises(lora_sync.LoraSyncError) as e:
             case()
         assert "\n" not in str(e.value)
-    assert lora_sync.sync_requests({"lora_name": "x"}, None) == [
-        ("/load_lora_adapter_from_tensors", {"lora_name": "x"})
-    ]
+    load = ("/load_lora_adapter_from_tensors", {"lora_name": "x"})
+    assert lora_sync.sync_requests(load[1], []) == [load]
+    unload = [("/unload_lora_adapter", {"lora_name": n}) for n in ("x", "w")]
+    assert lora_sync.sync_requests(load[1], ["w"]) == [load, unload[1]]
+    assert lora_sync.sync_requests(load[1], ["x", "w"]) == [unload[0], load, unload[1]]  # a retry of x
 
 
 def test_adapter_sync_with_sglang_needs_a_colocated_http_server_and_gets_its_launch_flags():

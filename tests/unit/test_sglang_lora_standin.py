@@ -7,10 +7,13 @@
   (``/update_weight_version``); every ``/generate`` names the current adapter in ``lora_path``;
 - the log-probs the engine returns equal a float64 reference (a copy of the HF base in float64, wrapped by
   ``peft.inject_adapter_in_model`` with the same adapter) within fp32 rounding, 1e-5;
+- an engine rebuilt after a failed sync (it loaded nothing itself) resyncs a version the living server
+  holds: it reads the server's adapters (``GET /v1/models``), reloads that one, unloads the rest;
 - the stand-in refuses a ``/generate`` naming an adapter it has not loaded, as SGLang's registry does.
 
 Planted (each must fail the checks): generate without ``lora_path`` (the server serves the base model),
-a sync that loads the new adapter without unloading the old, and one that reuses the adapter name.
+a sync that loads the new adapter without unloading the old, one that reuses the adapter name, and a
+rebuilt engine that ignores the server's adapters (SGLang: "already loaded").
 ``tests/sglang_real/test_sglang_real_lora.py`` runs the same flow with each sglang wheel's request classes.
 """
 
@@ -50,6 +53,24 @@ def test_adapter_versions_serve_the_reference_logprobs(standin):
     print(f"engine vs float64 reference, max |d log p| per version: {gaps}")
 
 
+def test_a_rebuilt_engine_resyncs_a_version_the_server_holds(standin):
+    """After a failed sync the service rebuilds the engine object and resyncs the same version into the
+    same (living) server: the new engine finds the policy adapters the server lists (``GET /v1/models``),
+    reloads that version's under its name and unloads the rest."""
+    server, base = standin
+    run_versions(server, base, versions=(1, 2))
+    run_versions(server, base, versions=(2, 3))  # a new SGLangEngine: it loaded nothing itself
+    assert set(server.loras) == {"srpo-policy-v3"}
+
+
+def test_planted_rebuilt_engine_that_ignores_the_servers_adapters_fails(standin, monkeypatch):
+    server, base = standin
+    run_versions(server, base, versions=(1,))
+    monkeypatch.setattr(engine_module, "policy_adapters", lambda models: [])
+    with pytest.raises(EngineError, match="already loaded"):
+        run_versions(server, base, versions=(1,))
+
+
 def test_standin_refuses_a_generate_naming_an_adapter_it_has_not_loaded(standin):
     server, _ = standin
     sampling = {"temperature": 1.0, "top_p": 1.0, "top_k": -1, "max_new_tokens": 2, "stop_token_ids": []}
@@ -67,7 +88,7 @@ def test_planted_generate_without_lora_path_fails(standin, monkeypatch):
 
 def test_planted_load_without_unload_fails(standin, monkeypatch):
     server, base = standin
-    monkeypatch.setattr(engine_module, "sync_requests", lambda load, previous: [(LOAD_FROM_TENSORS, load)])
+    monkeypatch.setattr(SGLangEngine, "_loaded_adapters", lambda self: [])  # no unload
     with pytest.raises(AssertionError, match="after the v2 sync the server holds"):
         run_versions(server, base)
 
@@ -76,5 +97,5 @@ def test_planted_reused_adapter_name_fails(standin, monkeypatch):
     server, base = standin
     for module in (engine_module, lora_requests):
         monkeypatch.setattr(module, "adapter_name", lambda version: "srpo-policy")
-    with pytest.raises(EngineError, match="already loaded"):
+    with pytest.raises(AssertionError, match="v2 reuses the adapter name"):
         run_versions(server, base)

@@ -42,6 +42,7 @@ from srpo_megatron.rollout.sglang.lora_requests import (
     build_load_from_tensors_request,
     build_weight_version_request,
     payloads_needed,
+    policy_adapters,
     sync_requests,
     with_adapter,
 )
@@ -383,7 +384,7 @@ class SGLangEngine:
                 named, payloads_needed(release, tp), self._serializer
             )
             load = build_load_from_tensors_request(adapter_name(version), config, payloads, tp, release)
-            for route, body in sync_requests(load, self._adapter):
+            for route, body in sync_requests(load, self._loaded_adapters()):
                 sent.append(True)
                 parse_update_response(self._transport.call(route.strip("/"), body), route)
             del flat, payloads  # SGLang answered: every TP rank copied the adapter out
@@ -392,6 +393,13 @@ class SGLangEngine:
                 self._transport.call("update_weight_version", body), "update_weight_version"
             )
         self._adapter = int(version)
+
+    def _loaded_adapters(self) -> list[str]:
+        """The policy adapters the server holds: the one this engine loaded or, for an engine that loaded
+        none (new, or rebuilt after a failed sync, on a server that lives on), what the server lists."""
+        if self._adapter is not None:
+            return [adapter_name(self._adapter)]
+        return policy_adapters(self._transport.call("v1/models", None, http_method="GET"))
 
     @contextlib.contextmanager
     def _installing(self, version: int) -> Iterator[list[bool]]:

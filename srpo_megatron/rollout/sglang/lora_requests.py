@@ -50,9 +50,19 @@ class LoraSyncError(ValueError):
     """A LoRA sync that SGLang would refuse (one line naming what and the fix)."""
 
 
+ADAPTER_PREFIX = "srpo-policy-v"  # every policy adapter's lora_name starts so (the server may hold others)
+
+
 def adapter_name(weight_version: int) -> str:
     """The ``lora_name`` of the policy's adapter at ``weight_version`` (what ``/generate`` names)."""
-    return f"srpo-policy-v{int(weight_version)}"
+    return f"{ADAPTER_PREFIX}{int(weight_version)}"
+
+
+def policy_adapters(models: Any) -> list[str]:
+    """The policy adapters a server holds, from its ``GET /v1/models`` answer (SGLang lists each loaded
+    adapter as a model card with a ``parent``, the base model)."""
+    cards = models.get("data", []) if isinstance(models, dict) else []
+    return [c["id"] for c in cards if c.get("parent") and str(c.get("id", "")).startswith(ADAPTER_PREFIX)]
 
 
 def lora_server_args(lora: LoraConfig, targets: list[str]) -> dict[str, Any]:
@@ -141,15 +151,16 @@ def build_unload_request(lora_name: str) -> dict[str, Any]:
 
 
 def sync_requests(
-    load_body: dict[str, Any], previous_version: int | None, from_disk: bool = False
+    load_body: dict[str, Any], loaded: list[str], from_disk: bool = False
 ) -> list[tuple[str, dict[str, Any]]]:
-    """The ordered ``(route, body)`` of one adapter sync: load the new version, then unload the previous
-    one (none on the first sync), so a generate never finds no adapter."""
-    route = LOAD_FROM_DISK if from_disk else LOAD_FROM_TENSORS
-    out = [(route, load_body)]
-    if previous_version is not None:
-        out.append((UNLOAD, build_unload_request(adapter_name(previous_version))))
-    return out
+    """The ordered ``(route, body)`` of one adapter sync, given the policy adapters the server holds
+    (``loaded``): load the new version, then unload the others, so a generate never finds no adapter. A
+    resync of a version the server holds (a retry after a failed sync) unloads it first: SGLang refuses to
+    load a name that is loaded."""
+    name = load_body["lora_name"]
+    out = [(UNLOAD, build_unload_request(name))] if name in loaded else []
+    out.append((LOAD_FROM_DISK if from_disk else LOAD_FROM_TENSORS, load_body))
+    return out + [(UNLOAD, build_unload_request(n)) for n in loaded if n != name]
 
 
 def with_adapter(generate_body: dict[str, Any], weight_version: int) -> dict[str, Any]:
