@@ -18,6 +18,7 @@ SGLang's LoRA API (read in the real packages, ``sglang/srt/managers/io_struct.py
 - ``POST /unload_lora_adapter`` (``UnloadLoRAAdapterReqInput``): ``lora_name``.
 - ``POST /update_weight_version`` (``UpdateWeightVersionReqInput``): ``new_version``; a load stamps no
   version, and every generate checks the version stamped on its outputs (``SGLangEngine``).
+- ``GET /v1/models`` lists each loaded adapter as a model card whose ``parent`` is the base model.
 - ``/generate`` names the adapter in ``lora_path`` (the loaded ``lora_name``; a string or one per prompt).
   Without it SGLang serves the base model alone; a name it has not loaded fails the request
   (``LoRARegistry.acquire``: "not loaded").
