@@ -67,18 +67,29 @@ class TrainConfig:
                 "loss.mask_stale_tokens=true does nothing at rollout.off_policy_steps=0: on-policy, no token "
                 "is ever staler than the bound; set rollout.off_policy_steps >= 1 or drop the key"
             )
-        if self.lora.enabled and self.lora.sync == "adapter" and self.rollout.engine != "hf":
-            raise ConfigError(
-                f"lora.sync=adapter with rollout.engine={self.rollout.engine}: adapter sync is wired for the "
-                "CPU engine (rollout.engine=hf) only; set lora.sync: merged (the engines get "
-                "W + (alpha/r) B A as full weights)"
-            )
+        if self.lora.enabled and self.lora.sync == "adapter" and self.rollout.engine == "sglang":
+            self._check_sglang_adapter_sync()
         cp, budget = self.parallel.cp, self.train.max_tokens_per_micro_batch
         if cp > 1 and (budget <= 0 or budget % (2 * cp)):
             raise ConfigError(
                 f"parallel.cp={cp} splits every packed sequence into 2·cp = {2 * cp} chunks, so it needs "
                 f"packing: train.max_tokens_per_micro_batch={budget} must be a positive multiple of "
                 f"{2 * cp}; set it (e.g. {2 * cp * 1024}) or set parallel.cp=1"
+            )
+
+    def _check_sglang_adapter_sync(self) -> None:
+        """SGLang takes adapters by ``/load_lora_adapter_from_tensors`` from the colocated trainer
+        (same-host tensors) over HTTP, and stamps their version by ``/update_weight_version``, which the
+        offline ``sglang.Engine`` lacks (``weights.lora_engine_sync``)."""
+        r, s = self.rollout, self.rollout.sglang
+        assert s is not None  # RolloutConfig requires the section for engine=sglang
+        if r.placement != "colocated" or s.mode != "http" or s.weight_sync != "tensor":
+            raise ConfigError(
+                f"lora.sync=adapter with rollout.engine=sglang needs rollout.placement=colocated, "
+                f"rollout.sglang.mode=http and rollout.sglang.weight_sync=tensor (got {r.placement}, "
+                f"{s.mode}, {s.weight_sync}): the adapter goes to the server as same-host tensors and only "
+                "the HTTP server can stamp its version; set those, or "
+                "lora.sync: merged (the engines get W + (alpha/r) B A as full weights)"
             )
 
 

@@ -5,7 +5,8 @@ speaks the subset of SGLang's HTTP API the project uses (``/generate`` with ``re
 ``/get_server_info``, ``/flush_cache``, ``/update_weights_from_tensor``, ``/update_weights_from_disk``,
 ``/init_weights_update_group``, ``/update_weights_from_distributed``, ``/destroy_weights_update_group``,
 ``/release_memory_occupation``, ``/resume_memory_occupation``, ``/pause_generation``,
-``/continue_generation``, ``/abort_request``) on top of the CPU ``HFEngine``, loading weights
+``/continue_generation``, ``/abort_request``, and the LoRA routes ``/load_lora_adapter_from_tensors``,
+``/unload_lora_adapter``, ``/update_weight_version``) on top of the CPU ``HFEngine``, loading weights
 non-atomically like SGLang does. Real-engine checks live in tests/gpu/test_sglang_engine.py.
 
 Where the pieces come from (``srpo_megatron.testing.sglang_import.load()``; the fallback is used when the
@@ -29,6 +30,10 @@ pause / continue / abort            own code, modelled on SGLang's tokenizer    
                                     manager (below)
 top logprobs (``top_logprobs_num``) own code: ``HFEngine``'s top-K as SGLang's  (same)
                                     ``meta_info["output_top_logprobs"]``
+LoRA adapters                       payload decode as above; the body format    (same, 0.5.23's body)
+(``lora_path`` on ``/generate``)    of the wheel's own release (get_server_info
+                                    ``version``); own code: ``peft`` on the HF
+                                    model (``rollout.hf_lora``), below
 routed experts                      the detokenizer's base64 (``Detokenizer-    base64 of the int32 bytes
 (``return_routed_experts``)         Manager._b64_encode_per_request``) of
                                     ``HFEngine``'s int32 ``[P + R - 1, layers,
@@ -52,6 +57,13 @@ with a 400 (the project does not use them: ``rollout/partial.py``). A test hook,
 holds the next generation after its k-th decode step until an abort reaches it, so a pause lands
 mid-generation deterministically.
 
+LoRA, as SGLang's multi-LoRA serving does it (``tokenizer_control_mixin`` / ``lora_manager`` /
+``lora_registry`` of 0.5.15.post1 and 0.5.23): an adapter is loaded under a name (loading a name that is
+loaded fails: "already loaded"), unloaded by name (an unknown name fails), and a ``/generate`` runs on the
+adapter its ``lora_path`` names (a name not loaded fails the request: "not loaded") or, without one, on the
+base model alone. The stand-in wraps its HF model with ``peft`` at the first load and copies the named
+adapter's tensors in before each generation (zero B for the base model); ``loras`` holds what is loaded.
+
 Routed experts, as SGLang reports them (``--enable-return-routed-experts`` and ``return_routed_experts``
 per request; 0.5.15.post1 and 0.5.23 alike): the scheduler collects, for a request that finished or was
 aborted while running, the experts of positions ``[0, seqlen - 1)`` with seqlen = prompt + output tokens
@@ -67,6 +79,7 @@ request reports its prefill's rows again (``routed_experts_start_len`` 0), which
 from __future__ import annotations
 
 import base64
+import contextlib
 import datetime
 import json
 import threading
@@ -81,6 +94,7 @@ from torch.distributed.distributed_c10d import PrefixStore, rendezvous
 from srpo_megatron.ops.fp8_blocks import dequantize
 from srpo_megatron.rollout.base import SamplingParams
 from srpo_megatron.rollout.hf_engine import HFEngine
+from srpo_megatron.rollout.hf_lora import inject_lora
 from srpo_megatron.rollout.hf_moe_layout import file_format_params
 from srpo_megatron.rollout.sglang import flat_wire
 from srpo_megatron.testing import sglang_import
@@ -101,7 +115,12 @@ REQUEST_CLASSES = {
     "/pause_generation": "PauseGenerationReqInput",
     "/continue_generation": "ContinueGenerationReqInput",
     "/abort_request": "AbortReq",
+    "/load_lora_adapter_from_tensors": "LoadLoRAAdapterFromTensorsReqInput",
+    "/unload_lora_adapter": "UnloadLoRAAdapterReqInput",
+    "/update_weight_version": "UpdateWeightVersionReqInput",
 }
+# The release whose API the stand-in speaks without an sglang wheel (get_server_info's ``version``).
+FALLBACK_VERSION = "0.5.23"
 
 
 class Refused(Exception):
@@ -132,6 +151,12 @@ def memory_types() -> tuple[str, ...]:
     if real is not None and real.constants is not None:
         return tuple(real.constants.GPU_MEMORY_ALL_TYPES)
     return FALLBACK_MEMORY_TYPES
+
+
+def standin_version() -> str:
+    """The sglang release the stand-in answers as: the wheel's on the path, else ``FALLBACK_VERSION``."""
+    real = sglang_import.load()
+    return real.version if real is not None else FALLBACK_VERSION
 
 
 def request_class(route: str) -> Any | None:
@@ -243,6 +268,9 @@ class SGLangStandInServer:
         self.generation_paused = False  # SGLang's tokenizer-manager is_pause
         self._pause_cond = threading.Condition()  # guards generation_paused and _in_flight
         self._in_flight = 0  # /generate calls past the pause gate (SGLang: holders of model_update_lock)
+        self.loras: dict[str, dict[str, torch.Tensor]] = {}  # loaded adapters by lora_name
+        self._lora_params: dict[str, torch.Tensor] | None = None  # the peft-wrapped model's adapters
+        self._lora_lock = threading.Lock()  # one adapter in the model at a time
         stand_in = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -262,7 +290,12 @@ class SGLangStandInServer:
                 if stand_in.dead:
                     return self._reply({"error": stand_in.dead}, 500)
                 if self.path == "/get_server_info":
-                    return self._reply({"tp_size": stand_in.tp_size, "weight_version": stand_in.version})
+                    info = {"tp_size": stand_in.tp_size, "weight_version": stand_in.version}
+                    return self._reply({**info, "version": standin_version()})
+                if self.path == "/v1/models":  # the base model, then each loaded adapter (parent: the base)
+                    cards = [{"id": "base", "root": "base"}]
+                    cards += [{"id": n, "root": None, "parent": "base"} for n in stand_in.loras]
+                    return self._reply({"object": "list", "data": cards})
                 self._reply({}) if self.path == "/health" else self._reply({"error": "no route"}, 404)
 
             def do_POST(self):
@@ -323,8 +356,10 @@ class SGLangStandInServer:
                 body["sampling_params"], _per_request(body.get("top_logprobs_num"), body), strict=True
             )
         ]
+        with self._serving_adapter(body.get("lora_path")):
+            completions = self.engine.generate_requests(body["input_ids"], params)
         outs = []
-        for c in self.engine.generate_requests(body["input_ids"], params):
+        for c in completions:
             # SGLang's FINISH_ABORT().to_json() for an abort_all of a running request
             finish = {"type": c.finish_reason}
             if c.finish_reason == "abort":
@@ -335,6 +370,58 @@ class SGLangStandInServer:
             outs.append(sglang_output(c.token_ids, c.logprobs, finish, self.version, spans, top, routed))
         self.outputs_log.append((body, outs))
         return outs
+
+    @contextlib.contextmanager
+    def _serving_adapter(self, lora_path):
+        """The model holds the adapter ``lora_path`` names (or, for None, none: B = 0) while inside."""
+        if lora_path is None and self._lora_params is None:
+            yield
+            return
+        if not isinstance(lora_path, str | None):
+            raise Refused(f"the stand-in serves one adapter per body; got lora_path={lora_path!r}")
+        if lora_path is not None and lora_path not in self.loras:
+            raise Refused(
+                f"The following requested LoRA adapters are not loaded: {lora_path}\n"
+                f"Loaded adapters: {list(self.loras)}."
+            )
+        with self._lora_lock, torch.no_grad():
+            for name, p in self._lora_params.items():
+                if lora_path is not None:
+                    p.copy_(self.loras[lora_path][name])
+                elif "lora_B" in name:
+                    p.zero_()
+            yield
+
+    def route_load_lora_adapter_from_tensors(self, body):
+        name = body["lora_name"]
+        if name in self.loras:  # LoRAManager.validate_new_adapter
+            raise Refused(f"Failed to load LoRA adapter {name} because it is already loaded")
+        if body.get("load_format") != "flattened_bucket":
+            raise Refused(f"stand-in expects load_format=flattened_bucket, got {body.get('load_format')}")
+        per_rank = body.get("serialized_named_tensors")  # 0.5.23: rank i reads entry i; before: one string
+        payloads = per_rank if per_rank is not None else [body["serialized_tensors"]] * self.tp_size
+        tensors = {n: t.clone() for n, t in standin_deserialize(payloads[self.tp_size - 1])}
+        if self._lora_params is None:
+            self._lora_params = inject_lora(self.model, body["config_dict"])
+        want = {n: tuple(p.shape) for n, p in self._lora_params.items()}
+        got = {n: tuple(t.shape) for n, t in tensors.items()}
+        if want != got:
+            wrong = sorted(set(want.items()) ^ set(got.items()))[:3]
+            raise Refused(f"LoRA adapter {name} does not fit the model's LoRA layers: {wrong}")
+        self.loras[name] = tensors
+        return {"success": True, "error_message": None, "loaded_adapters": {n: n for n in self.loras}}
+
+    def route_unload_lora_adapter(self, body):
+        name = body["lora_name"]
+        if name not in self.loras:
+            raise Refused(f"LoRA adapter {name} is not loaded")
+        with self._lora_lock:  # SGLang waits until no running request uses it
+            del self.loras[name]
+        return {"success": True, "error_message": None, "loaded_adapters": {n: n for n in self.loras}}
+
+    def route_update_weight_version(self, body):
+        self.version = body["new_version"]
+        return {"success": True, "message": f"Weight version updated to {self.version}"}
 
     def route_pause_generation(self, body):
         mode = body.get("mode", "abort")

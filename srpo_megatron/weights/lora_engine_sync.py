@@ -1,10 +1,19 @@
-"""``lora.sync: adapter`` into the CPU engine: each sync moves the policy's LoRA adapters only.
+"""``lora.sync: adapter`` into colocated engines: each sync moves the policy's LoRA adapters only.
 
 The engine starts from the same HF base the trainer loaded, and the base is frozen, so only the adapters
 change: ``LoraAdapterSync`` is ``ColocatedSync``'s feed (``weights.engine_sync.sync_engines``) carrying
-``weights.lora_stream``'s PEFT-named adapters, which the host hands to ``HFEngine.update_lora`` (the engine
-wraps its model with ``peft`` once and copies the adapters in; the version moves like a full sync's). Bytes
-per sync: the adapters' elements x the stream dtype (``weights.lora_sync.sync_bytes``). SGLang engines take
+``weights.lora_stream``'s PEFT-named adapters, which the host hands to the engine's ``update_lora``:
+
+- the CPU engine (``HFEngine.update_lora``) wraps its model with ``peft`` once and copies the adapters in;
+- SGLang (``SGLangEngine.update_lora``, HTTP server launched with ``--enable-lora ...``:
+  ``rollout.sglang.servers.with_lora_flags``) loads them as a new adapter ``srpo-policy-v<version>`` by
+  ``/load_lora_adapter_from_tensors``, unloads the previous version's, stamps the version
+  (``/update_weight_version``) and names the adapter in every ``/generate``'s ``lora_path``, SGLang's own
+  multi-LoRA serving (``rollout.sglang.lora_requests``). Its base weights stay resident when it releases
+  memory for training (no sync sends them again).
+
+The version moves like a full sync's. Bytes per sync: the adapters' elements x the stream dtype
+(``weights.lora_sync.sync_bytes``). Separate SGLang servers and the offline ``sglang.Engine`` take
 ``lora.sync: merged`` (the recipe refuses ``adapter`` with them).
 """
 
@@ -42,7 +51,7 @@ class _AdapterReceiver:
 
 
 class LoraAdapterSync(ColocatedSync):
-    """``WeightSync`` for a LoRA policy whose engines take adapters (CPU engine, colocated)."""
+    """``WeightSync`` for a LoRA policy whose colocated engines take adapters (CPU engine, SGLang)."""
 
     def __init__(
         self, policy: Any, groups: ParallelGroups, layout: EngineLayout, lora: LoraConfig, base_model: str

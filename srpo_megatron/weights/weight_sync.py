@@ -18,7 +18,8 @@ separate       distributed                ``BroadcastSync``   each PP stage's se
 
 A LoRA policy (``lora.rank > 0``): ``lora.sync: merged`` takes the strategy above, the stream carrying
 ``W + (alpha/r) B A`` (``weights.export``); ``lora.sync: adapter`` is ``LoraAdapterSync`` (only the adapters,
-``weights.lora_engine_sync``), wired for the colocated CPU engine; the recipe refuses it elsewhere.
+``weights.lora_engine_sync``), wired for colocated engines: the CPU engine, and SGLang HTTP servers
+(``rollout.sglang.mode: http``, ``weight_sync: tensor``); the recipe refuses it elsewhere.
 
 ``separate`` + ``tensor`` (CUDA IPC needs the engine on the trainer's GPUs) and ``colocated`` +
 ``distributed`` (the servers' group needs engines outside the trainer's world) have no strategy: the
@@ -80,10 +81,11 @@ def strategy_name(rollout: RolloutConfig) -> str:
     return name
 
 
-def lora_adapter_refusal(engine: str) -> str:
+def lora_adapter_refusal(engine: str, name: str) -> str:
     return (
-        f"lora.sync=adapter with rollout.engine={engine}: adapter sync is wired for the CPU engine "
-        "(rollout.engine=hf) only; set lora.sync: merged (the engines get W + (alpha/r) B A as full weights)"
+        f"lora.sync=adapter with rollout.engine={engine} and the {name} weight sync: adapters go only to "
+        "colocated engines (the CPU engine, or SGLang with rollout.sglang.weight_sync=tensor); set "
+        "lora.sync: merged (the engines get W + (alpha/r) B A as full weights)"
     )
 
 
@@ -96,8 +98,8 @@ def build_weight_sync(
     name = strategy_name(cfg.rollout)
     lora = getattr(cfg, "lora", None)
     if lora is not None and lora.enabled and lora.sync == "adapter":
-        if name != "colocated" or cfg.rollout.engine != "hf":
-            raise ConfigError(lora_adapter_refusal(cfg.rollout.engine))
+        if name != "colocated":
+            raise ConfigError(lora_adapter_refusal(cfg.rollout.engine, name))
         return LoraAdapterSync(policy, groups, layout, lora, cfg.model.hf_dir)
     if name == "broadcast":
         return BroadcastSync(cfg, policy, groups, layout, urls)

@@ -9,6 +9,12 @@ orders). The lr is high enough that the adapters' B moves off zero in step 1 (ch
 so steps 2 and 3 sync a real delta. Adapter mode moves exactly the adapters' bytes per sync (counted on the
 engine: every tensor it receives). A planted bug (the engine's adapter scaling 1 instead of alpha/r; the
 merged delta without its scaling) must break the parity bound.
+
+The adapter sync into SGLang runs against the named stand-in server (``testing/sglang_standin.py``, in this
+process; the trainer reaches it over HTTP as a colocated ``mode: http`` engine): each sync loads
+``srpo-policy-v<v>`` from tensors and unloads the previous one, every ``/generate`` names the adapter
+loaded last, and the same parity bound holds (``tests/unit/test_sglang_lora_standin.py`` plants a missing
+``lora_path``, a missing unload and a reused name).
 """
 
 from __future__ import annotations
@@ -64,6 +70,10 @@ def _train_rank(rank, world, overrides, log, plant):
         update_weights(self, record("full", named, version), version)
 
     HFEngine.update_lora, HFEngine.update_weights = lora, full
+    if plant == "no_lora_path":  # SGLang serves the base model alone
+        from srpo_megatron.rollout.sglang.engine import SGLangEngine
+
+        SGLangEngine._with_adapter = lambda self, body: body
     if plant == "scaling":
         delta = lora_model.lora_weight_delta
         lora_model.lora_weight_delta = lambda m: delta(m) / m._lora_plan.scaling  # merged without alpha/r
@@ -77,7 +87,8 @@ def _run(tiny, name, plant=None, **extra):
     run_distributed(
         _train_rank, 1, train_overrides((root, hf, data), run_dir, **extra), str(log), plant, timeout=900
     )
-    return read_metrics(run_dir), [json.loads(x) for x in log.read_text().splitlines()]
+    syncs = log.read_text().splitlines() if log.exists() else []  # the CPU engine's syncs only
+    return read_metrics(run_dir), [json.loads(x) for x in syncs]
 
 
 def _adapter_bytes(tiny) -> int:
@@ -94,6 +105,7 @@ def _adapter_bytes(tiny) -> int:
 def test_lora_sync_engine_logp_equal_trainer(tiny, sync):
     rows, syncs = _run(tiny, f"lora_{sync}", **{**LORA, "lora.sync": sync})
     assert len(rows) == 3
+    print(f"cpu engine, lora.sync={sync}, logprob/gap_max per step:", [r["logprob/gap_max"] for r in rows])
     for r in rows:
         assert r["logprob/gap_max"] < 1e-4, (sync, r["step"], r["logprob/gap_max"])
         assert 0.0 <= r["logprob/topk_kl_max"] < 1e-6, (sync, r["step"])
@@ -109,4 +121,51 @@ def test_lora_sync_engine_logp_equal_trainer(tiny, sync):
 def test_lora_sync_without_scaling_breaks_parity(tiny, sync):
     rows, _ = _run(tiny, f"plant_{sync}", plant="scaling", **{**LORA, "lora.sync": sync, "train.steps": 2})
     assert rows[0]["logprob/gap_max"] < 1e-4  # step 1 syncs B = 0: no delta, no gap yet
+    assert rows[-1]["logprob/gap_max"] > 1e-4, rows[-1]["logprob/gap_max"]
+
+
+def _run_sglang(tiny, name, plant=None, **extra):
+    """``_run`` with a colocated SGLang engine: the stand-in server, in this process, over HTTP."""
+    from transformers import AutoModelForCausalLM
+
+    from srpo_megatron.testing.sglang_standin import SGLangStandInServer
+
+    server = SGLangStandInServer(AutoModelForCausalLM.from_pretrained(tiny[1]))
+    sglang = f"{{model_path: {tiny[1]}, mode: http, url: {server.url}}}"
+    try:
+        rows, _ = _run(
+            tiny, name, plant, **{**LORA, "rollout.engine": "sglang", "rollout.sglang": sglang, **extra}
+        )
+    finally:
+        server.close()
+    return rows, server
+
+
+def test_lora_adapter_sync_into_sglang_standin_engine_logp_equal_trainer(tiny):
+    rows, server = _run_sglang(tiny, "lora_sglang")
+    assert len(rows) == 3
+    for r in rows:
+        assert r["logprob/gap_max"] < 1e-4, (r["step"], r["logprob/gap_max"])
+        assert 0.0 <= r["logprob/topk_kl_max"] < 1e-6, r["step"]
+    print("sglang stand-in, logprob/gap_max per step:", [r["logprob/gap_max"] for r in rows])
+    assert_healthy_runs(tiny[0] / "lora_sglang")
+    assert server.rejected == []
+    loaded: list[str] = []
+    for route, body in server.bodies:
+        if route == "/load_lora_adapter_from_tensors":
+            loaded.append(body["lora_name"])
+        elif route == "/unload_lora_adapter":
+            assert body["lora_name"] == loaded[-2], (loaded, body)
+        elif route == "/generate":
+            assert body.get("lora_path") == loaded[-1], "every generate names the adapter loaded last"
+    assert len(loaded) >= 3 and len(set(loaded)) == len(loaded) and set(server.loras) == {loaded[-1]}
+    releases = [tags for kind, tags in server.memory_log if kind == "release"]
+    assert releases and all("weights" not in tags for tags in releases), "no sync sends the base again"
+    b = [t for n, t in server.loras[loaded[-1]].items() if "lora_B" in n]
+    assert sum(t.double().norm() ** 2 for t in b) ** 0.5 > 1e-3, "B must move for the test to bite"
+
+
+def test_sglang_generate_without_lora_path_breaks_parity(tiny):
+    rows, _ = _run_sglang(tiny, "plant_sglang", plant="no_lora_path", **{"train.steps": 2})
+    assert rows[0]["logprob/gap_max"] < 1e-4  # step 1 syncs B = 0: base and adapter agree
     assert rows[-1]["logprob/gap_max"] > 1e-4, rows[-1]["logprob/gap_max"]

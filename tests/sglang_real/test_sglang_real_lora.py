@@ -10,7 +10,11 @@
   adapters into its ``qkv_proj`` / ``gate_up_proj`` layout; the deltas ``adapter.scaling * B @ A`` that
   SGLang's kernels apply per output slice equal the trainer's ``(alpha/r) B A`` per projection, bit for
   bit (fp32). The GPU kernels and the memory pool do not run here;
-- server flags: SGLang's parser and ``ServerArgs`` accept ``lora_server_args`` (as ``server_argv`` flags too).
+- server flags: SGLang's parser and ``ServerArgs`` accept ``lora_server_args`` (as ``server_argv`` flags too),
+  and the server launcher's argv for a ``lora.sync: adapter`` recipe parses to the LoRA fields;
+- the engine's adapter syncs end to end (``tests/helpers/sglang_lora.run_versions``) into the stand-in
+  server, whose body checks are this wheel's own request classes (load from tensors, unload,
+  update_weight_version, ``GenerateReqInput`` with ``lora_path``) and payload decode SGLang's: none refused.
 
 Planted: k/v adapters exchanged in the payload fail the delta check."""
 
@@ -149,7 +153,7 @@ def test_sglang_real_lora_request_classes_read_every_body(tmp_path):
     assert lora_sync.per_rank_payloads(REAL.version) == hasattr(req, "serialized_named_tensors")
     if hasattr(req, "serialized_named_tensors"):
         assert len(req.serialized_named_tensors) == TP
-    steps = lora_sync.sync_requests(load, previous_version=2)
+    steps = lora_sync.sync_requests(load, ["srpo-policy-v2"])
     assert [route for route, _ in steps] == ["/load_lora_adapter_from_tensors", "/unload_lora_adapter"]
     assert _parse("UnloadLoRAAdapterReqInput", steps[1][1]).lora_name == "srpo-policy-v2"
     disk = lora_sync.build_load_from_disk_request("srpo-policy-v3", str(tmp_path))
@@ -178,3 +182,76 @@ def test_sglang_real_lora_server_flags_parse_and_construct():
         return
     assert args.enable_lora and args.max_lora_rank == 4
     assert set(args.lora_target_modules) == set(kw["lora_target_modules"])
+
+
+def test_sglang_real_lora_launcher_argv_parses_to_the_lora_fields():
+    from srpo_megatron.config.lora import LORA_TARGETS
+    from srpo_megatron.rollout.sglang.servers import recipe_rollout_config, server_commands
+
+    http = ["lora.rank=16", "rollout.sglang.mode=http", "rollout.sglang.url=http://h:30000"]
+    rollout = recipe_rollout_config("examples/qwen3_8b_srpo.yaml", http)
+    argv = server_commands(rollout, gpus=8)[0]
+    parser = argparse.ArgumentParser()
+    REAL.server_args.ServerArgs.add_cli_args(parser)
+    ns = parser.parse_args(argv[3:])
+    assert (
+        ns.enable_lora and ns.max_lora_rank == 16 and sorted(ns.lora_target_modules) == sorted(LORA_TARGETS)
+    )
+    assert (ns.max_loras_per_batch, ns.max_loaded_loras, ns.tp_size) == (1, 2, 4)
+    try:  # 0.5.23 runs its LoRA checks here; 0.5.15.post1 stops at "no accelerator" after __init__
+        args = REAL.server_args.ServerArgs.from_cli_args(ns)
+    except (RuntimeError, NotImplementedError):
+        return
+    assert (
+        args.enable_lora and args.max_lora_rank == 16 and set(args.lora_target_modules) == set(LORA_TARGETS)
+    )
+
+
+def test_sglang_real_lora_engine_syncs_pass_the_request_classes():
+    import copy
+
+    from srpo_megatron.testing.sglang_standin import SGLangStandInServer, request_class
+    from srpo_megatron.testing.tiny import tiny_hf_model
+    from tests.helpers.sglang_lora import run_versions
+
+    routes = (
+        "/load_lora_adapter_from_tensors",
+        "/unload_lora_adapter",
+        "/update_weight_version",
+        "/generate",
+    )
+    assert all(request_class(r) is not None for r in routes), (
+        "the stand-in checks bodies with the real classes"
+    )
+    base = tiny_hf_model("qwen3", num_layers=2)
+    server = SGLangStandInServer(copy.deepcopy(base), tp_size=TP)
+    try:
+        gaps = run_versions(server, base)
+    finally:
+        server.close()
+    assert server.rejected == [] and max(gaps) < 1e-5
+    load = next(b for r, b in server.bodies if r == routes[0])
+    assert ("serialized_named_tensors" in load) == lora_sync.per_rank_payloads(REAL.version)
+
+
+def test_sglang_real_lora_planted_other_release_body_is_refused(monkeypatch):
+    """Planted: the engine takes the server for the other release, so its load body has the other payload
+    field; this wheel's request class refuses it (HTTP 400) and the sync fails."""
+    import copy
+
+    from srpo_megatron.rollout.base import EngineError
+    from srpo_megatron.rollout.sglang import engine as engine_module
+    from srpo_megatron.testing.sglang_standin import SGLangStandInServer
+    from srpo_megatron.testing.tiny import tiny_hf_model
+    from tests.helpers.sglang_lora import run_versions
+
+    other = "0.5.15.post1" if lora_sync.per_rank_payloads(REAL.version) else "0.5.23"
+    monkeypatch.setattr(engine_module, "server_version", lambda transport: other)
+    base = tiny_hf_model("qwen3", num_layers=2)
+    server = SGLangStandInServer(copy.deepcopy(base), tp_size=TP)
+    try:
+        with pytest.raises(EngineError, match="LoadLoRAAdapterFromTensorsReqInput rejects the body"):
+            run_versions(server, base, versions=(1,))
+    finally:
+        server.close()
+    assert [r for r, _ in server.rejected] == ["/load_lora_adapter_from_tensors"]

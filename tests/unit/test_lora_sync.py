@@ -79,20 +79,36 @@ def test_version_rule_and_refusals_are_one_line():
         with pytest.raises(lora_sync.LoraSyncError) as e:
             case()
         assert "\n" not in str(e.value)
-    assert lora_sync.sync_requests({"lora_name": "x"}, None) == [
-        ("/load_lora_adapter_from_tensors", {"lora_name": "x"})
-    ]
+    load = ("/load_lora_adapter_from_tensors", {"lora_name": "x"})
+    assert lora_sync.sync_requests(load[1], []) == [load]
+    unload = [("/unload_lora_adapter", {"lora_name": n}) for n in ("x", "w")]
+    assert lora_sync.sync_requests(load[1], ["w"]) == [load, unload[1]]
+    assert lora_sync.sync_requests(load[1], ["x", "w"]) == [unload[0], load, unload[1]]  # a retry of x
 
 
-def test_adapter_sync_with_sglang_is_refused_before_any_engine_starts():
-    """``lora.sync: adapter`` is wired for the CPU engine only: an SGLang recipe refuses it when it loads,
-    in one line that points to ``merged``; ``merged`` loads."""
+def test_adapter_sync_with_sglang_needs_a_colocated_http_server_and_gets_its_launch_flags():
+    """``lora.sync: adapter`` with SGLang: an offline engine or separate servers are refused when the recipe
+    loads, in one line that points to ``merged``; a colocated HTTP server with tensor syncs loads, and the
+    server launcher adds the LoRA flags (explicit ``engine_kwargs`` win); ``merged`` adds none."""
     from srpo_megatron.config import ConfigError
     from srpo_megatron.config.recipe import load_recipe
+    from srpo_megatron.rollout.sglang.servers import recipe_rollout_config, server_argv
 
     recipe = "examples/qwen3_8b_srpo.yaml"
-    with pytest.raises(
-        ConfigError, match=r"lora\.sync=adapter with rollout\.engine=sglang.*lora\.sync: merged"
-    ):
-        load_recipe(recipe, ["lora.rank=16"])
-    assert load_recipe(recipe, ["lora.rank=16", "lora.sync=merged"]).lora.sync == "merged"
+    http = ["lora.rank=16", "rollout.sglang.mode=http", "rollout.sglang.url=http://h:30000"]
+    disk = [*http, "rollout.sglang.weight_sync=disk", "rollout.sglang.disk_sync_dir=/d"]
+    for bad in (["lora.rank=16"], disk):  # the recipe's offline engine; an HTTP server synced by disk
+        with pytest.raises(
+            ConfigError, match=r"lora\.sync=adapter with rollout\.engine=sglang needs.*merged"
+        ):
+            load_recipe(recipe, bad)
+    assert load_recipe(recipe, http).lora.sync == "adapter"
+    kwargs = recipe_rollout_config(recipe, [*http, "rollout.sglang.engine_kwargs.max_loaded_loras=3"])
+    kwargs = kwargs.sglang.engine_kwargs
+    assert kwargs["enable_lora"] is True and kwargs["max_lora_rank"] == 16 and kwargs["max_loaded_loras"] == 3
+    argv = server_argv(recipe_rollout_config(recipe, http).sglang, 0)
+    assert argv[argv.index("--lora-target-modules") + 1 : argv.index("--lora-target-modules") + 8] == sorted(
+        ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    )
+    merged = recipe_rollout_config(recipe, ["lora.rank=16", "lora.sync=merged"])
+    assert "enable_lora" not in merged.sglang.engine_kwargs

@@ -37,6 +37,15 @@ from srpo_megatron.conversion.manifest import hf_manifest
 from srpo_megatron.rollout.base import Completion, EngineError, EngineHealth, SamplingParams
 from srpo_megatron.rollout.gate import check_version, head, missing_names, validated_stream
 from srpo_megatron.rollout.served_precision import served_fp8_layout, with_fp8_scales
+from srpo_megatron.rollout.sglang.lora_requests import (
+    adapter_name,
+    build_load_from_tensors_request,
+    build_weight_version_request,
+    payloads_needed,
+    policy_adapters,
+    sync_requests,
+    with_adapter,
+)
 from srpo_megatron.rollout.sglang.protocol import (
     build_continue_generation_request,
     build_generate_request,
@@ -54,6 +63,7 @@ from srpo_megatron.rollout.sglang.protocol import (
     serialize_bucket_per_tp_rank,
     serialize_payload,
     server_tp_size,
+    server_version,
     split_requests,
 )
 from srpo_megatron.rollout.sglang.transports import ChildEngineTransport, HttpTransport, call_each
@@ -129,6 +139,7 @@ class SGLangEngine:
         self._serializer = serializer
         self._tp: int | None = None
         self._eos: tuple[int, ...] | None = None
+        self._adapter: int | None = None  # lora.sync=adapter: the version whose adapter generate names
         if transport is not None:
             self._transport = transport
         elif cfg.mode == "http":
@@ -180,13 +191,18 @@ class SGLangEngine:
         outputs = self._generate_each(body)
         return parse_generate_response(outputs, rows, len(prompts), dispatched, params.top_logprobs)
 
+    def _with_adapter(self, body: dict[str, Any]) -> dict[str, Any]:
+        """``lora.sync=adapter``: every ``/generate`` names the policy's adapter (without ``lora_path`` SGLang
+        serves the base model alone)."""
+        return body if self._adapter is None else with_adapter(body, self._adapter)
+
     def _generate_each(self, body: dict[str, Any]) -> list[Any]:
         """``body``'s requests as one ``/generate`` each, ``cfg.concurrent_requests`` in flight (SGLang
         batches concurrent requests itself), collected as each finishes: ``request_timeout_s`` bounds one
         sample, so a long round of long samples is not taken for a dead engine. A pause aborts the
         running requests (each answers finish_reason abort with its tokens so far) and holds the ones
         sent later until continue, as for one body."""
-        bodies = split_requests(body)
+        bodies = split_requests(self._with_adapter(body))
         answers: list[Any] = [None] * len(bodies)
         for i, answer in call_each(self._transport, "generate", bodies, self.cfg.concurrent_requests):
             answers[i] = answer
@@ -244,8 +260,10 @@ class SGLangEngine:
 
     def release_memory(self) -> None:
         """Free every memory type SGLang has (training phase, colocated). Idempotent: only tags that are
-        not already paused are released (pausing a paused tag fails inside SGLang)."""
-        todo = [t for t in self._memory_tags if t not in self._released]
+        not already paused are released (pausing a paused tag fails inside SGLang). Under adapter syncs the
+        base weights stay resident: no sync sends them again."""
+        keep = {"weights"} if self._adapter is not None else set()
+        todo = [t for t in self._memory_tags if t not in self._released and t not in keep]
         if not todo:
             return
         body = build_memory_occupation_request(todo)
@@ -344,6 +362,44 @@ class SGLangEngine:
             parse_update_response(
                 self._transport.call("update_weights_from_disk", body), "update_weights_from_disk"
             )
+
+    def update_lora(
+        self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int, config: dict
+    ) -> None:
+        """``lora.sync: adapter`` (``weights.lora_engine_sync``): load the policy's PEFT-named adapters (full
+        shapes: each TP rank slices its own) as ``srpo-policy-v<version>`` by
+        ``/load_lora_adapter_from_tensors``, unload the previous version's, stamp ``version``
+        (``/update_weight_version``), and from then name it in every generate's ``lora_path``
+        (``lora_requests``). ``config``: the adapter_config dict. The base weights stay as launched. HTTP
+        only: the offline ``sglang.Engine`` has no ``update_weight_version``."""
+        if not isinstance(self._transport, HttpTransport):
+            raise EngineError(
+                "lora.sync=adapter needs an SGLang HTTP server (rollout.sglang.mode: http): the offline "
+                "sglang.Engine cannot stamp the adapter's weight version; or set lora.sync: merged"
+            )
+        named = list(named_tensors)
+        with self._installing(version) as sent:
+            tp, release = self.tp_size, server_version(self._transport)
+            payloads, flat = serialize_bucket_per_tp_rank(
+                named, payloads_needed(release, tp), self._serializer
+            )
+            load = build_load_from_tensors_request(adapter_name(version), config, payloads, tp, release)
+            for route, body in sync_requests(load, self._loaded_adapters()):
+                sent.append(True)
+                parse_update_response(self._transport.call(route.strip("/"), body), route)
+            del flat, payloads  # SGLang answered: every TP rank copied the adapter out
+            body = build_weight_version_request(version)
+            parse_update_response(
+                self._transport.call("update_weight_version", body), "update_weight_version"
+            )
+        self._adapter = int(version)
+
+    def _loaded_adapters(self) -> list[str]:
+        """The policy adapters the server holds: the one this engine loaded or, for an engine that loaded
+        none (new, or rebuilt after a failed sync, on a server that lives on), what the server lists."""
+        if self._adapter is not None:
+            return [adapter_name(self._adapter)]
+        return policy_adapters(self._transport.call("v1/models", None, http_method="GET"))
 
     @contextlib.contextmanager
     def _installing(self, version: int) -> Iterator[list[bool]]:

@@ -486,3 +486,14 @@ def server_tp_size(transport: Any, default: int) -> int:
     """A running server's TP size from ``/get_server_info`` (its launch flags decide it, not the recipe)."""
     info = transport.call("get_server_info", None, http_method="GET")
     return int(info["tp_size"]) if isinstance(info, dict) and "tp_size" in info else int(default)
+
+
+def server_version(transport: Any) -> str:
+    """A running server's sglang release from ``/get_server_info`` (its ``version``: ``__version__``)."""
+    info = transport.call("get_server_info", None, http_method="GET")
+    if not isinstance(info, dict) or not info.get("version"):
+        raise EngineError(
+            f"SGLang's /get_server_info answered no version ({info!r}); the adapter sync needs it to pick "
+            "the payload field (serialized_tensors or serialized_named_tensors); upgrade the server"
+        )
+    return str(info["version"])

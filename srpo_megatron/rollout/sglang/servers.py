@@ -20,6 +20,7 @@ place comes from ``SRPO_ENGINE_HOSTS`` (the job's engine host names, exported by
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import signal
 import subprocess
@@ -29,6 +30,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from srpo_megatron.config import ConfigError, RolloutConfig, SGLangEngineConfig, load_recipe
+from srpo_megatron.config.lora import LoraConfig
+from srpo_megatron.rollout.sglang.lora_requests import lora_server_args
 
 BASE_PORT = 30000  # engine i of a node listens on BASE_PORT + i
 DIST_INIT_PORT = 20000  # an engine over several nodes: SGLang's rendezvous on its first node (+ a few ports)
@@ -172,8 +175,22 @@ def server_commands(
 
 def recipe_rollout_config(recipe: str, overrides: list[str]) -> RolloutConfig:
     """The recipe's ``rollout`` section with ``--override`` items applied: the whole recipe loads as the
-    trainer loads it (``load_recipe``), so servers never start for a recipe `srpo train` refuses."""
-    return load_recipe(recipe, overrides).rollout
+    trainer loads it (``load_recipe``), so servers never start for a recipe `srpo train` refuses; with
+    ``lora.sync: adapter`` its SGLang ``engine_kwargs`` gain the LoRA flags (``with_lora_flags``)."""
+    cfg = load_recipe(recipe, overrides)
+    return with_lora_flags(cfg.rollout, cfg.lora)
+
+
+def with_lora_flags(rollout: RolloutConfig, lora: LoraConfig) -> RolloutConfig:
+    """``rollout`` whose SGLang ``engine_kwargs`` carry what an adapter sync needs (``--enable-lora``,
+    ``--max-lora-rank``, ``--lora-target-modules``, ``--max-loras-per-batch``, ``--max-loaded-loras``:
+    ``lora_requests.lora_server_args``) when ``lora.sync`` is ``adapter``; the recipe's own
+    ``engine_kwargs`` win. Unchanged otherwise (merged syncs send plain weights)."""
+    if rollout.sglang is None or not lora.enabled or lora.sync != "adapter":
+        return rollout
+    flags = lora_server_args(lora, lora.target_modules)
+    sglang = dataclasses.replace(rollout.sglang, engine_kwargs={**flags, **rollout.sglang.engine_kwargs})
+    return dataclasses.replace(rollout, sglang=sglang)
 
 
 def main(argv: list[str] | None = None) -> int:
