@@ -46,11 +46,12 @@ LOG="$(mktemp /tmp/srpo-demo.XXXXXX.log)"
 t1=$(date +%s)
 
 # The train summary is the last JSON object line srpo train printed; restate it as the demo's result.
-"$PY" - "$LOG" "$RUN_DIR" "$((t1 - t0))" <<'PYEOF'
+"$PY" - "$LOG" "$RUN_DIR" "$((t1 - t0))" "$RECIPE" <<'PYEOF'
 import json
 import sys
+from pathlib import Path
 
-log, run_dir, total_s = sys.argv[1], sys.argv[2], int(sys.argv[3])
+log, run_dir, total_s, recipe = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4]
 summary = None
 for line in open(log, errors="replace"):
     line = line.strip()
@@ -62,7 +63,7 @@ for line in open(log, errors="replace"):
 if summary is None:
     sys.exit(f"demo: srpo train printed no JSON summary (see {log})")
 print(json.dumps({
-    "demo": "smollm2_arith_cpu",
+    "demo": Path(recipe).stem,
     "steps": summary.get("steps"),
     "train_wall_time_s": summary.get("wall_time_s"),
     "demo_wall_time_s": total_s,

@@ -16,6 +16,7 @@ class ArithmeticTaskConfig:
     num_eval: int = 100  # held-out prompts (never overlapping the training problems)
     seed: int = 0  # generator seed; the train/held-out partition does not depend on it
     reasoning: bool = False  # "Think step by step, then give the final number." instead of the number only
+    system: str | None = None  # the rows' system message (e.g. a tool's instructions); None = none
 
     def __post_init__(self) -> None:
         if not 0 <= self.difficulty <= 5:
@@ -24,6 +25,11 @@ class ArithmeticTaskConfig:
             )
         if self.num_train < 0 or self.num_eval < 0:
             raise ValueError("arithmetic.num_train and num_eval must be >= 0 (they count prompts)")
+        if self.system is not None and not (isinstance(self.system, str) and self.system.strip()):
+            raise ValueError(
+                f"arithmetic.system={self.system!r} must be a non-empty string (the rows' system message), "
+                "or null for none (the chat template's default)"
+            )
 
 
 @dataclass

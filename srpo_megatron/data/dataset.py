@@ -124,7 +124,7 @@ def arithmetic_rows(task: ArithmeticTaskConfig, split: str) -> list[Row]:
     return [
         Row(
             r["prompt"],
-            None,
+            task.system,
             r["answer"],
             "arithmetic",
             f"arithmetic/level{task.difficulty}",

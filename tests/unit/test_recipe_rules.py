@@ -51,6 +51,7 @@ ADDED_SINCE = {
     "rollout.tool_timeout_s": 10.0,
     "rollout.max_tool_output_tokens": 512,
     "rollout.on_tool_fault": "continue",
+    "data.arithmetic.system": None,  # only where the recipe has a data.arithmetic section
     "rollout.sglang.concurrent_requests": 512,  # only where the recipe has a rollout.sglang section
 }
 # Keys a recipe set since the snapshot (recipe -> key -> value): the GRPO and SDPO baselines average per
@@ -108,6 +109,7 @@ ADDED_RECIPES = {
     "qwen3_32b_lora_srpo.yaml",
     "qwen3_235b_a22b_lora_srpo.yaml",
     "smollm2_arith_lora_cpu.yaml",
+    "smollm2_arith_calc_cpu.yaml",
 }
 
 
