@@ -112,7 +112,7 @@ def check(abort_at: tuple[int, int]) -> None:
     ]
     before = [i for t in range(a) for i in turns[t] + tools[t]]  # the ids ahead of the aborted turn
     # the abort: the trajectory so far, the open turn counted, its state kept
-    assert aborted.finish_reason == "abort" and STATE_KEY in aborted.meta
+    assert aborted.finish_reason == "abort" and STATE_KEY in aborted.meta, "the aborted turn stays open"
     assert aborted.token_ids == before + v0[a][:k]
     assert Trajectory.of(aborted).turns == a + 1 and Trajectory.of(aborted).turn_spans[-1] == (
         len(before),
@@ -165,7 +165,7 @@ def test_planted_new_turn_after_the_abort_fails_the_check(monkeypatch):
     monkeypatch.setattr(
         multi_turn, "settle", lambda c, params, eos: dataclasses.replace(c, finish_reason="stop")
     )
-    with pytest.raises(AssertionError):
+    with pytest.raises(AssertionError, match="the aborted turn stays open"):
         check((1, 3))
 
 
