@@ -84,24 +84,23 @@ def _openers(ids: list[int]) -> list[int]:
 
 def _hold_one_later_turn_per_round_ahead(server):
     """Step hook: the first later-turn request of each round but the first (the trainer waits for that
-    one) that reaches decode step 3 waits there until the sync's pause aborts it. Rounds are told apart
+    one) and the one dispatched after the last step (no sync follows it) that reaches decode step 3 waits
+    there until the sync's pause aborts it. Rounds are told apart
     by their prompts (each round has its own ``PROMPTS_PER_ROUND``, in order of first appearance); one in
     flight (``concurrent_requests=1``), so the last ``/generate`` body is the running request."""
     prompts: list[tuple[int, ...]] = []
     held: set[int] = set()
 
-    def hook(step, aborted):
-        if step != 3:
-            return
+    def hook(step, aborted):  # after every decode step, numbered from 1
         bodies = [b for path, b in list(server.bodies) if path == "/generate"]
         ids = bodies[-1]["input_ids"]
         ids = list(ids[0] if ids and isinstance(ids[0], list) else ids)
         at = _openers(ids)
         key = tuple(ids[: at[0] + len(OPENER)]) if at else tuple(ids)
-        if key not in prompts:
+        if key not in prompts:  # every request decodes a step 1: no prompt is missed
             prompts.append(key)
         round_ = prompts.index(key) // PROMPTS_PER_ROUND
-        if len(at) >= 2 and round_ >= 1 and round_ not in held:
+        if step == 3 and len(at) >= 2 and 1 <= round_ < STEPS and round_ not in held:
             held.add(round_)
             aborted.wait(timeout=300)
 
