@@ -306,8 +306,7 @@ class RolloutConfig:
                 f"rollout.environment={self.environment!r} must look like 'package.module:Factory' (e.g. "
                 "'srpo_megatron.rollout.environments.calculator:CalculatorEnv'), or be empty (single-turn)"
             )
-        unsupported = [
-            (self.partial, "rollout.partial"),
+        unsupported = [  # rollout.partial is supported: an aborted turn is continued (rollout/multi_turn.py)
             (self.routing_replay, "rollout.routing_replay"),
             (self.parity_top_k > 0, "rollout.parity_top_k"),
         ]
@@ -315,7 +314,7 @@ class RolloutConfig:
             if on:
                 raise ConfigError(
                     f"{key} is not supported with rollout.environment={self.environment!r} yet (multi-turn "
-                    f"rollouts neither continue aborted turns nor report experts or top-k per turn); turn "
+                    f"rollouts report neither experts nor top-k per turn); turn "
                     f"{key} off or set rollout.environment to ''"
                 )
 

@@ -25,6 +25,24 @@ that raises or times out is a *fault*: ``rollout.on_tool_fault`` says whether th
 with an error message as the tool's answer (``continue``) or ends and scores 0 (``fail``). A tool
 message longer than ``rollout.max_tool_output_tokens`` is clipped. Every fault, clip and truncation is
 counted per trajectory (``Trajectory``) and per step (``multi_turn_metrics``); none fails the step.
+
+**Partial rollouts** (``rollout.partial``; the single-turn rules are ``rollout/partial.py``'s). A weight
+sync pauses the engine in mode abort: a turn in flight comes back ``abort`` with its tokens so far. The
+driver then stops after that round and returns every unfinished trajectory as an ``abort`` completion
+whose ``meta[STATE_KEY]`` holds its live state (messages, environment, ids, mask, log-probs, per-token
+versions, turn index, and the aborted turn's tokens, log-probs and versions); the completion's ids are the
+trajectory's so far with the open turn counted as a turn. :meth:`MultiTurnRollout.continue_partial`
+(``GenerationWorker.continue_partial``, after the sync) resumes them: an aborted turn is continued, not
+restarted and not closed, from ``prompt + e_1 t_1 ... t_{k-1} + its partial tokens`` (never re-rendered),
+with ``max_new_tokens`` the response budget left and a segment seed of the turn's own
+(``partial.segment_seed``); its tokens are the partial ones followed by the continuation's
+(``partial.merge_segments``), as slime resumes a generation from ``sample.tokens`` with ``max_new_tokens``
+less its response so far (THUDM/slime ``slime/rollout/sglang_rollout.py`` ``generate`` @ 0044b40). Only
+then does the environment answer the turn, and later turns follow. An abort that landed on the step the
+turn ended is settled as it ended (``partial.settle``). ``Completion.token_versions`` covers the whole
+response: each engine token the version that generated it, each tool token its assistant turn's last
+token's, so a trajectory across a sync counts in ``async/partial_share`` and its old tokens in the
+staleness mask.
 """
 
 from __future__ import annotations
@@ -35,11 +53,15 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from srpo_megatron.rollout.base import Completion, SamplingParams, sample_seed
+from srpo_megatron.rollout.base import Completion, EngineError, SamplingParams, sample_seed
 from srpo_megatron.rollout.environments.base import EnvironmentFactory, EnvStep, resolve_environment
+from srpo_megatron.rollout.partial import merge_segments, segment_seed, settle
 
 ToolFault = Literal["continue", "fail"]
 CLIPPED = " …[tool output clipped]"
+# An aborted trajectory's live state (``_State``) in its ``Completion.meta``: in-process only, consumed by
+# ``MultiTurnRollout.continue_partial``; a completion that finished never carries it.
+STATE_KEY = "trajectory_state"
 _SENTINEL = "\x00srpo-assistant-turn\x00"
 # The fixed conversations a tool turn is rendered after (its ids = the rendering's suffix past the prefix's
 # own rendering), as verl renders tool responses after its BASE_CHAT_HISTORY (volcengine/verl
@@ -211,6 +233,12 @@ class _State:
     logprobs: list[float] = field(default_factory=list)
     finish: str = ""  # set when the trajectory ends
     weight_version: int = 0
+    versions: list[int] = field(default_factory=list)  # per response token: the version that produced it
+    open_turn: Completion | None = None  # the assistant turn a sync aborted: its tokens so far
+    segments: int = 0  # aborts of assistant turns so far (each continuation's seed differs)
+
+    def open_ids(self) -> list[int]:
+        return list(self.open_turn.token_ids) if self.open_turn is not None else []
 
 
 class MultiTurnRollout:
@@ -223,23 +251,82 @@ class MultiTurnRollout:
         self, engine: Any, prompts: Sequence[Sequence[int]], rows: Sequence[Any], params: SamplingParams
     ) -> list[list[Completion]]:
         """``params.n`` trajectories per prompt; ``rows[i]`` is prompt i's data row (its environment's
-        ``reset`` argument and the conversation's first messages)."""
-        params = dataclasses.replace(params, return_routed_experts=False, top_logprobs=0)
+        ``reset`` argument and the conversation's first messages). A round a sync aborted ends the call:
+        the unfinished trajectories come back ``abort`` (module doc; ``continue_partial`` resumes them)."""
+        params = self._params(params)
         first = engine.generate(prompts, params)
         states = [self._start(i, j, rows[i], c) for i, group in enumerate(first) for j, c in enumerate(group)]
+        eos = tuple(getattr(engine, "eos_token_ids", ()))
         for s, c in zip(states, (c for g in first for c in g), strict=True):
-            self._turn(s, c, params.max_new_tokens)
-        turn = 1
-        while live := [s for s in states if not s.finish]:
-            inputs = [list(prompts[s.index]) + s.ids for s in live]
-            per = [self._turn_params(params, s, turn) for s in live]
-            for s, c in zip(live, engine.generate_requests(inputs, per), strict=True):
-                self._turn(s, c, params.max_new_tokens)
-            turn += 1
+            self._turn(s, c, params, eos)
+        if not any(s.open_turn is not None for s in states):
+            self._drive(engine, prompts, params, states, eos)
         out: list[list[Completion]] = [[] for _ in prompts]
         for s in states:
             out[s.index].append(self.completion(s))
         return out
+
+    def continue_partial(
+        self,
+        engine: Any,
+        prompts: Sequence[Sequence[int]],
+        params: SamplingParams,
+        completions: list[list[Completion]],
+    ) -> list[list[Completion]]:
+        """Resume every aborted trajectory of ``generate(engine, prompts, rows, params)`` (``completions``,
+        same nesting) with the engine's current weights: an open turn is continued where the abort left
+        it, then the trajectory goes on (module doc). Finished ones pass through (the same objects); one
+        that a later sync aborts again comes back ``abort`` (call again). ``GenerationWorker``'s
+        ``continue_partial`` signature."""
+        params = self._params(params)
+        result = [list(group) for group in completions]
+        todo: list[tuple[int, int, _State]] = []
+        for i, group in enumerate(result):
+            for j, c in enumerate(group):
+                if c.finish_reason != "abort":
+                    continue
+                state = c.meta.get(STATE_KEY)
+                if not isinstance(state, _State):
+                    raise EngineError(
+                        f"trajectory {i}/{j} came back aborted without its state (meta[{STATE_KEY!r}]): "
+                        "only completions of MultiTurnRollout.generate can be resumed"
+                    )
+                state.weight_version = c.weight_version  # the dispatch version the worker stamped
+                todo.append((i, j, state))
+        if todo:
+            self._drive(
+                engine, prompts, params, [s for _, _, s in todo], tuple(getattr(engine, "eos_token_ids", ()))
+            )
+        for i, j, state in todo:
+            result[i][j] = self.completion(state)
+        return result
+
+    @staticmethod
+    def _params(params: SamplingParams) -> SamplingParams:
+        return dataclasses.replace(params, return_routed_experts=False, top_logprobs=0)
+
+    def _drive(
+        self,
+        engine: Any,
+        prompts: Sequence[Sequence[int]],
+        params: SamplingParams,
+        states: list[_State],
+        eos: tuple[int, ...],
+    ) -> None:
+        """Later turns (or the open ones' continuations) of ``states`` until each ends, or until a round
+        in which a sync aborted some turn."""
+        while live := [s for s in states if not s.finish]:
+            inputs = [list(prompts[s.index]) + s.ids + s.open_ids() for s in live]
+            per = [self._turn_params(params, s) for s in live]
+            outs = engine.generate_requests(inputs, per)
+            if len(outs) != len(live):
+                raise EngineError(
+                    f"generate_requests returned {len(outs)} completions for {len(live)} inputs"
+                )
+            for s, c in zip(live, outs, strict=True):
+                self._turn(s, c, params, eos)
+            if any(s.open_turn is not None for s in live):
+                return  # the weights change now: every unfinished trajectory waits for the sync
 
     def _start(self, i: int, j: int, row: Any, c: Completion) -> _State:
         env = self.factory()
@@ -253,21 +340,35 @@ class MultiTurnRollout:
         base.append({"role": "user", "content": row.prompt})
         return _State(i, j, row, env, base, weight_version=c.weight_version)
 
-    def _turn_params(self, params: SamplingParams, s: _State, turn: int) -> SamplingParams:
-        """Turn ``turn``'s parameters for ``s``: the response budget left, a seed of its own."""
+    def _turn_params(self, params: SamplingParams, s: _State) -> SamplingParams:
+        """The next request's parameters for ``s``: the response budget left (the open turn's tokens
+        counted), a seed of its own (an open turn's continuation: a segment seed of it)."""
         seed = params.seed
         if seed is not None:
             seed = sample_seed(seed, params.prompt_offset + s.index, s.member)
-        return dataclasses.replace(
-            params, n=1, max_new_tokens=params.max_new_tokens - len(s.ids), seed=seed, prompt_offset=turn
-        )
+            if s.open_turn is not None:
+                seed = segment_seed(seed, s.segments)
+        left = params.max_new_tokens - len(s.ids) - len(s.open_ids())
+        return dataclasses.replace(params, n=1, max_new_tokens=left, seed=seed, prompt_offset=s.traj.turns)
 
-    def _turn(self, s: _State, c: Completion, budget: int) -> None:
-        """Record one assistant turn, then the environment's answer (or end the trajectory)."""
+    def _turn(self, s: _State, c: Completion, params: SamplingParams, eos: tuple[int, ...]) -> None:
+        """Record one assistant turn (joined to its aborted start, if any), then the environment's answer
+        (or end the trajectory). A turn aborted again stays open (``s.open_turn``)."""
+        if s.open_turn is not None:  # the same turn, continued: its tokens so far, then the new ones
+            c = merge_segments(dataclasses.replace(s.open_turn, meta={}), c, 0)
+        s.open_turn = None
+        if c.finish_reason == "abort":
+            turn_params = dataclasses.replace(params, max_new_tokens=params.max_new_tokens - len(s.ids))
+            settled = settle(c, turn_params, eos)
+            if settled is None:
+                s.open_turn, s.segments = c, s.segments + 1
+                return
+            c = settled
         t = s.traj
         start = len(s.ids)
         s.ids += list(c.token_ids)
         s.logprobs += list(c.logprobs)
+        s.versions += list(c.token_versions or [c.weight_version] * len(c.token_ids))
         t.response_mask += [1] * len(c.token_ids)
         t.turn_spans.append((start, len(s.ids)))
         text = self.renderer.assistant_text(c.token_ids, c.finish_reason == "stop")
@@ -276,7 +377,13 @@ class MultiTurnRollout:
         if c.finish_reason != "stop":
             s.finish, t.truncated = c.finish_reason, "tokens" if c.finish_reason == "length" else ""
             return
-        step = self._env_step(s, text)
+        self._answer(s, c, params.max_new_tokens)
+
+    def _answer(self, s: _State, c: Completion, budget: int) -> None:
+        """The environment's answer to the assistant turn ``c`` just recorded: its tool turn appended, or
+        the trajectory ended (done, a fault under ``fail``, ``max_turns``, no room left)."""
+        t = s.traj
+        step = self._env_step(s, s.messages[-1]["content"])  # the turn's text as the conversation shows it
         if step is None:
             return
         t.turn_rewards.append(float(step.reward))
@@ -296,6 +403,7 @@ class MultiTurnRollout:
         s.messages += new
         s.ids += tool_ids
         s.logprobs += [0.0] * len(tool_ids)
+        s.versions += [s.versions[-1] if s.versions else s.weight_version] * len(tool_ids)
         t.response_mask += [0] * len(tool_ids)
 
     def _env_step(self, s: _State, text: str) -> EnvStep | None:
@@ -328,14 +436,34 @@ class MultiTurnRollout:
         return {"role": str(message.get("role", "tool")), "content": clipped}
 
     def completion(self, s: _State) -> Completion:
-        """The trajectory as a ``Completion`` (its bookkeeping in ``meta["multi_turn"]``)."""
+        """The trajectory as a ``Completion`` (its bookkeeping in ``meta["multi_turn"]``). An unfinished
+        one (a sync aborted its round) is ``abort``, its open turn's tokens counted as a turn, and carries
+        its live state in ``meta[STATE_KEY]`` for ``continue_partial``."""
+        traj, ids, logprobs, versions = s.traj, list(s.ids), list(s.logprobs), list(s.versions)
+        meta: dict[str, Any] = {"sample_index": s.member}
+        if not s.finish:
+            meta[STATE_KEY] = s
+            if s.open_turn is not None:
+                o = s.open_turn
+                span = (len(ids), len(ids) + len(o.token_ids))
+                traj = dataclasses.replace(
+                    traj,
+                    response_mask=traj.response_mask + [1] * len(o.token_ids),
+                    turn_spans=[*traj.turn_spans, span],
+                )
+                ids += o.token_ids
+                logprobs += o.logprobs
+                versions += o.token_versions or [o.weight_version] * len(o.token_ids)
+        meta["multi_turn"] = traj.to_meta()
         return Completion(
             prompt_index=s.index,
-            token_ids=list(s.ids),
-            logprobs=list(s.logprobs),
-            finish_reason=s.finish,  # type: ignore[arg-type]
+            token_ids=ids,
+            logprobs=logprobs,
+            finish_reason=s.finish or "abort",  # type: ignore[arg-type]
             weight_version=s.weight_version,
-            meta={"sample_index": s.member, "multi_turn": s.traj.to_meta()},
+            # None: every token is weight_version's (no sync inside the trajectory), as SGLang's client
+            token_versions=versions if len(set(versions)) > 1 else None,
+            meta=meta,
         )
 
 

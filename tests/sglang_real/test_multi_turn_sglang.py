@@ -4,7 +4,7 @@ the trajectory so far) goes through SGLang's own ``GenerateReqInput`` (the stand
 its class refuses, ``srpo_megatron/testing/sglang_standin.py``), and each later turn's ``input_ids`` are
 exactly the prompt followed by the ids the trainer will score up to that turn.
 
-Not covered yet: an abort mid-turn (multi-turn rollouts refuse ``rollout.partial`` at load).
+An abort mid-turn (``rollout.partial``) and its continuation: ``test_multi_turn_abort_sglang.py``.
 """
 
 from __future__ import annotations

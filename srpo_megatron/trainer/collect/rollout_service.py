@@ -127,11 +127,15 @@ class RolloutService:
         self.waited_s = 0.0  # seconds this rank's trainer waited for rollouts (inline: generated them)
 
     def _worker(self) -> GenerationWorker:
+        multi_turn = multi_turn_rollout(self.cfg, self.tokenizer)
+        # partial rollouts: a trajectory is resumed by its driver (the aborted turn continued), a single
+        # turn sample by continue_partial
+        resume = continue_partial if multi_turn is None else multi_turn.continue_partial
         return GenerationWorker(
             engine=lambda: self.engine,
             threaded=self.cfg.rollout.off_policy_steps > 0,
-            continue_partial=continue_partial if self.cfg.rollout.partial else None,
-            multi_turn=multi_turn_rollout(self.cfg, self.tokenizer),
+            continue_partial=resume if self.cfg.rollout.partial else None,
+            multi_turn=multi_turn,
         )
 
     def _release_for_training(self) -> None:
