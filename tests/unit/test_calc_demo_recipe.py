@@ -21,7 +21,7 @@ from srpo_megatron.data.assets import AssetMissing, smollm2_tokenizer
 from srpo_megatron.data.dataset import build_datasets
 from srpo_megatron.rollout.environments.calculator import CalculatorEnv
 from srpo_megatron.rollout.multi_turn import TurnRenderer
-from tests.unit.test_recipe_rules import _flat
+from tests.helpers.flat_keys import flat
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 DEMO, CALC = EXAMPLES / "smollm2_arith_cpu.yaml", EXAMPLES / "smollm2_arith_calc_cpu.yaml"
@@ -43,7 +43,7 @@ def _cfg(path: Path) -> TrainConfig:
 
 
 def test_the_calculator_demo_is_the_demo_but_for_the_multi_turn_keys():
-    demo, calc = _flat(to_dict(_cfg(DEMO))), _flat(to_dict(_cfg(CALC)))
+    demo, calc = flat(to_dict(_cfg(DEMO))), flat(to_dict(_cfg(CALC)))
     changed = {k for k in demo.keys() | calc.keys() if demo.get(k) != calc.get(k)}
     assert changed == CHANGED
     assert calc["rollout.environment"] == "srpo_megatron.rollout.environments.calculator:CalculatorEnv"

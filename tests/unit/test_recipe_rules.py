@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from srpo_megatron.config import ConfigError, LossConfig, load_recipe, to_dict
+from tests.helpers.flat_keys import flat
 
 REPO = Path(__file__).resolve().parents[2]
 EXAMPLES = REPO / "examples"
@@ -69,18 +70,10 @@ CHANGED_SINCE = {
 # ---- the shrunk recipes --------------------------------------------------------------------------------
 
 
-def _flat(data: dict, prefix: str = "") -> dict:
-    out = {}
-    for key, value in data.items():
-        path = f"{prefix}.{key}" if prefix else key
-        out.update(_flat(value, path) if isinstance(value, dict) and value else {path: value})
-    return out
-
-
 @pytest.mark.parametrize("name", sorted(BEFORE), ids=str)
 def test_every_recipe_loads_to_exactly_the_config_it_had_before_the_shrink(name):
-    now = _flat(to_dict(load_recipe(EXAMPLES / name)))
-    had = _flat(BEFORE[name])
+    now = flat(to_dict(load_recipe(EXAMPLES / name)))
+    had = flat(BEFORE[name])
     sglang = any(k.startswith("rollout.sglang.") for k in had)
     added = {k: v for k, v in ADDED_SINCE.items() if sglang or not k.startswith("rollout.sglang.")}
     before = {**added, **had, **CHANGED_SINCE.get(name, {})}
@@ -118,8 +111,8 @@ def test_every_example_recipe_is_recorded():
 
 
 def test_the_off_policy_recipe_is_the_separate_recipe_one_step_off():
-    sep = _flat(to_dict(load_recipe(EXAMPLES / "qwen3_8b_srpo_separate.yaml")))
-    off = _flat(to_dict(load_recipe(EXAMPLES / "qwen3_8b_srpo_async.yaml")))
+    sep = flat(to_dict(load_recipe(EXAMPLES / "qwen3_8b_srpo_separate.yaml")))
+    off = flat(to_dict(load_recipe(EXAMPLES / "qwen3_8b_srpo_async.yaml")))
     changed = {k for k in sep.keys() | off.keys() if sep.get(k) != off.get(k)}
     assert changed == {"run.dir", "rollout.off_policy_steps"} and off["rollout.off_policy_steps"] == 1
 
