@@ -102,7 +102,9 @@ def _hold_one_later_turn_per_round_ahead(server):
         round_ = prompts.index(key) // PROMPTS_PER_ROUND
         if step == 3 and len(at) >= 2 and 1 <= round_ < STEPS and round_ not in held:
             held.add(round_)
-            aborted.wait(timeout=300)
+            # a held request can also stall the round the trainer waits for (one request in flight): then
+            # no sync comes and the hold ends here, the request finishing unaborted (bounded: 90 s, not 300)
+            aborted.wait(timeout=90)
 
     return hook
 
