@@ -430,8 +430,22 @@ class HFEngine:
                 ):
                     out[i].append(completion)
             if self._true_on_policy:  # the decode's log-probs give way to the trainer's arithmetic
-                self._rescore(prompts, out, 1.0 if params.temperature == 0.0 else params.temperature)
+                self._rescore(prompts, out, params.temperature)
             return out
+
+    @property
+    def true_on_policy_mode(self) -> bool:
+        """Whether reported log-probs come from ``rollout.true_on_policy`` (constructor doc)."""
+        return self._true_on_policy
+
+    def rescore(
+        self, prompts: Sequence[Sequence[int]], out: list[list[Completion]], temperature: float
+    ) -> None:
+        """Replace every completion's log-probs in ``out`` (``out[i]``: prompt i's) by the true on-policy
+        ones, one padded width over all of them: multi-turn rollouts call it on finished trajectories."""
+        with self._lock:
+            self._check_alive()
+            self._rescore(prompts, out, temperature)
 
     def _rescore(
         self, prompts: Sequence[Sequence[int]], out: list[list[Completion]], temperature: float
@@ -443,7 +457,7 @@ class HFEngine:
             self._model,
             [list(prompts[c.prompt_index]) for c in done],
             [list(c.token_ids) for c in done],
-            temperature,
+            1.0 if temperature == 0.0 else temperature,  # greedy reports temperature-1 log-probs
             self._max_batch_size,
         )
         for completion, logprobs in zip(done, scored, strict=True):

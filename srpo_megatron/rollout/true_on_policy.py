@@ -12,7 +12,7 @@ pass lays out a rollout batch, scored by the trainer's own kernel:
   state moves by ~5e-7 between an unpadded and a padded forward). The rows per forward do not matter.
 - the last hidden states of the response rows, all rows of the call in one
   ``ops.fused_output.OutputShard`` over the output weight padded to the trainer's vocabulary
-  (``padded_vocab_size(V, 1)``, padded ids masked as the trainer masks them: a softmax over 151665 or
+  (``padded_vocab_size(V, 1)``, padded ids masked as the trainer masks them: a softmax over 151669 or
   151680 columns sums in a different order, ~1e-6), scored by ``ops.vocab_parallel.token_stats`` at the
   sampling temperature.
 
@@ -20,7 +20,8 @@ HF's teacher-forced forward and megatron's local-spec forward are bitwise equal 
 ids, so in fp32 the reported log-probs equal the trainer's ``π_old`` exactly (``logprob/gap_max`` 0.0)
 when the trainer scores the call's samples in right-padded micro-batches (``train.max_tokens_per_micro_batch``
 0) at TP1, one generate call per step: a non-zero gap then means different weights (a stale or partial
-sync). Other layouts (packed micro-batches, TP > 1, several calls per step, multi-turn trajectories) give
+sync). Multi-turn rollouts rescore their finished trajectories in one call (``HFEngine.rescore``), which
+is the trainer's layout again. Other layouts (packed micro-batches, TP > 1, several calls per step) give
 a float-level gap, not 0.
 """
 

@@ -5,11 +5,15 @@ fp32): the engine's reported log-probs equal the trainer's scoring-pass π_old e
 (measured ~1e-6), so the metric can tell. Planted bugs must make it non-zero: a
 weight sync that leaves one tensor stale (a dropped tensor), the decode-time log-probs reported instead of
 the rescored ones, and the rescoring's softmax over the HF vocabulary rather than the trainer's padded one
-(151665 vs 151680 columns).
+(151669 vs 151680 columns).
+
+Multi-turn (the calculator scaffold of ``tests/integration/test_train_multi_turn.py``): the finished
+trajectories are rescored together, and the gap on assistant tokens is 0.0 at every step; rescoring each
+turn's call alone (the planted bug) leaves 9.5e-7.
 
 Not covered (a float-level gap remains there, see the module doc): ``lora.sync: merged`` (the engine
-computes with W + s·BA, the trainer with W x + s·B(A x); measured 9.5e-7 from step 2), packed micro-batches,
-TP > 1 and multi-turn trajectories.
+computes with W + s·BA, the trainer with W x + s·B(A x); measured 9.5e-7 from step 2), packed
+micro-batches and TP > 1.
 """
 
 from __future__ import annotations
@@ -83,5 +87,32 @@ def test_planted_bug_makes_the_gap_nonzero(tiny, plant):
     gaps = _gaps(tiny, f"plant_{plant}", plant, **{**ON, "train.steps": 2})
     if plant == "stale_tensor":  # step 1 serves the loaded weights: nothing is stale yet
         assert gaps[0] == 0.0 and gaps[1] > 0.0, gaps
+    else:
+        assert any(g > 0.0 for g in gaps), gaps
+
+
+def _multi_turn_rank(rank, world, overrides, plant):
+    from srpo_megatron.rollout.hf_engine import HFEngine
+    from tests.integration.test_train_multi_turn import _rank
+
+    if plant == "per_turn":  # each turn's call rescored alone, the trajectories never together
+        HFEngine.rescore = lambda self, prompts, out, temperature: None
+    return _rank(rank, world, overrides)
+
+
+@pytest.mark.parametrize("plant", [None, "per_turn"])
+def test_multi_turn_assistant_gap_is_exactly_zero(tiny, plant):
+    from tests.integration.test_train_multi_turn import ENV
+
+    run_dir = tiny[0] / f"multi_turn_{plant}"
+    extra = {"rollout.environment": ENV, "rollout.max_new_tokens": 96, "rollout.max_turns": 4, **ON}
+    run_distributed(_multi_turn_rank, 1, train_overrides(tiny, run_dir, **extra), plant, timeout=1200)
+    rows = read_metrics(run_dir)
+    assert_healthy_runs(run_dir)
+    gaps = [r["logprob/gap_max"] for r in rows]
+    print(f"multi-turn, plant={plant}, logprob/gap_max per step:", gaps)
+    assert max(r["multiturn/turns_mean"] for r in rows) > 1, "trajectories must take several turns"
+    if plant is None:
+        assert gaps == [0.0, 0.0, 0.0], gaps
     else:
         assert any(g > 0.0 for g in gaps), gaps
