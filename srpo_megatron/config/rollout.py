@@ -120,6 +120,9 @@ class RolloutConfig:
     # engine emulating it with dequantize(quantize(W)) (README "Low precision"). Pair fp8 with an IS
     # correction (loss.is_correction: icepop or mis) for the precision gap it opens.
     precision: Literal["bf16", "fp8"] = "bf16"
+    # CPU engine: report each sampled token's log-prob from a teacher-forced forward scored by the
+    # trainer's kernel (rollout/true_on_policy.py; slime's --true-on-policy-mode): fp32 gap exactly 0
+    true_on_policy_mode: bool = False
     # Multi-turn, tool-calling rollouts (rollout/multi_turn.py): the environment that answers each
     # assistant turn, "package.module:Factory" (code that runs: the trust rule of reward_fns); "" =
     # single-turn. max_new_tokens then bounds the whole trajectory (assistant and tool tokens).
@@ -156,6 +159,11 @@ class RolloutConfig:
             raise ConfigError(
                 f"rollout.parity_top_k={self.parity_top_k} must be >= 0 (0 = off; e.g. 5 logs the "
                 "trainer-vs-engine KL over the engine's top-5 tokens)"
+            )
+        if self.true_on_policy_mode and self.engine != "hf":
+            raise ConfigError(
+                f"rollout.true_on_policy_mode=true needs rollout.engine=hf (got {self.engine!r}): only the "
+                "CPU engine rescores its tokens with the trainer's kernel; set it to false for SGLang"
             )
         if (self.top_k != -1 and self.top_k < 1) or self.max_batch_size < 1:
             raise ConfigError(

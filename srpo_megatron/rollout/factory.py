@@ -50,6 +50,7 @@ def build_engine(
                 precision=rollout.precision,
                 # the parity audits' switch: the served precision's own gap, next to the trainer's
                 precision_audit=rollout.parity_top_k > 0,
+                true_on_policy_mode=rollout.true_on_policy_mode,
             )
         )
     from srpo_megatron.rollout.sglang.engine import SGLangEngine

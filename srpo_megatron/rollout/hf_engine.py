@@ -63,6 +63,7 @@ from srpo_megatron.rollout.hf_lora import inject_lora
 from srpo_megatron.rollout.hf_moe_layout import file_format_params, gpt_oss_slice_params
 from srpo_megatron.rollout.precision_audit import PrecisionAudit
 from srpo_megatron.rollout.routed_experts import router_choice, router_layers
+from srpo_megatron.rollout.true_on_policy import trainer_logprobs
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -79,6 +80,8 @@ class HFEngineConfig:
     initial_version: int = 0  # weight version reported for the weights loaded at construction
     precision: Literal["bf16", "fp8"] = "bf16"  # fp8: emulate an FP8 engine, dequantize(quantize(W))
     precision_audit: bool = False  # report Completion.precision_gap (rollout/precision_audit.py)
+    # log-probs of a teacher-forced forward scored as the trainer scores (rollout/true_on_policy.py)
+    true_on_policy_mode: bool = False
 
     def __post_init__(self) -> None:
         if self.max_batch_size < 1:
@@ -134,13 +137,16 @@ class HFEngine:
         initial_version: int = 0,
         precision: str = "bf16",
         precision_audit: bool = False,
+        true_on_policy_mode: bool = False,
     ) -> None:
         """Serve ``model`` (a ``*ForCausalLM``; put in eval mode, gradients off) as ``initial_version``.
         ``precision="fp8"`` emulates SGLang's blockwise-FP8 engine: every weight ``Fp8Layout`` keeps in FP8
         is replaced by ``dequantize(quantize(W))`` (128x128 blocks, ``ops.fp8_blocks``) at load and at
         every update, so rollouts see exactly the weights an FP8 engine computes with. ``precision_audit``
         keeps the as-sent layout weights and reports each completion's ``precision_gap`` (served vs sent
-        weights, same arithmetic: ``rollout/precision_audit.py``)."""
+        weights, same arithmetic: ``rollout/precision_audit.py``). ``true_on_policy_mode`` reports each
+        sampled token's log-prob from a teacher-forced forward scored with the trainer's own kernel
+        (``rollout/true_on_policy.py``); the sampling is unchanged."""
         self._model = model.eval()
         for p in self._model.parameters():
             p.requires_grad_(False)
@@ -174,6 +180,7 @@ class HFEngine:
         self._fp8 = Fp8Layout() if precision == "fp8" else None
         self._audit = PrecisionAudit(self._params) if precision_audit else None  # before the emulation
         self._lora: dict[str, torch.Tensor] | None = None  # PEFT adapters after the first update_lora
+        self._true_on_policy = bool(true_on_policy_mode)
         self._emulate_fp8(self._params)
 
     @classmethod
@@ -198,6 +205,7 @@ class HFEngine:
             initial_version=cfg.initial_version,
             precision=cfg.precision,
             precision_audit=cfg.precision_audit,
+            true_on_policy_mode=cfg.true_on_policy_mode,
         )
 
     # ------------------------------------------------------------------ state
@@ -421,7 +429,39 @@ class HFEngine:
                     chunk, self._decode(prompts, chunk, params, base_seed, aborted), strict=True
                 ):
                     out[i].append(completion)
+            if self._true_on_policy:  # the decode's log-probs give way to the trainer's arithmetic
+                self._rescore(prompts, out, params.temperature)
             return out
+
+    @property
+    def true_on_policy_mode(self) -> bool:
+        """Whether reported log-probs come from ``rollout.true_on_policy`` (constructor doc)."""
+        return self._true_on_policy
+
+    def rescore(
+        self, prompts: Sequence[Sequence[int]], out: list[list[Completion]], temperature: float
+    ) -> None:
+        """Replace every completion's log-probs in ``out`` (``out[i]``: prompt i's) by the true on-policy
+        ones, one padded width over all of them: multi-turn rollouts call it on finished trajectories."""
+        with self._lock:
+            self._check_alive()
+            self._rescore(prompts, out, temperature)
+
+    def _rescore(
+        self, prompts: Sequence[Sequence[int]], out: list[list[Completion]], temperature: float
+    ) -> None:
+        """``true_on_policy_mode``: every completion's log-probs from ``rollout.true_on_policy`` (one padded
+        width over the whole call, as the trainer pads the step's samples)."""
+        done = [c for row in out for c in row]
+        scored = trainer_logprobs(
+            self._model,
+            [list(prompts[c.prompt_index]) for c in done],
+            [list(c.token_ids) for c in done],
+            1.0 if temperature == 0.0 else temperature,  # greedy reports temperature-1 log-probs
+            self._max_batch_size,
+        )
+        for completion, logprobs in zip(done, scored, strict=True):
+            completion.logprobs = logprobs
 
     def _vocab_size(self) -> int:
         return int(self._model.get_output_embeddings().weight.shape[0])

@@ -6,7 +6,9 @@ k exactly as sampled (never decoded and re-encoded), ``t_k`` the template's ids 
 environment answered turn k with. ``response_mask`` is 1 on every ``e_k`` token and 0 on every ``t_k``
 token; ``logprobs`` is the engine's log-prob on mask-1 tokens and 0.0 on mask-0 ones
 (``trainer/step_types.Sample``). Turn k+1 is generated from ``prompt + e_1 t_1 ... e_k t_k``, so the
-engine saw exactly the ids the trainer scores.
+engine saw exactly the ids the trainer scores. With the CPU engine's ``rollout.true_on_policy_mode`` the
+finished trajectories of the call are rescored together (``HFEngine.rescore``: the trainer's layout and
+kernel over whole trajectories, ``rollout/true_on_policy.py``), so the mask-1 log-probs equal π_old.
 
 ``t_k`` is the template's rendering of the new messages ON THEIR OWN (``TurnRenderer.tool_turn_ids``):
 after a fixed prefix conversation (``PREFIXES``), with the generation prompt, the prefix's own rendering
@@ -264,6 +266,13 @@ class MultiTurnRollout:
         out: list[list[Completion]] = [[] for _ in prompts]
         for s in states:
             out[s.index].append(self.completion(s))
+        if getattr(engine, "true_on_policy_mode", False):  # the CPU engine's rollout.true_on_policy_mode
+            engine.rescore(prompts, out, params.temperature)  # whole trajectories, as the trainer scores them
+            for s in states:  # tool tokens keep log-prob 0.0 (mask 0)
+                c = out[s.index][s.member]
+                c.logprobs = [
+                    lp if m else 0.0 for lp, m in zip(c.logprobs, s.traj.response_mask, strict=True)
+                ]
         return out
 
     def continue_partial(

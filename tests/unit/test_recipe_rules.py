@@ -22,6 +22,7 @@ BEFORE = json.loads((Path(__file__).with_name("recipes_before_shrink.json")).rea
 ADDED_SINCE = {
     "rollout.off_policy_steps": 0,
     "rollout.partial": False,
+    "rollout.true_on_policy_mode": False,
     "rollout.dynamic_sampling": False,
     "rollout.max_sampling_rounds": 4,
     "rollout.dynamic_sampling_criterion": "auto",
