@@ -1,5 +1,5 @@
 """Partial rollouts of multi-turn trajectories end to end: ``srpo train`` of the tiny recipe with the
-calculator environment (``tests/integration/test_train_multi_turn.py``'s ``ScriptedCalculator`` and seeded
+calculator environment (``tests/helpers/scripted_calculator.py``'s ``ScriptedCalculator`` and seeded
 stop ids, the stand-ins for a model that calls tools and ends its turns), separate placement, off-policy
 (``rollout.off_policy_steps=1``, ``rollout.partial=true``), against the stand-in SGLang server in this
 process (``testing/sglang_standin.py``), the trainer at world 1.
@@ -27,7 +27,7 @@ pytestmark = [pytest.mark.timeout(1800)]
 STEPS = 3
 PROMPTS_PER_ROUND = 4  # the tiny recipe's rollout.prompts_per_step
 OPENER = [151644, 77091, 198]  # "<|im_start|>assistant\n" in the Qwen vocabulary
-ENV = "tests.integration.test_train_multi_turn:ScriptedCalculator"
+ENV = "tests.helpers.scripted_calculator:ScriptedCalculator"
 
 
 @pytest.fixture(scope="module")

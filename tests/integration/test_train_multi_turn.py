@@ -8,74 +8,31 @@ response tokens minus the tool tokens, minus the off-policy rejections. 0 engine
 Two stand-ins, both because a random model writes neither ``<|im_end|>`` nor tool calls:
 - the sampling parameters gain a seeded eighth of the vocabulary as stop ids, so that turns end (as in
   ``tests/unit/test_multi_turn_service.py``);
-- ``ScriptedCalculator`` is the real ``CalculatorEnv`` fed a scripted ``<tool_call>`` after the engine's
-  text on the first two turns (a model that calls the calculator twice, then answers). The engine's ids,
-  the template's tool-turn ids and the calculator's answers are the production ones.
+- ``ScriptedCalculator`` (``tests/helpers/scripted_calculator.py``) is the real ``CalculatorEnv`` fed a
+  scripted ``<tool_call>`` after the engine's text on the first two turns (a model that calls the
+  calculator twice, then answers). The engine's ids, the template's tool-turn ids and the calculator's
+  answers are the production ones.
 """
 
 from __future__ import annotations
 
 import pytest
 
-from srpo_megatron.rollout.environments.calculator import CalculatorEnv
 from srpo_megatron.testing.distributed import run_distributed
 from srpo_megatron.trainer.step_types import METRICS
-from tests.helpers.recipe import RECIPE
+from tests.helpers.scripted_calculator import ENV, multi_turn_rank
 from tests.helpers.train import read_metrics, train_overrides
 
 pytestmark = [pytest.mark.timeout(1800)]
 
-ENV = "tests.integration.test_train_multi_turn:ScriptedCalculator"
-CALLS = [
-    '{"name": "calculator", "arguments": {"expression": "12 * (3 + 4)"}}',
-    '{"name": "calc", "arguments": {}}',
-]
 MULTITURN = [name for name in METRICS if name.startswith("multiturn/")]
 GROUP = 4 * 4  # prompts_per_step x group_size of the recipe
-
-
-class ScriptedCalculator(CalculatorEnv):
-    """Stand-in for a model that calls the calculator: turn k <= 2 is answered as if it ended with CALLS[k]
-    (the second names an unknown tool: a tool error); turn 3 is the engine's text alone (no call: done)."""
-
-    def reset(self, row):
-        self.turn = 0
-        return super().reset(row)
-
-    def step(self, assistant_text):
-        self.turn += 1
-        if self.turn <= len(CALLS):
-            assistant_text += f"<tool_call>\n{CALLS[self.turn - 1]}\n</tool_call>"
-        return super().step(assistant_text)
-
-
-def _rank(rank, world, overrides, drop_mask=False):
-    """One trainer rank with the seeded stop ids (and, for the planted bug, ``route_groups`` dropping the
-    rollout's mask: every multi-turn sample trained as single-turn)."""
-    import dataclasses
-
-    import torch
-
-    from srpo_megatron.config import TrainConfig, load_config
-    from srpo_megatron.rollout.factory import load_tokenizer
-    from srpo_megatron.train import train
-    from srpo_megatron.trainer.collect import rollout_service, sample_routing
-
-    cfg = load_config(TrainConfig, str(RECIPE), overrides)
-    vocab = len(load_tokenizer(cfg.model.hf_dir))
-    g = torch.Generator().manual_seed(0)
-    stops = tuple(int(t) for t in torch.randperm(vocab, generator=g)[: vocab // 8])
-    real = rollout_service.sampling_params
-    rollout_service.sampling_params = lambda *a, **k: dataclasses.replace(real(*a, **k), stop_token_ids=stops)
-    if drop_mask:
-        sample_routing.completion_mask = lambda completion: None
-    return train(cfg)
 
 
 def _train(tiny, name: str, drop_mask: bool = False) -> list[dict]:
     run_dir = tiny[0] / name
     extra = {"rollout.environment": ENV, "rollout.max_new_tokens": 96, "rollout.max_turns": 4}
-    run_distributed(_rank, 1, train_overrides(tiny, run_dir, **extra), drop_mask, timeout=1200)
+    run_distributed(multi_turn_rank, 1, train_overrides(tiny, run_dir, **extra), drop_mask, timeout=1200)
     return read_metrics(run_dir)
 
 

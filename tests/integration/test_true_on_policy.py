@@ -93,16 +93,16 @@ def test_planted_bug_makes_the_gap_nonzero(tiny, plant):
 
 def _multi_turn_rank(rank, world, overrides, plant):
     from srpo_megatron.rollout.hf_engine import HFEngine
-    from tests.integration.test_train_multi_turn import _rank
+    from tests.helpers.scripted_calculator import multi_turn_rank
 
     if plant == "per_turn":  # each turn's call rescored alone, the trajectories never together
         HFEngine.rescore = lambda self, prompts, out, temperature: None
-    return _rank(rank, world, overrides)
+    return multi_turn_rank(rank, world, overrides)
 
 
 @pytest.mark.parametrize("plant", [None, "per_turn"])
 def test_multi_turn_assistant_gap_is_exactly_zero(tiny, plant):
-    from tests.integration.test_train_multi_turn import ENV
+    from tests.helpers.scripted_calculator import ENV
 
     run_dir = tiny[0] / f"multi_turn_{plant}"
     extra = {"rollout.environment": ENV, "rollout.max_new_tokens": 96, "rollout.max_turns": 4, **ON}
