@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from srpo_megatron.testing.distributed import run_distributed
-from tests.helpers.recipe import tiny_config
+from tests.helpers.recipe import standin_partial_overrides, tiny_config
 from tests.helpers.train import read_metrics
 
 pytestmark = [pytest.mark.timeout(1800)]
@@ -39,13 +39,7 @@ def tiny(tmp_path_factory):
 
 def _overrides(tiny) -> list[str]:
     return [
-        "rollout.engine=sglang",
-        "rollout.placement=separate",
-        "rollout.engine_nodes=1",
-        f"rollout.sglang={{model_path: {tiny[1]}, weight_sync: distributed, bucket_bytes: 1048576}}",
-        "rollout.sglang.concurrent_requests=1",
-        "rollout.off_policy_steps=1",
-        "rollout.partial=true",
+        *standin_partial_overrides(tiny),
         f"rollout.environment={ENV}",
         "rollout.max_new_tokens=96",
         "rollout.max_turns=4",

@@ -30,7 +30,7 @@ import torch
 
 from srpo_megatron.testing.distributed import run_distributed
 from tests.helpers.healthy import assert_no_recoveries
-from tests.helpers.recipe import tiny_config
+from tests.helpers.recipe import standin_partial_overrides, tiny_config
 
 pytestmark = [pytest.mark.moe, pytest.mark.timeout(2400)]
 
@@ -48,13 +48,7 @@ def tiny(tmp_path_factory):
 
 def _overrides(tiny) -> list[str]:
     return [
-        "rollout.engine=sglang",
-        "rollout.placement=separate",
-        "rollout.engine_nodes=1",
-        f"rollout.sglang={{model_path: {tiny[1]}, weight_sync: distributed, bucket_bytes: 1048576}}",
-        "rollout.sglang.concurrent_requests=1",
-        "rollout.off_policy_steps=1",
-        "rollout.partial=true",
+        *standin_partial_overrides(tiny),
         "rollout.routing_replay=true",
         "parallel.ep=2",
         f"train.steps={STEPS}",

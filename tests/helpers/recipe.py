@@ -22,3 +22,18 @@ def tiny_config(tiny, run_dir, extra: Sequence[str] = ()):
     from srpo_megatron.config import TrainConfig, load_config
 
     return load_config(TrainConfig, str(RECIPE), tiny_overrides(tiny, run_dir, extra))
+
+
+def standin_partial_overrides(tiny) -> list[str]:
+    """Separate placement against one stand-in SGLang server (``testing/sglang_standin.py``, one request in
+    flight), distributed weight sync, one step off-policy with partial rollouts: the setup of the tests that
+    hold a request until the sync's pause aborts it."""
+    return [
+        "rollout.engine=sglang",
+        "rollout.placement=separate",
+        "rollout.engine_nodes=1",
+        f"rollout.sglang={{model_path: {tiny[1]}, weight_sync: distributed, bucket_bytes: 1048576}}",
+        "rollout.sglang.concurrent_requests=1",
+        "rollout.off_policy_steps=1",
+        "rollout.partial=true",
+    ]

@@ -25,10 +25,10 @@ from srpo_megatron.data.assets import qwen3_tokenizer
 from srpo_megatron.data.rows import Row
 from srpo_megatron.data.templating import encode_text, template_text
 from srpo_megatron.rollout.base import SamplingParams
-from srpo_megatron.rollout.environments.base import EnvStep
 from srpo_megatron.rollout.multi_turn import STATE_KEY, MultiTurnRollout, Trajectory, TurnLimits, TurnRenderer
 from srpo_megatron.rollout.sglang.engine import SGLangEngine
 from srpo_megatron.testing import sglang_import
+from tests.helpers.multi_turn_envs import ThreeTurns
 
 pytestmark = pytest.mark.sglang_real
 
@@ -44,20 +44,13 @@ WAIT_S = 120
 ARMED = threading.Event()  # set when turn 1 is answered: the hold applies to turn 2
 
 
-class ThreeTurnsArming:
-    """A tool answer after each of the first two turns, then done; answering turn 1 arms the hold."""
-
-    def reset(self, row):
-        self.turn = 0
-        return []
+class ThreeTurnsArming(ThreeTurns):
+    """``ThreeTurns``; answering turn 1 arms the hold."""
 
     def step(self, text):
-        self.turn += 1
-        if self.turn == 1:
+        if self.turn == 0:
             ARMED.set()
-        if self.turn >= 3:
-            return EnvStep(done=True)
-        return EnvStep([{"role": "tool", "content": f"result {self.turn}: 42"}], tool_calls=1)
+        return super().step(text)
 
 
 @pytest.fixture

@@ -17,10 +17,10 @@ from srpo_megatron.data.assets import qwen3_tokenizer
 from srpo_megatron.data.rows import Row
 from srpo_megatron.data.templating import encode_text, template_text
 from srpo_megatron.rollout.base import SamplingParams
-from srpo_megatron.rollout.environments.base import EnvStep
 from srpo_megatron.rollout.multi_turn import MultiTurnRollout, Trajectory, TurnLimits, TurnRenderer
 from srpo_megatron.rollout.sglang.engine import SGLangEngine
 from srpo_megatron.testing import sglang_import
+from tests.helpers.multi_turn_envs import ThreeTurns
 
 pytestmark = pytest.mark.sglang_real
 
@@ -36,20 +36,6 @@ def request_class(route: str):
     from srpo_megatron.testing.sglang_standin import request_class
 
     return request_class(route)
-
-
-class ThreeTurns:
-    """A tool answer after each of the first two turns, then done."""
-
-    def reset(self, row):
-        self.turn = 0
-        return []
-
-    def step(self, text):
-        self.turn += 1
-        if self.turn >= 3:
-            return EnvStep(done=True)
-        return EnvStep([{"role": "tool", "content": f"result {self.turn}: 42"}], tool_calls=1)
 
 
 @pytest.fixture(scope="module")

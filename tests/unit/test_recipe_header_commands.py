@@ -23,6 +23,7 @@ import yaml
 
 from srpo_megatron.cli import build_parser
 from srpo_megatron.config import load_recipe, to_dict
+from tests.helpers.flat_keys import flat
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 BASELINE_RECIPES = {"grpo": "qwen3_8b_grpo.yaml", "sdpo": "qwen3_8b_sdpo.yaml"}
@@ -61,14 +62,6 @@ def documented(path: Path) -> list[tuple[str, list[str]]]:
 CASES = [(p, line, argv) for p in sorted(EXAMPLES.glob("*.yaml")) for line, argv in documented(p)]
 
 
-def _flat(data: dict, prefix: str = "") -> dict:
-    out = {}
-    for key, value in data.items():
-        path = f"{prefix}.{key}" if prefix else key
-        out.update(_flat(value, path) if isinstance(value, dict) and value else {path: value})
-    return out
-
-
 def test_the_recipes_document_override_lines():
     documenting = {p.name for p, _, _ in CASES}
     assert {"qwen3_8b_srpo.yaml", "qwen3_8b_srpo_per_domain.yaml"} <= documenting
@@ -87,8 +80,8 @@ def test_a_documented_override_line_parses_and_gives_the_intended_config(path, l
     recipe = Path(args.recipe)
     recipe = recipe if recipe.is_absolute() else EXAMPLES.parent / recipe
     assert recipe.resolve() == path.resolve(), f"{path.name} documents a command for another recipe: {line}"
-    got = _flat(to_dict(load_recipe(recipe, args.override)))
-    plain = _flat(to_dict(load_recipe(recipe)))
+    got = flat(to_dict(load_recipe(recipe, args.override)))
+    plain = flat(to_dict(load_recipe(recipe)))
     named = dict(o.split("=", 1) for o in args.override)
     for key, value in named.items():
         assert got[key] == yaml.safe_load(value), f"{path.name}: {key} is {got[key]!r} after {line}"
@@ -100,5 +93,5 @@ def test_a_documented_override_line_parses_and_gives_the_intended_config(path, l
             f"baselines average per sequence): {line}"
         )
         if path.name == "qwen3_8b_srpo.yaml":
-            ref = _flat(to_dict(load_recipe(EXAMPLES / BASELINE_RECIPES[mode])))
+            ref = flat(to_dict(load_recipe(EXAMPLES / BASELINE_RECIPES[mode])))
             assert {k for k in ref if ref[k] != got[k]} == {"run.dir"}, f"not {BASELINE_RECIPES[mode]}"
