@@ -97,8 +97,8 @@ def _hold_one_later_turn_per_round_ahead(server):
         if step == 3 and len(at) >= 2 and 1 <= round_ < STEPS and round_ not in held:
             held.add(round_)
             # a held request can also stall the round the trainer waits for (one request in flight): then
-            # no sync comes and the hold ends here, the request finishing unaborted (bounded at 45 s)
-            aborted.wait(timeout=45)
+            # no sync comes and the hold ends here, the request finishing unaborted (bounded at 90 s)
+            aborted.wait(timeout=90)
 
     return hook
 
