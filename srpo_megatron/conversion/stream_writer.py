@@ -50,7 +50,6 @@ from torch.distributed.checkpoint.metadata import (
 from srpo_megatron.compat.mcore import save_writes_common_pt
 from srpo_megatron.conversion.torch_save_format import TorchSaveEnvelopes, crc32_off, tensor_bytes
 from srpo_megatron.conversion.write_behind import WriteBehind
-from srpo_megatron.durable_io import reserve_space
 
 DATA_FILE = "__0_0.distcp"
 DCP_METADATA_FILE = ".metadata"
@@ -103,7 +102,7 @@ def write_streamed_checkpoint(
     # torch DCP's reader (torch.load) does not check the zip CRC32s, and computing them costs more than
     # the write itself (~100 MB/s measured): switch them off for this write only. With them off, a
     # tensor's torch.save bytes are a (dtype, shape) envelope around its raw bytes (torch_save_format).
-    with crc32_off(), _DataFile(out / DATA_FILE, _expected_bytes(tensors)) as f:
+    with crc32_off(), _DataFile(out / DATA_FILE) as f:
         for obj in objects:
             state_md[obj.unique_key] = BytesStorageMetadata()
             storage[MetadataIndex(obj.unique_key)] = f.put_object(obj.data)
@@ -119,12 +118,6 @@ def write_streamed_checkpoint(
 
         get_default_save_common_strategy().save_common(common_state, out)
     save_config(CheckpointingConfig("torch_dist"), str(out))
-
-
-def _expected_bytes(tensors: list[ShardedTensor]) -> int:
-    """About the data file's size: every chunk's bytes, a torch.save envelope (~1 KB) each, the objects."""
-    data = sum(math.prod(t.local_shape) * t.dtype.itemsize for t in tensors)
-    return data + len(tensors) * 1536 + (1 << 20)
 
 
 def _put_group(
@@ -182,15 +175,13 @@ class _DataFile:
     _GATHER = 8 << 20
     _MAX_IOV = 512  # below Linux's IOV_MAX (1024)
 
-    def __init__(self, path: Path, expected_bytes: int = 0):
+    def __init__(self, path: Path):
         self.path = path
-        self._expected = expected_bytes  # its blocks are reserved first (durable_io.reserve_space)
         self._envelopes = TorchSaveEnvelopes()
         self._objects: dict[str, bytes] = {}
 
     def __enter__(self) -> _DataFile:
         self._fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)  # closed in __exit__
-        self._reserved = reserve_space(self._fd, self._expected)
         self._pos = 0  # offset of the next item (queued bytes included)
         self._queue: list[memoryview] = []
         self._queued = 0
@@ -201,8 +192,6 @@ class _DataFile:
         try:
             if exc_type is None:
                 self._flush()
-                if self._reserved:  # the reservation's unwritten tail, if the estimate was high
-                    os.ftruncate(self._fd, self._pos)
             self._behind.close()
         finally:
             os.close(self._fd)
