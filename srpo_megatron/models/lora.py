@@ -172,19 +172,24 @@ def lora_delta(adapters: torch.nn.ModuleDict, plan: LoraPlan, x: torch.Tensor) -
             h = m.reduce_from_tensor_model_parallel_region(h, group=plan.tp_group)
         return (h @ pair.lora_B.t()) * plan.scaling
     present = [p for p in plan.projections if p in adapters]
-    a = torch.cat([adapters[p].lora_A for p in present]) if len(present) > 1 else adapters[present[0]].lora_A
-    h = x @ a.t()  # one GEMM and one collective for every projection's [*, rank] activation
-    if comm and plan.sequence_parallel:
-        h = m.gather_from_sequence_parallel_region(h, group=plan.tp_group)
-    elif comm:
-        h = m.copy_to_tensor_model_parallel_region(h, group=plan.tp_group)
-    hs = dict(zip(present, h.chunk(len(present), dim=-1), strict=True))
-    pieces = []
+    # One GEMM per projection, the shapes PEFT's layers compute (x A_qᵀ, x A_kᵀ, ...), not one over the
+    # concatenated A: a GEMM's sum order can depend on its width, and a fused [*, 3r] product differed from
+    # the [*, r] ones by ~1e-5 on AVX2 CPUs, which broke the engine's bit-equal log-probs under
+    # rollout.true_on_policy_mode (tests/integration/test_true_on_policy.py). One collective for all.
+    hs = {p: x @ adapters[p].lora_A.t() for p in present}
+    if comm:
+        h = torch.cat(list(hs.values()), dim=-1) if len(present) > 1 else hs[present[0]]
+        if plan.sequence_parallel:
+            h = m.gather_from_sequence_parallel_region(h, group=plan.tp_group)
+        else:
+            h = m.copy_to_tensor_model_parallel_region(h, group=plan.tp_group)
+        hs = {p: c.contiguous() for p, c in zip(present, h.chunk(len(present), dim=-1), strict=True)}
+    pieces, lead = [], next(iter(hs.values())).shape[:-1]
     for proj, rows in zip(plan.projections, plan.split, strict=True):
         if proj in hs:
             pieces.append((hs[proj] @ adapters[proj].lora_B.t()).unflatten(-1, (plan.groups, -1)))
         else:
-            pieces.append(h.new_zeros(*h.shape[:-1], plan.groups, rows // plan.groups))
+            pieces.append(x.new_zeros(*lead, plan.groups, rows // plan.groups))
     return torch.cat(pieces, dim=-1).flatten(-2) * plan.scaling
 
 
