@@ -160,7 +160,11 @@ def gc_paused() -> Iterator[None]:
     and each one walks every object of the process: torch, megatron and transformers make that millions.
     Measured on the 128-expert bench checkpoint: ~1.3 s of a ~4 s conversion. Nothing a conversion frees
     needs the collector: tensors are freed by reference counting (so peak memory is unchanged), and the
-    skeleton's module cycles, a few MB, go at the first collection after the block."""
+    skeleton's module cycles, a few MB, go at the first collection after the block.
+
+    The converters pause it for their whole call, header reads included: the JSON of a safetensors
+    header is thousands of new dicts, and a full collection landing in its parse cost 0.28 s of a 1.4 s
+    FP8 import (``tests/dist/test_conversion_gc.py``)."""
     enabled = gc.isenabled()
     gc.disable()
     try:
@@ -246,6 +250,7 @@ def _copy_assets(src: Path, dst: Path) -> None:
             shutil.copy2(src / name, dst / name)
 
 
+@gc_paused()  # from the first header read: see gc_paused
 def hf_to_megatron(
     hf_dir: str | Path,
     out_dir: str | Path,
@@ -290,7 +295,7 @@ def hf_to_megatron(
     dtype = dtype or reader.dtype()
     about = {"direction": "hf_to_megatron", "source": str(hf_dir.resolve())}
     output = atomic_output_dir(out_dir, force, inputs=(hf_dir,), about=about, progress=progress)
-    with gc_paused(), output as tmp, single_process_megatron():
+    with output as tmp, single_process_megatron():
         # megatron's own sharded_state_dict of the meta skeleton supplies the checkpoint layout; each
         # ShardedTensor's data is a (meta) view of one parameter, so its values are that view's slice of
         # the table's full tensor.
@@ -541,6 +546,7 @@ def _export_assets(ckpt_dir: Path, source: Path | None, out: Path, progress: Cal
     )
 
 
+@gc_paused()  # from the first header read: see gc_paused
 def megatron_to_hf(
     ckpt_dir: str | Path,
     out_dir: str | Path,
@@ -585,7 +591,7 @@ def megatron_to_hf(
     fp8_out = Fp8Export.of(config, where, progress) if fp8 else None
     about = {"direction": "megatron_to_hf", "source": str(ckpt_dir.resolve())}
     output = atomic_output_dir(out_dir, force, inputs=inputs, about=about, progress=progress)
-    with gc_paused(), output as tmp, single_process_megatron():
+    with output as tmp, single_process_megatron():
         stored = stored_policy_dtype(ckpt_dir)
         out_dtype = dtype or stored
         # As on import, the skeleton's parameters are never filled: its sharded_state_dict only says which
