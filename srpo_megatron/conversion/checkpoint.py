@@ -331,7 +331,9 @@ def hf_to_megatron(
 
         progress(f"saving dist_checkpointing checkpoint ({arch.model_type}, {dtype}) to {out_dir}")
         with plain_torch_ops(), one_torch_thread():
-            write_streamed_checkpoint(tmp, sharded, common, data_of, list(groups.values()))
+            why_buffered = write_streamed_checkpoint(tmp, sharded, common, data_of, list(groups.values()))
+        if why_buffered:
+            progress(f"the checkpoint's data file was written buffered: {why_buffered}")
         reader.close()
         if arch.mxfp4_experts:  # the checkpoint holds the dequantized experts: no quantization_config
             config = {k: v for k, v in config.items() if k != "quantization_config"}

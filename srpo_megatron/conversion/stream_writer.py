@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import io
 import math
-import os
 import pickle
 from collections.abc import Callable
 from pathlib import Path
@@ -48,8 +47,8 @@ from torch.distributed.checkpoint.metadata import (
 )
 
 from srpo_megatron.compat.mcore import save_writes_common_pt
+from srpo_megatron.conversion.direct_file import DirectFile
 from srpo_megatron.conversion.torch_save_format import TorchSaveEnvelopes, crc32_off, tensor_bytes
-from srpo_megatron.conversion.write_behind import WriteBehind
 
 DATA_FILE = "__0_0.distcp"
 DCP_METADATA_FILE = ".metadata"
@@ -77,8 +76,9 @@ def write_streamed_checkpoint(
     common_state: dict,
     data_of: Callable[[list[ShardedTensor]], list[torch.Tensor | list[torch.Tensor]]],
     groups: list[list[ShardedTensor]] | None = None,
-) -> None:
-    """Write the checkpoint of ``sharded_part`` (``save_preprocess`` output) into ``out_dir``.
+) -> str | None:
+    """Write the checkpoint of ``sharded_part`` (``save_preprocess`` output) into ``out_dir``; return
+    None, or why the data file could not be written with ``O_DIRECT`` (``direct_file``).
 
     ``data_of(group)`` returns the data of each ShardedTensor of ``group``: a tensor of shape
     ``local_shape``, or a list of tensors whose row-major elements, concatenated, are that chunk's
@@ -102,13 +102,14 @@ def write_streamed_checkpoint(
     # torch DCP's reader (torch.load) does not check the zip CRC32s, and computing them costs more than
     # the write itself (~100 MB/s measured): switch them off for this write only. With them off, a
     # tensor's torch.save bytes are a (dtype, shape) envelope around its raw bytes (torch_save_format).
-    with crc32_off(), _DataFile(out / DATA_FILE) as f:
+    with crc32_off(), _DataFile(out / DATA_FILE) as data_file:
         for obj in objects:
             state_md[obj.unique_key] = BytesStorageMetadata()
-            storage[MetadataIndex(obj.unique_key)] = f.put_object(obj.data)
+            storage[MetadataIndex(obj.unique_key)] = data_file.put_object(obj.data)
 
         for group in groups:
-            _put_group(f, group, data_of(group), state_md, storage)
+            _put_group(data_file, group, data_of(group), state_md, storage)
+    why_buffered = data_file.why_buffered  # known once the file is closed (its last write)
     metadata = Metadata(state_md, None, storage, StorageMeta(), CURRENT_DCP_VERSION)
     # Same serialisation as torch.distributed.checkpoint.FileSystemWriter.finish.
     with open(out / DCP_METADATA_FILE, "wb") as f:
@@ -118,6 +119,7 @@ def write_streamed_checkpoint(
 
         get_default_save_common_strategy().save_common(common_state, out)
     save_config(CheckpointingConfig("torch_dist"), str(out))
+    return why_buffered
 
 
 def _put_group(
@@ -162,18 +164,16 @@ def _pieces(
 
 
 class _DataFile:
-    """The ``__0_0.distcp`` file: items appended as ``torch.save`` writes them, gathered into large writes.
+    """The ``__0_0.distcp`` file: items appended as ``torch.save`` writes them.
 
     A tensor item is its cached torch.save envelope around its pieces' bytes (``torch_save_format``), so
     no full chunk is built; items torch.save would not write that way (see ``envelope``) and
-    ShardedObjects go through ``torch.save`` itself. Items are queued as buffers (views of the pieces,
-    e.g. of the mmapped HF shards, never copied in user space) and written with one ``writev`` per
-    ``_GATHER`` bytes or ``_MAX_IOV`` buffers: the thousands of small items of an MoE checkpoint cost a
-    few hundred system calls, and no buffer copy (a buffered file would memcpy every small item).
+    ShardedObjects go through ``torch.save`` itself. The bytes go into a :class:`DirectFile`
+    (``direct_file``): copied into its staging buffers (the thousands of small items of an MoE
+    checkpoint become a few large writes) and written with ``O_DIRECT`` by its writer thread.
     """
 
-    _GATHER = 8 << 20
-    _MAX_IOV = 512  # below Linux's IOV_MAX (1024)
+    _BUFFER = 4 << 20  # each of DirectFile's two staging buffers
 
     def __init__(self, path: Path):
         self.path = path
@@ -181,46 +181,22 @@ class _DataFile:
         self._objects: dict[str, bytes] = {}
 
     def __enter__(self) -> _DataFile:
-        self._fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)  # closed in __exit__
-        self._pos = 0  # offset of the next item (queued bytes included)
-        self._queue: list[memoryview] = []
-        self._queued = 0
-        self._behind = WriteBehind(self._fd)
+        self._file = DirectFile(self.path, self._BUFFER)  # closed in __exit__
+        self._pos = 0  # offset of the next item
         return self
 
     def __exit__(self, exc_type, *exc) -> None:
-        try:
-            if exc_type is None:
-                self._flush()
-            self._behind.close()
-        finally:
-            os.close(self._fd)
+        self._file.__exit__(exc_type, *exc)
+
+    @property
+    def why_buffered(self) -> str | None:
+        """Why the file was not written with O_DIRECT (``direct_file``), or None."""
+        return self._file.why_buffered
 
     def _write(self, data: bytes | memoryview) -> None:
-        view = memoryview(data).cast("B")  # keeps its source alive until written
-        if not view.nbytes:
-            return
-        self._queue.append(view)
-        self._queued += view.nbytes
+        view = memoryview(data).cast("B")
+        self._file.write(view)  # copied: the caller's tensor can go as soon as this returns
         self._pos += view.nbytes
-        if self._queued >= self._GATHER or len(self._queue) >= self._MAX_IOV:
-            self._flush()
-
-    def _flush(self) -> None:
-        if not self._queue:
-            return
-        n = os.writev(self._fd, self._queue)
-        if n < self._queued:  # a short write (signal, > 2 GiB): write what is left in order
-            for view in self._queue:
-                if n >= view.nbytes:
-                    n -= view.nbytes
-                    continue
-                view = view[n:]
-                n = 0
-                while view.nbytes:
-                    view = view[os.write(self._fd, view) :]
-        self._behind.wrote(self._queued)
-        self._queue, self._queued = [], 0
 
     def put_tensor(self, dtype: torch.dtype, shape: torch.Size, pieces: list[torch.Tensor]) -> _StorageInfo:
         start = self._pos

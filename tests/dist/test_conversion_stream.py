@@ -44,7 +44,9 @@ def megatron_save_worker(rank, world, src, out):
 def stream_worker(rank, world, src, out):
     from srpo_megatron.conversion.checkpoint import hf_to_megatron
 
-    hf_to_megatron(src, out, progress=lambda _: None)
+    said: list[str] = []
+    hf_to_megatron(src, out, progress=said.append)
+    return said
 
 
 def read_checkpoint(folder: Path) -> tuple[dict, dict]:
@@ -77,7 +79,9 @@ def test_streamed_checkpoint_equals_megatrons_own_save(tmp_path):
         ref, got = tmp_path / f"{model_type}_ref", tmp_path / f"{model_type}_stream"
         ref.mkdir()
         run_distributed(megatron_save_worker, 1, str(src), str(ref), timeout=300)
-        run_distributed(stream_worker, 1, str(src), str(got), timeout=300)
+        (said,) = run_distributed(stream_worker, 1, str(src), str(got), timeout=300)
+        # A healthy conversion writes its data file with O_DIRECT (conversion/direct_file.py): no fallback.
+        assert said and not [m for m in said if "buffered" in m], said
 
         ref_layout, ref_items = read_checkpoint(ref)
         got_layout, got_items = read_checkpoint(got)

@@ -131,21 +131,18 @@ def test_planned_writer_refuses_what_the_plan_does_not_say(tmp_path):
 
 @pytest.mark.parametrize("short", [False, True])
 def test_data_file_gathers_items_in_order(tmp_path, monkeypatch, short):
-    """The data file's gathered writes (many small items per writev, flushed by size and by count) put
-    every item at the offset it reports, also when the kernel writes only part of a writev."""
-    import os
+    """The data file's staged writes (items copied into small aligned buffers, written by a thread) put
+    every item at the offset it reports, also when the kernel writes only part of a buffer."""
+    from srpo_megatron.conversion import direct_file, stream_writer
 
-    from srpo_megatron.conversion import stream_writer
+    monkeypatch.setattr(stream_writer._DataFile, "_BUFFER", 2 * direct_file.ALIGN)  # items span buffers
+    if short:  # the kernel may stop a write early (signals, a full device): here one block at a time
+        real_pwrite = direct_file.os.pwrite
 
-    monkeypatch.setattr(stream_writer._DataFile, "_GATHER", 1000)
-    monkeypatch.setattr(stream_writer._DataFile, "_MAX_IOV", 5)
-    if short:  # the kernel may stop a writev early (signals, > 2 GiB): here it leaves 7 bytes each time
+        def short_pwrite(fd, data, offset):
+            return real_pwrite(fd, memoryview(data)[: direct_file.ALIGN], offset)
 
-        def short_writev(fd, buffers):
-            data = b"".join(bytes(b) for b in buffers)
-            return os.write(fd, data[: max(len(data) - 7, 1)])
-
-        monkeypatch.setattr(stream_writer.os, "writev", short_writev)
+        monkeypatch.setattr(direct_file.os, "pwrite", short_pwrite)
     g = torch.Generator().manual_seed(0)
     torch.serialization.set_crc32_options(False)
     try:
