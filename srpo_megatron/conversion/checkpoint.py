@@ -215,6 +215,14 @@ def single_process_megatron() -> Iterator[None]:
     try:
         yield
     finally:
+        # The block's skeleton holds the groups (megatron modules keep their process groups), and parts
+        # of it are in reference cycles (MLA attention, layers with state-dict hooks): not gone when the
+        # caller drops it, since the converters pause the collector. Collected here, while the groups
+        # live, their destructors run inside destroy_process_group, fast; a gloo group whose last
+        # reference goes after it costs ~10 ms (torch 2.13; tests/dist/test_conversion_gc.py prints the
+        # measurement), and a conversion has ~20. The youngest generation only: the block's objects, a
+        # few ms (a full collection walks all of torch's).
+        gc.collect(0)
         destroy_model_parallel()
         if owned and dist.is_initialized():
             dist.destroy_process_group()
@@ -263,9 +271,6 @@ def hf_to_megatron(
 
     Must run in a process with an ``if __name__ == "__main__":`` guard (dist_checkpointing spawns).
     """
-    from srpo_megatron.conversion.stream_writer import write_streamed_checkpoint
-    from srpo_megatron.conversion.weights import EXPERT_BIAS_SUFFIX, rank_param_name
-
     hf_dir = Path(hf_dir)
     if not hf_dir.is_dir():
         raise ConversionInputError(
@@ -296,44 +301,7 @@ def hf_to_megatron(
     about = {"direction": "hf_to_megatron", "source": str(hf_dir.resolve())}
     output = atomic_output_dir(out_dir, force, inputs=(hf_dir,), about=about, progress=progress)
     with output as tmp, single_process_megatron():
-        # megatron's own sharded_state_dict of the meta skeleton supplies the checkpoint layout; each
-        # ShardedTensor's data is a (meta) view of one parameter, so its values are that view's slice of
-        # the table's full tensor.
-        model = _skeleton(arch, dtype)
-        with plain_torch_ops():
-            sharded, common, params, groups = _sharded_layout(model)
-        done = [0]
-
-        def data_of(group: list) -> list[list[torch.Tensor]]:
-            local_name, param = params[_param_id(group[0].data)]
-            name = rank_param_name(table, local_name, 0)
-            step = param.dtype if name.endswith(EXPERT_BIAS_SUFFIX) else dtype
-            # (FP8 weights are dequantized straight into the conversion dtype: conversion/fp8_folder.py)
-            hf = {h: table.hf_tensor(h, reader.get, step) for h in table.hf_names_for(name)}
-            # Each HF tensor is a view of its own map of the shard (HFCheckpointReader), unmapped when the
-            # tensor goes: resident file pages are those of the rows in flight.
-            if table.full_shape(name) != tuple(param.shape):
-                raise ConversionError(
-                    f"shape mismatch for {local_name}: expected {tuple(param.shape)}, "
-                    f"got {table.full_shape(name)}"
-                )
-            # The full tensor as pieces (views of the mmapped HF tensors unless a dtype changes), never
-            # concatenated: each chunk is written straight from them. The dtype steps are the ones a
-            # built tensor would take: HF -> conversion dtype -> the param's (megatron keeps e.g. norm
-            # weights in fp32 in a bf16 model), as copy_ would.
-            # (The fp32 expert-bias buffer skips the conversion dtype: a bf16 step would move its values.)
-            hf = {h: t.to(step) for h, t in hf.items()}
-            pieces = [p.to(param.dtype) for p in table.to_megatron_pieces(name, hf)]
-            done[0] += 1
-            if done[0] % 50 == 0 or done[0] == len(groups):
-                progress(f"converted {done[0]}/{len(groups)} megatron tensors")
-            return [_chunk_pieces(pieces, sh.data, param) for sh in group]
-
-        progress(f"saving dist_checkpointing checkpoint ({arch.model_type}, {dtype}) to {out_dir}")
-        with plain_torch_ops(), one_torch_thread():
-            why_buffered = write_streamed_checkpoint(tmp, sharded, common, data_of, list(groups.values()))
-        if why_buffered:
-            progress(f"the checkpoint's data file was written buffered: {why_buffered}")
+        _write_policy(tmp, out_dir, arch, dtype, table, reader, progress)  # its skeleton gone on return
         reader.close()
         if arch.mxfp4_experts:  # the checkpoint holds the dequantized experts: no quantization_config
             config = {k: v for k, v in config.items() if k != "quantization_config"}
@@ -347,6 +315,60 @@ def hf_to_megatron(
         record_source(tmp, hf_dir)
     progress(f"done: {out_dir}")
     return Path(out_dir)
+
+
+def _write_policy(
+    tmp: Path,
+    out_dir: str | Path,
+    arch: Architecture,
+    dtype: torch.dtype,
+    table: ConversionTable,
+    reader: HFCheckpointReader,
+    progress: Callable[[str], None],
+) -> None:
+    """Write the policy checkpoint of ``reader``'s folder into ``tmp``. A function of its own so that
+    the skeleton (which holds the process groups) is dropped before ``single_process_megatron`` ends."""
+    from srpo_megatron.conversion.stream_writer import write_streamed_checkpoint
+    from srpo_megatron.conversion.weights import EXPERT_BIAS_SUFFIX, rank_param_name
+
+    # megatron's own sharded_state_dict of the meta skeleton supplies the checkpoint layout; each
+    # ShardedTensor's data is a (meta) view of one parameter, so its values are that view's slice of
+    # the table's full tensor.
+    model = _skeleton(arch, dtype)
+    with plain_torch_ops():
+        sharded, common, params, groups = _sharded_layout(model)
+    done = [0]
+
+    def data_of(group: list) -> list[list[torch.Tensor]]:
+        local_name, param = params[_param_id(group[0].data)]
+        name = rank_param_name(table, local_name, 0)
+        step = param.dtype if name.endswith(EXPERT_BIAS_SUFFIX) else dtype
+        # (FP8 weights are dequantized straight into the conversion dtype: conversion/fp8_folder.py)
+        hf = {h: table.hf_tensor(h, reader.get, step) for h in table.hf_names_for(name)}
+        # Each HF tensor is a view of its own map of the shard (HFCheckpointReader), unmapped when the
+        # tensor goes: resident file pages are those of the rows in flight.
+        if table.full_shape(name) != tuple(param.shape):
+            raise ConversionError(
+                f"shape mismatch for {local_name}: expected {tuple(param.shape)}, "
+                f"got {table.full_shape(name)}"
+            )
+        # The full tensor as pieces (views of the mmapped HF tensors unless a dtype changes), never
+        # concatenated: each chunk is written straight from them. The dtype steps are the ones a
+        # built tensor would take: HF -> conversion dtype -> the param's (megatron keeps e.g. norm
+        # weights in fp32 in a bf16 model), as copy_ would.
+        # (The fp32 expert-bias buffer skips the conversion dtype: a bf16 step would move its values.)
+        hf = {h: t.to(step) for h, t in hf.items()}
+        pieces = [p.to(param.dtype) for p in table.to_megatron_pieces(name, hf)]
+        done[0] += 1
+        if done[0] % 50 == 0 or done[0] == len(groups):
+            progress(f"converted {done[0]}/{len(groups)} megatron tensors")
+        return [_chunk_pieces(pieces, sh.data, param) for sh in group]
+
+    progress(f"saving dist_checkpointing checkpoint ({arch.model_type}, {dtype}) to {out_dir}")
+    with plain_torch_ops(), one_torch_thread():
+        why_buffered = write_streamed_checkpoint(tmp, sharded, common, data_of, list(groups.values()))
+    if why_buffered:
+        progress(f"the checkpoint's data file was written buffered: {why_buffered}")
 
 
 def _mtp_source(
