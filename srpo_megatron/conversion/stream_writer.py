@@ -47,8 +47,8 @@ from torch.distributed.checkpoint.metadata import (
 )
 
 from srpo_megatron.compat.mcore import save_writes_common_pt
-from srpo_megatron.conversion.direct_file import DirectFile
 from srpo_megatron.conversion.torch_save_format import TorchSaveEnvelopes, crc32_off, tensor_bytes
+from srpo_megatron.conversion.write_behind import DirectFile
 
 DATA_FILE = "__0_0.distcp"
 DCP_METADATA_FILE = ".metadata"
@@ -78,7 +78,7 @@ def write_streamed_checkpoint(
     groups: list[list[ShardedTensor]] | None = None,
 ) -> str | None:
     """Write the checkpoint of ``sharded_part`` (``save_preprocess`` output) into ``out_dir``; return
-    None, or why the data file could not be written with ``O_DIRECT`` (``direct_file``).
+    None, or why the data file could not be written with ``O_DIRECT`` (``write_behind``).
 
     ``data_of(group)`` returns the data of each ShardedTensor of ``group``: a tensor of shape
     ``local_shape``, or a list of tensors whose row-major elements, concatenated, are that chunk's
@@ -169,7 +169,7 @@ class _DataFile:
     A tensor item is its cached torch.save envelope around its pieces' bytes (``torch_save_format``), so
     no full chunk is built; items torch.save would not write that way (see ``envelope``) and
     ShardedObjects go through ``torch.save`` itself. The bytes go into a :class:`DirectFile`
-    (``direct_file``): copied into its staging buffers (the thousands of small items of an MoE
+    (``write_behind``): copied into its staging buffers (the thousands of small items of an MoE
     checkpoint become a few large writes) and written with ``O_DIRECT`` by its writer thread.
     """
 
@@ -190,7 +190,7 @@ class _DataFile:
 
     @property
     def why_buffered(self) -> str | None:
-        """Why the file was not written with O_DIRECT (``direct_file``), or None."""
+        """Why the file was not written with O_DIRECT (``write_behind``), or None."""
         return self._file.why_buffered
 
     def _write(self, data: bytes | memoryview) -> None:

@@ -80,7 +80,7 @@ def test_streamed_checkpoint_equals_megatrons_own_save(tmp_path):
         ref.mkdir()
         run_distributed(megatron_save_worker, 1, str(src), str(ref), timeout=300)
         (said,) = run_distributed(stream_worker, 1, str(src), str(got), timeout=300)
-        # A healthy conversion writes its data file with O_DIRECT (conversion/direct_file.py): no fallback.
+        # A healthy conversion writes its data file with O_DIRECT (conversion/write_behind.py): no fallback.
         assert said and not [m for m in said if "buffered" in m], said
 
         ref_layout, ref_items = read_checkpoint(ref)

@@ -133,16 +133,16 @@ def test_planned_writer_refuses_what_the_plan_does_not_say(tmp_path):
 def test_data_file_gathers_items_in_order(tmp_path, monkeypatch, short):
     """The data file's staged writes (items copied into small aligned buffers, written by a thread) put
     every item at the offset it reports, also when the kernel writes only part of a buffer."""
-    from srpo_megatron.conversion import direct_file, stream_writer
+    from srpo_megatron.conversion import stream_writer, write_behind
 
-    monkeypatch.setattr(stream_writer._DataFile, "_BUFFER", 2 * direct_file.ALIGN)  # items span buffers
+    monkeypatch.setattr(stream_writer._DataFile, "_BUFFER", 2 * write_behind.ALIGN)  # items span buffers
     if short:  # the kernel may stop a write early (signals, a full device): here one block at a time
-        real_pwrite = direct_file.os.pwrite
+        real_pwrite = write_behind.os.pwrite
 
         def short_pwrite(fd, data, offset):
-            return real_pwrite(fd, memoryview(data)[: direct_file.ALIGN], offset)
+            return real_pwrite(fd, memoryview(data)[: write_behind.ALIGN], offset)
 
-        monkeypatch.setattr(direct_file.os, "pwrite", short_pwrite)
+        monkeypatch.setattr(write_behind.os, "pwrite", short_pwrite)
     g = torch.Generator().manual_seed(0)
     torch.serialization.set_crc32_options(False)
     try:

@@ -1,4 +1,4 @@
-"""The converter's O_DIRECT output file (``conversion/direct_file.py``): same bytes as a plain write,
+"""The converter's O_DIRECT output file (``conversion/write_behind.py``): same bytes as a plain write,
 whatever the write sizes, the staging buffer size and the path (direct, or buffered where the filesystem
 refuses O_DIRECT), and the writer thread's errors reach the caller."""
 
@@ -11,8 +11,8 @@ import random
 
 import pytest
 
-from srpo_megatron.conversion import direct_file
-from srpo_megatron.conversion.direct_file import ALIGN, DirectFile
+from srpo_megatron.conversion import write_behind
+from srpo_megatron.conversion.write_behind import ALIGN, DirectFile
 
 
 def _chunks(seed: int, total: int) -> list[bytes]:
@@ -38,17 +38,17 @@ def _write(path, chunks, buffer_bytes=2 * ALIGN) -> DirectFile:
 def test_same_bytes_as_a_plain_write_and_o_direct_used(tmp_path, seed, buffer_bytes):
     chunks = _chunks(seed, 50 * ALIGN + 17)  # ends in a partial block: padded, then truncated
     seen_flags = []
-    real_pwrite = direct_file.os.pwrite
+    real_pwrite = write_behind.os.pwrite
 
     def pwrite(fd, data, offset):
         seen_flags.append(fcntl.fcntl(fd, fcntl.F_GETFL))
         return real_pwrite(fd, data, offset)
 
-    direct_file.os.pwrite = pwrite
+    write_behind.os.pwrite = pwrite
     try:
         f = _write(tmp_path / "out", chunks, buffer_bytes)
     finally:
-        direct_file.os.pwrite = real_pwrite
+        write_behind.os.pwrite = real_pwrite
     assert (tmp_path / "out").read_bytes() == b"".join(chunks)
     # A healthy write on this machine's filesystem is direct: no fallback, every write with O_DIRECT.
     assert f.direct and f.why_buffered is None
@@ -66,7 +66,7 @@ def test_empty_and_exactly_aligned_files(tmp_path):
 def test_planted_missing_truncate_is_caught(tmp_path, monkeypatch):
     """The last block is padded for O_DIRECT; without the truncate the file keeps the padding, and the
     byte comparison above fails."""
-    monkeypatch.setattr(direct_file.os, "ftruncate", lambda fd, n: None)
+    monkeypatch.setattr(write_behind.os, "ftruncate", lambda fd, n: None)
     chunks = _chunks(3, 5 * ALIGN + 17)
     _write(tmp_path / "out", chunks)
     got = (tmp_path / "out").read_bytes()
@@ -74,14 +74,14 @@ def test_planted_missing_truncate_is_caught(tmp_path, monkeypatch):
 
 
 def test_buffered_when_the_filesystem_refuses_o_direct_at_open(tmp_path, monkeypatch):
-    real_open = direct_file.os.open
+    real_open = write_behind.os.open
 
     def no_direct_open(path, flags, mode=0o777):
         if flags & os.O_DIRECT:
             raise OSError(errno.EINVAL, "Invalid argument")
         return real_open(path, flags, mode)
 
-    monkeypatch.setattr(direct_file.os, "open", no_direct_open)
+    monkeypatch.setattr(write_behind.os, "open", no_direct_open)
     chunks = _chunks(4, 30 * ALIGN + 1)
     f = _write(tmp_path / "out", chunks)
     assert (tmp_path / "out").read_bytes() == b"".join(chunks)
@@ -89,14 +89,14 @@ def test_buffered_when_the_filesystem_refuses_o_direct_at_open(tmp_path, monkeyp
 
 
 def test_buffered_when_the_filesystem_refuses_the_first_direct_write(tmp_path, monkeypatch):
-    real_pwrite = direct_file.os.pwrite
+    real_pwrite = write_behind.os.pwrite
 
     def refuses_direct(fd, data, offset):
         if fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_DIRECT:
             raise OSError(errno.EINVAL, "Invalid argument")
         return real_pwrite(fd, data, offset)
 
-    monkeypatch.setattr(direct_file.os, "pwrite", refuses_direct)
+    monkeypatch.setattr(write_behind.os, "pwrite", refuses_direct)
     chunks = _chunks(5, 30 * ALIGN + 1)
     f = _write(tmp_path / "out", chunks)
     assert (tmp_path / "out").read_bytes() == b"".join(chunks)
@@ -110,10 +110,10 @@ def test_a_write_error_reaches_the_caller(tmp_path, monkeypatch):
     def full(fd, data, offset):
         raise OSError(errno.ENOSPC, "No space left on device")
 
-    monkeypatch.setattr(direct_file.os, "pwrite", full)
+    monkeypatch.setattr(write_behind.os, "pwrite", full)
     closed = []
-    real_close = direct_file.os.close
-    monkeypatch.setattr(direct_file.os, "close", lambda fd: closed.append(fd) or real_close(fd))
+    real_close = write_behind.os.close
+    monkeypatch.setattr(write_behind.os, "close", lambda fd: closed.append(fd) or real_close(fd))
     with pytest.raises(OSError, match="No space left"):
         _write(tmp_path / "out", _chunks(6, 10 * ALIGN))
     assert len(closed) == 1
@@ -122,14 +122,14 @@ def test_a_write_error_reaches_the_caller(tmp_path, monkeypatch):
 def test_an_einval_after_the_first_block_is_an_error_not_a_fallback(tmp_path, monkeypatch):
     """Only the first write may switch to buffered: a refusal later is a real error (a misaligned
     offset would be a bug of ours), raised, never silently rewritten."""
-    real_pwrite = direct_file.os.pwrite
+    real_pwrite = write_behind.os.pwrite
 
     def refuses_later(fd, data, offset):
         if offset:
             raise OSError(errno.EINVAL, "Invalid argument")
         return real_pwrite(fd, data, offset)
 
-    monkeypatch.setattr(direct_file.os, "pwrite", refuses_later)
+    monkeypatch.setattr(write_behind.os, "pwrite", refuses_later)
     with pytest.raises(OSError, match="Invalid argument"):
         _write(tmp_path / "out", _chunks(7, 10 * ALIGN))
 
