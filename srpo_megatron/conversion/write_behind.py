@@ -117,7 +117,8 @@ class DirectFile:
                 self._submit(self._size)
 
     def _submit(self, length: int) -> None:
-        """Hand the current buffer's first ``length`` bytes to the writer; continue in the other one."""
+        """Hand the current buffer to the writer, ``length`` bytes of it (its fill, or the fill padded to
+        ``ALIGN`` at close); continue in the other one once its write is done."""
         self._pending[self._cur] = self._writer.submit(self._pwrite, self._cur, length, self._offset)
         self._offset += self._fill
         self._cur, self._fill = 1 - self._cur, 0
@@ -157,12 +158,10 @@ class DirectFile:
         if self._closed:
             return
         try:
-            length = self._fill
-            if length:
-                padded = -(-length // ALIGN) * ALIGN if self.direct else length
-                self._views[self._cur][length:padded] = bytes(padded - length)
-                self._pending[self._cur] = self._writer.submit(self._pwrite, self._cur, padded, self._offset)
-                self._offset += length
+            if self._fill:
+                padded = -(-self._fill // ALIGN) * ALIGN if self.direct else self._fill
+                self._views[self._cur][self._fill : padded] = bytes(padded - self._fill)
+                self._submit(padded)  # the offset moves by the fill, not the padding
             self._wait(0)
             self._wait(1)
             os.ftruncate(self._fd, self._offset)  # drops the last block's padding
